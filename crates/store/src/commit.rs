@@ -1,0 +1,985 @@
+//! The engine: group commit, recovery, and verified reads.
+//!
+//! Group commit is leader/follower: a writer queues its ops; if no leader is active it becomes
+//! the leader, takes everything queued (up to `batch_size_max_bytes`), encodes it into one buffer,
+//! writes it with one `pwrite` per device, issues one `fdatasync` per device if any writer in the
+//! batch asked for `Sync`, applies the batch to the index (non-durable redb commit), hands the
+//! leadership to the next queued writer and wakes the writers of its batch. A lone writer pays no
+//! thread hand-off; N concurrent writers share one sync.
+//!
+//! Fault model: an error from `fdatasync` poisons the engine (the kernel may have dropped the
+//! dirty pages; retrying would report success for lost data). A failed `pwrite` (ENOSPC, EIO) is
+//! undone by truncating the segment back to the batch's start, so bytes nobody was told are
+//! durable can never be replayed; if the truncate fails too, the engine is poisoned.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use crate::error::{StoreError, StoreResult};
+use crate::format::{self, Compression, ExtentHeader};
+use crate::fsinfo;
+use crate::index::{Index, IndexUpdate, Location, Tail};
+use crate::segment::{hex, Segment, Segments};
+use crate::{Durability, StoreConfig, StoreStats, WriteAck, WriteOp};
+
+const INDEX_FILE: &str = "index.redb";
+/// Replay applies the log to the index in chunks of this many updates, bounding its memory.
+const REPLAY_APPLY_CHUNK_UPDATES: usize = 16_384;
+/// How often a read retries when compaction moved its extent between lookup and read.
+const READ_RETRIES_MAX: usize = 8;
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// A write as the leader sees it: caller ops, or compaction copies that keep their old seq.
+pub(crate) enum Op {
+    User(WriteOp),
+    Relocate {
+        key: Vec<u8>,
+        value: Vec<u8>,
+        compression: Compression,
+        content_hash: bool,
+        seq: u64,
+    },
+}
+
+impl Op {
+    fn payload_len(&self) -> usize {
+        match self {
+            Op::User(WriteOp::Put { value, .. }) | Op::Relocate { value, .. } => value.len(),
+            Op::User(WriteOp::Delete { .. }) => 0,
+        }
+    }
+}
+
+enum SlotState {
+    Waiting,
+    Lead,
+    Done(StoreResult<WriteAck>),
+}
+
+struct Slot {
+    state: Mutex<SlotState>,
+    ready: Condvar,
+}
+
+impl Slot {
+    fn set(&self, state: SlotState) {
+        *lock(&self.state) = state;
+        self.ready.notify_one();
+    }
+}
+
+struct Pending {
+    ops: Vec<Op>,
+    durability: Durability,
+    /// Compaction and checkpoints may write into the space reserve.
+    may_use_reserve: bool,
+    /// Make the index durable after this batch, dropping these segments' counters.
+    checkpoint: Option<Vec<u64>>,
+    slot: Arc<Slot>,
+}
+
+#[derive(Default)]
+struct Queue {
+    pending: VecDeque<Pending>,
+    leader_active: bool,
+}
+
+struct Writer {
+    segment: Arc<Segment>,
+    /// Append position in `segment`.
+    offset: u64,
+    next_seq: u64,
+    /// Every byte appended so far has been fdatasynced.
+    synced: bool,
+    since_checkpoint_bytes: u64,
+}
+
+pub(crate) struct Engine {
+    config: StoreConfig,
+    pub(crate) segments: Segments,
+    pub(crate) index: Index,
+    queue: Mutex<Queue>,
+    writer: Mutex<Writer>,
+    poisoned: AtomicBool,
+    poison_reason: Mutex<Option<(String, String)>>,
+    pub(crate) corrupt_reads: AtomicU64,
+    pub(crate) repaired_extents: AtomicU64,
+    /// Serializes scrub and compaction with each other.
+    pub(crate) maintenance: Mutex<()>,
+}
+
+impl Engine {
+    pub fn open(config: StoreConfig) -> StoreResult<Engine> {
+        let segments = Segments::open(&config.data_dirs, config.ephemeral)?;
+        let (index, tail) = Index::open(&segments.devices[0].dir.join(INDEX_FILE))?;
+        let writer = recover(&segments, &index, tail)?;
+        Ok(Engine {
+            config,
+            segments,
+            index,
+            queue: Mutex::new(Queue::default()),
+            writer: Mutex::new(writer),
+            poisoned: AtomicBool::new(false),
+            poison_reason: Mutex::new(None),
+            corrupt_reads: AtomicU64::new(0),
+            repaired_extents: AtomicU64::new(0),
+            maintenance: Mutex::new(()),
+        })
+    }
+
+    pub fn config(&self) -> &StoreConfig {
+        &self.config
+    }
+
+    pub fn write(&self, ops: Vec<WriteOp>, durability: Durability) -> StoreResult<WriteAck> {
+        for op in &ops {
+            validate(op)?;
+        }
+        self.submit(
+            ops.into_iter().map(Op::User).collect(),
+            durability,
+            false,
+            None,
+        )
+    }
+
+    pub fn flush(&self) -> StoreResult<()> {
+        self.submit(Vec::new(), Durability::Sync, true, None)
+            .map(|_| ())
+    }
+
+    /// Writes compaction copies; each is applied only if its key still maps to its seq.
+    pub(crate) fn relocate(&self, ops: Vec<Op>) -> StoreResult<()> {
+        self.submit(ops, Durability::Buffered, true, None)
+            .map(|_| ())
+    }
+
+    /// Syncs the log and commits the index durably, forgetting `dropped` segments' counters.
+    pub(crate) fn checkpoint(&self, dropped: Vec<u64>) -> StoreResult<()> {
+        self.submit(Vec::new(), Durability::Sync, true, Some(dropped))
+            .map(|_| ())
+    }
+
+    pub(crate) fn active_segment(&self) -> u64 {
+        lock(&self.writer).segment.id
+    }
+
+    fn submit(
+        &self,
+        ops: Vec<Op>,
+        durability: Durability,
+        may_use_reserve: bool,
+        checkpoint: Option<Vec<u64>>,
+    ) -> StoreResult<WriteAck> {
+        let slot = Arc::new(Slot {
+            state: Mutex::new(SlotState::Waiting),
+            ready: Condvar::new(),
+        });
+        let lead = {
+            let mut queue = lock(&self.queue);
+            queue.pending.push_back(Pending {
+                ops,
+                durability,
+                may_use_reserve,
+                checkpoint,
+                slot: slot.clone(),
+            });
+            !std::mem::replace(&mut queue.leader_active, true)
+        };
+        if !lead {
+            let mut state = lock(&slot.state);
+            loop {
+                match std::mem::replace(&mut *state, SlotState::Waiting) {
+                    SlotState::Waiting => {
+                        state = slot
+                            .ready
+                            .wait(state)
+                            .unwrap_or_else(|poisoned| poisoned.into_inner());
+                    }
+                    SlotState::Lead => break,
+                    SlotState::Done(result) => return result,
+                }
+            }
+        }
+        // Leader: our entry is at the front of the queue (a leader is only ever handed the
+        // front entry, and a writer that found no leader had an empty queue before its push).
+        let batch = {
+            let mut queue = lock(&self.queue);
+            let mut batch = Vec::new();
+            let mut bytes = 0usize;
+            while let Some(front) = queue.pending.front() {
+                let size: usize = front.ops.iter().map(Op::payload_len).sum();
+                if !batch.is_empty() && bytes + size > self.config.batch_size_max_bytes {
+                    break;
+                }
+                bytes += size;
+                if let Some(pending) = queue.pending.pop_front() {
+                    batch.push(pending);
+                }
+            }
+            batch
+        };
+        let results = self.commit_batch(&batch);
+        {
+            let mut queue = lock(&self.queue);
+            match queue.pending.front() {
+                Some(next) => next.slot.set(SlotState::Lead),
+                None => queue.leader_active = false,
+            }
+        }
+        let mut own = None;
+        for (pending, result) in batch.into_iter().zip(results) {
+            if Arc::ptr_eq(&pending.slot, &slot) {
+                own = Some(result);
+            } else {
+                pending.slot.set(SlotState::Done(result));
+            }
+        }
+        own.unwrap_or_else(|| Err(StoreError::Invalid("leader lost its own write".into())))
+    }
+
+    fn poison(&self, operation: &str, error: &StoreError) {
+        tracing::error!(%error, operation, "store poisoned: refusing writes until reopened");
+        self.poisoned.store(true, Ordering::SeqCst);
+        let mut reason = lock(&self.poison_reason);
+        if reason.is_none() {
+            *reason = Some((operation.to_string(), error.to_string()));
+        }
+    }
+
+    fn poisoned_error(&self) -> StoreError {
+        let reason = lock(&self.poison_reason).clone();
+        let (operation, reason) = reason.unwrap_or_else(|| ("sync".into(), "unknown".into()));
+        StoreError::Poisoned { operation, reason }
+    }
+
+    fn space_check(&self, needed: u64) -> StoreResult<()> {
+        for device in &self.segments.devices {
+            let available =
+                fsinfo::available_bytes(&device.dir).map_err(|e| StoreError::io(&device.dir, e))?;
+            if available < needed.saturating_add(self.config.reserve_bytes) {
+                return Err(StoreError::NoSpace {
+                    path: device.dir.clone(),
+                    available_bytes: available,
+                    reserve_bytes: self.config.reserve_bytes,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes one batch; returns one result per pending write, in order.
+    fn commit_batch(&self, batch: &[Pending]) -> Vec<StoreResult<WriteAck>> {
+        let fail_all = |make: &dyn Fn() -> StoreError| batch.iter().map(|_| Err(make())).collect();
+        if self.poisoned.load(Ordering::SeqCst) {
+            return fail_all(&|| self.poisoned_error());
+        }
+        let mut writer = lock(&self.writer);
+
+        // Admission: writes that add data are refused below the reserve; deletes, compaction
+        // and checkpoints go through so that space can be freed.
+        let mut admitted: Vec<Option<StoreError>> = Vec::with_capacity(batch.len());
+        let mut space_verdict: Option<Result<(), (std::path::PathBuf, u64, u64)>> = None;
+        for pending in batch {
+            let adds_data = pending
+                .ops
+                .iter()
+                .any(|op| matches!(op, Op::User(WriteOp::Put { .. })));
+            if !adds_data || pending.may_use_reserve {
+                admitted.push(None);
+                continue;
+            }
+            let verdict = space_verdict.get_or_insert_with(|| {
+                let needed: usize = batch
+                    .iter()
+                    .flat_map(|p| &p.ops)
+                    .map(|op| op.payload_len() + 128)
+                    .sum();
+                match self.space_check(needed as u64) {
+                    Ok(()) => Ok(()),
+                    Err(StoreError::NoSpace {
+                        path,
+                        available_bytes,
+                        reserve_bytes,
+                    }) => Err((path, available_bytes, reserve_bytes)),
+                    Err(other) => {
+                        tracing::warn!(%other, "free-space check failed; writing anyway");
+                        Ok(())
+                    }
+                }
+            });
+            admitted.push(
+                verdict
+                    .clone()
+                    .err()
+                    .map(
+                        |(path, available_bytes, reserve_bytes)| StoreError::NoSpace {
+                            path,
+                            available_bytes,
+                            reserve_bytes,
+                        },
+                    ),
+            );
+        }
+
+        // Size the batch, then roll to a new segment first if it would not fit.
+        let mut total_len = 0u64;
+        for (pending, refused) in batch.iter().zip(&admitted) {
+            if refused.is_none() {
+                for op in &pending.ops {
+                    let (key_len, value_len) = match op {
+                        Op::User(WriteOp::Put { key, value, .. })
+                        | Op::Relocate { key, value, .. } => (key.len(), value.len()),
+                        Op::User(WriteOp::Delete { key }) => (key.len(), 0),
+                    };
+                    // Upper bound: compression only shrinks the payload.
+                    total_len += format::record_len(key_len, value_len) as u64;
+                }
+            }
+        }
+        if writer.offset + total_len > self.config.segment_size_max_bytes
+            && writer.offset > format::SEGMENT_HEADER_LEN as u64
+        {
+            if let Err(error) = self.roll(&mut writer) {
+                return fail_all(&|| clone_error(&error));
+            }
+        }
+
+        // Encode.
+        let base = writer.offset;
+        let mut buffer = Vec::with_capacity(total_len as usize);
+        let mut updates = Vec::new();
+        let mut acks = Vec::with_capacity(batch.len());
+        let mut seq = writer.next_seq;
+        let mut need_sync = false;
+        let mut checkpoint: Option<Vec<u64>> = None;
+        for (pending, refused) in batch.iter().zip(&admitted) {
+            if refused.is_some() {
+                acks.push(0);
+                continue;
+            }
+            need_sync |= pending.durability == Durability::Sync;
+            if let Some(dropped) = &pending.checkpoint {
+                checkpoint.get_or_insert_with(Vec::new).extend(dropped);
+            }
+            let last = pending.ops.len().saturating_sub(1);
+            for (i, op) in pending.ops.iter().enumerate() {
+                let group_end = if i == last { format::FLAG_GROUP_END } else { 0 };
+                let offset = base + buffer.len() as u64;
+                match op {
+                    Op::User(WriteOp::Put {
+                        key,
+                        value,
+                        compression,
+                        content_hash,
+                    }) => {
+                        encode_put(
+                            &mut buffer,
+                            key,
+                            value,
+                            *compression,
+                            *content_hash,
+                            seq,
+                            group_end,
+                        );
+                        updates.push(IndexUpdate::Put {
+                            key: key.clone(),
+                            location: location_of(&buffer, base, offset, seq, writer.segment.id),
+                            relocated: false,
+                        });
+                        seq += 1;
+                    }
+                    Op::User(WriteOp::Delete { key }) => {
+                        format::encode_extent(
+                            &mut buffer,
+                            format::KIND_DELETE,
+                            Compression::None,
+                            group_end,
+                            seq,
+                            key,
+                            &[],
+                            0,
+                            None,
+                        );
+                        updates.push(IndexUpdate::Delete { key: key.clone() });
+                        seq += 1;
+                    }
+                    Op::Relocate {
+                        key,
+                        value,
+                        compression,
+                        content_hash,
+                        seq: old_seq,
+                    } => {
+                        encode_put(
+                            &mut buffer,
+                            key,
+                            value,
+                            *compression,
+                            *content_hash,
+                            *old_seq,
+                            group_end | format::FLAG_RELOCATED,
+                        );
+                        updates.push(IndexUpdate::Put {
+                            key: key.clone(),
+                            location: location_of(
+                                &buffer,
+                                base,
+                                offset,
+                                *old_seq,
+                                writer.segment.id,
+                            ),
+                            relocated: true,
+                        });
+                    }
+                }
+            }
+            acks.push(seq.saturating_sub(1));
+        }
+        debug_assert!(buffer.len() as u64 <= total_len);
+
+        // Write.
+        if !buffer.is_empty() {
+            if let Err(error) = writer.segment.write_all_at(&buffer, base) {
+                if let Err(undo) = writer.segment.truncate(base) {
+                    self.poison("truncate after failed write", &undo);
+                }
+                let error = if error.is_no_space() {
+                    self.space_check(buffer.len() as u64).err().unwrap_or(error)
+                } else {
+                    error
+                };
+                return fail_all(&|| clone_error(&error));
+            }
+            writer.synced = false;
+        }
+        let appended = buffer.len() as u64;
+        writer.since_checkpoint_bytes += appended;
+        let checkpoint_due = writer.since_checkpoint_bytes >= self.config.checkpoint_interval_bytes;
+        need_sync |= checkpoint_due || checkpoint.is_some();
+
+        // Sync.
+        if need_sync && !writer.synced {
+            if let Err(error) = writer.segment.sync() {
+                self.poison("fdatasync", &error);
+                return fail_all(&|| self.poisoned_error());
+            }
+            writer.synced = true;
+        }
+        writer.offset = base + appended;
+        writer.next_seq = seq;
+
+        // Index.
+        let durable = need_sync && (checkpoint_due || checkpoint.is_some());
+        let tail = Tail {
+            segment: writer.segment.id,
+            offset: writer.offset,
+            next_seq: writer.next_seq,
+        };
+        if !updates.is_empty() || durable {
+            let dropped = checkpoint.unwrap_or_default();
+            if let Err(error) = self.index.apply(&updates, tail, durable, &dropped) {
+                // The log holds the batch durably; reopening replays it into the index.
+                self.poison("index update", &error);
+                return fail_all(&|| self.poisoned_error());
+            }
+            if durable {
+                writer.since_checkpoint_bytes = 0;
+            }
+        }
+
+        admitted
+            .into_iter()
+            .zip(acks)
+            .map(|(refused, seq)| match refused {
+                Some(error) => Err(error),
+                None => Ok(WriteAck { seq }),
+            })
+            .collect()
+    }
+
+    /// Closes the active segment (synced) and starts the next one.
+    fn roll(&self, writer: &mut Writer) -> StoreResult<()> {
+        if !writer.synced {
+            if let Err(error) = writer.segment.sync() {
+                self.poison("fdatasync", &error);
+                return Err(self.poisoned_error());
+            }
+            writer.synced = true;
+        }
+        let next = self.segments.create(writer.segment.id + 1)?;
+        writer.segment = next;
+        writer.offset = format::SEGMENT_HEADER_LEN as u64;
+        Ok(())
+    }
+
+    pub fn get(&self, key: &[u8]) -> StoreResult<Option<Vec<u8>>> {
+        for _ in 0..READ_RETRIES_MAX {
+            let Some(location) = self.index.get(key)? else {
+                return Ok(None);
+            };
+            if let Some(value) = self.read_extent(key, &location)? {
+                return Ok(Some(value));
+            }
+        }
+        Err(StoreError::Invalid(format!(
+            "key {} kept moving during read",
+            hex(key)
+        )))
+    }
+
+    pub fn contains(&self, key: &[u8]) -> StoreResult<bool> {
+        Ok(self.index.get(key)?.is_some())
+    }
+
+    pub fn floor(&self, low: &[u8], high: &[u8]) -> StoreResult<Option<(Vec<u8>, Vec<u8>)>> {
+        for _ in 0..READ_RETRIES_MAX {
+            let Some((key, location)) = self.index.floor(low, high)? else {
+                return Ok(None);
+            };
+            if let Some(value) = self.read_extent(&key, &location)? {
+                return Ok(Some((key, value)));
+            }
+        }
+        Err(StoreError::Invalid(
+            "floor lookup kept moving during read".into(),
+        ))
+    }
+
+    pub fn keys(&self, start: &[u8], end: &[u8], limit: usize) -> StoreResult<Vec<Vec<u8>>> {
+        Ok(self
+            .index
+            .range(start, end, limit)?
+            .into_iter()
+            .map(|(key, _)| key)
+            .collect())
+    }
+
+    pub fn scan(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        limit: usize,
+    ) -> StoreResult<Vec<(Vec<u8>, Vec<u8>)>> {
+        let mut out = Vec::new();
+        for (key, location) in self.index.range(start, end, limit)? {
+            let value = match self.read_extent(&key, &location)? {
+                Some(value) => Some(value),
+                // Moved by compaction since the range read: look it up again.
+                None => self.get(&key)?,
+            };
+            if let Some(value) = value {
+                out.push((key, value));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Reads and verifies one extent, trying every device and repairing bad copies from a good
+    /// one. `Ok(None)` means the segment is gone (compaction moved the extent): look up again.
+    pub(crate) fn read_extent(
+        &self,
+        key: &[u8],
+        location: &Location,
+    ) -> StoreResult<Option<Vec<u8>>> {
+        Ok(self
+            .read_verified(key, location, false)?
+            .map(|(_, value)| value))
+    }
+
+    /// Like [`Engine::read_extent`], but with `all_devices` every copy is read and checked even
+    /// when the first one is good (scrub). Returns how many copies were repaired.
+    pub(crate) fn read_verified(
+        &self,
+        key: &[u8],
+        location: &Location,
+        all_devices: bool,
+    ) -> StoreResult<Option<(usize, Vec<u8>)>> {
+        let Some(segment) = self.segments.get(location.segment) else {
+            return Ok(None);
+        };
+        let mut good: Option<(Vec<u8>, Vec<u8>)> = None;
+        let mut bad_devices = Vec::new();
+        let mut last_problem = String::new();
+        for device in 0..segment.files.len() {
+            if good.is_some() && !all_devices {
+                break;
+            }
+            let checked = segment
+                .read_at(device, location.offset, location.record_len as usize)
+                .map_err(|e| e.to_string())
+                .and_then(|record| {
+                    check_record(&record, key, location).map(|value| (record, value))
+                });
+            match checked {
+                Ok(found) => {
+                    if good.is_none() {
+                        good = Some(found);
+                    }
+                }
+                Err(problem) => {
+                    self.corrupt_reads.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        key = %hex(key),
+                        segment = location.segment,
+                        offset = location.offset,
+                        device,
+                        %problem,
+                        "extent failed verification"
+                    );
+                    bad_devices.push(device);
+                    last_problem = problem;
+                }
+            }
+        }
+        let Some((record, value)) = good else {
+            return Err(StoreError::Corrupt {
+                key_hex: hex(key),
+                segment: location.segment,
+                offset: location.offset,
+                detail: last_problem,
+            });
+        };
+        let mut repaired = 0;
+        for device in bad_devices {
+            match segment.repair_at(device, &record, location.offset) {
+                Ok(()) => {
+                    repaired += 1;
+                    self.repaired_extents.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(key = %hex(key), device, "repaired extent from mirror copy");
+                }
+                Err(error) => tracing::error!(%error, device, "could not repair extent"),
+            }
+        }
+        Ok(Some((repaired, value)))
+    }
+
+    pub fn stats(&self) -> StoreResult<StoreStats> {
+        let mut stats = StoreStats::default();
+        for (_, segment_stats) in self.index.segment_stats()? {
+            stats.live_extents += segment_stats.live_extents;
+            stats.live_raw_bytes += segment_stats.live_raw_bytes;
+            stats.live_stored_bytes += segment_stats.live_stored_bytes;
+        }
+        for id in self.segments.ids() {
+            if let Some(segment) = self.segments.get(id) {
+                stats.log_bytes += segment.len(0)?;
+                stats.segments += 1;
+            }
+        }
+        stats.last_seq = lock(&self.writer).next_seq.saturating_sub(1);
+        stats.corrupt_reads = self.corrupt_reads.load(Ordering::Relaxed);
+        stats.repaired_extents = self.repaired_extents.load(Ordering::Relaxed);
+        stats.poisoned = self.poisoned.load(Ordering::SeqCst);
+        Ok(stats)
+    }
+}
+
+impl Drop for Engine {
+    /// redb makes its pending non-durable commits durable when it closes; the log they point at
+    /// must be durable first.
+    fn drop(&mut self) {
+        if !self.poisoned.load(Ordering::SeqCst) {
+            if let Err(error) = self.flush() {
+                tracing::error!(%error, "could not sync the log at close");
+            }
+        }
+    }
+}
+
+fn clone_error(error: &StoreError) -> StoreError {
+    match error {
+        StoreError::NoSpace {
+            path,
+            available_bytes,
+            reserve_bytes,
+        } => StoreError::NoSpace {
+            path: path.clone(),
+            available_bytes: *available_bytes,
+            reserve_bytes: *reserve_bytes,
+        },
+        StoreError::Io { path, source } => StoreError::Io {
+            path: path.clone(),
+            source: std::io::Error::new(source.kind(), source.to_string()),
+        },
+        other => StoreError::Invalid(other.to_string()),
+    }
+}
+
+fn validate(op: &WriteOp) -> StoreResult<()> {
+    let key = op.key();
+    if key.is_empty() || key.len() > format::KEY_LEN_MAX_BYTES {
+        return Err(StoreError::Invalid(format!(
+            "key length {} outside 1..={}",
+            key.len(),
+            format::KEY_LEN_MAX_BYTES
+        )));
+    }
+    if let WriteOp::Put { value, .. } = op {
+        if value.len() > format::VALUE_LEN_MAX_BYTES {
+            return Err(StoreError::Invalid(format!(
+                "value of {} bytes exceeds {}",
+                value.len(),
+                format::VALUE_LEN_MAX_BYTES
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn encode_put(
+    buffer: &mut Vec<u8>,
+    key: &[u8],
+    value: &[u8],
+    compression: Compression,
+    content_hash: bool,
+    seq: u64,
+    flags: u8,
+) {
+    let (used, stored) = format::compress(value, compression);
+    let hash = content_hash.then(|| *blake3::hash(value).as_bytes());
+    format::encode_extent(
+        buffer,
+        format::KIND_PUT,
+        used,
+        flags,
+        seq,
+        key,
+        &stored,
+        value.len(),
+        hash.as_ref(),
+    );
+}
+
+/// The location of the extent just appended to `buffer` at file offset `offset`.
+fn location_of(buffer: &[u8], base: u64, offset: u64, seq: u64, segment: u64) -> Location {
+    let start = (offset - base) as usize;
+    let header = format::decode_header(&buffer[start..]).ok();
+    let (raw_len, stored_len) = header
+        .as_ref()
+        .map(|h| (h.raw_len as u32, h.stored_len as u32))
+        .unwrap_or_default();
+    Location {
+        segment,
+        offset,
+        record_len: (buffer.len() - start) as u32,
+        raw_len,
+        stored_len,
+        seq,
+    }
+}
+
+/// Verifies a record read at an index location: checksums, key, kind and sequence number.
+fn check_record(record: &[u8], key: &[u8], location: &Location) -> Result<Vec<u8>, String> {
+    let (header, record_key, value) = format::decode_extent(record)?;
+    if record_key != key {
+        return Err("extent holds another key".into());
+    }
+    if header.kind != format::KIND_PUT || header.seq != location.seq {
+        return Err(format!(
+            "extent kind {} seq {} does not match index seq {}",
+            header.kind, header.seq, location.seq
+        ));
+    }
+    Ok(value)
+}
+
+/// Replays the log after the index's tail and returns the writer positioned at the log's end.
+fn recover(segments: &Segments, index: &Index, tail: Option<Tail>) -> StoreResult<Writer> {
+    let ids = segments.ids();
+    let Some(&first_id) = ids.first() else {
+        let segment = segments.create(1)?;
+        let tail = Tail {
+            segment: 1,
+            offset: format::SEGMENT_HEADER_LEN as u64,
+            next_seq: 1,
+        };
+        index.apply(&[], tail, true, &[])?;
+        return Ok(Writer {
+            segment,
+            offset: tail.offset,
+            next_seq: 1,
+            synced: true,
+            since_checkpoint_bytes: 0,
+        });
+    };
+    let tail = tail.unwrap_or(Tail {
+        segment: first_id,
+        offset: format::SEGMENT_HEADER_LEN as u64,
+        next_seq: 1,
+    });
+    if segments.get(tail.segment).is_none() {
+        return Err(StoreError::Mismatch(format!(
+            "the index was checkpointed at segment {} which is missing from the data directory",
+            tail.segment
+        )));
+    }
+    let mut next_seq = tail.next_seq;
+    let mut updates: Vec<IndexUpdate> = Vec::new();
+    let mut group: Vec<IndexUpdate> = Vec::new();
+    let mut end = (tail.segment, tail.offset);
+    let mut replayed_extents = 0u64;
+    'segments: for id in ids.iter().copied().filter(|id| *id >= tail.segment) {
+        let Some(segment) = segments.get(id) else {
+            continue;
+        };
+        let file_len = segment.len(0)?;
+        let mut offset = if id == tail.segment {
+            tail.offset
+        } else {
+            format::SEGMENT_HEADER_LEN as u64
+        };
+        end = (id, offset);
+        while offset < file_len {
+            let Some((header, key)) = read_replay_record(&segment, offset, file_len)? else {
+                break 'segments;
+            };
+            let record_len = header.record_len() as u64;
+            let location = Location {
+                segment: id,
+                offset,
+                record_len: record_len as u32,
+                raw_len: header.raw_len as u32,
+                stored_len: header.stored_len as u32,
+                seq: header.seq,
+            };
+            group.push(if header.kind == format::KIND_DELETE {
+                IndexUpdate::Delete { key }
+            } else {
+                IndexUpdate::Put {
+                    key,
+                    location,
+                    relocated: header.flags & format::FLAG_RELOCATED != 0,
+                }
+            });
+            if header.flags & format::FLAG_RELOCATED == 0 {
+                next_seq = next_seq.max(header.seq + 1);
+            }
+            offset += record_len;
+            if header.flags & format::FLAG_GROUP_END != 0 {
+                replayed_extents += group.len() as u64;
+                updates.append(&mut group);
+                end = (id, offset);
+                if updates.len() >= REPLAY_APPLY_CHUNK_UPDATES {
+                    let partial = Tail {
+                        segment: end.0,
+                        offset: end.1,
+                        next_seq,
+                    };
+                    index.apply(&updates, partial, false, &[])?;
+                    updates.clear();
+                }
+            }
+        }
+        if !group.is_empty() {
+            // A group never spans segments: the writer rolls before a batch, not inside it.
+            break;
+        }
+    }
+    // Cut the log at the end of the last whole group: everything after it was never
+    // acknowledged (a torn batch), and leaving it could let a later append look valid.
+    let (end_segment, end_offset) = end;
+    let mut dropped_bytes = 0u64;
+    for id in ids.iter().copied().filter(|id| *id >= end_segment) {
+        let Some(segment) = segments.get(id) else {
+            continue;
+        };
+        if id == end_segment {
+            let len = segment.len(0)?;
+            if len > end_offset {
+                dropped_bytes += len - end_offset;
+                segment.truncate(end_offset)?;
+            }
+        } else {
+            dropped_bytes += segment.len(0)?;
+            segments.remove(id)?;
+        }
+    }
+    if dropped_bytes > 0 {
+        tracing::warn!(
+            segment = end_segment,
+            offset = end_offset,
+            dropped_bytes,
+            "log ended in an incomplete batch; cut it at the last whole group"
+        );
+    }
+    let segment = segments
+        .get(end_segment)
+        .ok_or_else(|| StoreError::Mismatch("log end segment vanished".into()))?;
+    // What was replayed may sit only in the page cache: make it durable before the index
+    // checkpoint that points at it.
+    for id in ids
+        .iter()
+        .copied()
+        .filter(|id| *id >= tail.segment && *id <= end_segment)
+    {
+        if let Some(replayed) = segments.get(id) {
+            replayed.sync()?;
+        }
+    }
+    let tail = Tail {
+        segment: end_segment,
+        offset: end_offset,
+        next_seq,
+    };
+    index.apply(&updates, tail, true, &[])?;
+    if replayed_extents > 0 {
+        tracing::info!(replayed_extents, "replayed log tail into the index");
+    }
+    Ok(Writer {
+        segment,
+        offset: end_offset,
+        next_seq,
+        synced: true,
+        since_checkpoint_bytes: 0,
+    })
+}
+
+/// Reads one record during replay, falling back to (and repairing from) the mirror copy.
+/// `None` marks the end of the log: nothing valid at this offset on any device.
+fn read_replay_record(
+    segment: &Segment,
+    offset: u64,
+    file_len: u64,
+) -> StoreResult<Option<(ExtentHeader, Vec<u8>)>> {
+    let mut good: Option<(ExtentHeader, Vec<u8>, Vec<u8>)> = None;
+    let mut bad = Vec::new();
+    for device in 0..segment.files.len() {
+        let header_bytes = segment.read_at(device, offset, format::EXTENT_HEADER_LEN)?;
+        let Ok(header) = format::decode_header(&header_bytes) else {
+            bad.push(device);
+            continue;
+        };
+        let record_len = header.record_len() as u64;
+        if offset + record_len > file_len.max(segment.len(device)?) {
+            bad.push(device);
+            continue;
+        }
+        let record = segment.read_at(device, offset, record_len as usize)?;
+        match format::decode_extent(&record) {
+            Ok((header, key, _)) => {
+                good = Some((header, key, record));
+                break;
+            }
+            Err(_) => bad.push(device),
+        }
+    }
+    let Some((header, key, record)) = good else {
+        return Ok(None);
+    };
+    for device in bad {
+        segment.repair_at(device, &record, offset)?;
+        tracing::info!(
+            offset,
+            device,
+            "repaired log record from mirror copy during replay"
+        );
+    }
+    Ok(Some((header, key)))
+}

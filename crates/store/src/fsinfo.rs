@@ -1,0 +1,137 @@
+//! What the filesystem and device under a path really guarantee: the filesystem type (tmpfs and
+//! ramfs make fsync meaningless), whether the block device has a volatile write cache, and free
+//! space. Used by `Store::open` to refuse volatile data directories, by the space check on every
+//! batch, and by `keel doctor`.
+
+use std::ffi::CString;
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+/// Filesystem magic numbers from statfs(2).
+const KNOWN_FILESYSTEMS: &[(i64, &str)] = &[
+    (0xEF53, "ext4"),
+    (0x5846_5342, "xfs"),
+    (0x9123_683E, "btrfs"),
+    (0x2FC1_2FC1, "zfs"),
+    (0x0102_1994, "tmpfs"),
+    (0x8584_58F6, "ramfs"),
+    (0x794C_7630, "overlayfs"),
+    (0x6969, "nfs"),
+    (0xF2F5_2010, "f2fs"),
+    (0x6573_5546, "fuse"),
+    (0x4d44, "vfat"),
+];
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FilesystemInfo {
+    pub filesystem: String,
+    pub magic: i64,
+    pub available_bytes: u64,
+    pub total_bytes: u64,
+}
+
+impl FilesystemInfo {
+    /// tmpfs and ramfs keep data in memory: fsync returns at once and a power cut loses it all.
+    pub fn is_volatile(&self) -> bool {
+        matches!(self.filesystem.as_str(), "tmpfs" | "ramfs")
+    }
+
+    /// Filesystems where `sync_file_range` does not even write the data (it is a no-op on zfs and
+    /// only starts writeback on btrfs); on every filesystem it never flushes the device cache and
+    /// never persists metadata, so Keel does not use it for durability anywhere.
+    pub fn sync_file_range_unsafe(&self) -> bool {
+        matches!(self.filesystem.as_str(), "zfs" | "btrfs")
+    }
+}
+
+fn statvfs_raw(path: &Path) -> io::Result<libc::statfs> {
+    let c_path = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains NUL"))?;
+    let mut out: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: c_path is a valid NUL-terminated string and `out` is a properly sized statfs.
+    let rc = unsafe { libc::statfs(c_path.as_ptr(), &mut out) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(out)
+}
+
+pub fn filesystem_info(path: &Path) -> io::Result<FilesystemInfo> {
+    let raw = statvfs_raw(path)?;
+    let magic = raw.f_type as i64;
+    let filesystem = KNOWN_FILESYSTEMS
+        .iter()
+        .find(|(m, _)| *m == magic)
+        .map(|(_, name)| (*name).to_string())
+        .unwrap_or_else(|| format!("unknown (0x{magic:x})"));
+    let block = raw.f_bsize as u64;
+    Ok(FilesystemInfo {
+        filesystem,
+        magic,
+        available_bytes: raw.f_bavail as u64 * block,
+        total_bytes: raw.f_blocks as u64 * block,
+    })
+}
+
+/// Free bytes available to unprivileged writers on the filesystem holding `path`.
+pub fn available_bytes(path: &Path) -> io::Result<u64> {
+    let raw = statvfs_raw(path)?;
+    Ok(raw.f_bavail as u64 * raw.f_bsize as u64)
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriteCacheInfo {
+    /// The whole-disk block device, e.g. "nvme0n1" or "vda".
+    pub device: String,
+    /// `/sys/block/<dev>/queue/write_cache`: "write back" means a volatile cache that the kernel
+    /// must flush on fsync; "write through" means writes are durable when complete.
+    pub mode: String,
+}
+
+impl WriteCacheInfo {
+    pub fn volatile(&self) -> bool {
+        self.mode == "write back"
+    }
+}
+
+/// The write-cache mode of the block device under `path`, if it has one (tmpfs, overlay and
+/// network filesystems have none).
+pub fn write_cache(path: &Path) -> Option<WriteCacheInfo> {
+    let dev = std::fs::metadata(path).ok()?.dev();
+    let (major, minor) = (libc::major(dev), libc::minor(dev));
+    let sys = PathBuf::from(format!("/sys/dev/block/{major}:{minor}"));
+    let resolved = std::fs::canonicalize(&sys).ok()?;
+    // A partition's sysfs directory has a `partition` file and sits inside its disk's directory.
+    let disk = if resolved.join("partition").exists() {
+        resolved.parent()?.to_path_buf()
+    } else {
+        resolved
+    };
+    let mode = std::fs::read_to_string(disk.join("queue/write_cache")).ok()?;
+    Some(WriteCacheInfo {
+        device: disk.file_name()?.to_string_lossy().into_owned(),
+        mode: mode.trim().to_string(),
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// The target directory the tests run in is a real filesystem, reported by name.
+    #[test]
+    fn reports_a_known_filesystem_for_the_build_dir() {
+        let info = filesystem_info(Path::new(env!("CARGO_MANIFEST_DIR"))).unwrap();
+        assert!(info.total_bytes > 0);
+        assert!(!info.filesystem.is_empty());
+    }
+
+    /// /proc is not a block device: no write-cache answer rather than a wrong one.
+    #[test]
+    fn no_write_cache_for_proc() {
+        assert_eq!(write_cache(Path::new("/proc/self")), None);
+    }
+}

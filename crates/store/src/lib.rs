@@ -1,0 +1,277 @@
+//! keel-store: the local storage engine every other layer sits on.
+//!
+//! Data lives in append-only segment files on one or two data directories ("devices"; two make a
+//! local mirror). Every record in a segment is an *extent*: a header, the key, and the payload,
+//! each covered by CRC32C (see `docs/on-disk-format.md`). An embedded KV (redb) maps each live key
+//! to its extent's location; the index may lag the log and is replayed from the log tail at open,
+//! so the hot path pays one `fdatasync` per batch of writers, not two.
+//!
+//! Invariants this crate keeps:
+//! - a write acknowledged with [`Durability::Sync`] is on stable storage on every device: its
+//!   batch's `fdatasync` returned before the acknowledgement;
+//! - after any crash the log holds a prefix of the write sequence (recovery stops at the first
+//!   torn or corrupt record and truncates there), and the ops of one [`Store::write`] call are
+//!   applied all together or not at all;
+//! - a read never returns bytes whose checksum does not hold: it repairs from the mirror copy or
+//!   fails with [`StoreError::Corrupt`];
+//! - a failed `fdatasync` poisons the store: every later write fails until it is reopened.
+
+mod commit;
+mod compact;
+mod error;
+pub mod format;
+pub mod fsinfo;
+mod index;
+mod scrub;
+mod segment;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+pub use compact::CompactReport;
+pub use error::{StoreError, StoreResult};
+pub use format::Compression;
+pub use scrub::ScrubReport;
+
+/// First byte of every key: which part of Keel the key belongs to. Keys sort by keyspace first,
+/// so each keyspace is one contiguous range of the index.
+#[repr(u8)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Keyspace {
+    /// Small metadata records (buckets, object manifests, volume definitions, snapshots).
+    Meta = 0x01,
+    /// Object chunks, addressed by the BLAKE3 hash of their content.
+    Chunk = 0x02,
+    /// Volume blocks, addressed by (volume id, block number, generation).
+    Block = 0x03,
+}
+
+/// Key of an object chunk: keyspace byte, then the 32-byte BLAKE3 hash of the chunk.
+pub fn chunk_key(hash: &[u8; 32]) -> Vec<u8> {
+    let mut key = Vec::with_capacity(33);
+    key.push(Keyspace::Chunk as u8);
+    key.extend_from_slice(hash);
+    key
+}
+
+/// Key of a volume block. Big-endian fields so that, for one block, all generations sort next to
+/// each other and "the newest generation at or below G" is one reverse range lookup
+/// ([`Store::floor`]).
+pub fn block_key(volume_id: u64, block: u64, generation: u64) -> Vec<u8> {
+    let mut key = Vec::with_capacity(25);
+    key.push(Keyspace::Block as u8);
+    key.extend_from_slice(&volume_id.to_be_bytes());
+    key.extend_from_slice(&block.to_be_bytes());
+    key.extend_from_slice(&generation.to_be_bytes());
+    key
+}
+
+/// Key of a metadata record: keyspace byte, then the caller's bytes.
+pub fn meta_key(suffix: &[u8]) -> Vec<u8> {
+    let mut key = Vec::with_capacity(1 + suffix.len());
+    key.push(Keyspace::Meta as u8);
+    key.extend_from_slice(suffix);
+    key
+}
+
+/// How durable a write must be before [`Store::write`] returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// Returned only after the batch holding the write was `fdatasync`ed on every device.
+    Sync,
+    /// Returned once the write is in the log's order and visible to reads (page cache); it becomes
+    /// durable with the next [`Store::flush`] or synced write. A crash keeps a prefix of the log.
+    Buffered,
+}
+
+/// One operation of a write batch.
+#[derive(Debug, Clone)]
+pub enum WriteOp {
+    Put {
+        key: Vec<u8>,
+        value: Vec<u8>,
+        compression: Compression,
+        /// Store a BLAKE3 hash of the (uncompressed) value in the header and verify it on read.
+        content_hash: bool,
+    },
+    Delete {
+        key: Vec<u8>,
+    },
+}
+
+impl WriteOp {
+    pub fn put(key: Vec<u8>, value: Vec<u8>, compression: Compression) -> WriteOp {
+        WriteOp::Put {
+            key,
+            value,
+            compression,
+            content_hash: false,
+        }
+    }
+
+    pub fn key(&self) -> &[u8] {
+        match self {
+            WriteOp::Put { key, .. } | WriteOp::Delete { key } => key,
+        }
+    }
+}
+
+/// Acknowledgement of a write: the sequence number given to the last op of the batch.
+/// Sequence numbers are dense and increasing across the store's life; replication ships by them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriteAck {
+    pub seq: u64,
+}
+
+/// The store's configuration. Every field's default is in [`StoreConfig::new`].
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// One data directory, or two for a local mirror (every extent written to both).
+    pub data_dirs: Vec<PathBuf>,
+    /// Allow data directories on tmpfs/ramfs, where fsync is meaningless. Tests and demos only.
+    pub ephemeral: bool,
+    /// A segment file is closed and a new one started past this size. Default 256 MiB.
+    pub segment_size_max_bytes: u64,
+    /// Largest amount of payload one group commit writes with one `pwrite` + `fdatasync`.
+    /// Default 16 MiB.
+    pub batch_size_max_bytes: usize,
+    /// Free space kept back on each device: user writes are refused with
+    /// [`StoreError::NoSpace`] below it, so deletes, compaction and the index can still make
+    /// progress on a full disk. Default 64 MiB.
+    pub reserve_bytes: u64,
+    /// The index is made durable (checkpointed) after this much new log. Bounds replay time at
+    /// open and the memory redb holds for non-durable commits. Default 64 MiB.
+    pub checkpoint_interval_bytes: u64,
+}
+
+impl StoreConfig {
+    pub fn new(data_dirs: Vec<PathBuf>) -> StoreConfig {
+        StoreConfig {
+            data_dirs,
+            ephemeral: false,
+            segment_size_max_bytes: 256 << 20,
+            batch_size_max_bytes: 16 << 20,
+            reserve_bytes: 64 << 20,
+            checkpoint_interval_bytes: 64 << 20,
+        }
+    }
+}
+
+/// Counters describing what the store holds. `live_*` count extents the index points to.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    pub live_extents: u64,
+    /// Bytes of values as written by callers (before compression).
+    pub live_raw_bytes: u64,
+    /// Bytes of values as stored (after compression).
+    pub live_stored_bytes: u64,
+    /// Bytes of all segment files on one device.
+    pub log_bytes: u64,
+    pub segments: u64,
+    pub last_seq: u64,
+    /// Checksum failures seen on reads since open (each device copy counted once).
+    pub corrupt_reads: u64,
+    /// Extents rewritten from a good mirror copy since open.
+    pub repaired_extents: u64,
+    pub poisoned: bool,
+}
+
+impl StoreStats {
+    /// raw / stored, 1.0 when nothing is stored.
+    pub fn compression_ratio(&self) -> f64 {
+        if self.live_stored_bytes == 0 {
+            1.0
+        } else {
+            self.live_raw_bytes as f64 / self.live_stored_bytes as f64
+        }
+    }
+}
+
+/// Progress of a long operation (scrub, compaction), reported to a callback.
+#[derive(Debug, Clone, Copy)]
+pub struct Progress {
+    pub done: u64,
+    pub total: u64,
+}
+
+/// The store. Cheap to clone; all clones share one engine. Methods block (disk I/O): async
+/// callers use `spawn_blocking`.
+#[derive(Clone)]
+pub struct Store {
+    engine: Arc<commit::Engine>,
+}
+
+impl Store {
+    /// Opens (or creates) the store, replaying the log tail into the index.
+    pub fn open(config: StoreConfig) -> StoreResult<Store> {
+        let engine = commit::Engine::open(config)?;
+        Ok(Store {
+            engine: Arc::new(engine),
+        })
+    }
+
+    /// Appends `ops` as one atomic group, in order, and returns once they are as durable as
+    /// `durability` says. Concurrent callers share one `pwrite` and one `fdatasync`.
+    pub fn write(&self, ops: Vec<WriteOp>, durability: Durability) -> StoreResult<WriteAck> {
+        self.engine.write(ops, durability)
+    }
+
+    /// Makes every write that returned before this call durable.
+    pub fn flush(&self) -> StoreResult<()> {
+        self.engine.flush()
+    }
+
+    /// The value stored under `key`, verified against its checksums.
+    pub fn get(&self, key: &[u8]) -> StoreResult<Option<Vec<u8>>> {
+        self.engine.get(key)
+    }
+
+    /// Whether `key` is live, without reading its extent.
+    pub fn contains(&self, key: &[u8]) -> StoreResult<bool> {
+        self.engine.contains(key)
+    }
+
+    /// The greatest live key in `[low, high]` (inclusive) and its value.
+    pub fn floor(&self, low: &[u8], high: &[u8]) -> StoreResult<Option<(Vec<u8>, Vec<u8>)>> {
+        self.engine.floor(low, high)
+    }
+
+    /// Live keys in `[start, end)` in order, at most `limit` of them.
+    pub fn keys(&self, start: &[u8], end: &[u8], limit: usize) -> StoreResult<Vec<Vec<u8>>> {
+        self.engine.keys(start, end, limit)
+    }
+
+    /// Live keys and values in `[start, end)` in order, at most `limit` of them.
+    pub fn scan(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        limit: usize,
+    ) -> StoreResult<Vec<(Vec<u8>, Vec<u8>)>> {
+        self.engine.scan(start, end, limit)
+    }
+
+    pub fn stats(&self) -> StoreResult<StoreStats> {
+        self.engine.stats()
+    }
+
+    /// Verifies every live extent on every device, repairing bad copies from good ones.
+    /// Safe to interrupt: it only rewrites an extent in place with bytes that verified.
+    pub fn scrub(&self, progress: &mut dyn FnMut(Progress)) -> StoreResult<ScrubReport> {
+        scrub::scrub(&self.engine, progress)
+    }
+
+    /// Rewrites the live extents of segments whose dead share is at least `dead_ratio_min`
+    /// (0.0–1.0), then deletes those segments. Safe to interrupt at any point.
+    pub fn compact(
+        &self,
+        dead_ratio_min: f64,
+        progress: &mut dyn FnMut(Progress),
+    ) -> StoreResult<CompactReport> {
+        compact::compact(&self.engine, dead_ratio_min, progress)
+    }
+
+    pub fn config(&self) -> &StoreConfig {
+        self.engine.config()
+    }
+}
