@@ -26,6 +26,9 @@ use crate::{Durability, StoreConfig, StoreStats, WriteAck, WriteOp};
 const INDEX_FILE: &str = "index.redb";
 /// Replay applies the log to the index in chunks of this many updates, bounding its memory.
 const REPLAY_APPLY_CHUNK_UPDATES: usize = 16_384;
+/// Free space always kept for the index and checkpoints, even with `reserve_bytes = 0`: an index
+/// update that fails after its batch reached the log poisons the store.
+const INDEX_HEADROOM_BYTES: u64 = 16 << 20;
 /// How often a read retries when compaction moved its extent between lookup and read.
 const READ_RETRIES_MAX: usize = 8;
 
@@ -110,6 +113,8 @@ pub(crate) struct Engine {
     poison_reason: Mutex<Option<(String, String)>>,
     pub(crate) corrupt_reads: AtomicU64,
     pub(crate) repaired_extents: AtomicU64,
+    /// Log fdatasync calls (one per device) since open.
+    syncs: AtomicU64,
     /// Serializes scrub and compaction with each other.
     pub(crate) maintenance: Mutex<()>,
 }
@@ -129,6 +134,7 @@ impl Engine {
             poison_reason: Mutex::new(None),
             corrupt_reads: AtomicU64::new(0),
             repaired_extents: AtomicU64::new(0),
+            syncs: AtomicU64::new(0),
             maintenance: Mutex::new(()),
         })
     }
@@ -260,14 +266,15 @@ impl Engine {
     }
 
     fn space_check(&self, needed: u64) -> StoreResult<()> {
+        let reserve_bytes = self.config.reserve_bytes.max(INDEX_HEADROOM_BYTES);
         for device in &self.segments.devices {
             let available =
                 fsinfo::available_bytes(&device.dir).map_err(|e| StoreError::io(&device.dir, e))?;
-            if available < needed.saturating_add(self.config.reserve_bytes) {
+            if available < needed.saturating_add(reserve_bytes) {
                 return Err(StoreError::NoSpace {
                     path: device.dir.clone(),
                     available_bytes: available,
-                    reserve_bytes: self.config.reserve_bytes,
+                    reserve_bytes,
                 });
             }
         }
@@ -466,6 +473,7 @@ impl Engine {
 
         // Sync.
         if need_sync && !writer.synced {
+            self.syncs.fetch_add(1, Ordering::Relaxed);
             if let Err(error) = writer.segment.sync() {
                 self.poison("fdatasync", &error);
                 return fail_all(&|| self.poisoned_error());
@@ -677,6 +685,7 @@ impl Engine {
         stats.corrupt_reads = self.corrupt_reads.load(Ordering::Relaxed);
         stats.repaired_extents = self.repaired_extents.load(Ordering::Relaxed);
         stats.poisoned = self.poisoned.load(Ordering::SeqCst);
+        stats.log_syncs = self.syncs.load(Ordering::Relaxed);
         Ok(stats)
     }
 }

@@ -4,7 +4,9 @@
 //! Safe to interrupt: a copy carries its original sequence number and is applied (at write time
 //! and at replay) only if the key still maps to that sequence number, so a copy can never undo a
 //! newer write; a segment is unlinked only after a durable index checkpoint shows it holds no live
-//! extent. Copies may use the space reserve, so compaction works on a full disk.
+//! extent. Copies may use the space reserve, so compaction works on a full disk: segments are
+//! compacted in groups whose live bytes fit in half the reserve, most-dead first, each group
+//! freed before the next is copied.
 
 use std::collections::BTreeSet;
 
@@ -16,6 +18,8 @@ use crate::Progress;
 /// Payload bytes per relocation batch (one group commit).
 const RELOCATE_BATCH_MAX_BYTES: usize = 8 << 20;
 const INDEX_PAGE_EXTENTS: usize = 4096;
+/// Smallest live-byte budget of one compaction group, whatever the reserve.
+const GROUP_LIVE_MIN_BYTES: u64 = 4 << 20;
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CompactReport {
@@ -35,13 +39,15 @@ pub(crate) fn compact(
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     let active = engine.active_segment();
     let stats = engine.index.segment_stats()?;
-    let mut victims = BTreeSet::new();
+    // (dead ratio, segment, live bytes)
+    let mut victims = Vec::new();
     for id in engine.segments.ids().into_iter().filter(|id| *id < active) {
         let Some(segment) = engine.segments.get(id) else {
             continue;
         };
-        let len = segment.len(0)?;
-        let data = len.saturating_sub(format::SEGMENT_HEADER_LEN as u64);
+        let data = segment
+            .len(0)?
+            .saturating_sub(format::SEGMENT_HEADER_LEN as u64);
         let live = stats.get(&id).map(|s| s.live_record_bytes).unwrap_or(0);
         let dead_ratio = if data == 0 {
             1.0
@@ -49,25 +55,48 @@ pub(crate) fn compact(
             1.0 - live as f64 / data as f64
         };
         if dead_ratio >= dead_ratio_min {
-            victims.insert(id);
+            victims.push((dead_ratio, id, live));
         }
     }
+    // Most dead first: they free the most space for the least copying.
+    victims.sort_by(|a, b| b.0.total_cmp(&a.0));
     let mut report = CompactReport::default();
-    if victims.is_empty() {
-        return Ok(report);
+    let total = victims.len() as u64;
+    // Copies of one group must fit in half the reserve, so compaction works on a full disk.
+    let group_budget_bytes = (engine.config().reserve_bytes / 2).max(GROUP_LIVE_MIN_BYTES);
+    let mut remaining = victims.as_slice();
+    while !remaining.is_empty() {
+        let mut group = BTreeSet::new();
+        let mut live_bytes = 0u64;
+        for (_, id, live) in remaining {
+            if !group.is_empty() && live_bytes + live > group_budget_bytes {
+                break;
+            }
+            group.insert(*id);
+            live_bytes += live;
+        }
+        remaining = &remaining[group.len()..];
+        compact_group(engine, &group, &mut report)?;
+        progress(Progress {
+            done: report.segments_compacted,
+            total,
+        });
     }
+    Ok(report)
+}
 
-    // Find the live extents of the victims by walking the index (robust even when a dead
-    // region of a segment no longer parses).
+/// Copies the live extents of `group` to the log's end, checkpoints, and deletes the segments.
+fn compact_group(
+    engine: &Engine,
+    group: &BTreeSet<u64>,
+    report: &mut CompactReport,
+) -> StoreResult<()> {
+    // Find the live extents by walking the index (robust even when a dead region of a segment
+    // no longer parses).
     let end = vec![0xFFu8; format::KEY_LEN_MAX_BYTES + 1];
     let mut cursor: Vec<u8> = Vec::new();
     let mut batch: Vec<Op> = Vec::new();
     let mut batch_bytes = 0usize;
-    let total_live: u64 = victims
-        .iter()
-        .filter_map(|id| stats.get(id))
-        .map(|s| s.live_extents)
-        .sum();
     loop {
         let page = engine.index.range(&cursor, &end, INDEX_PAGE_EXTENTS)?;
         let Some((last_key, _)) = page.last() else {
@@ -76,14 +105,13 @@ pub(crate) fn compact(
         cursor = last_key.clone();
         cursor.push(0);
         for (key, location) in page {
-            if !victims.contains(&location.segment) {
+            if !group.contains(&location.segment) {
                 continue;
             }
             let Some(value) = engine.read_extent(&key, &location)? else {
                 continue;
             };
-            let segment = engine.segments.get(location.segment);
-            let header = match segment {
+            let header = match engine.segments.get(location.segment) {
                 Some(segment) => {
                     let bytes = segment.read_at(0, location.offset, format::EXTENT_HEADER_LEN)?;
                     format::decode_header(&bytes).ok()
@@ -105,24 +133,15 @@ pub(crate) fn compact(
             if batch_bytes >= RELOCATE_BATCH_MAX_BYTES {
                 engine.relocate(std::mem::take(&mut batch))?;
                 batch_bytes = 0;
-                progress(Progress {
-                    done: report.extents_moved,
-                    total: total_live.max(report.extents_moved),
-                });
             }
         }
     }
     if !batch.is_empty() {
         engine.relocate(batch)?;
     }
-    progress(Progress {
-        done: report.extents_moved,
-        total: total_live.max(report.extents_moved),
-    });
-
     // Only segments with no live extent left may go.
     let after = engine.index.segment_stats()?;
-    let empty: Vec<u64> = victims
+    let empty: Vec<u64> = group
         .iter()
         .copied()
         .filter(|id| after.get(id).map(|s| s.live_extents == 0).unwrap_or(true))
@@ -135,5 +154,5 @@ pub(crate) fn compact(
         engine.segments.remove(*id)?;
         report.segments_compacted += 1;
     }
-    Ok(report)
+    Ok(())
 }

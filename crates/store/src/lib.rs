@@ -130,14 +130,15 @@ pub struct StoreConfig {
     pub data_dirs: Vec<PathBuf>,
     /// Allow data directories on tmpfs/ramfs, where fsync is meaningless. Tests and demos only.
     pub ephemeral: bool,
-    /// A segment file is closed and a new one started past this size. Default 256 MiB.
+    /// A segment file is closed and a new one started past this size. Default 128 MiB.
     pub segment_size_max_bytes: u64,
     /// Largest amount of payload one group commit writes with one `pwrite` + `fdatasync`.
     /// Default 16 MiB.
     pub batch_size_max_bytes: usize,
     /// Free space kept back on each device: user writes are refused with
     /// [`StoreError::NoSpace`] below it, so deletes, compaction and the index can still make
-    /// progress on a full disk. Default 64 MiB.
+    /// progress on a full disk (compaction copies at most half of it before freeing). Default
+    /// 256 MiB.
     pub reserve_bytes: u64,
     /// The index is made durable (checkpointed) after this much new log. Bounds replay time at
     /// open and the memory redb holds for non-durable commits. Default 64 MiB.
@@ -149,9 +150,9 @@ impl StoreConfig {
         StoreConfig {
             data_dirs,
             ephemeral: false,
-            segment_size_max_bytes: 256 << 20,
+            segment_size_max_bytes: 128 << 20,
             batch_size_max_bytes: 16 << 20,
-            reserve_bytes: 64 << 20,
+            reserve_bytes: 256 << 20,
             checkpoint_interval_bytes: 64 << 20,
         }
     }
@@ -174,6 +175,8 @@ pub struct StoreStats {
     /// Extents rewritten from a good mirror copy since open.
     pub repaired_extents: u64,
     pub poisoned: bool,
+    /// Group-commit syncs of the log since open (each syncs every device).
+    pub log_syncs: u64,
 }
 
 impl StoreStats {
