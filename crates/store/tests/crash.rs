@@ -84,7 +84,7 @@ fn child(dir: &str) {
                             store.write(ops, Durability::Sync).unwrap();
                             writeln!(stdout.lock(), "group {thread} {version}").unwrap();
                         }
-                        1 | 2 | 3 => {
+                        1..=3 => {
                             store.write(vec![op], Durability::Buffered).unwrap();
                             unflushed.push((key, version));
                             if unflushed.len() >= 3 {
