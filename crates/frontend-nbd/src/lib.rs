@@ -1,0 +1,73 @@
+//! Keel's NBD (Network Block Device) server: serves block volumes to qemu, libnbd tools (nbdfuse,
+//! nbdcopy, nbdinfo), fio and the Linux kernel's `nbd` driver. Written from the protocol document
+//! (doc/proto.md of NetworkBlockDevice/nbd); see `docs/nbd.md` for what is supported.
+//!
+//! Layout: `protocol` holds the wire format as pure functions (fuzzable), `handshake` and
+//! `transmission` drive one connection, `server` accepts connections, `export` is the contract
+//! with the storage below (implemented by the volume layer), `testing` an in-memory export.
+//!
+//! Every per-connection resource is bounded by a constant below; the server-wide memory bound is
+//! [`CONNECTIONS_MAX`] × [`CONNECTION_BUFFER_MAX_BYTES`] of request buffers.
+
+use std::time::Duration;
+
+mod error;
+mod export;
+mod handshake;
+pub mod protocol;
+mod server;
+pub mod testing;
+mod transmission;
+
+pub use error::NbdError;
+pub use export::{Export, Exports};
+pub use server::{serve, serve_stream};
+
+/// Largest read or write a client may request (2^25, the size the protocol says a server should
+/// accept; advertised as the maximum payload in NBD_INFO_BLOCK_SIZE). Larger reads and writes
+/// are answered with EINVAL.
+pub const REQUEST_PAYLOAD_MAX_BYTES: u32 = 32 * 1024 * 1024;
+
+/// Requests of one connection being executed or waiting for their reply to be written. fio and
+/// qemu use queue depths up to 64-128; beyond this the connection stops reading requests until
+/// replies go out.
+pub const CONNECTION_REQUESTS_IN_FLIGHT_MAX: usize = 128;
+
+/// Read and write buffers one connection may hold at once. At least
+/// [`REQUEST_PAYLOAD_MAX_BYTES`], so one maximal request always fits.
+pub const CONNECTION_BUFFER_MAX_BYTES: u32 = 64 * 1024 * 1024;
+
+/// A refused write's payload is read and dropped (keeping the stream framed) up to this size;
+/// a client announcing more is disconnected instead.
+pub const WRITE_DISCARD_MAX_BYTES: u32 = 2 * REQUEST_PAYLOAD_MAX_BYTES;
+
+/// Connections served at once by [`serve`].
+pub const CONNECTIONS_MAX: usize = 128;
+
+/// Options one session may send before the server gives up on it (a real client sends fewer than
+/// ten).
+pub const HANDSHAKE_OPTIONS_MAX: usize = 256;
+
+/// Oversized option data (beyond [`protocol::OPTION_DATA_MAX_BYTES`]) is skipped and answered with
+/// NBD_REP_ERR_TOO_BIG up to this size; beyond it the session ends.
+pub const OPTION_DISCARD_MAX_BYTES: usize = 1024 * 1024;
+
+/// Time a client has from connecting to entering the transmission phase.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Time open connections get, once shutdown is requested, to answer requests in flight.
+pub const SHUTDOWN_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Pause after a failed `accept` (usually out of file descriptors) before trying again.
+pub const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Socket read buffer per connection (request headers are 28 bytes; this batches them).
+pub const REQUEST_BUFFER_BYTES: usize = 256 * 1024;
+
+/// Socket write buffer per connection (replies completed together go out in one write).
+pub const REPLY_BUFFER_BYTES: usize = 256 * 1024;
+
+// Compile-time checks of the relations the limits rely on.
+const _: () = assert!(CONNECTION_BUFFER_MAX_BYTES >= REQUEST_PAYLOAD_MAX_BYTES);
+const _: () = assert!(WRITE_DISCARD_MAX_BYTES >= REQUEST_PAYLOAD_MAX_BYTES);
+const _: () = assert!(OPTION_DISCARD_MAX_BYTES >= protocol::OPTION_DATA_MAX_BYTES);
