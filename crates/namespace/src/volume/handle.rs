@@ -1,0 +1,490 @@
+//! Block I/O on a volume: the operations an NBD export needs, as plain blocking calls.
+//!
+//! Cost model: an aligned 4 KiB write is one store op and no read; a write of N aligned blocks
+//! is one `Store::write` of N ops (one group commit) up to [`WRITE_BATCH_OPS_MAX`]; reading a
+//! block is one floor lookup (plus one per excluded generation it lands on, or per clone layer
+//! for blocks the clone never wrote).
+//!
+//! Concurrency: writes hold the volume state's read lock across their store write, so a
+//! snapshot (which takes it exclusively) sees every write either entirely before or entirely
+//! after it. A write that covers part of a block reads, patches and rewrites it while holding
+//! that block's stripe lock exclusively; full-block writes take their stripes shared, so a
+//! read-modify-write never loses a concurrent write to the same block.
+//!
+//! Durability: plain writes are `Durability::Buffered` (ordered and held, like a disk's volatile
+//! cache); FUA writes are `Durability::Sync` (which, the log being ordered, also makes every
+//! earlier write durable); `flush` syncs the whole store, covering every connection.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, RwLockReadGuard, RwLockWriteGuard};
+
+use keel_store::{block_key, Durability, Store, WriteOp};
+
+use super::record::parse_block_key;
+use super::view::{self, Layer};
+use super::{
+    read, SnapshotUse, VolumeError, VolumeResult, VolumeShared, VolumeState, BLOCK_SIZE_BYTES,
+    LOCK_STRIPES,
+};
+
+/// Most ops in one `Store::write`: 8192 blocks = 32 MiB, the largest NBD request Keel accepts.
+pub(crate) const WRITE_BATCH_OPS_MAX: usize = 8192;
+/// Blocks a trim or write-zeroes examines per step (one key scan per layer per step).
+pub(crate) const ZERO_CHUNK_BLOCKS: u64 = 16_384;
+
+const BLOCK_SIZE: usize = BLOCK_SIZE_BYTES as usize;
+
+/// A snapshot's view, for read-only handles.
+pub(crate) struct FrozenView {
+    pub view: Vec<Layer>,
+    pub size_bytes: u64,
+    pub _user: SnapshotUse,
+}
+
+/// I/O on one volume (or, read-only, on one snapshot). Cheap to share across threads.
+pub struct VolumeHandle {
+    store: Store,
+    shared: Arc<VolumeShared>,
+    frozen: Option<FrozenView>,
+}
+
+/// Stripe guards held for the duration of one request.
+struct StripeLocks<'a> {
+    _shared: Vec<RwLockReadGuard<'a, ()>>,
+    _exclusive: Vec<RwLockWriteGuard<'a, ()>>,
+}
+
+/// Reads one block through a view: Some(data) or None for zeroes.
+pub(crate) fn read_block(
+    store: &Store,
+    volume: &str,
+    view: &[Layer],
+    block: u64,
+) -> VolumeResult<Option<Vec<u8>>> {
+    for layer in view {
+        let hidden = layer.hidden_upto(block);
+        let low = block_key(layer.volume_id, block, hidden + 1);
+        let mut high_generation = layer.generation_max;
+        while high_generation > hidden {
+            let found = store
+                .floor(&low, &block_key(layer.volume_id, block, high_generation))
+                .map_err(VolumeError::store(volume, "reading a block"))?;
+            let Some((key, value)) = found else { break };
+            let generation = match parse_block_key(&key) {
+                Some((volume_id, found_block, generation))
+                    if volume_id == layer.volume_id && found_block == block =>
+                {
+                    generation
+                }
+                _ => {
+                    return Err(VolumeError::CorruptBlock {
+                        volume: volume.to_string(),
+                        block,
+                        detail: "floor lookup returned a key outside the block's range".to_string(),
+                    })
+                }
+            };
+            if let Some((excluded_low, _)) = layer.excluded_range(generation) {
+                high_generation = excluded_low - 1;
+                continue;
+            }
+            return match value.len() {
+                0 => Ok(None),
+                BLOCK_SIZE => Ok(Some(value)),
+                length => Err(VolumeError::CorruptBlock {
+                    volume: volume.to_string(),
+                    block,
+                    detail: format!(
+                        "extent of generation {generation} holds {length} bytes, not {BLOCK_SIZE}"
+                    ),
+                }),
+            };
+        }
+        if hidden > 0 {
+            return Ok(None);
+        }
+    }
+    Ok(None)
+}
+
+fn is_zero(data: &[u8]) -> bool {
+    data.iter().all(|&byte| byte == 0)
+}
+
+impl VolumeHandle {
+    pub(crate) fn new(
+        store: Store,
+        shared: Arc<VolumeShared>,
+        frozen: Option<FrozenView>,
+    ) -> VolumeHandle {
+        VolumeHandle {
+            store,
+            shared,
+            frozen,
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    pub fn size_bytes(&self) -> u64 {
+        match &self.frozen {
+            Some(frozen) => frozen.size_bytes,
+            None => read(&self.shared.state).record.size_bytes,
+        }
+    }
+
+    pub fn block_size_bytes(&self) -> u32 {
+        BLOCK_SIZE_BYTES as u32
+    }
+
+    /// True for snapshot handles.
+    pub fn read_only(&self) -> bool {
+        self.frozen.is_some()
+    }
+
+    fn throttle(&self, bytes: u64) {
+        let limiter = read(&self.shared.limiter).clone();
+        if let Some(limiter) = limiter {
+            limiter.acquire(bytes);
+        }
+    }
+
+    fn state(&self) -> VolumeResult<RwLockReadGuard<'_, VolumeState>> {
+        let state = read(&self.shared.state);
+        if self.shared.deleted.load(Ordering::SeqCst) {
+            return Err(VolumeError::Deleted {
+                volume: self.shared.name.clone(),
+            });
+        }
+        Ok(state)
+    }
+
+    fn check_range(&self, offset: u64, length: u64, size_bytes: u64) -> VolumeResult<u64> {
+        match offset.checked_add(length) {
+            Some(end) if end <= size_bytes => Ok(end),
+            _ => Err(VolumeError::OutOfRange {
+                volume: self.shared.name.clone(),
+                offset,
+                length,
+                size_bytes,
+            }),
+        }
+    }
+
+    fn check_writable(&self) -> VolumeResult<()> {
+        if self.frozen.is_some() {
+            return Err(VolumeError::ReadOnly {
+                volume: self.shared.name.clone(),
+                reason: "this handle exports a snapshot".to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Locks the stripes of blocks `first..=last`; `exclusive` blocks (partially written ones)
+    /// exclusively. Stripes are taken in index order, so requests cannot deadlock.
+    fn lock_stripes(&self, first: u64, last: u64, exclusive: &[u64]) -> StripeLocks<'_> {
+        let stripe_of = |block: u64| (block % LOCK_STRIPES as u64) as usize;
+        let mut order: Vec<(usize, bool)> = if last - first + 1 >= LOCK_STRIPES as u64 {
+            (0..LOCK_STRIPES).map(|stripe| (stripe, false)).collect()
+        } else {
+            (first..=last)
+                .map(|block| (stripe_of(block), false))
+                .collect()
+        };
+        for &block in exclusive {
+            order.push((stripe_of(block), true));
+        }
+        // Exclusive sorts after shared for the same stripe; keep the last (strongest) mode.
+        order.sort_unstable();
+        let mut locks = StripeLocks {
+            _shared: Vec::new(),
+            _exclusive: Vec::new(),
+        };
+        let mut index = 0;
+        while index < order.len() {
+            let (stripe, mut is_exclusive) = order[index];
+            while index + 1 < order.len() && order[index + 1].0 == stripe {
+                index += 1;
+                is_exclusive |= order[index].1;
+            }
+            let lock = &self.shared.stripes[stripe];
+            if is_exclusive {
+                locks._exclusive.push(super::write(lock));
+            } else {
+                locks._shared.push(read(lock));
+            }
+            index += 1;
+        }
+        locks
+    }
+
+    /// Reads `buf.len()` bytes at `offset`; never-written blocks read as zeroes.
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> VolumeResult<()> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        self.throttle(buf.len() as u64);
+        let state = self.state()?;
+        let (view, size_bytes) = match &self.frozen {
+            Some(frozen) => (&frozen.view, frozen.size_bytes),
+            None => (&state.record.view, state.record.size_bytes),
+        };
+        let end = self.check_range(offset, buf.len() as u64, size_bytes)?;
+        let mut position = offset;
+        while position < end {
+            let block = position / BLOCK_SIZE_BYTES;
+            let within = (position % BLOCK_SIZE_BYTES) as usize;
+            let take = (BLOCK_SIZE - within).min((end - position) as usize);
+            let at = (position - offset) as usize;
+            let target = &mut buf[at..at + take];
+            match read_block(&self.store, &self.shared.name, view, block)? {
+                Some(data) => target.copy_from_slice(&data[within..within + take]),
+                None => target.fill(0),
+            }
+            position += take as u64;
+        }
+        Ok(())
+    }
+
+    /// Writes `data` at `offset`. With `fua`, returns only once this write and every write
+    /// acknowledged before it are durable.
+    pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> VolumeResult<()> {
+        self.check_writable()?;
+        if data.is_empty() {
+            return if fua { self.flush() } else { Ok(()) };
+        }
+        self.throttle(data.len() as u64);
+        let length = data.len() as u64;
+        let end = offset
+            .checked_add(length)
+            .ok_or_else(|| VolumeError::OutOfRange {
+                volume: self.shared.name.clone(),
+                offset,
+                length,
+                size_bytes: 0,
+            })?;
+        let first = offset / BLOCK_SIZE_BYTES;
+        let last = (end - 1) / BLOCK_SIZE_BYTES;
+        let partial: Vec<u64> = [first, last]
+            .into_iter()
+            .filter(|&block| {
+                let block_start = block * BLOCK_SIZE_BYTES;
+                offset > block_start || end < block_start + BLOCK_SIZE_BYTES
+            })
+            .collect();
+        let _stripes = self.lock_stripes(first, last, &partial);
+        let state = self.state()?;
+        self.check_range(offset, length, state.record.size_bytes)?;
+        let generation = state.record.generation;
+        let compression = state.compression;
+        let mut ops = Vec::with_capacity(((last - first + 1) as usize).min(WRITE_BATCH_OPS_MAX));
+        for block in first..=last {
+            let block_start = block * BLOCK_SIZE_BYTES;
+            let value = if partial.contains(&block) {
+                let mut merged =
+                    read_block(&self.store, &self.shared.name, &state.record.view, block)?
+                        .unwrap_or_else(|| vec![0u8; BLOCK_SIZE]);
+                let from = offset.max(block_start);
+                let to = end.min(block_start + BLOCK_SIZE_BYTES);
+                merged[(from - block_start) as usize..(to - block_start) as usize]
+                    .copy_from_slice(&data[(from - offset) as usize..(to - offset) as usize]);
+                merged
+            } else {
+                let at = (block_start - offset) as usize;
+                data[at..at + BLOCK_SIZE].to_vec()
+            };
+            // All-zero blocks are stored as hole markers: thin, and compression-free.
+            let value = if is_zero(&value) { Vec::new() } else { value };
+            ops.push(WriteOp::put(
+                block_key(self.shared.id, block, generation),
+                value,
+                compression,
+            ));
+            if ops.len() == WRITE_BATCH_OPS_MAX && block != last {
+                self.submit(std::mem::take(&mut ops), Durability::Buffered)?;
+            }
+        }
+        self.submit(
+            ops,
+            if fua {
+                Durability::Sync
+            } else {
+                Durability::Buffered
+            },
+        )
+    }
+
+    fn submit(&self, ops: Vec<WriteOp>, durability: Durability) -> VolumeResult<()> {
+        if ops.is_empty() {
+            return if durability == Durability::Sync {
+                self.flush()
+            } else {
+                Ok(())
+            };
+        }
+        self.store
+            .write(ops, durability)
+            .map(|_| ())
+            .map_err(VolumeError::store(&self.shared.name, "writing blocks"))
+    }
+
+    /// Returns once every write acknowledged before this call (on any handle of any volume of
+    /// this store) is durable.
+    pub fn flush(&self) -> VolumeResult<()> {
+        self.store
+            .flush()
+            .map_err(VolumeError::store(&self.shared.name, "flushing"))
+    }
+
+    /// Discards `length` bytes at `offset`: whole blocks in the range read as zeroes afterwards
+    /// and stop using space; partial blocks at the edges are left as they are (TRIM is a hint).
+    pub fn trim(&self, offset: u64, length: u64) -> VolumeResult<()> {
+        self.check_writable()?;
+        if length == 0 {
+            return Ok(());
+        }
+        self.throttle(0);
+        let end = offset
+            .checked_add(length)
+            .ok_or_else(|| VolumeError::OutOfRange {
+                volume: self.shared.name.clone(),
+                offset,
+                length,
+                size_bytes: 0,
+            })?;
+        let first_full = offset.div_ceil(BLOCK_SIZE_BYTES);
+        let end_full = end / BLOCK_SIZE_BYTES;
+        let state = self.state()?;
+        self.check_range(offset, length, state.record.size_bytes)?;
+        drop(state);
+        if first_full < end_full {
+            self.zero_blocks(first_full, end_full, false)?;
+        }
+        Ok(())
+    }
+
+    /// Writes zeroes over `length` bytes at `offset`. Whole blocks become hole markers (or
+    /// disappear) whatever `may_trim` says: a hole reads as zeroes and a log-structured store
+    /// has nothing to preallocate. With `fua`, durable before returning.
+    pub fn write_zeroes(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        may_trim: bool,
+    ) -> VolumeResult<()> {
+        // `may_trim == false` (NO_HOLE) cannot reserve space in a log-structured store: every
+        // later write allocates anyway. Holes and zero-filled blocks read the same.
+        let _ = may_trim;
+        self.check_writable()?;
+        if length == 0 {
+            return if fua { self.flush() } else { Ok(()) };
+        }
+        let end = offset
+            .checked_add(length)
+            .ok_or_else(|| VolumeError::OutOfRange {
+                volume: self.shared.name.clone(),
+                offset,
+                length,
+                size_bytes: 0,
+            })?;
+        {
+            let state = self.state()?;
+            self.check_range(offset, length, state.record.size_bytes)?;
+        }
+        let first_full = offset.div_ceil(BLOCK_SIZE_BYTES);
+        let end_full = end / BLOCK_SIZE_BYTES;
+        if first_full >= end_full {
+            // Inside one or two blocks without covering any whole one: a plain write.
+            let zeroes = vec![0u8; length as usize];
+            return self.write(offset, &zeroes, fua);
+        }
+        if offset < first_full * BLOCK_SIZE_BYTES {
+            let head = first_full * BLOCK_SIZE_BYTES - offset;
+            self.write(offset, &vec![0u8; head as usize], false)?;
+        }
+        if end > end_full * BLOCK_SIZE_BYTES {
+            let tail = end - end_full * BLOCK_SIZE_BYTES;
+            self.write(
+                end_full * BLOCK_SIZE_BYTES,
+                &vec![0u8; tail as usize],
+                false,
+            )?;
+        }
+        self.throttle(0);
+        self.zero_blocks(first_full, end_full, fua)
+    }
+
+    /// Makes blocks `[first, end)` read as zeroes. Cost follows the extents that exist in the
+    /// range, not its length: blocks nothing was ever written to are skipped, blocks written
+    /// only in the current generation are deleted outright, others get a hole marker.
+    fn zero_blocks(&self, first: u64, end: u64, fua: bool) -> VolumeResult<()> {
+        let _stripes = self.lock_stripes(first, end - 1, &[]);
+        let state = self.state()?;
+        let view = &state.record.view;
+        let generation = state.record.generation;
+        let compression = state.compression;
+        let mut view_before_current = view.clone();
+        view_before_current[0].generation_max = generation - 1;
+        let mut chunk_start = first;
+        let mut ops = Vec::new();
+        while chunk_start < end {
+            let chunk_end = end.min(chunk_start + ZERO_CHUNK_BLOCKS);
+            let mut per_layer = Vec::with_capacity(view.len());
+            for layer in view {
+                per_layer.push(super::scan::collect_generations(
+                    &self.store,
+                    &self.shared.name,
+                    layer.volume_id,
+                    chunk_start,
+                    chunk_end,
+                )?);
+            }
+            let mut blocks: Vec<u64> = per_layer
+                .iter()
+                .flat_map(|map| map.keys().copied())
+                .collect();
+            blocks.sort_unstable();
+            blocks.dedup();
+            for block in blocks {
+                let generations_of = |volume_id: u64| -> &[u64] {
+                    view.iter()
+                        .position(|layer| layer.volume_id == volume_id)
+                        .and_then(|index| per_layer[index].get(&block))
+                        .map(Vec::as_slice)
+                        .unwrap_or(&[])
+                };
+                let Some(shown) = view::resolve(view, block, generations_of) else {
+                    continue;
+                };
+                let key = block_key(self.shared.id, block, generation);
+                // Shown from the current generation and nothing older under it? Then deleting
+                // the extent leaves zeroes and frees its space; otherwise a hole marker hides
+                // what lies below.
+                let op = if shown == (self.shared.id, generation)
+                    && view::resolve(&view_before_current, block, generations_of).is_none()
+                {
+                    WriteOp::Delete { key }
+                } else {
+                    WriteOp::put(key, Vec::new(), compression)
+                };
+                ops.push(op);
+                if ops.len() == WRITE_BATCH_OPS_MAX {
+                    self.submit(std::mem::take(&mut ops), Durability::Buffered)?;
+                }
+            }
+            chunk_start = chunk_end;
+        }
+        self.submit(
+            ops,
+            if fua {
+                Durability::Sync
+            } else {
+                Durability::Buffered
+            },
+        )
+    }
+}

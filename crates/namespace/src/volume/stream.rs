@@ -1,0 +1,787 @@
+//! Send/receive streams: a volume snapshot (full) or the difference between two snapshots
+//! (incremental) as a byte stream, for backup and disaster-recovery mirrors.
+//!
+//! Format (version 1, little-endian):
+//! ```text
+//! stream  = magic "KEELVOL1", header record, { block record | trim record }, trailer record
+//! record  = tag u8, payload length u32, payload, CRC32C(tag, length, payload) u32
+//! header  = postcard StreamHeader (sizes, base and target snapshot identities)
+//! block   = block number u64, 4096 bytes of data
+//! trim    = first block u64, block count u64   (these blocks read as zeroes at the target)
+//! trailer = postcard StreamTrailer (counts, identities again, BLAKE3 of every byte before it)
+//! ```
+//! A record's length is at most [`RECORD_PAYLOAD_MAX_BYTES`], so a corrupt length cannot make
+//! the receiver allocate much. The sender reads [`SEND_CHUNK_BLOCKS`] blocks at a time and the
+//! receiver writes [`RECEIVE_BATCH_OPS`] at a time: memory stays bounded for any volume size.
+//!
+//! Atomicity of a receive: blocks land in a generation no view shows (a new hidden volume for a
+//! full stream, an excluded generation of the target volume for an incremental one); only after
+//! the trailer verified are they flushed and the snapshot record committed with one synced
+//! metadata write. A failed receive leaves garbage that is deleted at once (or, after a crash,
+//! by the next collection or at open), never visible data.
+
+use std::io::{self, Read};
+use std::sync::Arc;
+
+use keel_store::{block_key, Compression, Durability, Store, WriteOp};
+use serde::{Deserialize, Serialize};
+
+use super::record::{hex, SnapshotRecord, VolumeStatus, RECORD_FORMAT};
+use super::view::{self, Layer, Truncation};
+use super::{
+    lock, read, rebase_onto, scan, validate_name, validate_size, write, SnapshotUse, VolumeError,
+    VolumeManager, VolumeResult, VolumeShared, VolumeSpec, BLOCK_SIZE_BYTES,
+};
+
+const MAGIC: &[u8; 8] = b"KEELVOL1";
+const STREAM_VERSION: u32 = 1;
+const TAG_HEADER: u8 = 1;
+const TAG_BLOCK: u8 = 2;
+const TAG_TRIM: u8 = 3;
+const TAG_TRAILER: u8 = 4;
+/// Largest record payload (a block record is 4104 bytes).
+pub(crate) const RECORD_PAYLOAD_MAX_BYTES: usize = 64 << 10;
+/// Blocks the sender examines per step.
+pub(crate) const SEND_CHUNK_BLOCKS: u64 = 256;
+/// Block writes per `Store::write` while receiving.
+pub(crate) const RECEIVE_BATCH_OPS: usize = 256;
+
+const BLOCK_SIZE: usize = BLOCK_SIZE_BYTES as usize;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct SnapshotIdentity {
+    volume_uuid: [u8; 16],
+    name: String,
+    guid: [u8; 16],
+    generation: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct StreamHeader {
+    version: u32,
+    block_size_bytes: u64,
+    /// Size of the target snapshot.
+    size_bytes: u64,
+    compression: String,
+    base: Option<SnapshotIdentity>,
+    target: SnapshotIdentity,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct StreamTrailer {
+    /// Block and trim records.
+    records: u64,
+    blocks: u64,
+    trimmed_blocks: u64,
+    base: Option<SnapshotIdentity>,
+    target: SnapshotIdentity,
+    stream_blake3: [u8; 32],
+}
+
+fn identity(volume_uuid: [u8; 16], snapshot: &SnapshotRecord) -> SnapshotIdentity {
+    SnapshotIdentity {
+        volume_uuid,
+        name: snapshot.name.clone(),
+        guid: snapshot.guid,
+        generation: snapshot.generation,
+    }
+}
+
+fn push_record(out: &mut Vec<u8>, hasher: Option<&mut blake3::Hasher>, tag: u8, payload: &[&[u8]]) {
+    let length: usize = payload.iter().map(|part| part.len()).sum();
+    assert!(
+        length <= RECORD_PAYLOAD_MAX_BYTES,
+        "record payload {length} over the limit"
+    );
+    let start = out.len();
+    out.push(tag);
+    out.extend_from_slice(&(length as u32).to_le_bytes());
+    for part in payload {
+        out.extend_from_slice(part);
+    }
+    let crc = crc32c::crc32c(&out[start..]);
+    out.extend_from_slice(&crc.to_le_bytes());
+    if let Some(hasher) = hasher {
+        hasher.update(&out[start..]);
+    }
+}
+
+/// A send stream; implements [`Read`]. Reading drives the scan, one chunk of blocks at a time.
+pub struct SendStream {
+    store: Store,
+    shared: Arc<VolumeShared>,
+    base_view: Option<Vec<Layer>>,
+    target_view: Vec<Layer>,
+    base: Option<SnapshotIdentity>,
+    target: SnapshotIdentity,
+    size_blocks: u64,
+    next_block: u64,
+    pending_trim: Option<(u64, u64)>,
+    buffer: Vec<u8>,
+    position: usize,
+    hasher: blake3::Hasher,
+    records: u64,
+    blocks: u64,
+    trimmed_blocks: u64,
+    finished: bool,
+    failed: Option<String>,
+    _users: Vec<SnapshotUse>,
+}
+
+impl SendStream {
+    pub(crate) fn new(
+        store: Store,
+        shared: Arc<VolumeShared>,
+        volume_uuid: [u8; 16],
+        compression: Compression,
+        base: Option<SnapshotRecord>,
+        target: SnapshotRecord,
+    ) -> VolumeResult<SendStream> {
+        let mut users = vec![shared.use_snapshot(target.generation)];
+        if let Some(base) = &base {
+            users.push(shared.use_snapshot(base.generation));
+        }
+        let header = StreamHeader {
+            version: STREAM_VERSION,
+            block_size_bytes: BLOCK_SIZE_BYTES,
+            size_bytes: target.size_bytes,
+            compression: compression.name().to_string(),
+            base: base.as_ref().map(|base| identity(volume_uuid, base)),
+            target: identity(volume_uuid, &target),
+        };
+        let mut hasher = blake3::Hasher::new();
+        let mut buffer = MAGIC.to_vec();
+        hasher.update(MAGIC);
+        let encoded = super::record::encode(&header)?;
+        push_record(&mut buffer, Some(&mut hasher), TAG_HEADER, &[&encoded]);
+        Ok(SendStream {
+            store,
+            shared,
+            base_view: base.as_ref().map(|base| base.view.clone()),
+            target_view: target.view.clone(),
+            base: header.base,
+            target: header.target,
+            size_blocks: target.size_bytes / BLOCK_SIZE_BYTES,
+            next_block: 0,
+            pending_trim: None,
+            buffer,
+            position: 0,
+            hasher,
+            records: 0,
+            blocks: 0,
+            trimmed_blocks: 0,
+            finished: false,
+            failed: None,
+            _users: users,
+        })
+    }
+
+    fn flush_trim(&mut self) {
+        if let Some((first, count)) = self.pending_trim.take() {
+            push_record(
+                &mut self.buffer,
+                Some(&mut self.hasher),
+                TAG_TRIM,
+                &[&first.to_le_bytes(), &count.to_le_bytes()],
+            );
+            self.records += 1;
+            self.trimmed_blocks += count;
+        }
+    }
+
+    fn trim(&mut self, block: u64) {
+        match self.pending_trim.as_mut() {
+            Some((first, count)) if *first + *count == block => *count += 1,
+            _ => {
+                self.flush_trim();
+                self.pending_trim = Some((block, 1));
+            }
+        }
+    }
+
+    /// Appends the records of the next chunk of blocks (or the trailer) to the buffer.
+    fn fill(&mut self) -> VolumeResult<()> {
+        if self.next_block >= self.size_blocks {
+            self.flush_trim();
+            let trailer = StreamTrailer {
+                records: self.records,
+                blocks: self.blocks,
+                trimmed_blocks: self.trimmed_blocks,
+                base: self.base.clone(),
+                target: self.target.clone(),
+                stream_blake3: *self.hasher.finalize().as_bytes(),
+            };
+            let encoded = super::record::encode(&trailer)?;
+            push_record(&mut self.buffer, None, TAG_TRAILER, &[&encoded]);
+            self.finished = true;
+            return Ok(());
+        }
+        let chunk_start = self.next_block;
+        let chunk_end = self.size_blocks.min(chunk_start + SEND_CHUNK_BLOCKS);
+        let mut volume_ids: Vec<u64> = self
+            .target_view
+            .iter()
+            .map(|layer| layer.volume_id)
+            .collect();
+        if let Some(base_view) = &self.base_view {
+            volume_ids.extend(base_view.iter().map(|layer| layer.volume_id));
+        }
+        volume_ids.sort_unstable();
+        volume_ids.dedup();
+        let mut generations = Vec::with_capacity(volume_ids.len());
+        for &volume_id in &volume_ids {
+            generations.push(scan::collect_generations(
+                &self.store,
+                &self.shared.name,
+                volume_id,
+                chunk_start,
+                chunk_end,
+            )?);
+        }
+        let mut blocks: Vec<u64> = generations
+            .iter()
+            .flat_map(|map| map.keys().copied())
+            .collect();
+        blocks.sort_unstable();
+        blocks.dedup();
+        for block in blocks {
+            let generations_of = |volume_id: u64| -> &[u64] {
+                volume_ids
+                    .binary_search(&volume_id)
+                    .ok()
+                    .and_then(|index| generations[index].get(&block))
+                    .map(Vec::as_slice)
+                    .unwrap_or(&[])
+            };
+            let target_shown = view::resolve(&self.target_view, block, generations_of);
+            let base_shown = self
+                .base_view
+                .as_ref()
+                .and_then(|base_view| view::resolve(base_view, block, generations_of));
+            if self.base_view.is_some() && target_shown == base_shown {
+                continue;
+            }
+            let data = match target_shown {
+                Some((volume_id, generation)) => {
+                    let value = self
+                        .store
+                        .get(&block_key(volume_id, block, generation))
+                        .map_err(VolumeError::store(
+                            &self.shared.name,
+                            "reading a block to send",
+                        ))?
+                        .ok_or_else(|| VolumeError::CorruptBlock {
+                            volume: self.shared.name.clone(),
+                            block,
+                            detail: format!(
+                                "extent of generation {generation} vanished while sending"
+                            ),
+                        })?;
+                    match value.len() {
+                        0 => None,
+                        BLOCK_SIZE => Some(value),
+                        length => {
+                            return Err(VolumeError::CorruptBlock {
+                                volume: self.shared.name.clone(),
+                                block,
+                                detail: format!("extent holds {length} bytes, not {BLOCK_SIZE}"),
+                            })
+                        }
+                    }
+                }
+                None => None,
+            };
+            match data {
+                Some(data) => {
+                    self.flush_trim();
+                    push_record(
+                        &mut self.buffer,
+                        Some(&mut self.hasher),
+                        TAG_BLOCK,
+                        &[&block.to_le_bytes(), &data],
+                    );
+                    self.records += 1;
+                    self.blocks += 1;
+                }
+                // Zeroes at the target: only worth saying if the base showed something.
+                None if base_shown.is_some() => self.trim(block),
+                None => {}
+            }
+        }
+        self.next_block = chunk_end;
+        Ok(())
+    }
+}
+
+impl Read for SendStream {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        while self.position == self.buffer.len() {
+            if self.finished {
+                return Ok(0);
+            }
+            if let Some(error) = &self.failed {
+                return Err(io::Error::other(format!(
+                    "the send stream already failed: {error}"
+                )));
+            }
+            self.buffer.clear();
+            self.position = 0;
+            if let Err(error) = self.fill() {
+                // A half-filled chunk cannot be resumed: every later read fails too, so a
+                // caller cannot build a stream with a hole in it.
+                self.failed = Some(error.to_string());
+                self.buffer.clear();
+                return Err(error.into());
+            }
+        }
+        let count = out.len().min(self.buffer.len() - self.position);
+        out[..count].copy_from_slice(&self.buffer[self.position..self.position + count]);
+        self.position += count;
+        Ok(count)
+    }
+}
+
+/// What a receive applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReceiveReport {
+    pub volume: String,
+    pub snapshot: String,
+    pub incremental: bool,
+    pub blocks: u64,
+    pub trimmed_blocks: u64,
+    pub stream_bytes: u64,
+}
+
+/// Reads records, verifying each one's CRC and hashing everything before the trailer.
+struct StreamReader<'a> {
+    input: &'a mut dyn Read,
+    offset: u64,
+    hasher: blake3::Hasher,
+}
+
+impl StreamReader<'_> {
+    fn error(&self, detail: impl Into<String>) -> VolumeError {
+        VolumeError::Stream {
+            detail: detail.into(),
+            offset: self.offset,
+        }
+    }
+
+    fn read_exact(&mut self, buf: &mut [u8]) -> VolumeResult<()> {
+        match self.input.read_exact(buf) {
+            Ok(()) => {
+                self.offset += buf.len() as u64;
+                Ok(())
+            }
+            Err(error) if error.kind() == io::ErrorKind::UnexpectedEof => {
+                Err(self.error("truncated: the stream ends before its trailer"))
+            }
+            Err(error) => Err(VolumeError::Io(error)),
+        }
+    }
+
+    fn read_magic(&mut self) -> VolumeResult<()> {
+        let mut magic = [0u8; 8];
+        self.read_exact(&mut magic)?;
+        if &magic != MAGIC {
+            return Err(self.error("not a Keel volume stream (bad magic)"));
+        }
+        self.hasher.update(&magic);
+        Ok(())
+    }
+
+    /// Returns the record's tag and payload (payload into `payload`).
+    fn read_record(&mut self, payload: &mut Vec<u8>) -> VolumeResult<u8> {
+        let record_offset = self.offset;
+        let mut head = [0u8; 5];
+        self.read_exact(&mut head)?;
+        let tag = head[0];
+        let length = u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize;
+        if length > RECORD_PAYLOAD_MAX_BYTES {
+            return Err(self.error(format!("record at byte {record_offset} claims {length} bytes, more than {RECORD_PAYLOAD_MAX_BYTES}")));
+        }
+        payload.resize(length, 0);
+        self.read_exact(payload)?;
+        let mut crc_bytes = [0u8; 4];
+        self.read_exact(&mut crc_bytes)?;
+        let crc = crc32c::crc32c_append(crc32c::crc32c(&head), payload);
+        if crc != u32::from_le_bytes(crc_bytes) {
+            return Err(self.error(format!("record at byte {record_offset} fails its CRC32C")));
+        }
+        if tag != TAG_TRAILER {
+            self.hasher.update(&head);
+            self.hasher.update(payload);
+            self.hasher.update(&crc_bytes);
+        }
+        Ok(tag)
+    }
+}
+
+/// Where a receive writes, and how to undo it.
+struct Target {
+    shared: Arc<VolumeShared>,
+    generation: u64,
+    base: Option<SnapshotRecord>,
+    _base_user: Option<SnapshotUse>,
+}
+
+pub(crate) fn receive(
+    manager: &VolumeManager,
+    input: &mut dyn Read,
+    volume: &str,
+) -> VolumeResult<ReceiveReport> {
+    validate_name("volume", volume)?;
+    let mut reader = StreamReader {
+        input,
+        offset: 0,
+        hasher: blake3::Hasher::new(),
+    };
+    reader.read_magic()?;
+    let mut payload = Vec::with_capacity(BLOCK_SIZE + 8);
+    if reader.read_record(&mut payload)? != TAG_HEADER {
+        return Err(reader.error("the first record is not a header"));
+    }
+    let header: StreamHeader = postcard::from_bytes(&payload)
+        .map_err(|error| reader.error(format!("undecodable header: {error}")))?;
+    if header.version != STREAM_VERSION || header.block_size_bytes != BLOCK_SIZE_BYTES {
+        return Err(reader.error(format!(
+            "stream version {} with {}-byte blocks; this build reads version {STREAM_VERSION} with {BLOCK_SIZE_BYTES}-byte blocks",
+            header.version, header.block_size_bytes
+        )));
+    }
+    validate_size(volume, header.size_bytes)?;
+    validate_name("snapshot", &header.target.name)?;
+    let target = prepare(manager, volume, &header)?;
+    match apply(manager, &mut reader, &header, &target, &mut payload) {
+        Ok(report) => {
+            lock(&target.shared.activity).receiving = false;
+            Ok(report)
+        }
+        Err(error) => {
+            abandon(manager, volume, &target);
+            Err(error)
+        }
+    }
+}
+
+/// Reserves where the stream's blocks go: a hidden new volume (full stream) or a fresh
+/// generation of the target volume excluded from every view (incremental).
+fn prepare(manager: &VolumeManager, volume: &str, header: &StreamHeader) -> VolumeResult<Target> {
+    let mut catalog = lock(&manager.catalog);
+    let Some(base) = &header.base else {
+        if catalog.by_name.contains_key(volume) {
+            return Err(VolumeError::AlreadyExists {
+                name: volume.to_string(),
+            });
+        }
+        let spec = VolumeSpec {
+            name: volume.to_string(),
+            size_bytes: header.size_bytes,
+            compression: Compression::from_name(&header.compression).unwrap_or_default(),
+            iops_max: None,
+            bandwidth_max_mib_per_second: None,
+        };
+        let (id, id_op) = VolumeManager::allocate_volume_id(&mut catalog)?;
+        let record = VolumeManager::new_record(
+            id,
+            &spec,
+            vec![Layer::new(id, 1)],
+            None,
+            VolumeStatus::Receiving,
+        );
+        manager.commit(
+            volume,
+            "creating the received volume",
+            vec![id_op, VolumeManager::volume_put(&record)?],
+        )?;
+        let shared = Arc::new(VolumeShared::new(record, Default::default()));
+        lock(&shared.activity).receiving = true;
+        catalog.by_name.insert(volume.to_string(), shared.clone());
+        return Ok(Target {
+            shared,
+            generation: 1,
+            base: None,
+            _base_user: None,
+        });
+    };
+    let base_missing = || VolumeError::BaseMissing {
+        volume: volume.to_string(),
+        base_name: base.name.clone(),
+        base_guid: hex(&base.guid),
+    };
+    let shared = VolumeManager::get_ready(&catalog, volume).map_err(|_| base_missing())?;
+    let mut state = write(&shared.state);
+    let base_snapshot = state
+        .snapshots
+        .values()
+        .find(|snapshot| snapshot.guid == base.guid)
+        .cloned()
+        .ok_or_else(base_missing)?;
+    if let Some(existing) = state
+        .snapshots
+        .values()
+        .find(|snapshot| snapshot.name == header.target.name || snapshot.guid == header.target.guid)
+    {
+        return Err(VolumeError::SnapshotExists {
+            volume: volume.to_string(),
+            snapshot: existing.name.clone(),
+        });
+    }
+    let mut activity = lock(&shared.activity);
+    if activity.receiving {
+        return Err(VolumeError::InUse {
+            volume: volume.to_string(),
+            detail: "another stream is being received into it".to_string(),
+        });
+    }
+    let mut record = state.record.clone();
+    let generation = record.generation_next;
+    record.generation_next += 1;
+    record.view[0].exclude(generation, generation);
+    // Registered before generation_next moves (both under the state lock): the collector
+    // never sees this generation as garbage while the receive runs.
+    activity.pending_generations.push(generation);
+    activity.receiving = true;
+    drop(activity);
+    if let Err(error) = manager.commit(
+        volume,
+        "reserving a generation to receive into",
+        vec![VolumeManager::volume_put(&record)?],
+    ) {
+        let mut activity = lock(&shared.activity);
+        activity
+            .pending_generations
+            .retain(|&pending| pending != generation);
+        activity.receiving = false;
+        return Err(error);
+    }
+    state.record = record;
+    drop(state);
+    let user = shared.use_snapshot(base_snapshot.generation);
+    Ok(Target {
+        shared: shared.clone(),
+        generation,
+        base: Some(base_snapshot),
+        _base_user: Some(user),
+    })
+}
+
+fn apply(
+    manager: &VolumeManager,
+    reader: &mut StreamReader<'_>,
+    header: &StreamHeader,
+    target: &Target,
+    payload: &mut Vec<u8>,
+) -> VolumeResult<ReceiveReport> {
+    let store = &manager.store;
+    let shared = &target.shared;
+    let size_blocks = header.size_bytes / BLOCK_SIZE_BYTES;
+    let compression = read(&shared.state).compression;
+    let mut ops: Vec<WriteOp> = Vec::with_capacity(RECEIVE_BATCH_OPS);
+    let (mut records, mut blocks, mut trimmed_blocks) = (0u64, 0u64, 0u64);
+    let submit = |ops: &mut Vec<WriteOp>| -> VolumeResult<()> {
+        if ops.is_empty() {
+            return Ok(());
+        }
+        store
+            .write(std::mem::take(ops), Durability::Buffered)
+            .map(|_| ())
+            .map_err(VolumeError::store(&shared.name, "writing received blocks"))
+    };
+    let trailer: StreamTrailer = loop {
+        let hash_before = reader.hasher.clone();
+        match reader.read_record(payload)? {
+            TAG_BLOCK => {
+                if payload.len() != 8 + BLOCK_SIZE {
+                    return Err(reader.error(format!("block record of {} bytes", payload.len())));
+                }
+                let block = u64::from_le_bytes(payload[..8].try_into().unwrap_or_default());
+                if block >= size_blocks {
+                    return Err(
+                        reader.error(format!("block {block} past the end ({size_blocks} blocks)"))
+                    );
+                }
+                let data = &payload[8..];
+                let value = if data.iter().all(|&byte| byte == 0) {
+                    Vec::new()
+                } else {
+                    data.to_vec()
+                };
+                ops.push(WriteOp::put(
+                    block_key(shared.id, block, target.generation),
+                    value,
+                    compression,
+                ));
+                records += 1;
+                blocks += 1;
+            }
+            TAG_TRIM => {
+                if payload.len() != 16 {
+                    return Err(reader.error(format!("trim record of {} bytes", payload.len())));
+                }
+                let first = u64::from_le_bytes(payload[..8].try_into().unwrap_or_default());
+                let count = u64::from_le_bytes(payload[8..].try_into().unwrap_or_default());
+                if first.checked_add(count).is_none_or(|end| end > size_blocks) {
+                    return Err(
+                        reader.error(format!("trim of {count} blocks at {first} past the end"))
+                    );
+                }
+                for block in first..first + count {
+                    ops.push(WriteOp::put(
+                        block_key(shared.id, block, target.generation),
+                        Vec::new(),
+                        compression,
+                    ));
+                    if ops.len() >= RECEIVE_BATCH_OPS {
+                        submit(&mut ops)?;
+                    }
+                }
+                records += 1;
+                trimmed_blocks += count;
+            }
+            TAG_TRAILER => {
+                let trailer: StreamTrailer = postcard::from_bytes(payload)
+                    .map_err(|error| reader.error(format!("undecodable trailer: {error}")))?;
+                if trailer.stream_blake3 != *hash_before.finalize().as_bytes() {
+                    return Err(
+                        reader.error("the stream's BLAKE3 checksum does not match its contents")
+                    );
+                }
+                break trailer;
+            }
+            TAG_HEADER => return Err(reader.error("a second header record")),
+            tag => return Err(reader.error(format!("unknown record tag {tag}"))),
+        }
+        if ops.len() >= RECEIVE_BATCH_OPS {
+            submit(&mut ops)?;
+        }
+    };
+    if trailer.records != records
+        || trailer.blocks != blocks
+        || trailer.trimmed_blocks != trimmed_blocks
+        || trailer.base != header.base
+        || trailer.target != header.target
+    {
+        return Err(reader.error("the trailer does not match the stream's header or records"));
+    }
+    let mut extra = [0u8; 1];
+    match reader.input.read(&mut extra) {
+        Ok(0) => {}
+        Ok(_) => return Err(reader.error("bytes after the trailer")),
+        Err(error) => return Err(VolumeError::Io(error)),
+    }
+    submit(&mut ops)?;
+    store
+        .flush()
+        .map_err(VolumeError::store(&shared.name, "flushing received blocks"))?;
+    commit_received(manager, header, target)?;
+    Ok(ReceiveReport {
+        volume: shared.name.clone(),
+        snapshot: header.target.name.clone(),
+        incremental: header.base.is_some(),
+        blocks,
+        trimmed_blocks,
+        stream_bytes: reader.offset,
+    })
+}
+
+/// Publishes the received snapshot and points the volume at it, in one synced write.
+fn commit_received(
+    manager: &VolumeManager,
+    header: &StreamHeader,
+    target: &Target,
+) -> VolumeResult<()> {
+    let _catalog = lock(&manager.catalog);
+    let shared = &target.shared;
+    let mut state = write(&shared.state);
+    let size_blocks = header.size_bytes / BLOCK_SIZE_BYTES;
+    let mut frozen_view = match &target.base {
+        None => vec![Layer::new(shared.id, target.generation)],
+        Some(base) => {
+            let mut view = base.view.clone();
+            view[0].generation_max = target.generation;
+            view[0].exclude(base.generation + 1, target.generation - 1);
+            if size_blocks < base.size_bytes / BLOCK_SIZE_BYTES {
+                view[0].truncations.push(Truncation {
+                    block_from: size_blocks,
+                    generation_upto: target.generation - 1,
+                });
+            }
+            view
+        }
+    };
+    frozen_view[0].volume_id = shared.id;
+    if state
+        .snapshots
+        .values()
+        .any(|snapshot| snapshot.name == header.target.name || snapshot.guid == header.target.guid)
+    {
+        return Err(VolumeError::SnapshotExists {
+            volume: shared.name.clone(),
+            snapshot: header.target.name.clone(),
+        });
+    }
+    let snapshot = SnapshotRecord {
+        format: RECORD_FORMAT,
+        volume_id: shared.id,
+        name: header.target.name.clone(),
+        guid: header.target.guid,
+        generation: target.generation,
+        size_bytes: header.size_bytes,
+        view: frozen_view,
+        created_unix_seconds: super::record::unix_seconds_now(),
+    };
+    let mut record = state.record.clone();
+    rebase_onto(
+        &mut record,
+        &snapshot.view,
+        snapshot.generation,
+        snapshot.size_bytes,
+    );
+    record.status = VolumeStatus::Ready;
+    manager.commit(
+        &shared.name,
+        "publishing the received snapshot",
+        vec![
+            VolumeManager::snapshot_put(&snapshot)?,
+            VolumeManager::volume_put(&record)?,
+        ],
+    )?;
+    state.record = record;
+    state.snapshots.insert(snapshot.generation, snapshot);
+    lock(&shared.activity)
+        .pending_generations
+        .retain(|&pending| pending != target.generation);
+    Ok(())
+}
+
+/// Undoes a failed receive: deletes the hidden new volume, or collects the excluded
+/// generation's blocks.
+fn abandon(manager: &VolumeManager, volume: &str, target: &Target) {
+    let shared = &target.shared;
+    {
+        let mut activity = lock(&shared.activity);
+        activity
+            .pending_generations
+            .retain(|&pending| pending != target.generation);
+        activity.receiving = false;
+    }
+    let result = if target.base.is_none() {
+        {
+            let mut catalog = lock(&manager.catalog);
+            if catalog
+                .by_name
+                .get(volume)
+                .is_some_and(|entry| Arc::ptr_eq(entry, shared))
+            {
+                catalog.by_name.remove(volume);
+            }
+        }
+        manager.erase(shared, &mut |_| {})
+    } else {
+        scan::collect_garbage(&manager.store, shared, &mut |_| {}).map(|_| ())
+    };
+    if let Err(error) = result {
+        tracing::warn!(volume, %error, "could not clean up after a failed receive; the next garbage collection or restart will");
+    }
+}
