@@ -1,0 +1,1416 @@
+//! The S3 operations, implemented on the object layer. s3s has already parsed the request,
+//! checked its signature and the caller's access to the bucket; each operation here validates
+//! what Keel owns (keys, ranges, conditions, part lists), runs store work in blocking tasks, and
+//! streams bodies both ways.
+
+use std::sync::Arc;
+
+use futures::StreamExt;
+use keel_namespace::object::list::{ListRequest, ListResult, ListStart, LIST_ENTRIES_MAX};
+use keel_namespace::object::multipart::PARTS_MAX;
+use keel_namespace::object::{
+    now_unix_ms, validate_object_key, Checksums, Content, Manifest, ObjectError, Objects,
+    PartRecord, PutCondition, StoredHeaders, UploadRecord,
+};
+use s3s::dto::*;
+use s3s::{s3_error, S3Error, S3ErrorCode, S3Request, S3Response, S3Result, S3};
+
+use crate::error::{join_error, s3_error};
+use crate::ingest::{ingest, ChecksumKind, ChecksumRequest, PUT_SIZE_MAX_BYTES};
+use crate::read::{evaluate, parse_copy_range, Conditions, ObjectBody, Precondition};
+use crate::token::{decode_token, encode_token, url_encode};
+
+/// Most keys one DeleteObjects request may name, as in S3.
+pub const DELETE_OBJECTS_MAX: usize = 1000;
+/// Largest total size of user metadata (names and values), as in S3.
+pub const METADATA_SIZE_MAX_BYTES: usize = 2048;
+/// Largest part, as in S3.
+pub const PART_SIZE_MAX_BYTES: u64 = 5 << 30;
+
+/// The S3 service over one object layer.
+#[derive(Clone)]
+pub struct KeelS3 {
+    pub(crate) objects: Arc<Objects>,
+}
+
+/// Runs blocking object-layer work off the async threads.
+async fn blocking<T, F>(f: F) -> S3Result<T>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Result<T, ObjectError> + Send + 'static,
+{
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(join_error)?
+        .map_err(s3_error)
+}
+
+fn caller<T>(req: &S3Request<T>) -> S3Result<String> {
+    req.credentials
+        .as_ref()
+        .map(|c| c.access_key.clone())
+        .ok_or_else(|| s3_error!(AccessDenied, "Signature is required"))
+}
+
+fn check_key(key: &str) -> S3Result<()> {
+    validate_object_key(key).map_err(s3_error)
+}
+
+fn timestamp(unix_ms: i64) -> Timestamp {
+    let nanos = i128::from(unix_ms) * 1_000_000;
+    Timestamp::from(
+        time::OffsetDateTime::from_unix_timestamp_nanos(nanos)
+            .unwrap_or(time::OffsetDateTime::UNIX_EPOCH),
+    )
+}
+
+fn unix_ms(ts: &Timestamp) -> i64 {
+    let t: time::OffsetDateTime = ts.clone().into();
+    (t.unix_timestamp_nanos() / 1_000_000) as i64
+}
+
+fn unix_s(ts: &Timestamp) -> i64 {
+    let t: time::OffsetDateTime = ts.clone().into();
+    t.unix_timestamp()
+}
+
+fn etag(value: &str) -> ETag {
+    ETag::Strong(value.to_string())
+}
+
+fn condition_value(condition: &ETagCondition) -> Option<String> {
+    match condition {
+        ETagCondition::Any => None,
+        ETagCondition::ETag(etag) => Some(etag.value().to_string()),
+    }
+}
+
+fn user_metadata(metadata: Option<Metadata>) -> S3Result<Vec<(String, String)>> {
+    let mut list: Vec<(String, String)> = metadata
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| (k.to_ascii_lowercase(), v))
+        .collect();
+    list.sort();
+    let size: usize = list.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if size > METADATA_SIZE_MAX_BYTES {
+        return Err(S3Error::with_message(
+            S3ErrorCode::MetadataTooLarge,
+            format!("user metadata is {size} bytes; at most {METADATA_SIZE_MAX_BYTES} allowed"),
+        ));
+    }
+    Ok(list)
+}
+
+fn metadata_map(list: &[(String, String)]) -> Option<Metadata> {
+    if list.is_empty() {
+        None
+    } else {
+        Some(list.iter().cloned().collect())
+    }
+}
+
+fn checksum_request(
+    algorithm: Option<&ChecksumAlgorithm>,
+    sent: Checksums,
+    content_md5: Option<String>,
+    headers: &hyper::HeaderMap,
+) -> S3Result<ChecksumRequest> {
+    let mut algorithms = Vec::new();
+    if let Some(algorithm) = algorithm {
+        let kind = ChecksumKind::parse(algorithm.as_str()).ok_or_else(|| {
+            S3Error::with_message(
+                S3ErrorCode::InvalidArgument,
+                format!("unknown checksum algorithm {:?}", algorithm.as_str()),
+            )
+        })?;
+        algorithms.push(kind);
+    }
+    // A checksum announced as a trailer (`x-amz-trailer: x-amz-checksum-crc32`).
+    if let Some(trailer) = headers.get("x-amz-trailer").and_then(|v| v.to_str().ok()) {
+        for name in trailer.split(',') {
+            if let Some(kind) = name.trim().strip_prefix("x-amz-checksum-") {
+                if let Some(kind) = ChecksumKind::parse(kind) {
+                    algorithms.push(kind);
+                }
+            }
+        }
+    }
+    let sent_kinds = [
+        (ChecksumKind::Crc32, &sent.crc32),
+        (ChecksumKind::Crc32c, &sent.crc32c),
+        (ChecksumKind::Crc64Nvme, &sent.crc64nvme),
+        (ChecksumKind::Sha1, &sent.sha1),
+        (ChecksumKind::Sha256, &sent.sha256),
+    ];
+    for (kind, value) in sent_kinds {
+        if value.is_some() {
+            algorithms.push(kind);
+        }
+    }
+    algorithms.dedup();
+    algorithms.sort_by_key(|k| k.header());
+    algorithms.dedup();
+    Ok(ChecksumRequest {
+        algorithms,
+        expected: sent,
+        content_md5,
+    })
+}
+
+fn trailing_checksums(trailing: Option<s3s::TrailingHeaders>) -> impl FnOnce() -> Checksums {
+    move || {
+        let Some(trailing) = trailing else {
+            return Checksums::default();
+        };
+        trailing
+            .read(|headers| {
+                let get = |name: &str| {
+                    headers
+                        .get(name)
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_string)
+                };
+                Checksums {
+                    crc32: get("x-amz-checksum-crc32"),
+                    crc32c: get("x-amz-checksum-crc32c"),
+                    crc64nvme: get("x-amz-checksum-crc64nvme"),
+                    sha1: get("x-amz-checksum-sha1"),
+                    sha256: get("x-amz-checksum-sha256"),
+                }
+            })
+            .unwrap_or_default()
+    }
+}
+
+/// Reads a manifest and answers 304/412 per the conditions.
+fn check_conditions(
+    manifest: &Manifest,
+    conditions: &Conditions,
+    not_modified_is_failure: bool,
+) -> S3Result<()> {
+    match evaluate(conditions, &manifest.etag, manifest.modified_unix_ms) {
+        Precondition::Proceed => Ok(()),
+        Precondition::NotModified if !not_modified_is_failure => {
+            Err(S3Error::new(S3ErrorCode::NotModified))
+        }
+        _ => Err(s3_error!(
+            PreconditionFailed,
+            "At least one of the pre-conditions you specified did not hold"
+        )),
+    }
+}
+
+/// The byte range a GET/HEAD answers: (start, end exclusive, Content-Range if partial).
+fn resolve_range(
+    manifest: &Manifest,
+    range: Option<&Range>,
+    part_number: Option<i32>,
+) -> S3Result<(u64, u64, Option<String>)> {
+    let size = manifest.size_bytes;
+    if let Some(part) = part_number {
+        let sizes: Vec<u64> = if manifest.part_sizes_bytes.is_empty() {
+            vec![size]
+        } else {
+            manifest.part_sizes_bytes.clone()
+        };
+        let index = usize::try_from(part)
+            .ok()
+            .filter(|p| (1..=sizes.len()).contains(p));
+        let Some(index) = index else {
+            return Err(s3_error!(
+                InvalidRange,
+                "The requested part number is not satisfiable"
+            ));
+        };
+        let start: u64 = sizes[..index - 1].iter().sum();
+        let end = start + sizes[index - 1];
+        let content_range = (end > start).then(|| format!("bytes {start}-{}/{size}", end - 1));
+        return Ok((start, end, content_range));
+    }
+    match range {
+        None => Ok((0, size, None)),
+        Some(range) => match range.check(size) {
+            Ok(r) => Ok((
+                r.start,
+                r.end,
+                Some(format!("bytes {}-{}/{size}", r.start, r.end - 1)),
+            )),
+            Err(_) => Err(s3_error!(
+                InvalidRange,
+                "The requested range is not satisfiable"
+            )),
+        },
+    }
+}
+
+/// The five checksum fields of an S3 response, in the order CRC32, CRC32C, CRC64NVME, SHA1,
+/// SHA256.
+type ChecksumFields = (
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+);
+
+fn checksum_fields(checksums: &Checksums) -> ChecksumFields {
+    (
+        checksums.crc32.clone(),
+        checksums.crc32c.clone(),
+        checksums.crc64nvme.clone(),
+        checksums.sha1.clone(),
+        checksums.sha256.clone(),
+    )
+}
+
+fn copy_source_parts(source: &CopySource) -> S3Result<(String, String)> {
+    match source {
+        CopySource::Bucket { bucket, key, .. } => Ok((bucket.to_string(), key.to_string())),
+        _ => Err(s3_error!(
+            NotImplemented,
+            "Only bucket copy sources are supported"
+        )),
+    }
+}
+
+fn list_start_from_marker(
+    marker: Option<&str>,
+    prefix: &str,
+    delimiter: Option<&str>,
+) -> Option<ListStart> {
+    let marker = marker.filter(|m| !m.is_empty())?;
+    if let Some(delimiter) = delimiter.filter(|d| !d.is_empty()) {
+        if marker.starts_with(prefix) && marker.ends_with(delimiter) {
+            return Some(ListStart::AfterPrefix(marker.to_string()));
+        }
+    }
+    Some(ListStart::AfterKey(marker.to_string()))
+}
+
+fn max_keys(value: Option<i32>) -> S3Result<usize> {
+    match value {
+        None => Ok(LIST_ENTRIES_MAX),
+        Some(n) if n < 0 => Err(s3_error!(InvalidArgument, "max-keys must not be negative")),
+        Some(n) => Ok((n as usize).min(LIST_ENTRIES_MAX)),
+    }
+}
+
+impl KeelS3 {
+    async fn list(&self, bucket: &str, request: ListRequest) -> S3Result<ListResult> {
+        let objects = self.objects.clone();
+        let bucket = bucket.to_string();
+        blocking(move || objects.list_objects(&bucket, &request)).await
+    }
+
+    async fn manifest(&self, bucket: &str, key: &str) -> S3Result<Manifest> {
+        let objects = self.objects.clone();
+        let (bucket, key) = (bucket.to_string(), key.to_string());
+        blocking(move || objects.get_manifest(&bucket, &key)).await
+    }
+
+    fn check_source_access(&self, caller: &str, bucket: &str) -> S3Result<()> {
+        match self.objects.can_access(bucket, caller) {
+            None => Err(s3_error!(NoSuchBucket, "The source bucket does not exist")),
+            Some(false) => Err(s3_error!(AccessDenied, "Access Denied to the copy source")),
+            Some(true) => Ok(()),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl S3 for KeelS3 {
+    async fn post_object(
+        &self,
+        _req: S3Request<PostObjectInput>,
+    ) -> S3Result<S3Response<PostObjectOutput>> {
+        Err(s3_error!(
+            NotImplemented,
+            "Browser-form POST uploads are not supported; use PUT"
+        ))
+    }
+
+    async fn list_buckets(
+        &self,
+        req: S3Request<ListBucketsInput>,
+    ) -> S3Result<S3Response<ListBucketsOutput>> {
+        let caller = caller(&req)?;
+        let name = self.objects.key(&caller).map(|k| k.name);
+        let buckets = self
+            .objects
+            .list_buckets_for(&caller)
+            .into_iter()
+            .filter(|b| {
+                req.input
+                    .prefix
+                    .as_deref()
+                    .is_none_or(|prefix| b.name.starts_with(prefix))
+            })
+            .map(|b| Bucket {
+                name: Some(b.name),
+                creation_date: Some(timestamp(b.created_unix_ms)),
+                bucket_region: None,
+            })
+            .collect();
+        Ok(S3Response::new(ListBucketsOutput {
+            buckets: Some(buckets),
+            owner: Some(Owner {
+                display_name: name,
+                id: Some(caller),
+            }),
+            ..Default::default()
+        }))
+    }
+
+    async fn create_bucket(
+        &self,
+        req: S3Request<CreateBucketInput>,
+    ) -> S3Result<S3Response<CreateBucketOutput>> {
+        let caller = caller(&req)?;
+        let bucket = req.input.bucket.clone();
+        let objects = self.objects.clone();
+        let name = bucket.clone();
+        blocking(move || objects.create_bucket(&name, &caller, crate::DEFAULT_BUCKET_COMPRESSION))
+            .await?;
+        Ok(S3Response::new(CreateBucketOutput {
+            location: Some(format!("/{bucket}")),
+        }))
+    }
+
+    async fn delete_bucket(
+        &self,
+        req: S3Request<DeleteBucketInput>,
+    ) -> S3Result<S3Response<DeleteBucketOutput>> {
+        let objects = self.objects.clone();
+        let bucket = req.input.bucket.clone();
+        blocking(move || objects.delete_bucket(&bucket)).await?;
+        Ok(S3Response::new(DeleteBucketOutput {}))
+    }
+
+    async fn head_bucket(
+        &self,
+        req: S3Request<HeadBucketInput>,
+    ) -> S3Result<S3Response<HeadBucketOutput>> {
+        if self.objects.bucket(&req.input.bucket).is_none() {
+            return Err(s3_error!(
+                NoSuchBucket,
+                "The specified bucket does not exist"
+            ));
+        }
+        Ok(S3Response::new(HeadBucketOutput::default()))
+    }
+
+    async fn get_bucket_location(
+        &self,
+        req: S3Request<GetBucketLocationInput>,
+    ) -> S3Result<S3Response<GetBucketLocationOutput>> {
+        if self.objects.bucket(&req.input.bucket).is_none() {
+            return Err(s3_error!(
+                NoSuchBucket,
+                "The specified bucket does not exist"
+            ));
+        }
+        Ok(S3Response::new(GetBucketLocationOutput::default()))
+    }
+
+    async fn get_bucket_versioning(
+        &self,
+        req: S3Request<GetBucketVersioningInput>,
+    ) -> S3Result<S3Response<GetBucketVersioningOutput>> {
+        if self.objects.bucket(&req.input.bucket).is_none() {
+            return Err(s3_error!(
+                NoSuchBucket,
+                "The specified bucket does not exist"
+            ));
+        }
+        Ok(S3Response::new(GetBucketVersioningOutput::default()))
+    }
+
+    async fn put_object(
+        &self,
+        req: S3Request<PutObjectInput>,
+    ) -> S3Result<S3Response<PutObjectOutput>> {
+        let S3Request {
+            input,
+            headers,
+            trailing_headers,
+            ..
+        } = req;
+        check_key(&input.key)?;
+        let compression = self
+            .objects
+            .bucket_compression(&input.bucket)
+            .map_err(s3_error)?;
+        let request = checksum_request(
+            input.checksum_algorithm.as_ref(),
+            Checksums {
+                crc32: input.checksum_crc32.clone(),
+                crc32c: input.checksum_crc32c.clone(),
+                crc64nvme: input.checksum_crc64nvme.clone(),
+                sha1: input.checksum_sha1.clone(),
+                sha256: input.checksum_sha256.clone(),
+            },
+            input.content_md5.clone(),
+            &headers,
+        )?;
+        let metadata = user_metadata(input.metadata)?;
+        let condition = PutCondition {
+            if_none_match_any: input
+                .if_none_match
+                .as_ref()
+                .is_some_and(ETagCondition::is_any),
+            if_match_etag: input
+                .if_match
+                .as_ref()
+                .map(|c| condition_value(c).unwrap_or_else(|| "*".into())),
+        };
+        let body = input.body.unwrap_or_else(|| {
+            StreamingBlob::wrap(futures::stream::empty::<Result<bytes::Bytes, std::io::Error>>())
+        });
+        let ingested = ingest(
+            self.objects.clone(),
+            compression,
+            body,
+            &request,
+            true,
+            PUT_SIZE_MAX_BYTES,
+            trailing_checksums(trailing_headers),
+        )
+        .await?;
+        if let Some(expected) = input.content_length {
+            if expected >= 0 && expected as u64 != ingested.size_bytes {
+                return Err(s3_error!(
+                    IncompleteBody,
+                    "The body is shorter or longer than Content-Length"
+                ));
+            }
+        }
+        let manifest = Manifest {
+            size_bytes: ingested.size_bytes,
+            etag: ingested.md5_hex.clone(),
+            modified_unix_ms: now_unix_ms(),
+            content: ingested.content,
+            part_sizes_bytes: Vec::new(),
+            headers: StoredHeaders {
+                content_type: input.content_type,
+                content_encoding: input.content_encoding,
+                content_disposition: input.content_disposition,
+                content_language: input.content_language,
+                cache_control: input.cache_control,
+                expires_unix_ms: input.expires.as_ref().map(unix_ms),
+            },
+            metadata,
+            checksums: ingested.checksums.clone(),
+        };
+        let pins = ingested.pins;
+        let objects = self.objects.clone();
+        let (bucket, key) = (input.bucket, input.key);
+        let committed = manifest.clone();
+        blocking(move || {
+            let result = objects.put_object(&bucket, &key, &committed, &condition);
+            drop(pins);
+            result
+        })
+        .await?;
+        let (crc32, crc32c, crc64nvme, sha1, sha256) = checksum_fields(&manifest.checksums);
+        Ok(S3Response::new(PutObjectOutput {
+            e_tag: Some(etag(&manifest.etag)),
+            checksum_crc32: crc32,
+            checksum_crc32c: crc32c,
+            checksum_crc64nvme: crc64nvme,
+            checksum_sha1: sha1,
+            checksum_sha256: sha256,
+            size: Some(manifest.size_bytes as i64),
+            ..Default::default()
+        }))
+    }
+
+    async fn get_object(
+        &self,
+        req: S3Request<GetObjectInput>,
+    ) -> S3Result<S3Response<GetObjectOutput>> {
+        let input = req.input;
+        let manifest = self.manifest(&input.bucket, &input.key).await?;
+        let conditions = Conditions {
+            if_match: input.if_match.as_ref().map(condition_value),
+            if_none_match: input.if_none_match.as_ref().map(condition_value),
+            if_modified_since_unix_s: input.if_modified_since.as_ref().map(unix_s),
+            if_unmodified_since_unix_s: input.if_unmodified_since.as_ref().map(unix_s),
+        };
+        check_conditions(&manifest, &conditions, false)?;
+        let (start, end, content_range) =
+            resolve_range(&manifest, input.range.as_ref(), input.part_number)?;
+        let mut body = ObjectBody::new(self.objects.clone(), &manifest, start, end);
+        // Read the first piece before answering, so a corrupt or missing first chunk is a clean
+        // 500 rather than a truncated 200.
+        let first = match body.next().await {
+            Some(Ok(bytes)) => Some(bytes),
+            Some(Err(error)) => {
+                return Err(S3Error::with_message(
+                    S3ErrorCode::InternalError,
+                    format!("stored data failed verification and was not returned: {error}"),
+                ))
+            }
+            None => None,
+        };
+        let stream = futures::stream::iter(first.map(Ok)).chain(body);
+        let (crc32, crc32c, crc64nvme, sha1, sha256) = if content_range.is_none() {
+            checksum_fields(&manifest.checksums)
+        } else {
+            Default::default()
+        };
+        let headers = &manifest.headers;
+        Ok(S3Response::new(GetObjectOutput {
+            body: Some(StreamingBlob::wrap(stream)),
+            accept_ranges: Some("bytes".into()),
+            content_length: Some((end - start) as i64),
+            content_range,
+            content_type: headers.content_type.clone(),
+            content_encoding: headers.content_encoding.clone(),
+            content_disposition: headers.content_disposition.clone(),
+            content_language: headers.content_language.clone(),
+            cache_control: headers.cache_control.clone(),
+            expires: headers.expires_unix_ms.map(timestamp),
+            e_tag: Some(etag(&manifest.etag)),
+            last_modified: Some(timestamp(manifest.modified_unix_ms)),
+            metadata: metadata_map(&manifest.metadata),
+            checksum_crc32: crc32,
+            checksum_crc32c: crc32c,
+            checksum_crc64nvme: crc64nvme,
+            checksum_sha1: sha1,
+            checksum_sha256: sha256,
+            parts_count: (!manifest.part_sizes_bytes.is_empty())
+                .then_some(manifest.part_sizes_bytes.len() as i32),
+            ..Default::default()
+        }))
+    }
+
+    async fn head_object(
+        &self,
+        req: S3Request<HeadObjectInput>,
+    ) -> S3Result<S3Response<HeadObjectOutput>> {
+        let input = req.input;
+        let manifest = self.manifest(&input.bucket, &input.key).await?;
+        let conditions = Conditions {
+            if_match: input.if_match.as_ref().map(condition_value),
+            if_none_match: input.if_none_match.as_ref().map(condition_value),
+            if_modified_since_unix_s: input.if_modified_since.as_ref().map(unix_s),
+            if_unmodified_since_unix_s: input.if_unmodified_since.as_ref().map(unix_s),
+        };
+        check_conditions(&manifest, &conditions, false)?;
+        let (start, end, content_range) =
+            resolve_range(&manifest, input.range.as_ref(), input.part_number)?;
+        let (crc32, crc32c, crc64nvme, sha1, sha256) = checksum_fields(&manifest.checksums);
+        let headers = &manifest.headers;
+        Ok(S3Response::new(HeadObjectOutput {
+            accept_ranges: Some("bytes".into()),
+            content_length: Some((end - start) as i64),
+            content_range,
+            content_type: headers.content_type.clone(),
+            content_encoding: headers.content_encoding.clone(),
+            content_disposition: headers.content_disposition.clone(),
+            content_language: headers.content_language.clone(),
+            cache_control: headers.cache_control.clone(),
+            expires: headers.expires_unix_ms.map(timestamp),
+            e_tag: Some(etag(&manifest.etag)),
+            last_modified: Some(timestamp(manifest.modified_unix_ms)),
+            metadata: metadata_map(&manifest.metadata),
+            checksum_crc32: crc32,
+            checksum_crc32c: crc32c,
+            checksum_crc64nvme: crc64nvme,
+            checksum_sha1: sha1,
+            checksum_sha256: sha256,
+            parts_count: (!manifest.part_sizes_bytes.is_empty())
+                .then_some(manifest.part_sizes_bytes.len() as i32),
+            ..Default::default()
+        }))
+    }
+
+    async fn delete_object(
+        &self,
+        req: S3Request<DeleteObjectInput>,
+    ) -> S3Result<S3Response<DeleteObjectOutput>> {
+        check_key(&req.input.key)?;
+        let objects = self.objects.clone();
+        let (bucket, key) = (req.input.bucket, req.input.key);
+        blocking(move || objects.delete_object(&bucket, &key)).await?;
+        Ok(S3Response::new(DeleteObjectOutput::default()))
+    }
+
+    async fn delete_objects(
+        &self,
+        req: S3Request<DeleteObjectsInput>,
+    ) -> S3Result<S3Response<DeleteObjectsOutput>> {
+        let input = req.input;
+        if input.delete.objects.len() > DELETE_OBJECTS_MAX {
+            return Err(s3_error!(
+                MalformedXML,
+                "A DeleteObjects request may name at most 1000 keys"
+            ));
+        }
+        if self.objects.bucket(&input.bucket).is_none() {
+            return Err(s3_error!(
+                NoSuchBucket,
+                "The specified bucket does not exist"
+            ));
+        }
+        let quiet = input.delete.quiet.unwrap_or(false);
+        let keys: Vec<String> = input.delete.objects.into_iter().map(|o| o.key).collect();
+        let objects = self.objects.clone();
+        let bucket = input.bucket.clone();
+        let results = blocking(move || {
+            Ok(keys
+                .into_iter()
+                .map(|key| {
+                    let result = validate_object_key(&key)
+                        .and_then(|()| objects.delete_object(&bucket, &key));
+                    (key, result)
+                })
+                .collect::<Vec<_>>())
+        })
+        .await?;
+        let mut deleted = Vec::new();
+        let mut errors = Vec::new();
+        for (key, result) in results {
+            match result {
+                Ok(_) => {
+                    if !quiet {
+                        deleted.push(DeletedObject {
+                            key: Some(key),
+                            ..Default::default()
+                        });
+                    }
+                }
+                Err(error) => {
+                    let e = s3_error(error);
+                    errors.push(Error {
+                        code: Some(e.code().as_str().to_string()),
+                        key: Some(key),
+                        message: e.message().map(str::to_string),
+                        version_id: None,
+                    });
+                }
+            }
+        }
+        Ok(S3Response::new(DeleteObjectsOutput {
+            deleted: Some(deleted),
+            errors: (!errors.is_empty()).then_some(errors),
+            ..Default::default()
+        }))
+    }
+
+    async fn copy_object(
+        &self,
+        req: S3Request<CopyObjectInput>,
+    ) -> S3Result<S3Response<CopyObjectOutput>> {
+        let caller = caller(&req)?;
+        let input = req.input;
+        check_key(&input.key)?;
+        let (source_bucket, source_key) = copy_source_parts(&input.copy_source)?;
+        self.check_source_access(&caller, &source_bucket)?;
+        let replace = input
+            .metadata_directive
+            .as_ref()
+            .is_some_and(|d| d.as_str() == MetadataDirective::REPLACE);
+        if source_bucket == input.bucket && source_key == input.key && !replace {
+            return Err(s3_error!(
+                InvalidRequest,
+                "This copy request is illegal because it is trying to copy an object to itself without changing the object's metadata"
+            ));
+        }
+        let source = self.manifest(&source_bucket, &source_key).await?;
+        let conditions = Conditions {
+            if_match: input.copy_source_if_match.as_ref().map(condition_value),
+            if_none_match: input
+                .copy_source_if_none_match
+                .as_ref()
+                .map(condition_value),
+            if_modified_since_unix_s: input.copy_source_if_modified_since.as_ref().map(unix_s),
+            if_unmodified_since_unix_s: input.copy_source_if_unmodified_since.as_ref().map(unix_s),
+        };
+        check_conditions(&source, &conditions, true)?;
+        let mut manifest = source.clone();
+        manifest.modified_unix_ms = now_unix_ms();
+        if replace {
+            manifest.metadata = user_metadata(input.metadata)?;
+            manifest.headers = StoredHeaders {
+                content_type: input.content_type,
+                content_encoding: input.content_encoding,
+                content_disposition: input.content_disposition,
+                content_language: input.content_language,
+                cache_control: input.cache_control,
+                expires_unix_ms: input.expires.as_ref().map(unix_ms),
+            };
+        }
+        let objects = self.objects.clone();
+        let (bucket, key) = (input.bucket, input.key);
+        let committed = manifest.clone();
+        blocking(move || {
+            let mut pins = objects.pin_set();
+            objects.pin_manifest(&committed, &mut pins)?;
+            objects.put_object(&bucket, &key, &committed, &PutCondition::default())
+        })
+        .await?;
+        Ok(S3Response::new(CopyObjectOutput {
+            copy_object_result: Some(CopyObjectResult {
+                e_tag: Some(etag(&manifest.etag)),
+                last_modified: Some(timestamp(manifest.modified_unix_ms)),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }))
+    }
+
+    async fn list_objects_v2(
+        &self,
+        req: S3Request<ListObjectsV2Input>,
+    ) -> S3Result<S3Response<ListObjectsV2Output>> {
+        let input = req.input;
+        let prefix = input.prefix.clone().unwrap_or_default();
+        let start = match &input.continuation_token {
+            Some(token) => Some(decode_token(token).ok_or_else(|| {
+                s3_error!(
+                    InvalidArgument,
+                    "The continuation token provided is incorrect"
+                )
+            })?),
+            None => input
+                .start_after
+                .clone()
+                .filter(|s| !s.is_empty())
+                .map(ListStart::AfterKey),
+        };
+        let max_entries = max_keys(input.max_keys)?;
+        let result = self
+            .list(
+                &input.bucket,
+                ListRequest {
+                    prefix: prefix.clone(),
+                    delimiter: input.delimiter.clone(),
+                    start,
+                    max_entries,
+                },
+            )
+            .await?;
+        let url = input
+            .encoding_type
+            .as_ref()
+            .is_some_and(|e| e.as_str() == EncodingType::URL);
+        let encode = |s: &str| if url { url_encode(s) } else { s.to_string() };
+        let owner = input.fetch_owner.unwrap_or(false).then(|| Owner {
+            id: self.objects.bucket(&input.bucket).map(|b| b.owner),
+            display_name: None,
+        });
+        let key_count = (result.entries.len() + result.common_prefixes.len()) as i32;
+        let contents: Vec<Object> = result
+            .entries
+            .iter()
+            .map(|e| Object {
+                key: Some(encode(&e.key)),
+                size: Some(e.size_bytes as i64),
+                e_tag: Some(etag(&e.etag)),
+                last_modified: Some(timestamp(e.modified_unix_ms)),
+                storage_class: Some(ObjectStorageClass::from_static(
+                    ObjectStorageClass::STANDARD,
+                )),
+                owner: owner.clone(),
+                ..Default::default()
+            })
+            .collect();
+        let common_prefixes: Vec<CommonPrefix> = result
+            .common_prefixes
+            .iter()
+            .map(|p| CommonPrefix {
+                prefix: Some(encode(p)),
+            })
+            .collect();
+        Ok(S3Response::new(ListObjectsV2Output {
+            name: Some(input.bucket),
+            prefix: Some(encode(&prefix)),
+            delimiter: input.delimiter.as_deref().map(encode),
+            max_keys: Some(max_entries as i32),
+            key_count: Some(key_count),
+            is_truncated: Some(result.truncated),
+            continuation_token: input.continuation_token,
+            next_continuation_token: result.next.as_ref().map(encode_token),
+            start_after: input.start_after.as_deref().map(encode),
+            contents: Some(contents),
+            common_prefixes: (!common_prefixes.is_empty()).then_some(common_prefixes),
+            encoding_type: input.encoding_type,
+            ..Default::default()
+        }))
+    }
+
+    async fn list_objects(
+        &self,
+        req: S3Request<ListObjectsInput>,
+    ) -> S3Result<S3Response<ListObjectsOutput>> {
+        let input = req.input;
+        let prefix = input.prefix.clone().unwrap_or_default();
+        let start =
+            list_start_from_marker(input.marker.as_deref(), &prefix, input.delimiter.as_deref());
+        let max_entries = max_keys(input.max_keys)?;
+        let result = self
+            .list(
+                &input.bucket,
+                ListRequest {
+                    prefix: prefix.clone(),
+                    delimiter: input.delimiter.clone(),
+                    start,
+                    max_entries,
+                },
+            )
+            .await?;
+        let url = input
+            .encoding_type
+            .as_ref()
+            .is_some_and(|e| e.as_str() == EncodingType::URL);
+        let encode = |s: &str| if url { url_encode(s) } else { s.to_string() };
+        let next_marker = result.next.as_ref().map(|n| match n {
+            ListStart::AfterKey(k) | ListStart::AfterPrefix(k) => encode(k),
+        });
+        let contents: Vec<Object> = result
+            .entries
+            .iter()
+            .map(|e| Object {
+                key: Some(encode(&e.key)),
+                size: Some(e.size_bytes as i64),
+                e_tag: Some(etag(&e.etag)),
+                last_modified: Some(timestamp(e.modified_unix_ms)),
+                storage_class: Some(ObjectStorageClass::from_static(
+                    ObjectStorageClass::STANDARD,
+                )),
+                ..Default::default()
+            })
+            .collect();
+        let common_prefixes: Vec<CommonPrefix> = result
+            .common_prefixes
+            .iter()
+            .map(|p| CommonPrefix {
+                prefix: Some(encode(p)),
+            })
+            .collect();
+        Ok(S3Response::new(ListObjectsOutput {
+            name: Some(input.bucket),
+            prefix: Some(encode(&prefix)),
+            marker: Some(input.marker.as_deref().map(encode).unwrap_or_default()),
+            max_keys: Some(max_entries as i32),
+            is_truncated: Some(result.truncated),
+            contents: Some(contents),
+            common_prefixes: (!common_prefixes.is_empty()).then_some(common_prefixes),
+            delimiter: input.delimiter.as_deref().map(encode),
+            next_marker,
+            encoding_type: input.encoding_type,
+            ..Default::default()
+        }))
+    }
+
+    async fn list_object_versions(
+        &self,
+        req: S3Request<ListObjectVersionsInput>,
+    ) -> S3Result<S3Response<ListObjectVersionsOutput>> {
+        let input = req.input;
+        let prefix = input.prefix.clone().unwrap_or_default();
+        let start = list_start_from_marker(
+            input.key_marker.as_deref(),
+            &prefix,
+            input.delimiter.as_deref(),
+        );
+        let max_entries = max_keys(input.max_keys)?;
+        let result = self
+            .list(
+                &input.bucket,
+                ListRequest {
+                    prefix: prefix.clone(),
+                    delimiter: input.delimiter.clone(),
+                    start,
+                    max_entries,
+                },
+            )
+            .await?;
+        let url = input
+            .encoding_type
+            .as_ref()
+            .is_some_and(|e| e.as_str() == EncodingType::URL);
+        let encode = |s: &str| if url { url_encode(s) } else { s.to_string() };
+        let versions: Vec<ObjectVersion> = result
+            .entries
+            .iter()
+            .map(|e| ObjectVersion {
+                key: Some(encode(&e.key)),
+                version_id: Some("null".into()),
+                is_latest: Some(true),
+                size: Some(e.size_bytes as i64),
+                e_tag: Some(etag(&e.etag)),
+                last_modified: Some(timestamp(e.modified_unix_ms)),
+                storage_class: Some(ObjectVersionStorageClass::from_static(
+                    ObjectVersionStorageClass::STANDARD,
+                )),
+                ..Default::default()
+            })
+            .collect();
+        let common_prefixes: Vec<CommonPrefix> = result
+            .common_prefixes
+            .iter()
+            .map(|p| CommonPrefix {
+                prefix: Some(encode(p)),
+            })
+            .collect();
+        let next_key_marker = result.next.as_ref().map(|n| match n {
+            ListStart::AfterKey(k) | ListStart::AfterPrefix(k) => encode(k),
+        });
+        Ok(S3Response::new(ListObjectVersionsOutput {
+            name: Some(input.bucket),
+            prefix: Some(encode(&prefix)),
+            key_marker: Some(input.key_marker.as_deref().map(encode).unwrap_or_default()),
+            version_id_marker: input.version_id_marker,
+            max_keys: Some(max_entries as i32),
+            is_truncated: Some(result.truncated),
+            next_version_id_marker: next_key_marker.as_ref().map(|_| "null".to_string()),
+            next_key_marker,
+            versions: Some(versions),
+            common_prefixes: (!common_prefixes.is_empty()).then_some(common_prefixes),
+            delimiter: input.delimiter.as_deref().map(encode),
+            encoding_type: input.encoding_type,
+            ..Default::default()
+        }))
+    }
+
+    async fn create_multipart_upload(
+        &self,
+        req: S3Request<CreateMultipartUploadInput>,
+    ) -> S3Result<S3Response<CreateMultipartUploadOutput>> {
+        let input = req.input;
+        check_key(&input.key)?;
+        let upload_id = crate::keys::random_hex(16);
+        let record = UploadRecord {
+            key: input.key.clone(),
+            upload_id: upload_id.clone(),
+            initiated_unix_ms: now_unix_ms(),
+            headers: StoredHeaders {
+                content_type: input.content_type,
+                content_encoding: input.content_encoding,
+                content_disposition: input.content_disposition,
+                content_language: input.content_language,
+                cache_control: input.cache_control,
+                expires_unix_ms: input.expires.as_ref().map(unix_ms),
+            },
+            metadata: user_metadata(input.metadata)?,
+            checksum_algorithm: input
+                .checksum_algorithm
+                .as_ref()
+                .map(|a| a.as_str().to_string()),
+        };
+        let objects = self.objects.clone();
+        let bucket = input.bucket.clone();
+        blocking(move || objects.create_upload(&bucket, &record)).await?;
+        Ok(S3Response::new(CreateMultipartUploadOutput {
+            bucket: Some(input.bucket),
+            key: Some(input.key),
+            upload_id: Some(upload_id),
+            checksum_algorithm: input.checksum_algorithm,
+            ..Default::default()
+        }))
+    }
+
+    async fn upload_part(
+        &self,
+        req: S3Request<UploadPartInput>,
+    ) -> S3Result<S3Response<UploadPartOutput>> {
+        let S3Request {
+            input,
+            headers,
+            trailing_headers,
+            ..
+        } = req;
+        let part_number = part_number(input.part_number)?;
+        {
+            let objects = self.objects.clone();
+            let (bucket, key, upload_id) = (
+                input.bucket.clone(),
+                input.key.clone(),
+                input.upload_id.clone(),
+            );
+            blocking(move || objects.get_upload(&bucket, &key, &upload_id)).await?;
+        }
+        let compression = self
+            .objects
+            .bucket_compression(&input.bucket)
+            .map_err(s3_error)?;
+        let request = checksum_request(
+            input.checksum_algorithm.as_ref(),
+            Checksums {
+                crc32: input.checksum_crc32.clone(),
+                crc32c: input.checksum_crc32c.clone(),
+                crc64nvme: input.checksum_crc64nvme.clone(),
+                sha1: input.checksum_sha1.clone(),
+                sha256: input.checksum_sha256.clone(),
+            },
+            input.content_md5.clone(),
+            &headers,
+        )?;
+        let body = input.body.unwrap_or_else(|| {
+            StreamingBlob::wrap(futures::stream::empty::<Result<bytes::Bytes, std::io::Error>>())
+        });
+        let ingested = ingest(
+            self.objects.clone(),
+            compression,
+            body,
+            &request,
+            false,
+            PART_SIZE_MAX_BYTES,
+            trailing_checksums(trailing_headers),
+        )
+        .await?;
+        if let Some(expected) = input.content_length {
+            if expected >= 0 && expected as u64 != ingested.size_bytes {
+                return Err(s3_error!(
+                    IncompleteBody,
+                    "The body is shorter or longer than Content-Length"
+                ));
+            }
+        }
+        let part = PartRecord {
+            part_number,
+            size_bytes: ingested.size_bytes,
+            etag: ingested.md5_hex.clone(),
+            modified_unix_ms: now_unix_ms(),
+            chunks: match &ingested.content {
+                Content::Chunks(chunks) => chunks.clone(),
+                Content::Inline(_) => Vec::new(),
+            },
+            checksums: ingested.checksums.clone(),
+        };
+        let pins = ingested.pins;
+        let objects = self.objects.clone();
+        let (bucket, key, upload_id) = (input.bucket, input.key, input.upload_id);
+        let committed = part.clone();
+        blocking(move || {
+            let result = objects.commit_part(&bucket, &key, &upload_id, &committed);
+            drop(pins);
+            result
+        })
+        .await?;
+        let (crc32, crc32c, crc64nvme, sha1, sha256) = checksum_fields(&part.checksums);
+        Ok(S3Response::new(UploadPartOutput {
+            e_tag: Some(etag(&part.etag)),
+            checksum_crc32: crc32,
+            checksum_crc32c: crc32c,
+            checksum_crc64nvme: crc64nvme,
+            checksum_sha1: sha1,
+            checksum_sha256: sha256,
+            ..Default::default()
+        }))
+    }
+
+    async fn upload_part_copy(
+        &self,
+        req: S3Request<UploadPartCopyInput>,
+    ) -> S3Result<S3Response<UploadPartCopyOutput>> {
+        let caller = caller(&req)?;
+        let input = req.input;
+        let part_number = part_number(input.part_number)?;
+        let (source_bucket, source_key) = copy_source_parts(&input.copy_source)?;
+        self.check_source_access(&caller, &source_bucket)?;
+        {
+            let objects = self.objects.clone();
+            let (bucket, key, upload_id) = (
+                input.bucket.clone(),
+                input.key.clone(),
+                input.upload_id.clone(),
+            );
+            blocking(move || objects.get_upload(&bucket, &key, &upload_id)).await?;
+        }
+        let source = self.manifest(&source_bucket, &source_key).await?;
+        let conditions = Conditions {
+            if_match: input.copy_source_if_match.as_ref().map(condition_value),
+            if_none_match: input
+                .copy_source_if_none_match
+                .as_ref()
+                .map(condition_value),
+            if_modified_since_unix_s: input.copy_source_if_modified_since.as_ref().map(unix_s),
+            if_unmodified_since_unix_s: input.copy_source_if_unmodified_since.as_ref().map(unix_s),
+        };
+        check_conditions(&source, &conditions, true)?;
+        let (start, end) = match &input.copy_source_range {
+            None => (0, source.size_bytes),
+            Some(range) => match parse_copy_range(range) {
+                Some((first, last)) if last < source.size_bytes => (first, last + 1),
+                _ => {
+                    return Err(s3_error!(
+                        InvalidRange,
+                        "The x-amz-copy-source-range is not satisfiable"
+                    ))
+                }
+            },
+        };
+        // The source's chunks stay pinned while they are read and re-cut into the part's chunks.
+        let source_pins = {
+            let objects = self.objects.clone();
+            let source = source.clone();
+            blocking(move || {
+                let mut pins = objects.pin_set();
+                objects.pin_manifest(&source, &mut pins)?;
+                Ok(pins)
+            })
+            .await?
+        };
+        let compression = self
+            .objects
+            .bucket_compression(&input.bucket)
+            .map_err(s3_error)?;
+        let body = ObjectBody::new(self.objects.clone(), &source, start, end);
+        let ingested = ingest(
+            self.objects.clone(),
+            compression,
+            body,
+            &ChecksumRequest::default(),
+            false,
+            PART_SIZE_MAX_BYTES,
+            Checksums::default,
+        )
+        .await?;
+        let part = PartRecord {
+            part_number,
+            size_bytes: ingested.size_bytes,
+            etag: ingested.md5_hex.clone(),
+            modified_unix_ms: now_unix_ms(),
+            chunks: match &ingested.content {
+                Content::Chunks(chunks) => chunks.clone(),
+                Content::Inline(_) => Vec::new(),
+            },
+            checksums: Checksums::default(),
+        };
+        let pins = ingested.pins;
+        let objects = self.objects.clone();
+        let (bucket, key, upload_id) = (input.bucket, input.key, input.upload_id);
+        let committed = part.clone();
+        blocking(move || {
+            let result = objects.commit_part(&bucket, &key, &upload_id, &committed);
+            drop(pins);
+            result
+        })
+        .await?;
+        drop(source_pins);
+        Ok(S3Response::new(UploadPartCopyOutput {
+            copy_part_result: Some(CopyPartResult {
+                e_tag: Some(etag(&part.etag)),
+                last_modified: Some(timestamp(part.modified_unix_ms)),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }))
+    }
+
+    async fn complete_multipart_upload(
+        &self,
+        req: S3Request<CompleteMultipartUploadInput>,
+    ) -> S3Result<S3Response<CompleteMultipartUploadOutput>> {
+        let input = req.input;
+        let listed = input
+            .multipart_upload
+            .and_then(|m| m.parts)
+            .unwrap_or_default();
+        if listed.is_empty() {
+            return Err(s3_error!(
+                MalformedXML,
+                "The XML you provided did not list any part"
+            ));
+        }
+        if listed.len() > PARTS_MAX as usize {
+            return Err(S3Error::with_message(
+                S3ErrorCode::MalformedXML,
+                format!("The XML you provided lists more than {PARTS_MAX} parts"),
+            ));
+        }
+        let mut parts = Vec::with_capacity(listed.len());
+        for part in listed {
+            let (Some(number), Some(tag)) = (part.part_number, part.e_tag) else {
+                return Err(s3_error!(
+                    MalformedXML,
+                    "Every part needs a PartNumber and an ETag"
+                ));
+            };
+            let number = u32::try_from(number)
+                .map_err(|_| s3_error!(InvalidPart, "Part numbers are between 1 and 10000"))?;
+            parts.push((number, tag.value().to_string()));
+        }
+        let condition = PutCondition {
+            if_none_match_any: input
+                .if_none_match
+                .as_ref()
+                .is_some_and(ETagCondition::is_any),
+            if_match_etag: input
+                .if_match
+                .as_ref()
+                .map(|c| condition_value(c).unwrap_or_else(|| "*".into())),
+        };
+        let objects = self.objects.clone();
+        let (bucket, key, upload_id) = (input.bucket.clone(), input.key.clone(), input.upload_id);
+        let manifest = blocking(move || {
+            objects.complete_upload(&bucket, &key, &upload_id, &parts, &condition)
+        })
+        .await?;
+        Ok(S3Response::new(CompleteMultipartUploadOutput {
+            bucket: Some(input.bucket.clone()),
+            key: Some(input.key.clone()),
+            location: Some(format!("/{}/{}", input.bucket, input.key)),
+            e_tag: Some(etag(&manifest.etag)),
+            ..Default::default()
+        }))
+    }
+
+    async fn abort_multipart_upload(
+        &self,
+        req: S3Request<AbortMultipartUploadInput>,
+    ) -> S3Result<S3Response<AbortMultipartUploadOutput>> {
+        let objects = self.objects.clone();
+        let input = req.input;
+        blocking(move || objects.abort_upload(&input.bucket, &input.key, &input.upload_id)).await?;
+        Ok(S3Response::new(AbortMultipartUploadOutput::default()))
+    }
+
+    async fn list_parts(
+        &self,
+        req: S3Request<ListPartsInput>,
+    ) -> S3Result<S3Response<ListPartsOutput>> {
+        let input = req.input;
+        let after: u32 = match input.part_number_marker {
+            None => 0,
+            Some(marker) => u32::try_from(marker).map_err(|_| {
+                s3_error!(InvalidArgument, "part-number-marker must not be negative")
+            })?,
+        };
+        let max_parts = match input.max_parts {
+            None => LIST_ENTRIES_MAX,
+            Some(n) if n < 0 => {
+                return Err(s3_error!(InvalidArgument, "max-parts must not be negative"))
+            }
+            Some(n) => (n as usize).min(LIST_ENTRIES_MAX),
+        };
+        let objects = self.objects.clone();
+        let (bucket, key, upload_id) = (
+            input.bucket.clone(),
+            input.key.clone(),
+            input.upload_id.clone(),
+        );
+        let (parts, truncated) =
+            blocking(move || objects.list_parts(&bucket, &key, &upload_id, after, max_parts))
+                .await?;
+        let next = parts.last().map(|p| p.part_number as i32);
+        let caller = req.credentials.as_ref().map(|c| c.access_key.clone());
+        Ok(S3Response::new(ListPartsOutput {
+            bucket: Some(input.bucket),
+            key: Some(input.key),
+            upload_id: Some(input.upload_id),
+            part_number_marker: input.part_number_marker,
+            next_part_number_marker: if truncated { next } else { None },
+            max_parts: Some(max_parts as i32),
+            is_truncated: Some(truncated),
+            owner: Some(Owner {
+                id: caller.clone(),
+                display_name: None,
+            }),
+            initiator: Some(Initiator {
+                id: caller,
+                display_name: None,
+            }),
+            storage_class: Some(StorageClass::from_static(StorageClass::STANDARD)),
+            parts: Some(
+                parts
+                    .into_iter()
+                    .map(|p| Part {
+                        part_number: Some(p.part_number as i32),
+                        e_tag: Some(etag(&p.etag)),
+                        size: Some(p.size_bytes as i64),
+                        last_modified: Some(timestamp(p.modified_unix_ms)),
+                        checksum_crc32: p.checksums.crc32,
+                        checksum_crc32c: p.checksums.crc32c,
+                        checksum_crc64nvme: p.checksums.crc64nvme,
+                        checksum_sha1: p.checksums.sha1,
+                        checksum_sha256: p.checksums.sha256,
+                    })
+                    .collect(),
+            ),
+            ..Default::default()
+        }))
+    }
+
+    async fn list_multipart_uploads(
+        &self,
+        req: S3Request<ListMultipartUploadsInput>,
+    ) -> S3Result<S3Response<ListMultipartUploadsOutput>> {
+        let input = req.input;
+        let prefix = input.prefix.clone().unwrap_or_default();
+        let after = input
+            .key_marker
+            .clone()
+            .filter(|k| !k.is_empty())
+            .map(|key| {
+                (
+                    key,
+                    input.upload_id_marker.clone().unwrap_or_else(|| "~".into()),
+                )
+            });
+        let max_uploads = match input.max_uploads {
+            None => LIST_ENTRIES_MAX,
+            Some(n) if n < 0 => {
+                return Err(s3_error!(
+                    InvalidArgument,
+                    "max-uploads must not be negative"
+                ))
+            }
+            Some(n) => (n as usize).min(LIST_ENTRIES_MAX),
+        };
+        let objects = self.objects.clone();
+        let bucket = input.bucket.clone();
+        let (uploads, truncated) =
+            blocking(move || objects.list_uploads_page(&bucket, &prefix, after, max_uploads))
+                .await?;
+        let caller = req.credentials.as_ref().map(|c| c.access_key.clone());
+        let last = uploads.last().map(|u| (u.key.clone(), u.upload_id.clone()));
+        Ok(S3Response::new(ListMultipartUploadsOutput {
+            bucket: Some(input.bucket),
+            prefix: input.prefix,
+            key_marker: input.key_marker,
+            upload_id_marker: input.upload_id_marker,
+            max_uploads: Some(max_uploads as i32),
+            is_truncated: Some(truncated),
+            next_key_marker: last.as_ref().filter(|_| truncated).map(|l| l.0.clone()),
+            next_upload_id_marker: last.as_ref().filter(|_| truncated).map(|l| l.1.clone()),
+            uploads: Some(
+                uploads
+                    .into_iter()
+                    .map(|u| MultipartUpload {
+                        key: Some(u.key),
+                        upload_id: Some(u.upload_id),
+                        initiated: Some(timestamp(u.initiated_unix_ms)),
+                        storage_class: Some(StorageClass::from_static(StorageClass::STANDARD)),
+                        owner: Some(Owner {
+                            id: caller.clone(),
+                            display_name: None,
+                        }),
+                        initiator: Some(Initiator {
+                            id: caller.clone(),
+                            display_name: None,
+                        }),
+                        ..Default::default()
+                    })
+                    .collect(),
+            ),
+            ..Default::default()
+        }))
+    }
+}
+
+fn part_number(value: i32) -> S3Result<u32> {
+    u32::try_from(value)
+        .ok()
+        .filter(|n| (1..=PARTS_MAX).contains(n))
+        .ok_or_else(|| {
+            s3_error!(
+                InvalidArgument,
+                "Part number must be an integer between 1 and 10000, inclusive"
+            )
+        })
+}

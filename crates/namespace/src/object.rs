@@ -1,0 +1,952 @@
+//! S3 buckets, objects, multipart uploads and access keys, as records on the store.
+//!
+//! An object is a [`Manifest`] (size, ETag, chunk list, headers, metadata, checksums) stored as
+//! one `Meta` record under `s3/obj/<bucket>\0<key>`, so listing a prefix is one range scan.
+//! Small objects keep their bytes inline in the manifest (one store write per PUT); larger ones
+//! are cut into chunks of at most [`CHUNK_SIZE_BYTES`], each stored once under the BLAKE3 hash of
+//! its bytes (identical chunks are stored once) through a [`ChunkStore`].
+//!
+//! Invariants:
+//! - a manifest is written with `Durability::Sync` after all its chunks were written, in one
+//!   atomic store write together with the refcount changes it causes; an acknowledged PUT is
+//!   therefore durable and never points at a missing chunk;
+//! - a chunk's refcount counts its occurrences in manifests and part records; a chunk is deleted
+//!   when its count reaches zero and no upload in progress pinned it ([`chunks`] explains the
+//!   locking); chunks orphaned by a crash or an abandoned upload are freed by
+//!   [`Objects::collect_garbage`];
+//! - object keys are opaque bytes (UTF-8 as S3 requires): `..` or `/` mean nothing here; a NUL
+//!   byte is refused because it separates names in the key layout;
+//! - every method blocks (store I/O): async callers run them in `spawn_blocking`.
+
+pub mod chunks;
+pub mod list;
+pub mod multipart;
+pub mod records;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use keel_store::{Compression, Durability, Store, StoreError, WriteOp};
+
+pub use chunks::{ChunkStore, LocalChunkStore, PinSet, PinTable, Stripes};
+pub use list::{ListEntry, ListRequest, ListResult};
+pub use records::{
+    BucketRecord, Checksums, ChunkRef, Content, KeyRecord, Manifest, PartRecord, StoredHeaders,
+    UploadRecord,
+};
+
+/// Largest chunk an object is cut into. Fixed-size chunks: dedup works for identical objects and
+/// identical aligned regions; content-defined chunking could come later behind the same manifest.
+pub const CHUNK_SIZE_BYTES: usize = 1 << 20;
+/// Objects up to this size keep their bytes inside the manifest record.
+pub const INLINE_SIZE_MAX_BYTES: usize = 16 << 10;
+/// Longest object key S3 allows.
+pub const KEY_LENGTH_MAX_BYTES: usize = 1024;
+/// Records read per store scan while listing or walking a bucket.
+pub const SCAN_BATCH_RECORDS: usize = 1000;
+/// Chunk hashes examined per step of garbage collection.
+pub const GC_BATCH_CHUNKS: usize = 1024;
+
+/// The object layer's one error type.
+#[derive(Debug, thiserror::Error)]
+pub enum ObjectError {
+    #[error("store error while {context}: {source}")]
+    Store {
+        context: &'static str,
+        #[source]
+        source: StoreError,
+    },
+    #[error("corrupt {what}: {reason}")]
+    CorruptRecord { what: String, reason: String },
+    #[error("chunk {hash_hex} of an object is missing from the store")]
+    MissingChunk { hash_hex: String },
+    #[error("bucket {0} does not exist")]
+    NoSuchBucket(String),
+    #[error("object {key:?} does not exist in bucket {bucket}")]
+    NoSuchKey { bucket: String, key: String },
+    #[error("bucket {0} is not empty")]
+    BucketNotEmpty(String),
+    #[error("bucket {0} already exists and is owned by another key")]
+    BucketAlreadyExists(String),
+    #[error("bucket {0} already exists and is yours")]
+    BucketAlreadyOwnedByYou(String),
+    #[error("invalid bucket name {name:?}: {reason}")]
+    InvalidBucketName { name: String, reason: &'static str },
+    #[error("object key is longer than {KEY_LENGTH_MAX_BYTES} bytes")]
+    KeyTooLong,
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("access key {0} does not exist")]
+    NoSuchAccessKey(String),
+    #[error("access key {0} already exists")]
+    AccessKeyExists(String),
+    #[error("multipart upload {0} does not exist")]
+    NoSuchUpload(String),
+    #[error("invalid part {part_number}: {reason}")]
+    InvalidPart { part_number: u32, reason: String },
+    #[error("parts are not in ascending order of part number")]
+    InvalidPartOrder,
+    #[error("part {part_number} is {size_bytes} bytes, below the 5 MiB minimum for all but the last part")]
+    EntityTooSmall { part_number: u32, size_bytes: u64 },
+    #[error("precondition failed: {0}")]
+    PreconditionFailed(&'static str),
+}
+
+impl ObjectError {
+    /// Whether the underlying cause is a full disk.
+    pub fn is_no_space(&self) -> bool {
+        matches!(self, ObjectError::Store { source, .. } if source.is_no_space())
+    }
+
+    /// Whether stored data failed its checksum or a record does not decode: the server must
+    /// answer with an error, never with the bytes.
+    pub fn is_corrupt(&self) -> bool {
+        matches!(
+            self,
+            ObjectError::Store {
+                source: StoreError::Corrupt { .. },
+                ..
+            } | ObjectError::CorruptRecord { .. }
+                | ObjectError::MissingChunk { .. }
+        )
+    }
+}
+
+pub(crate) fn store_error(context: &'static str, source: StoreError) -> ObjectError {
+    ObjectError::Store { context, source }
+}
+
+pub fn now_unix_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+/// S3 bucket naming rules (the DNS-compatible ones S3 enforces for new buckets).
+pub fn validate_bucket_name(name: &str) -> Result<(), ObjectError> {
+    let invalid = |reason| {
+        Err(ObjectError::InvalidBucketName {
+            name: name.chars().take(80).collect(),
+            reason,
+        })
+    };
+    if !(3..=63).contains(&name.len()) {
+        return invalid("must be 3 to 63 characters long");
+    }
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'.' || b == b'-')
+    {
+        return invalid("only lower-case letters, digits, '.' and '-' are allowed");
+    }
+    let first = name.as_bytes()[0];
+    let last = name.as_bytes()[name.len() - 1];
+    if !(first.is_ascii_alphanumeric() && last.is_ascii_alphanumeric()) {
+        return invalid("must start and end with a letter or digit");
+    }
+    if name.contains("..") || name.contains(".-") || name.contains("-.") {
+        return invalid("must not contain '..', '.-' or '-.'");
+    }
+    if name.parse::<std::net::Ipv4Addr>().is_ok() {
+        return invalid("must not look like an IP address");
+    }
+    if name.starts_with("xn--") || name.ends_with("-s3alias") || name.ends_with("--ol-s3") {
+        return invalid("reserved prefix or suffix");
+    }
+    Ok(())
+}
+
+/// Object keys: 1 to 1024 bytes of UTF-8, no NUL. Everything else (`..`, `/`, spaces) is just
+/// bytes of a key.
+pub fn validate_object_key(key: &str) -> Result<(), ObjectError> {
+    if key.is_empty() {
+        return Err(ObjectError::InvalidArgument("object key is empty".into()));
+    }
+    if key.len() > KEY_LENGTH_MAX_BYTES {
+        return Err(ObjectError::KeyTooLong);
+    }
+    if key.as_bytes().contains(&0) {
+        return Err(ObjectError::InvalidArgument(
+            "object key contains a NUL byte".into(),
+        ));
+    }
+    Ok(())
+}
+
+pub fn compression_name(compression: Compression) -> &'static str {
+    match compression {
+        Compression::None => "none",
+        Compression::Lz4 => "lz4",
+        Compression::Zstd => "zstd",
+    }
+}
+
+pub fn parse_compression(name: &str) -> Result<Compression, ObjectError> {
+    match name {
+        "none" => Ok(Compression::None),
+        "lz4" => Ok(Compression::Lz4),
+        "zstd" => Ok(Compression::Zstd),
+        other => Err(ObjectError::InvalidArgument(format!(
+            "unknown compression {other:?} (none, lz4, zstd)"
+        ))),
+    }
+}
+
+/// A condition on the object a PUT replaces (`If-None-Match: *`, `If-Match: etag`).
+#[derive(Debug, Clone, Default)]
+pub struct PutCondition {
+    pub if_none_match_any: bool,
+    pub if_match_etag: Option<String>,
+}
+
+/// What a bucket holds, for `keel bucket info`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BucketInfo {
+    pub name: String,
+    pub owner: String,
+    pub grants: Vec<String>,
+    pub compression: &'static str,
+    pub created_unix_ms: i64,
+    pub objects: u64,
+    /// Sum of object sizes as clients see them.
+    pub logical_bytes: u64,
+    /// Bytes after deduplication of chunks within the bucket (inline bytes counted once each).
+    pub unique_bytes: u64,
+    /// Estimate of bytes on disk: `unique_bytes` divided by the store-wide compression ratio
+    /// (the store does not report compressed sizes per key).
+    pub stored_bytes_estimate: u64,
+    /// `logical_bytes / stored_bytes_estimate`; 1.0 for an empty bucket.
+    pub compression_ratio: f64,
+    pub uploads_in_progress: u64,
+}
+
+/// What a garbage collection pass did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GcReport {
+    pub chunks_examined: u64,
+    pub chunks_deleted: u64,
+}
+
+pub(crate) struct BucketEntry {
+    record: Mutex<BucketRecord>,
+    /// Object writes hold it shared; deleting the bucket holds it exclusively, so no object is
+    /// committed into a bucket being deleted.
+    gate: RwLock<()>,
+    deleted: AtomicBool,
+}
+
+impl BucketEntry {
+    fn record(&self) -> BucketRecord {
+        self.record
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+    }
+}
+
+/// A bucket held open for an object write: the bucket cannot be deleted until it is dropped.
+pub(crate) struct BucketGuard<'a> {
+    _gate: RwLockReadGuard<'a, ()>,
+    pub(crate) compression: Compression,
+}
+
+/// The object layer over one store. Cheap to share (`Arc`); all methods take `&self`.
+pub struct Objects {
+    store: Store,
+    chunks: Arc<dyn ChunkStore>,
+    buckets: RwLock<HashMap<String, Arc<BucketEntry>>>,
+    keys: RwLock<HashMap<String, KeyRecord>>,
+    key_stripes: Stripes,
+    chunk_stripes: Stripes,
+    pins: Arc<PinTable>,
+    /// Serializes bucket and access-key administration (rare).
+    admin: Mutex<()>,
+}
+
+impl Objects {
+    /// Opens the object layer on `store`, chunks stored locally.
+    pub fn open(store: Store) -> Result<Arc<Objects>, ObjectError> {
+        let chunks = Arc::new(LocalChunkStore::new(store.clone()));
+        Objects::open_with_chunks(store, chunks)
+    }
+
+    /// Opens the object layer with chunks placed by `chunks` (the cluster's placement).
+    pub fn open_with_chunks(
+        store: Store,
+        chunks: Arc<dyn ChunkStore>,
+    ) -> Result<Arc<Objects>, ObjectError> {
+        let mut buckets = HashMap::new();
+        for (_, value) in scan_all(&store, &records::buckets_prefix())? {
+            let record: BucketRecord = records::decode(&value, "bucket record")?;
+            buckets.insert(
+                record.name.clone(),
+                Arc::new(BucketEntry {
+                    record: Mutex::new(record),
+                    gate: RwLock::new(()),
+                    deleted: AtomicBool::new(false),
+                }),
+            );
+        }
+        let mut keys = HashMap::new();
+        for (_, value) in scan_all(&store, &records::key_records_prefix())? {
+            let record: KeyRecord = records::decode(&value, "access key record")?;
+            keys.insert(record.access_key_id.clone(), record);
+        }
+        Ok(Arc::new(Objects {
+            store,
+            chunks,
+            buckets: RwLock::new(buckets),
+            keys: RwLock::new(keys),
+            key_stripes: Stripes::new(),
+            chunk_stripes: Stripes::new(),
+            pins: Arc::new(PinTable::default()),
+            admin: Mutex::new(()),
+        }))
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    fn admin_lock(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.admin
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    // ---- access keys ----
+
+    /// Stores a new access key (the caller generated its id and secret).
+    pub fn add_key(&self, record: KeyRecord) -> Result<(), ObjectError> {
+        let _admin = self.admin_lock();
+        if self.key(&record.access_key_id).is_some() {
+            return Err(ObjectError::AccessKeyExists(record.access_key_id));
+        }
+        let op = WriteOp::put(
+            records::key_record_key(&record.access_key_id),
+            records::encode(&record),
+            Compression::None,
+        );
+        self.store
+            .write(vec![op], Durability::Sync)
+            .map_err(|e| store_error("storing an access key", e))?;
+        self.keys
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(record.access_key_id.clone(), record);
+        Ok(())
+    }
+
+    pub fn key(&self, access_key_id: &str) -> Option<KeyRecord> {
+        self.keys
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .get(access_key_id)
+            .cloned()
+    }
+
+    /// All access keys, sorted by id.
+    pub fn list_keys(&self) -> Vec<KeyRecord> {
+        let mut keys: Vec<KeyRecord> = self
+            .keys
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        keys.sort_by(|a, b| a.access_key_id.cmp(&b.access_key_id));
+        keys
+    }
+
+    /// Deletes an access key. Buckets it owns keep existing (grant them to another key).
+    pub fn delete_key(&self, access_key_id: &str) -> Result<(), ObjectError> {
+        let _admin = self.admin_lock();
+        if self.key(access_key_id).is_none() {
+            return Err(ObjectError::NoSuchAccessKey(access_key_id.to_string()));
+        }
+        let op = WriteOp::Delete {
+            key: records::key_record_key(access_key_id),
+        };
+        self.store
+            .write(vec![op], Durability::Sync)
+            .map_err(|e| store_error("deleting an access key", e))?;
+        self.keys
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .remove(access_key_id);
+        Ok(())
+    }
+
+    // ---- buckets ----
+
+    fn entry(&self, bucket: &str) -> Result<Arc<BucketEntry>, ObjectError> {
+        self.buckets
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .get(bucket)
+            .cloned()
+            .ok_or_else(|| ObjectError::NoSuchBucket(bucket.to_string()))
+    }
+
+    /// Creates `name` owned by `owner` (an access key id).
+    pub fn create_bucket(
+        &self,
+        name: &str,
+        owner: &str,
+        compression: Compression,
+    ) -> Result<(), ObjectError> {
+        validate_bucket_name(name)?;
+        let _admin = self.admin_lock();
+        if let Ok(entry) = self.entry(name) {
+            let record = entry.record();
+            return Err(if record.owner == owner {
+                ObjectError::BucketAlreadyOwnedByYou(name.to_string())
+            } else {
+                ObjectError::BucketAlreadyExists(name.to_string())
+            });
+        }
+        let record = BucketRecord {
+            name: name.to_string(),
+            owner: owner.to_string(),
+            grants: Vec::new(),
+            created_unix_ms: now_unix_ms(),
+            compression_code: compression.code(),
+        };
+        self.write_bucket_record(&record)?;
+        self.buckets
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(
+                name.to_string(),
+                Arc::new(BucketEntry {
+                    record: Mutex::new(record),
+                    gate: RwLock::new(()),
+                    deleted: AtomicBool::new(false),
+                }),
+            );
+        Ok(())
+    }
+
+    fn write_bucket_record(&self, record: &BucketRecord) -> Result<(), ObjectError> {
+        let op = WriteOp::put(
+            records::bucket_key(&record.name),
+            records::encode(record),
+            Compression::None,
+        );
+        self.store
+            .write(vec![op], Durability::Sync)
+            .map_err(|e| store_error("writing a bucket record", e))?;
+        Ok(())
+    }
+
+    /// Deletes an empty bucket; multipart uploads still in progress in it are aborted.
+    pub fn delete_bucket(&self, name: &str) -> Result<(), ObjectError> {
+        let _admin = self.admin_lock();
+        let entry = self.entry(name)?;
+        let _gate = entry
+            .gate
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let prefix = records::objects_prefix(name);
+        let end = records::prefix_end(&prefix).unwrap_or_default();
+        let any = self
+            .store
+            .keys(&prefix, &end, 1)
+            .map_err(|e| store_error("checking that a bucket is empty", e))?;
+        if !any.is_empty() {
+            return Err(ObjectError::BucketNotEmpty(name.to_string()));
+        }
+        for upload in self.all_uploads(name)? {
+            self.abort_upload_locked(name, &upload.key, &upload.upload_id)?;
+        }
+        let op = WriteOp::Delete {
+            key: records::bucket_key(name),
+        };
+        self.store
+            .write(vec![op], Durability::Sync)
+            .map_err(|e| store_error("deleting a bucket record", e))?;
+        entry.deleted.store(true, Ordering::SeqCst);
+        self.buckets
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .remove(name);
+        Ok(())
+    }
+
+    pub fn bucket(&self, name: &str) -> Option<BucketRecord> {
+        self.entry(name).ok().map(|entry| entry.record())
+    }
+
+    /// All buckets, sorted by name.
+    pub fn list_buckets(&self) -> Vec<BucketRecord> {
+        let mut list: Vec<BucketRecord> = self
+            .buckets
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .values()
+            .map(|entry| entry.record())
+            .collect();
+        list.sort_by(|a, b| a.name.cmp(&b.name));
+        list
+    }
+
+    /// Buckets `access_key_id` owns or was granted, sorted by name.
+    pub fn list_buckets_for(&self, access_key_id: &str) -> Vec<BucketRecord> {
+        self.list_buckets()
+            .into_iter()
+            .filter(|b| b.owner == access_key_id || b.grants.iter().any(|g| g == access_key_id))
+            .collect()
+    }
+
+    /// `None` when the bucket does not exist; otherwise whether the key may use it.
+    pub fn can_access(&self, bucket: &str, access_key_id: &str) -> Option<bool> {
+        let record = self.bucket(bucket)?;
+        Some(record.owner == access_key_id || record.grants.iter().any(|g| g == access_key_id))
+    }
+
+    /// Grants `access_key_id` full access to `bucket`.
+    pub fn allow(&self, bucket: &str, access_key_id: &str) -> Result<(), ObjectError> {
+        self.change_grants(bucket, access_key_id, true)
+    }
+
+    /// Removes a grant (the owner keeps access).
+    pub fn deny(&self, bucket: &str, access_key_id: &str) -> Result<(), ObjectError> {
+        self.change_grants(bucket, access_key_id, false)
+    }
+
+    fn change_grants(&self, bucket: &str, key: &str, grant: bool) -> Result<(), ObjectError> {
+        let _admin = self.admin_lock();
+        if self.key(key).is_none() {
+            return Err(ObjectError::NoSuchAccessKey(key.to_string()));
+        }
+        let entry = self.entry(bucket)?;
+        let mut record = entry.record();
+        record.grants.retain(|g| g != key);
+        if grant {
+            record.grants.push(key.to_string());
+            record.grants.sort();
+        }
+        self.write_bucket_record(&record)?;
+        *entry
+            .record
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = record;
+        Ok(())
+    }
+
+    /// Changes how new chunks of `bucket` are compressed (existing chunks stay as they are).
+    pub fn set_bucket_compression(
+        &self,
+        bucket: &str,
+        compression: Compression,
+    ) -> Result<(), ObjectError> {
+        let _admin = self.admin_lock();
+        let entry = self.entry(bucket)?;
+        let mut record = entry.record();
+        record.compression_code = compression.code();
+        self.write_bucket_record(&record)?;
+        *entry
+            .record
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = record;
+        Ok(())
+    }
+
+    /// Counts a bucket's objects and bytes (walks its manifests: O(objects)).
+    pub fn bucket_info(&self, name: &str) -> Result<BucketInfo, ObjectError> {
+        let record = self
+            .bucket(name)
+            .ok_or_else(|| ObjectError::NoSuchBucket(name.to_string()))?;
+        let mut objects = 0u64;
+        let mut logical_bytes = 0u64;
+        let mut unique_bytes = 0u64;
+        let mut seen: HashSet<[u8; 32]> = HashSet::new();
+        let prefix = records::objects_prefix(name);
+        let end = records::prefix_end(&prefix).unwrap_or_default();
+        let mut cursor = prefix.clone();
+        loop {
+            let batch = self
+                .store
+                .scan(&cursor, &end, SCAN_BATCH_RECORDS)
+                .map_err(|e| store_error("walking a bucket", e))?;
+            let Some((last, _)) = batch.last() else { break };
+            cursor = records::successor(last);
+            for (_, value) in &batch {
+                let manifest = records::decode_manifest(value)?;
+                objects += 1;
+                logical_bytes += manifest.size_bytes;
+                match &manifest.content {
+                    Content::Inline(data) => unique_bytes += data.len() as u64,
+                    Content::Chunks(chunks) => {
+                        for chunk in chunks {
+                            if seen.insert(chunk.hash) {
+                                unique_bytes += u64::from(chunk.length_bytes);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let ratio = self
+            .store
+            .stats()
+            .map_err(|e| store_error("reading store statistics", e))?
+            .compression_ratio()
+            .max(1.0);
+        let stored_bytes_estimate = (unique_bytes as f64 / ratio).round() as u64;
+        let uploads_in_progress = self.all_uploads(name)?.len() as u64;
+        Ok(BucketInfo {
+            name: record.name,
+            owner: record.owner,
+            grants: record.grants,
+            compression: compression_name(
+                Compression::from_code(record.compression_code).unwrap_or_default(),
+            ),
+            created_unix_ms: record.created_unix_ms,
+            objects,
+            logical_bytes,
+            unique_bytes,
+            stored_bytes_estimate,
+            compression_ratio: if stored_bytes_estimate == 0 {
+                1.0
+            } else {
+                logical_bytes as f64 / stored_bytes_estimate as f64
+            },
+            uploads_in_progress,
+        })
+    }
+
+    /// Holds `bucket` open for an object write.
+    pub(crate) fn open_bucket(
+        &self,
+        bucket: &str,
+    ) -> Result<(Arc<BucketEntry>, Compression), ObjectError> {
+        let entry = self.entry(bucket)?;
+        let compression =
+            Compression::from_code(entry.record().compression_code).unwrap_or_default();
+        Ok((entry, compression))
+    }
+
+    fn gate<'a>(
+        &self,
+        entry: &'a BucketEntry,
+        bucket: &str,
+    ) -> Result<BucketGuard<'a>, ObjectError> {
+        let gate = entry
+            .gate
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if entry.deleted.load(Ordering::SeqCst) {
+            return Err(ObjectError::NoSuchBucket(bucket.to_string()));
+        }
+        let compression =
+            Compression::from_code(entry.record().compression_code).unwrap_or_default();
+        Ok(BucketGuard {
+            _gate: gate,
+            compression,
+        })
+    }
+
+    /// The compression new chunks of `bucket` get.
+    pub fn bucket_compression(&self, bucket: &str) -> Result<Compression, ObjectError> {
+        Ok(self.open_bucket(bucket)?.1)
+    }
+
+    // ---- chunks ----
+
+    /// A new, empty pin set for an upload.
+    pub fn pin_set(&self) -> PinSet {
+        PinSet::new(self.pins.clone())
+    }
+
+    /// Stores one chunk of an upload (skipped when an identical chunk is already stored) and
+    /// pins it until `pins` is dropped.
+    pub fn write_chunk(
+        &self,
+        compression: Compression,
+        data: Vec<u8>,
+        pins: &mut PinSet,
+    ) -> Result<ChunkRef, ObjectError> {
+        assert!(
+            data.len() <= CHUNK_SIZE_BYTES,
+            "chunk larger than the chunk size"
+        );
+        let hash = *blake3::hash(&data).as_bytes();
+        let chunk = ChunkRef {
+            hash,
+            length_bytes: data.len() as u32,
+        };
+        let exists = {
+            let _stripe = self
+                .chunk_stripes
+                .lock(vec![Stripes::index_of_chunk(&hash)]);
+            self.pins.pin(&hash);
+            pins.push(hash);
+            self.chunks.has_chunk(&hash)?
+        };
+        if !exists {
+            self.chunks.put_chunk(&hash, data, compression)?;
+        }
+        Ok(chunk)
+    }
+
+    /// Pins the chunks of an existing manifest (for copies) and checks they are still stored.
+    pub fn pin_manifest(&self, manifest: &Manifest, pins: &mut PinSet) -> Result<(), ObjectError> {
+        for chunk in manifest.content.chunk_refs() {
+            let _stripe = self
+                .chunk_stripes
+                .lock(vec![Stripes::index_of_chunk(&chunk.hash)]);
+            self.pins.pin(&chunk.hash);
+            pins.push(chunk.hash);
+            if !self.chunks.has_chunk(&chunk.hash)? {
+                return Err(ObjectError::MissingChunk {
+                    hash_hex: hex::encode(chunk.hash),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads one chunk of an object and checks its length against the manifest.
+    pub fn read_chunk(&self, chunk: &ChunkRef) -> Result<Vec<u8>, ObjectError> {
+        let data =
+            self.chunks
+                .get_chunk(&chunk.hash)?
+                .ok_or_else(|| ObjectError::MissingChunk {
+                    hash_hex: hex::encode(chunk.hash),
+                })?;
+        if data.len() != chunk.length_bytes as usize {
+            return Err(ObjectError::CorruptRecord {
+                what: format!("chunk {}", hex::encode(chunk.hash)),
+                reason: format!(
+                    "{} bytes stored, {} expected",
+                    data.len(),
+                    chunk.length_bytes
+                ),
+            });
+        }
+        Ok(data)
+    }
+
+    /// Applies refcount `deltas` and writes `ops` with them in one synced store write, then
+    /// deletes chunks nobody references any more. The caller holds the key stripes of the
+    /// records in `ops`.
+    fn commit(
+        &self,
+        mut ops: Vec<WriteOp>,
+        deltas: HashMap<[u8; 32], i64>,
+    ) -> Result<(), ObjectError> {
+        let changed: Vec<([u8; 32], i64)> = deltas
+            .into_iter()
+            .filter(|(_, delta)| *delta != 0)
+            .collect();
+        let _stripes = self.chunk_stripes.lock(
+            changed
+                .iter()
+                .map(|(hash, _)| Stripes::index_of_chunk(hash))
+                .collect(),
+        );
+        let mut freed = Vec::new();
+        for (hash, delta) in &changed {
+            let key = records::refcount_key(hash);
+            let current = match self
+                .store
+                .get(&key)
+                .map_err(|e| store_error("reading a chunk refcount", e))?
+            {
+                Some(bytes) => records::decode_refcount(&bytes)?,
+                None => 0,
+            };
+            let mut next = current as i64 + delta;
+            if next < 0 {
+                tracing::error!(
+                    chunk = %hex::encode(hash),
+                    current,
+                    delta,
+                    "chunk refcount would go negative; clamping to zero"
+                );
+                next = 0;
+            }
+            if next == 0 {
+                ops.push(WriteOp::Delete { key });
+                freed.push(*hash);
+            } else {
+                ops.push(WriteOp::put(
+                    key,
+                    records::encode_refcount(next as u64),
+                    Compression::None,
+                ));
+            }
+        }
+        self.store
+            .write(ops, Durability::Sync)
+            .map_err(|e| store_error("committing object metadata", e))?;
+        for hash in freed {
+            if !self.pins.is_pinned(&hash) {
+                // A failure here leaves an orphan chunk for garbage collection, not a wrong answer.
+                if let Err(error) = self.chunks.delete_chunk(&hash) {
+                    tracing::warn!(chunk = %hex::encode(hash), %error, "freeing a chunk failed");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn lock_keys(&self, keys: &[&[u8]]) -> Vec<std::sync::MutexGuard<'_, ()>> {
+        self.key_stripes
+            .lock(keys.iter().map(|k| Stripes::index_of_bytes(k)).collect())
+    }
+
+    fn read_manifest_at(&self, key: &[u8]) -> Result<Option<Manifest>, ObjectError> {
+        match self
+            .store
+            .get(key)
+            .map_err(|e| store_error("reading an object manifest", e))?
+        {
+            Some(bytes) => Ok(Some(records::decode_manifest(&bytes)?)),
+            None => Ok(None),
+        }
+    }
+
+    // ---- objects ----
+
+    /// Makes `manifest` the object `key` of `bucket` (replacing any previous one), durably.
+    /// The chunks it names must have been written with [`Objects::write_chunk`] (or pinned with
+    /// [`Objects::pin_manifest`]) by the caller, whose `PinSet` is still alive.
+    pub fn put_object(
+        &self,
+        bucket: &str,
+        key: &str,
+        manifest: &Manifest,
+        condition: &PutCondition,
+    ) -> Result<(), ObjectError> {
+        validate_object_key(key)?;
+        manifest.check()?;
+        let (entry, _) = self.open_bucket(bucket)?;
+        let guard = self.gate(&entry, bucket)?;
+        let record_key = records::object_key(bucket, key);
+        let _locks = self.lock_keys(&[&record_key]);
+        let old = self.read_manifest_at(&record_key)?;
+        check_put_condition(old.as_ref(), condition)?;
+        let mut deltas: HashMap<[u8; 32], i64> = HashMap::new();
+        for chunk in manifest.content.chunk_refs() {
+            *deltas.entry(chunk.hash).or_insert(0) += 1;
+        }
+        if let Some(old) = &old {
+            for chunk in old.content.chunk_refs() {
+                *deltas.entry(chunk.hash).or_insert(0) -= 1;
+            }
+        }
+        // Inline objects are small: zstd's per-extent setup costs more than it saves there, so a
+        // compressing bucket gets lz4 for them; chunk lists do not compress.
+        let compression = match (&manifest.content, guard.compression) {
+            (Content::Inline(_), Compression::None) | (Content::Chunks(_), _) => Compression::None,
+            (Content::Inline(_), _) => Compression::Lz4,
+        };
+        let ops = vec![WriteOp::put(
+            record_key,
+            records::encode(manifest),
+            compression,
+        )];
+        self.commit(ops, deltas)
+    }
+
+    /// The manifest of `key` in `bucket`.
+    pub fn get_manifest(&self, bucket: &str, key: &str) -> Result<Manifest, ObjectError> {
+        if self.entry(bucket).is_err() {
+            return Err(ObjectError::NoSuchBucket(bucket.to_string()));
+        }
+        self.read_manifest_at(&records::object_key(bucket, key))?
+            .ok_or_else(|| ObjectError::NoSuchKey {
+                bucket: bucket.to_string(),
+                key: key.to_string(),
+            })
+    }
+
+    /// Deletes `key`; returns whether it existed (S3 answers 204 either way).
+    pub fn delete_object(&self, bucket: &str, key: &str) -> Result<bool, ObjectError> {
+        let (entry, _) = self.open_bucket(bucket)?;
+        let _bucket = self.gate(&entry, bucket)?;
+        let record_key = records::object_key(bucket, key);
+        let _locks = self.lock_keys(&[&record_key]);
+        let Some(old) = self.read_manifest_at(&record_key)? else {
+            return Ok(false);
+        };
+        let mut deltas: HashMap<[u8; 32], i64> = HashMap::new();
+        for chunk in old.content.chunk_refs() {
+            *deltas.entry(chunk.hash).or_insert(0) -= 1;
+        }
+        self.commit(vec![WriteOp::Delete { key: record_key }], deltas)?;
+        Ok(true)
+    }
+
+    /// Frees chunks that no manifest or part references and no upload has pinned (left behind by
+    /// a crash between a chunk write and its manifest, or by an abandoned upload).
+    pub fn collect_garbage(&self) -> Result<GcReport, ObjectError> {
+        let mut report = GcReport::default();
+        let mut after: Option<[u8; 32]> = None;
+        loop {
+            let batch = self.chunks.list_chunks(after.as_ref(), GC_BATCH_CHUNKS)?;
+            let Some(last) = batch.last() else { break };
+            after = Some(*last);
+            for hash in &batch {
+                report.chunks_examined += 1;
+                let _stripe = self.chunk_stripes.lock(vec![Stripes::index_of_chunk(hash)]);
+                if self.pins.is_pinned(hash) {
+                    continue;
+                }
+                let referenced = self
+                    .store
+                    .contains(&records::refcount_key(hash))
+                    .map_err(|e| store_error("reading a chunk refcount", e))?;
+                if !referenced {
+                    self.chunks.delete_chunk(hash)?;
+                    report.chunks_deleted += 1;
+                }
+            }
+        }
+        Ok(report)
+    }
+}
+
+fn check_put_condition(
+    old: Option<&Manifest>,
+    condition: &PutCondition,
+) -> Result<(), ObjectError> {
+    if condition.if_none_match_any && old.is_some() {
+        return Err(ObjectError::PreconditionFailed(
+            "If-None-Match: * and the object exists",
+        ));
+    }
+    if let Some(expected) = &condition.if_match_etag {
+        match old {
+            Some(old) if &old.etag == expected || expected == "*" => {}
+            _ => return Err(ObjectError::PreconditionFailed("If-Match does not match")),
+        }
+    }
+    Ok(())
+}
+
+/// A store key and its value.
+type KeyValue = (Vec<u8>, Vec<u8>);
+
+/// Every record under `prefix` (used at open for buckets and keys: small sets).
+fn scan_all(store: &Store, prefix: &[u8]) -> Result<Vec<KeyValue>, ObjectError> {
+    let end = records::prefix_end(prefix).unwrap_or_default();
+    let mut out = Vec::new();
+    let mut cursor = prefix.to_vec();
+    loop {
+        let batch = store
+            .scan(&cursor, &end, SCAN_BATCH_RECORDS)
+            .map_err(|e| store_error("scanning metadata", e))?;
+        let Some((last, _)) = batch.last() else { break };
+        cursor = records::successor(last);
+        out.extend(batch);
+    }
+    Ok(out)
+}

@@ -1,0 +1,325 @@
+//! The S3 metadata records and where they live in the store's `Meta` keyspace.
+//!
+//! Layout (every key is `meta_key(b"s3/...")`; `\0` separates names because neither bucket names
+//! nor object keys may contain a NUL byte, so the separators are unambiguous and a prefix of a
+//! bucket's object keys is one contiguous range of the index):
+//!
+//! | key                                              | value            |
+//! | ------------------------------------------------ | ---------------- |
+//! | `s3/key/<access key id>`                         | [`KeyRecord`]    |
+//! | `s3/bucket/<bucket>`                             | [`BucketRecord`] |
+//! | `s3/obj/<bucket>\0<object key>`                  | [`Manifest`]     |
+//! | `s3/ref/<32-byte chunk hash>`                    | u64 LE refcount  |
+//! | `s3/upload/<bucket>\0<object key>\0<upload id>`  | [`UploadRecord`] |
+//! | `s3/part/<bucket>\0<upload id>\0<part u32 BE>`   | [`PartRecord`]   |
+//!
+//! Every value starts with a format version byte ([`RECORD_VERSION`]) followed by postcard.
+//! Decoding never panics on arbitrary bytes: it returns [`ObjectError::CorruptRecord`].
+
+use keel_store::meta_key;
+use serde::{Deserialize, Serialize};
+
+use super::ObjectError;
+
+/// Format version written as the first byte of every record value.
+pub const RECORD_VERSION: u8 = 1;
+
+/// One chunk of an object: the BLAKE3 hash of its bytes (its address in the store) and its length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChunkRef {
+    pub hash: [u8; 32],
+    pub length_bytes: u32,
+}
+
+/// Where an object's bytes are: inline in the manifest (small objects: one store write per PUT)
+/// or as a list of content-addressed chunks, in order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Content {
+    Inline(#[serde(with = "raw_bytes")] Vec<u8>),
+    Chunks(Vec<ChunkRef>),
+}
+
+/// Inline bytes as one byte string instead of a sequence of `u8` values. In postcard both are a
+/// varint length and the raw bytes (the format is unchanged); this only skips a serializer call
+/// per byte.
+mod raw_bytes {
+    use serde::de::{Error, SeqAccess, Visitor};
+    use serde::{Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(bytes: &[u8], serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_bytes(bytes)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<u8>, D::Error> {
+        struct BytesVisitor;
+        impl<'de> Visitor<'de> for BytesVisitor {
+            type Value = Vec<u8>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a byte string")
+            }
+            fn visit_bytes<E: Error>(self, v: &[u8]) -> Result<Vec<u8>, E> {
+                Ok(v.to_vec())
+            }
+            fn visit_byte_buf<E: Error>(self, v: Vec<u8>) -> Result<Vec<u8>, E> {
+                Ok(v)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u8>, A::Error> {
+                let mut out = Vec::new();
+                while let Some(byte) = seq.next_element()? {
+                    out.push(byte);
+                }
+                Ok(out)
+            }
+        }
+        deserializer.deserialize_byte_buf(BytesVisitor)
+    }
+}
+
+impl Content {
+    /// Each chunk occurrence (a chunk used twice counts twice: refcounts count occurrences).
+    pub fn chunk_refs(&self) -> &[ChunkRef] {
+        match self {
+            Content::Inline(_) => &[],
+            Content::Chunks(chunks) => chunks,
+        }
+    }
+}
+
+/// HTTP headers S3 stores with an object and returns on GET/HEAD.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredHeaders {
+    pub content_type: Option<String>,
+    pub content_encoding: Option<String>,
+    pub content_disposition: Option<String>,
+    pub content_language: Option<String>,
+    pub cache_control: Option<String>,
+    /// `Expires`, as milliseconds since the Unix epoch.
+    pub expires_unix_ms: Option<i64>,
+}
+
+/// Checksums the client sent (and the server verified) at upload, base64 as S3 spells them.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Checksums {
+    pub crc32: Option<String>,
+    pub crc32c: Option<String>,
+    pub crc64nvme: Option<String>,
+    pub sha1: Option<String>,
+    pub sha256: Option<String>,
+}
+
+/// An object: its size, ETag, content, headers, user metadata and checksums.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub size_bytes: u64,
+    /// Hex MD5 of the bytes, or for multipart `hex(MD5(part MD5s))-N`; without quotes.
+    pub etag: String,
+    pub modified_unix_ms: i64,
+    pub content: Content,
+    /// Sizes of the parts of a multipart object, in order; empty for a single PUT.
+    pub part_sizes_bytes: Vec<u64>,
+    pub headers: StoredHeaders,
+    /// User metadata (`x-amz-meta-*`), names lower-case, sorted.
+    pub metadata: Vec<(String, String)>,
+    pub checksums: Checksums,
+}
+
+impl Manifest {
+    /// Checks the manifest's internal consistency: chunk lengths add up to the size.
+    pub fn check(&self) -> Result<(), ObjectError> {
+        let total: u64 = match &self.content {
+            Content::Inline(data) => data.len() as u64,
+            Content::Chunks(chunks) => chunks.iter().map(|c| u64::from(c.length_bytes)).sum(),
+        };
+        if total != self.size_bytes {
+            return Err(ObjectError::CorruptRecord {
+                what: "object manifest".into(),
+                reason: format!(
+                    "content holds {total} bytes but the manifest says {}",
+                    self.size_bytes
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// An access key. The secret is stored in clear: SigV4 needs it to recompute signatures.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyRecord {
+    pub access_key_id: String,
+    pub name: String,
+    pub secret_access_key: String,
+    pub created_unix_ms: i64,
+}
+
+/// A bucket: its owner (the key that created it), the keys it was granted to, and how its chunks
+/// are compressed (a `keel_store::Compression` code).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BucketRecord {
+    pub name: String,
+    pub owner: String,
+    pub grants: Vec<String>,
+    pub created_unix_ms: i64,
+    pub compression_code: u8,
+}
+
+/// An in-progress multipart upload: what the completed object will carry besides its bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UploadRecord {
+    pub key: String,
+    pub upload_id: String,
+    pub initiated_unix_ms: i64,
+    pub headers: StoredHeaders,
+    pub metadata: Vec<(String, String)>,
+    /// The checksum algorithm the client announced (`CRC32`, `CRC32C`, `SHA256`, ...), if any.
+    pub checksum_algorithm: Option<String>,
+}
+
+/// One uploaded part of a multipart upload.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartRecord {
+    pub part_number: u32,
+    pub size_bytes: u64,
+    /// Hex MD5 of the part's bytes.
+    pub etag: String,
+    pub modified_unix_ms: i64,
+    pub chunks: Vec<ChunkRef>,
+    pub checksums: Checksums,
+}
+
+/// Serializes a record: version byte, then postcard.
+pub fn encode<T: Serialize>(record: &T) -> Vec<u8> {
+    let mut out = vec![RECORD_VERSION];
+    // postcard only fails on writer errors or unsupported serde shapes; our records are plain
+    // structs written to a Vec, so a failure is a programming error.
+    let body = postcard::to_allocvec(record).expect("postcard encodes plain records into a Vec");
+    out.extend_from_slice(&body);
+    out
+}
+
+/// Parses a record written by [`encode`]; `what` names it in the error.
+pub fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8], what: &str) -> Result<T, ObjectError> {
+    match bytes.split_first() {
+        Some((&RECORD_VERSION, body)) => {
+            postcard::from_bytes(body).map_err(|error| ObjectError::CorruptRecord {
+                what: what.to_string(),
+                reason: error.to_string(),
+            })
+        }
+        Some((version, _)) => Err(ObjectError::CorruptRecord {
+            what: what.to_string(),
+            reason: format!("unknown record version {version}"),
+        }),
+        None => Err(ObjectError::CorruptRecord {
+            what: what.to_string(),
+            reason: "empty record".into(),
+        }),
+    }
+}
+
+/// Decodes a manifest and checks it.
+pub fn decode_manifest(bytes: &[u8]) -> Result<Manifest, ObjectError> {
+    let manifest: Manifest = decode(bytes, "object manifest")?;
+    manifest.check()?;
+    Ok(manifest)
+}
+
+pub fn encode_refcount(count: u64) -> Vec<u8> {
+    count.to_le_bytes().to_vec()
+}
+
+pub fn decode_refcount(bytes: &[u8]) -> Result<u64, ObjectError> {
+    let array: [u8; 8] = bytes.try_into().map_err(|_| ObjectError::CorruptRecord {
+        what: "chunk refcount".into(),
+        reason: format!("{} bytes instead of 8", bytes.len()),
+    })?;
+    Ok(u64::from_le_bytes(array))
+}
+
+// ---- key layout ----
+
+pub fn key_record_key(access_key_id: &str) -> Vec<u8> {
+    meta_key(format!("s3/key/{access_key_id}").as_bytes())
+}
+
+pub fn key_records_prefix() -> Vec<u8> {
+    meta_key(b"s3/key/")
+}
+
+pub fn bucket_key(bucket: &str) -> Vec<u8> {
+    meta_key(format!("s3/bucket/{bucket}").as_bytes())
+}
+
+pub fn buckets_prefix() -> Vec<u8> {
+    meta_key(b"s3/bucket/")
+}
+
+/// Prefix of all object manifests of `bucket`: `s3/obj/<bucket>\0`.
+pub fn objects_prefix(bucket: &str) -> Vec<u8> {
+    let mut key = meta_key(b"s3/obj/");
+    key.extend_from_slice(bucket.as_bytes());
+    key.push(0);
+    key
+}
+
+pub fn object_key(bucket: &str, key: &str) -> Vec<u8> {
+    let mut out = objects_prefix(bucket);
+    out.extend_from_slice(key.as_bytes());
+    out
+}
+
+pub fn refcount_key(hash: &[u8; 32]) -> Vec<u8> {
+    let mut key = meta_key(b"s3/ref/");
+    key.extend_from_slice(hash);
+    key
+}
+
+pub fn uploads_prefix(bucket: &str) -> Vec<u8> {
+    let mut key = meta_key(b"s3/upload/");
+    key.extend_from_slice(bucket.as_bytes());
+    key.push(0);
+    key
+}
+
+pub fn upload_key(bucket: &str, key: &str, upload_id: &str) -> Vec<u8> {
+    let mut out = uploads_prefix(bucket);
+    out.extend_from_slice(key.as_bytes());
+    out.push(0);
+    out.extend_from_slice(upload_id.as_bytes());
+    out
+}
+
+pub fn parts_prefix(bucket: &str, upload_id: &str) -> Vec<u8> {
+    let mut key = meta_key(b"s3/part/");
+    key.extend_from_slice(bucket.as_bytes());
+    key.push(0);
+    key.extend_from_slice(upload_id.as_bytes());
+    key.push(0);
+    key
+}
+
+pub fn part_key(bucket: &str, upload_id: &str, part_number: u32) -> Vec<u8> {
+    let mut key = parts_prefix(bucket, upload_id);
+    key.extend_from_slice(&part_number.to_be_bytes());
+    key
+}
+
+/// The smallest key greater than every key that starts with `prefix`, or `None` when no such
+/// key exists (the prefix is all `0xff`).
+pub fn prefix_end(prefix: &[u8]) -> Option<Vec<u8>> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return Some(end);
+        }
+    }
+    None
+}
+
+/// The smallest key strictly greater than `key`.
+pub fn successor(key: &[u8]) -> Vec<u8> {
+    let mut out = key.to_vec();
+    out.push(0);
+    out
+}

@@ -1,0 +1,642 @@
+//! Object-layer tests on a real store (under `target/test-data/`, a real filesystem): manifests,
+//! refcounts and chunk freeing, listing with prefix/delimiter/continuation, multipart assembly,
+//! bucket and key administration, garbage collection.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use keel_store::{chunk_key, Compression, Store, StoreConfig};
+use md5::{Digest, Md5};
+
+use super::list::{ListRequest, ListStart};
+use super::multipart::PART_SIZE_MIN_BYTES;
+use super::records::{self, Content, Manifest, PartRecord, UploadRecord};
+use super::*;
+
+/// A data directory under `target/test-data/` (a real filesystem), removed when the test passes
+/// (kept for inspection when it fails).
+struct TestDir(PathBuf);
+
+impl std::ops::Deref for TestDir {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+fn test_dir(name: &str) -> TestDir {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../target/test-data")
+        .join(format!("object-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    TestDir(dir)
+}
+
+fn open(dir: &std::path::Path) -> Arc<Objects> {
+    let store = Store::open(StoreConfig::new(vec![dir.to_path_buf()])).unwrap();
+    Objects::open(store).unwrap()
+}
+
+fn with_bucket(name: &str) -> (TestDir, Arc<Objects>) {
+    let dir = test_dir(name);
+    let objects = open(&dir);
+    objects
+        .add_key(KeyRecord {
+            access_key_id: "OWNER".into(),
+            name: "owner".into(),
+            secret_access_key: "secretsecret".into(),
+            created_unix_ms: 0,
+        })
+        .unwrap();
+    objects
+        .create_bucket("bucket", "OWNER", Compression::Zstd)
+        .unwrap();
+    (dir, objects)
+}
+
+/// Writes `data` the way the frontend does: chunks first, then the manifest.
+fn put(objects: &Objects, bucket: &str, key: &str, data: &[u8]) -> Manifest {
+    let mut pins = objects.pin_set();
+    let content = if data.len() <= INLINE_SIZE_MAX_BYTES {
+        Content::Inline(data.to_vec())
+    } else {
+        Content::Chunks(
+            data.chunks(CHUNK_SIZE_BYTES)
+                .map(|c| {
+                    objects
+                        .write_chunk(Compression::Zstd, c.to_vec(), &mut pins)
+                        .unwrap()
+                })
+                .collect(),
+        )
+    };
+    let manifest = Manifest {
+        size_bytes: data.len() as u64,
+        etag: hex::encode(Md5::digest(data)),
+        modified_unix_ms: now_unix_ms(),
+        content,
+        part_sizes_bytes: Vec::new(),
+        headers: StoredHeaders::default(),
+        metadata: vec![("color".into(), "blue".into())],
+        checksums: Checksums::default(),
+    };
+    objects
+        .put_object(bucket, key, &manifest, &PutCondition::default())
+        .unwrap();
+    manifest
+}
+
+fn read(objects: &Objects, bucket: &str, key: &str) -> Vec<u8> {
+    let manifest = objects.get_manifest(bucket, key).unwrap();
+    match &manifest.content {
+        Content::Inline(data) => data.clone(),
+        Content::Chunks(chunks) => chunks
+            .iter()
+            .flat_map(|c| objects.read_chunk(c).unwrap())
+            .collect(),
+    }
+}
+
+fn refcount(objects: &Objects, hash: &[u8; 32]) -> u64 {
+    objects
+        .store()
+        .get(&records::refcount_key(hash))
+        .unwrap()
+        .map(|v| records::decode_refcount(&v).unwrap())
+        .unwrap_or(0)
+}
+
+fn pattern(size: usize, seed: u8) -> Vec<u8> {
+    (0..size)
+        .map(|i| {
+            (i as u8).wrapping_mul(31).wrapping_add(seed)
+                ^ ((i >> 12) as u8)
+                ^ ((i >> 20) as u8).wrapping_mul(7)
+        })
+        .collect()
+}
+
+// Proves inline and chunked objects read back byte for byte, with their metadata, across a
+// reopen of the store (the manifest and chunks are durable records, not memory).
+#[test]
+fn objects_round_trip_and_survive_reopen() {
+    let (dir, objects) = with_bucket("round-trip");
+    let small = b"hello".to_vec();
+    let large = pattern(3 * CHUNK_SIZE_BYTES + 12345, 7);
+    put(&objects, "bucket", "small", &small);
+    let manifest = put(&objects, "bucket", "dir/large", &large);
+    assert_eq!(manifest.content.chunk_refs().len(), 4);
+    drop(objects);
+    let objects = open(&dir);
+    assert_eq!(read(&objects, "bucket", "small"), small);
+    assert_eq!(read(&objects, "bucket", "dir/large"), large);
+    let manifest = objects.get_manifest("bucket", "dir/large").unwrap();
+    assert_eq!(manifest.metadata, vec![("color".into(), "blue".into())]);
+    assert!(matches!(
+        objects.get_manifest("bucket", "missing"),
+        Err(ObjectError::NoSuchKey { .. })
+    ));
+    assert!(matches!(
+        objects.get_manifest("nobucket", "x"),
+        Err(ObjectError::NoSuchBucket(_))
+    ));
+}
+
+// Proves refcounts count every use of a chunk: identical objects share chunks, and a chunk is
+// deleted from the store exactly when the last object using it is deleted or overwritten.
+#[test]
+fn refcounts_free_chunks_when_last_reference_goes() {
+    let (_dir, objects) = with_bucket("refcounts");
+    let data = pattern(2 * CHUNK_SIZE_BYTES, 1);
+    let first = put(&objects, "bucket", "a", &data);
+    put(&objects, "bucket", "b", &data);
+    let hashes: Vec<[u8; 32]> = first.content.chunk_refs().iter().map(|c| c.hash).collect();
+    for hash in &hashes {
+        assert_eq!(refcount(&objects, hash), 2);
+    }
+    assert!(objects.delete_object("bucket", "a").unwrap());
+    for hash in &hashes {
+        assert_eq!(refcount(&objects, hash), 1);
+        assert!(objects.store().contains(&chunk_key(hash)).unwrap());
+    }
+    assert_eq!(read(&objects, "bucket", "b"), data);
+    // Overwriting the last user with other bytes frees the old chunks.
+    put(&objects, "bucket", "b", &pattern(2 * CHUNK_SIZE_BYTES, 2));
+    for hash in &hashes {
+        assert_eq!(refcount(&objects, hash), 0);
+        assert!(!objects.store().contains(&chunk_key(hash)).unwrap());
+    }
+    assert!(!objects.delete_object("bucket", "a").unwrap());
+    // An object that repeats one chunk counts it twice.
+    let repeated: Vec<u8> = [pattern(CHUNK_SIZE_BYTES, 9), pattern(CHUNK_SIZE_BYTES, 9)].concat();
+    let manifest = put(&objects, "bucket", "twice", &repeated);
+    let hash = manifest.content.chunk_refs()[0].hash;
+    assert_eq!(refcount(&objects, &hash), 2);
+    objects.delete_object("bucket", "twice").unwrap();
+    assert!(!objects.store().contains(&chunk_key(&hash)).unwrap());
+}
+
+fn list_all(
+    objects: &Objects,
+    prefix: &str,
+    delimiter: Option<&str>,
+    page: usize,
+) -> (Vec<String>, Vec<String>, usize) {
+    let mut keys = Vec::new();
+    let mut prefixes = Vec::new();
+    let mut start: Option<ListStart> = None;
+    let mut pages = 0;
+    loop {
+        let result = objects
+            .list_objects(
+                "bucket",
+                &ListRequest {
+                    prefix: prefix.into(),
+                    delimiter: delimiter.map(str::to_string),
+                    start: start.clone(),
+                    max_entries: page,
+                },
+            )
+            .unwrap();
+        pages += 1;
+        assert!(result.entries.len() + result.common_prefixes.len() <= page);
+        keys.extend(result.entries.into_iter().map(|e| e.key));
+        prefixes.extend(result.common_prefixes);
+        if !result.truncated {
+            break;
+        }
+        start = result.next;
+        assert!(start.is_some(), "a truncated page says where to continue");
+        assert!(pages < 1000);
+    }
+    (keys, prefixes, pages)
+}
+
+// Proves listing follows S3: keys in byte order, prefix filtering, delimiter roll-up into common
+// prefixes, and that paging with any page size returns the same set exactly once.
+#[test]
+fn listing_prefix_delimiter_and_continuation() {
+    let (_dir, objects) = with_bucket("listing");
+    let names = [
+        "a/1", "a/2", "a/b/3", "b", "b/1", "c", "d/e/f", "d/e/g", "..", "../x", "z z", "é",
+    ];
+    for name in names {
+        put(&objects, "bucket", name, name.as_bytes());
+    }
+    let mut sorted: Vec<String> = names.iter().map(|s| s.to_string()).collect();
+    sorted.sort();
+    for page in [1, 2, 3, 1000] {
+        let (keys, prefixes, _) = list_all(&objects, "", None, page);
+        assert_eq!(keys, sorted, "page size {page}");
+        assert!(prefixes.is_empty());
+        let (keys, prefixes, _) = list_all(&objects, "", Some("/"), page);
+        assert_eq!(keys, vec!["..", "b", "c", "z z", "é"], "page size {page}");
+        assert_eq!(prefixes, vec!["../", "a/", "b/", "d/"], "page size {page}");
+        let (keys, prefixes, _) = list_all(&objects, "a/", Some("/"), page);
+        assert_eq!(keys, vec!["a/1", "a/2"]);
+        assert_eq!(prefixes, vec!["a/b/"]);
+        let (keys, _, _) = list_all(&objects, "d/", None, page);
+        assert_eq!(keys, vec!["d/e/f", "d/e/g"]);
+    }
+    let (keys, _, _) = list_all(&objects, "nothing", Some("/"), 10);
+    assert!(keys.is_empty());
+    // Start after a key (V1 marker / V2 start-after).
+    let result = objects
+        .list_objects(
+            "bucket",
+            &ListRequest {
+                start: Some(ListStart::AfterKey("c".into())),
+                max_entries: 1000,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(result.entries[0].key, "d/e/f");
+}
+
+fn upload_part(objects: &Objects, upload_id: &str, number: u32, data: &[u8]) -> String {
+    let mut pins = objects.pin_set();
+    let chunks = data
+        .chunks(CHUNK_SIZE_BYTES)
+        .map(|c| {
+            objects
+                .write_chunk(Compression::Lz4, c.to_vec(), &mut pins)
+                .unwrap()
+        })
+        .collect();
+    let etag = hex::encode(Md5::digest(data));
+    objects
+        .commit_part(
+            "bucket",
+            "multi",
+            upload_id,
+            &PartRecord {
+                part_number: number,
+                size_bytes: data.len() as u64,
+                etag: etag.clone(),
+                modified_unix_ms: now_unix_ms(),
+                chunks,
+                checksums: Checksums::default(),
+            },
+        )
+        .unwrap();
+    etag
+}
+
+fn start_upload(objects: &Objects, upload_id: &str) {
+    objects
+        .create_upload(
+            "bucket",
+            &UploadRecord {
+                key: "multi".into(),
+                upload_id: upload_id.into(),
+                initiated_unix_ms: now_unix_ms(),
+                headers: StoredHeaders {
+                    content_type: Some("application/x-test".into()),
+                    ..Default::default()
+                },
+                metadata: Vec::new(),
+                checksum_algorithm: None,
+            },
+        )
+        .unwrap();
+}
+
+// Proves multipart completion: parts are validated (order, ETag, 5 MiB minimum), assembled in
+// order into one manifest with the `-N` ETag, parts left out are freed, and abort frees all.
+#[test]
+fn multipart_assembly_and_validation() {
+    let (_dir, objects) = with_bucket("multipart");
+    start_upload(&objects, "u1");
+    let one = pattern(PART_SIZE_MIN_BYTES as usize, 1);
+    let two = pattern(1000, 2);
+    let unused = pattern(PART_SIZE_MIN_BYTES as usize + 7, 3);
+    let etag1 = upload_part(&objects, "u1", 1, &one);
+    let etag2 = upload_part(&objects, "u1", 2, &two);
+    let etag3 = upload_part(&objects, "u1", 3, &unused);
+    let condition = PutCondition::default();
+    let order = objects.complete_upload(
+        "bucket",
+        "multi",
+        "u1",
+        &[(2, etag2.clone()), (1, etag1.clone())],
+        &condition,
+    );
+    assert!(matches!(order, Err(ObjectError::InvalidPartOrder)));
+    let wrong = objects.complete_upload("bucket", "multi", "u1", &[(1, etag2.clone())], &condition);
+    assert!(matches!(wrong, Err(ObjectError::InvalidPart { .. })));
+    let missing =
+        objects.complete_upload("bucket", "multi", "u1", &[(9, etag2.clone())], &condition);
+    assert!(matches!(missing, Err(ObjectError::InvalidPart { .. })));
+    let small = objects.complete_upload(
+        "bucket",
+        "multi",
+        "u1",
+        &[(2, etag2.clone()), (3, etag3.clone())],
+        &condition,
+    );
+    assert!(matches!(small, Err(ObjectError::EntityTooSmall { .. })));
+    let (parts, truncated) = objects.list_parts("bucket", "multi", "u1", 0, 2).unwrap();
+    assert_eq!(parts.len(), 2);
+    assert!(truncated);
+    let (uploads, _) = objects.list_uploads_page("bucket", "", None, 10).unwrap();
+    assert_eq!(uploads.len(), 1);
+
+    let unused_hashes: Vec<[u8; 32]> = objects
+        .list_parts("bucket", "multi", "u1", 2, 10)
+        .unwrap()
+        .0[0]
+        .chunks
+        .iter()
+        .map(|c| c.hash)
+        .collect();
+    let manifest = objects
+        .complete_upload(
+            "bucket",
+            "multi",
+            "u1",
+            &[(1, format!("\"{etag1}\"")), (2, etag2.clone())],
+            &condition,
+        )
+        .unwrap();
+    assert_eq!(manifest.size_bytes, (one.len() + two.len()) as u64);
+    assert!(manifest.etag.ends_with("-2"));
+    assert_eq!(
+        manifest.etag,
+        multipart::multipart_etag(&[&etag1, &etag2]).unwrap()
+    );
+    assert_eq!(
+        manifest.headers.content_type.as_deref(),
+        Some("application/x-test")
+    );
+    assert_eq!(read(&objects, "bucket", "multi"), [one, two].concat());
+    for hash in &unused_hashes {
+        assert!(!objects.store().contains(&chunk_key(hash)).unwrap());
+    }
+    assert!(matches!(
+        objects.get_upload("bucket", "multi", "u1"),
+        Err(ObjectError::NoSuchUpload(_))
+    ));
+    assert!(objects
+        .list_uploads_page("bucket", "", None, 10)
+        .unwrap()
+        .0
+        .is_empty());
+
+    start_upload(&objects, "u2");
+    let data = pattern(CHUNK_SIZE_BYTES + 5, 4);
+    upload_part(&objects, "u2", 1, &data);
+    let hashes: Vec<[u8; 32]> = data
+        .chunks(CHUNK_SIZE_BYTES)
+        .map(|c| *blake3::hash(c).as_bytes())
+        .collect();
+    objects.abort_upload("bucket", "multi", "u2").unwrap();
+    for hash in &hashes {
+        assert!(!objects.store().contains(&chunk_key(hash)).unwrap());
+    }
+}
+
+// Proves bucket administration: ownership errors, BucketNotEmpty, grants, name validation and
+// that buckets and keys come back after a reopen.
+#[test]
+fn buckets_and_keys() {
+    let (dir, objects) = with_bucket("buckets");
+    objects
+        .add_key(KeyRecord {
+            access_key_id: "OTHER".into(),
+            name: "other".into(),
+            secret_access_key: "secretsecret".into(),
+            created_unix_ms: 0,
+        })
+        .unwrap();
+    assert!(matches!(
+        objects.create_bucket("bucket", "OWNER", Compression::None),
+        Err(ObjectError::BucketAlreadyOwnedByYou(_))
+    ));
+    assert!(matches!(
+        objects.create_bucket("bucket", "OTHER", Compression::None),
+        Err(ObjectError::BucketAlreadyExists(_))
+    ));
+    assert!(matches!(
+        objects.create_bucket("Bad_Name", "OWNER", Compression::None),
+        Err(ObjectError::InvalidBucketName { .. })
+    ));
+    assert_eq!(objects.can_access("bucket", "OTHER"), Some(false));
+    assert_eq!(objects.can_access("nothing", "OTHER"), None);
+    objects.allow("bucket", "OTHER").unwrap();
+    assert_eq!(objects.can_access("bucket", "OTHER"), Some(true));
+    assert_eq!(objects.list_buckets_for("OTHER").len(), 1);
+    put(&objects, "bucket", "k", b"x");
+    assert!(matches!(
+        objects.delete_bucket("bucket"),
+        Err(ObjectError::BucketNotEmpty(_))
+    ));
+    let info = objects.bucket_info("bucket").unwrap();
+    assert_eq!((info.objects, info.logical_bytes), (1, 1));
+    drop(objects);
+    let objects = open(&dir);
+    assert_eq!(objects.can_access("bucket", "OTHER"), Some(true));
+    assert_eq!(objects.list_keys().len(), 2);
+    objects.delete_object("bucket", "k").unwrap();
+    objects.delete_bucket("bucket").unwrap();
+    assert!(objects.bucket("bucket").is_none());
+    objects.delete_key("OTHER").unwrap();
+    assert!(matches!(
+        objects.delete_key("OTHER"),
+        Err(ObjectError::NoSuchAccessKey(_))
+    ));
+}
+
+// Proves conditional PUT: If-None-Match: * refuses to replace an existing object.
+#[test]
+fn put_if_none_match() {
+    let (_dir, objects) = with_bucket("conditional");
+    put(&objects, "bucket", "k", b"one");
+    let manifest = objects.get_manifest("bucket", "k").unwrap();
+    let refused = objects.put_object(
+        "bucket",
+        "k",
+        &manifest,
+        &PutCondition {
+            if_none_match_any: true,
+            if_match_etag: None,
+        },
+    );
+    assert!(matches!(refused, Err(ObjectError::PreconditionFailed(_))));
+}
+
+// Proves garbage collection frees a chunk whose upload never committed, and keeps chunks that
+// are referenced or pinned by an upload in progress.
+#[test]
+fn garbage_collection_frees_only_orphans() {
+    let (_dir, objects) = with_bucket("gc");
+    let kept = put(
+        &objects,
+        "bucket",
+        "kept",
+        &pattern(CHUNK_SIZE_BYTES + 1, 5),
+    );
+    let orphan = {
+        let mut pins = objects.pin_set();
+        objects
+            .write_chunk(Compression::Zstd, pattern(1000, 6), &mut pins)
+            .unwrap()
+    };
+    let mut pins = objects.pin_set();
+    let pinned = objects
+        .write_chunk(Compression::Zstd, pattern(2000, 7), &mut pins)
+        .unwrap();
+    let report = objects.collect_garbage().unwrap();
+    assert_eq!(report.chunks_deleted, 1);
+    assert!(!objects.store().contains(&chunk_key(&orphan.hash)).unwrap());
+    assert!(objects.store().contains(&chunk_key(&pinned.hash)).unwrap());
+    for chunk in kept.content.chunk_refs() {
+        assert!(objects.store().contains(&chunk_key(&chunk.hash)).unwrap());
+    }
+    drop(pins);
+}
+
+// Proves decoders refuse garbage with an error instead of panicking or misreading.
+#[test]
+fn corrupt_records_are_errors() {
+    assert!(records::decode_manifest(&[]).is_err());
+    assert!(records::decode_manifest(&[9, 1, 2, 3]).is_err());
+    assert!(records::decode_manifest(&[records::RECORD_VERSION, 0xff, 0xff]).is_err());
+    let mut manifest = Manifest {
+        size_bytes: 10,
+        etag: "x".into(),
+        modified_unix_ms: 0,
+        content: Content::Inline(vec![1, 2, 3]),
+        part_sizes_bytes: Vec::new(),
+        headers: StoredHeaders::default(),
+        metadata: Vec::new(),
+        checksums: Checksums::default(),
+    };
+    // Size disagrees with content: refused.
+    assert!(records::decode_manifest(&records::encode(&manifest)).is_err());
+    manifest.size_bytes = 3;
+    assert_eq!(
+        records::decode_manifest(&records::encode(&manifest)).unwrap(),
+        manifest
+    );
+    assert!(records::decode_refcount(&[1, 2, 3]).is_err());
+}
+
+// Proves key validation: NUL and over-long keys are refused; `..` and slashes are plain keys.
+#[test]
+fn key_validation() {
+    assert!(validate_object_key("..").is_ok());
+    assert!(validate_object_key("../../etc/passwd").is_ok());
+    assert!(validate_object_key(&"k".repeat(KEY_LENGTH_MAX_BYTES)).is_ok());
+    assert!(matches!(
+        validate_object_key(&"k".repeat(KEY_LENGTH_MAX_BYTES + 1)),
+        Err(ObjectError::KeyTooLong)
+    ));
+    assert!(matches!(
+        validate_object_key("a\0b"),
+        Err(ObjectError::InvalidArgument(_))
+    ));
+    assert!(validate_object_key("").is_err());
+    assert!(validate_bucket_name("my-bucket.1").is_ok());
+    for bad in [
+        "ab",
+        "UPPER",
+        "a..b",
+        "-ab",
+        "ab-",
+        "192.168.1.1",
+        "xn--ab",
+        "a_b",
+    ] {
+        assert!(validate_bucket_name(bad).is_err(), "{bad}");
+    }
+}
+
+// Proves refcounts stay exact under concurrency: threads writing, overwriting and deleting
+// objects that share chunks leave every chunk counted correctly, and once everything is deleted
+// no refcount record and no chunk remains.
+#[test]
+fn concurrent_writers_keep_refcounts_exact() {
+    let (_dir, objects) = with_bucket("concurrent");
+    let shared = pattern(2 * CHUNK_SIZE_BYTES, 11);
+    let hashes: Vec<[u8; 32]> = shared
+        .chunks(CHUNK_SIZE_BYTES)
+        .map(|c| *blake3::hash(c).as_bytes())
+        .collect();
+    std::thread::scope(|scope| {
+        for thread in 0..6 {
+            let objects = &objects;
+            let shared = &shared;
+            scope.spawn(move || {
+                for round in 0..5 {
+                    let key = format!("t{thread}/{round}");
+                    put(objects, "bucket", &key, shared);
+                    // Everyone also fights over one key.
+                    put(objects, "bucket", "contended", shared);
+                    if round % 2 == 0 {
+                        objects.delete_object("bucket", &key).unwrap();
+                    }
+                }
+            });
+        }
+    });
+    let live = objects
+        .list_objects(
+            "bucket",
+            &ListRequest {
+                max_entries: 1000,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+        .entries
+        .len() as u64;
+    // Each live object holds one reference to each of the two distinct chunks.
+    for hash in &hashes {
+        assert_eq!(refcount(&objects, hash), live);
+    }
+    let keys: Vec<String> = objects
+        .list_objects(
+            "bucket",
+            &ListRequest {
+                max_entries: 1000,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+        .entries
+        .into_iter()
+        .map(|e| e.key)
+        .collect();
+    for key in keys {
+        objects.delete_object("bucket", &key).unwrap();
+    }
+    for hash in &hashes {
+        assert_eq!(refcount(&objects, hash), 0);
+        assert!(!objects.store().contains(&chunk_key(hash)).unwrap());
+    }
+}
+
+// Proves the inline-bytes encoding is postcard's encoding of a plain `Vec<u8>` (so records
+// written either way decode the same).
+#[test]
+fn inline_bytes_encoding_is_postcard_seq_of_u8() {
+    let data: Vec<u8> = (0..300u32).map(|i| (i * 7) as u8).collect();
+    let plain = postcard::to_allocvec(&data).unwrap();
+    let ours = postcard::to_allocvec(&Content::Inline(data.clone())).unwrap();
+    // Enum variant index 0, then the same bytes as the plain vector.
+    assert_eq!(ours[0], 0);
+    assert_eq!(&ours[1..], &plain[..]);
+    let back: Content = postcard::from_bytes(&ours).unwrap();
+    assert_eq!(back, Content::Inline(data));
+}

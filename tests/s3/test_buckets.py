@@ -1,0 +1,63 @@
+"""Bucket operations through boto3: create, list, head, location, versioning, delete, errors."""
+
+import uuid
+
+import botocore
+import pytest
+
+from conftest import error_code, http_status
+
+
+def test_create_list_head_location_delete(s3):
+    # Proves the bucket lifecycle: a created bucket is listed, answers HEAD, location and
+    # versioning (unversioned), and is gone after delete.
+    name = f"life-{uuid.uuid4().hex[:10]}"
+    s3.create_bucket(Bucket=name)
+    assert name in [b["Name"] for b in s3.list_buckets()["Buckets"]]
+    s3.head_bucket(Bucket=name)
+    assert s3.get_bucket_location(Bucket=name).get("LocationConstraint") in (None, "")
+    assert "Status" not in s3.get_bucket_versioning(Bucket=name)
+    s3.delete_bucket(Bucket=name)
+    assert name not in [b["Name"] for b in s3.list_buckets()["Buckets"]]
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.head_bucket(Bucket=name)
+    assert http_status(e) == 404
+
+
+def test_create_twice_is_already_owned(s3, bucket):
+    # Proves re-creating your own bucket answers BucketAlreadyOwnedByYou (409).
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.create_bucket(Bucket=bucket)
+    assert error_code(e) == "BucketAlreadyOwnedByYou"
+    assert http_status(e) == 409
+
+
+def test_delete_non_empty_bucket_refused(s3, bucket):
+    # Proves a bucket holding an object cannot be deleted, and still holds the object after.
+    s3.put_object(Bucket=bucket, Key="k", Body=b"v")
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.delete_bucket(Bucket=bucket)
+    assert error_code(e) == "BucketNotEmpty"
+    assert s3.get_object(Bucket=bucket, Key="k")["Body"].read() == b"v"
+
+
+def test_missing_bucket_errors(s3):
+    # Proves operations on a bucket that does not exist answer NoSuchBucket.
+    for call in (
+        lambda: s3.delete_bucket(Bucket="no-such-bucket-x"),
+        lambda: s3.list_objects_v2(Bucket="no-such-bucket-x"),
+        lambda: s3.put_object(Bucket="no-such-bucket-x", Key="k", Body=b"v"),
+        lambda: s3.get_object(Bucket="no-such-bucket-x", Key="k"),
+    ):
+        with pytest.raises(botocore.exceptions.ClientError) as e:
+            call()
+        assert error_code(e) == "NoSuchBucket"
+
+
+@pytest.mark.parametrize("name", ["ab", "Upper-Case", "under_score", "a..b", "192.168.0.1"])
+def test_invalid_bucket_names_refused(s3, name):
+    # Proves invalid bucket names are refused with InvalidBucketName and create nothing.
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.create_bucket(Bucket=name)
+    assert error_code(e) in ("InvalidBucketName", "InvalidRequest")
+    assert name not in [b["Name"] for b in s3.list_buckets()["Buckets"]]
