@@ -9,7 +9,7 @@ use crate::error::NbdError;
 
 /// The set of exports a server offers (one per volume).
 ///
-/// Methods are called from a blocking thread (`tokio::task::spawn_blocking`), never from the async
+/// Methods are called from a blocking thread (the server's I/O pool), never from the async
 /// runtime, so they may do disk or metadata I/O.
 pub trait Exports: Send + Sync + 'static {
     /// Names returned to NBD_OPT_LIST. Names longer than 4096 bytes are not listed.

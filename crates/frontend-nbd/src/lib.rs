@@ -14,6 +14,7 @@ use std::time::Duration;
 mod error;
 mod export;
 mod handshake;
+mod pool;
 pub mod protocol;
 mod server;
 pub mod testing;

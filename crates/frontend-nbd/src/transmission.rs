@@ -214,7 +214,7 @@ impl Work {
         if let Command::Flush = command {
             tracker.wait_for_writes_before(barrier).await;
         }
-        let outcome = tokio::task::spawn_blocking(move || -> io::Result<Option<Vec<u8>>> {
+        let outcome = crate::pool::run(move || -> io::Result<Option<Vec<u8>>> {
             match command {
                 Command::Read { offset, length } => {
                     let mut buffer = vec![0u8; length as usize];
@@ -267,8 +267,8 @@ impl Work {
                 (error_code_from_io(&error), None)
             }
             // A panicking export must not take the connection (or the server) down with it.
-            Err(join) => {
-                tracing::error!(?command, %join, "export request panicked");
+            Err(()) => {
+                tracing::error!(?command, "export request panicked");
                 (EIO, None)
             }
         }

@@ -29,6 +29,10 @@ const REPLAY_APPLY_CHUNK_UPDATES: usize = 16_384;
 /// Free space always kept for the index and checkpoints, even with `reserve_bytes = 0`: an index
 /// update that fails after its batch reached the log poisons the store.
 const INDEX_HEADROOM_BYTES: u64 = 16 << 20;
+/// The free-space check trusts its last statfs for this long, while the free space it saw minus
+/// what the store appended since stays above the reserve by `SPACE_RECHECK_MARGIN_BYTES`.
+const SPACE_RECHECK_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+const SPACE_RECHECK_MARGIN_BYTES: u64 = 256 << 20;
 /// How often a read retries when compaction moved its extent between lookup and read.
 const READ_RETRIES_MAX: usize = 8;
 
@@ -101,6 +105,11 @@ struct Writer {
     /// Every byte appended so far has been fdatasynced.
     synced: bool,
     since_checkpoint_bytes: u64,
+    /// When free space was last read, the least free space of any device then, and the bytes
+    /// appended since.
+    space_checked_at: Option<std::time::Instant>,
+    space_available_bytes: u64,
+    appended_since_space_check_bytes: u64,
 }
 
 pub(crate) struct Engine {
@@ -265,6 +274,36 @@ impl Engine {
         StoreError::Poisoned { operation, reason }
     }
 
+    /// Refuses `needed` more bytes below the reserve. Reads free space with statfs only when the
+    /// last reading is old or close to the limit.
+    fn space_check_cached(&self, writer: &mut Writer, needed: u64) -> StoreResult<()> {
+        let reserve_bytes = self.config.reserve_bytes.max(INDEX_HEADROOM_BYTES);
+        if let Some(at) = writer.space_checked_at {
+            let estimate = writer
+                .space_available_bytes
+                .saturating_sub(writer.appended_since_space_check_bytes);
+            if at.elapsed() < SPACE_RECHECK_INTERVAL
+                && estimate > needed + reserve_bytes + SPACE_RECHECK_MARGIN_BYTES
+            {
+                return Ok(());
+            }
+        }
+        let result = self.space_check(needed);
+        writer.space_checked_at = Some(std::time::Instant::now());
+        writer.appended_since_space_check_bytes = 0;
+        writer.space_available_bytes = match &result {
+            Ok(()) => self
+                .segments
+                .devices
+                .iter()
+                .filter_map(|d| fsinfo::available_bytes(&d.dir).ok())
+                .min()
+                .unwrap_or(0),
+            Err(_) => 0,
+        };
+        result
+    }
+
     fn space_check(&self, needed: u64) -> StoreResult<()> {
         let reserve_bytes = self.config.reserve_bytes.max(INDEX_HEADROOM_BYTES);
         for device in &self.segments.devices {
@@ -308,7 +347,7 @@ impl Engine {
                     .flat_map(|p| &p.ops)
                     .map(|op| op.payload_len() + 128)
                     .sum();
-                match self.space_check(needed as u64) {
+                match self.space_check_cached(&mut writer, needed as u64) {
                     Ok(()) => Ok(()),
                     Err(StoreError::NoSpace {
                         path,
@@ -468,6 +507,7 @@ impl Engine {
         }
         let appended = buffer.len() as u64;
         writer.since_checkpoint_bytes += appended;
+        writer.appended_since_space_check_bytes += appended;
         let checkpoint_due = writer.since_checkpoint_bytes >= self.config.checkpoint_interval_bytes;
         need_sync |= checkpoint_due || checkpoint.is_some();
 
@@ -816,6 +856,9 @@ fn recover(segments: &Segments, index: &Index, tail: Option<Tail>) -> StoreResul
             next_seq: 1,
             synced: true,
             since_checkpoint_bytes: 0,
+            space_checked_at: None,
+            space_available_bytes: 0,
+            appended_since_space_check_bytes: 0,
         });
     };
     let tail = tail.unwrap_or(Tail {
@@ -947,6 +990,9 @@ fn recover(segments: &Segments, index: &Index, tail: Option<Tail>) -> StoreResul
         next_seq,
         synced: true,
         since_checkpoint_bytes: 0,
+        space_checked_at: None,
+        space_available_bytes: 0,
+        appended_since_space_check_bytes: 0,
     })
 }
 
