@@ -1,0 +1,851 @@
+//! The admin API (JSON over HTTP), `/metrics` (Prometheus text) and the dashboard, served by the
+//! same binary on the admin address. The CLI talks to this API, never to the data files.
+//!
+//! Read-only endpoints (`/`, `/metrics`, `GET /api/v1/status`) need no token: they are meant for
+//! monitoring on a trusted network. Everything else needs `Authorization: Bearer <token>` with
+//! the token from `<first data dir>/admin-token`.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use keel_namespace::volume::{VolumeError, VolumeManager, VolumeSpec};
+use keel_store::{Compression, Store};
+use serde::{Deserialize, Serialize};
+
+use crate::config::Config;
+use crate::jobs::Jobs;
+
+/// Largest JSON request body the admin API accepts.
+const REQUEST_JSON_MAX_BYTES: usize = 64 << 10;
+/// Chunks of a send stream buffered between the reader thread and the HTTP body.
+const STREAM_CHANNEL_CHUNKS_MAX: usize = 8;
+const STREAM_CHUNK_BYTES: usize = 1 << 20;
+
+pub struct AppState {
+    pub store: Store,
+    pub volumes: Arc<VolumeManager>,
+    pub s3: Arc<keel_s3::S3Frontend>,
+    pub token: String,
+    pub jobs: Jobs,
+    pub config: Config,
+    pub started: Instant,
+}
+
+pub type Shared = Arc<AppState>;
+
+/// An error as the API reports it: a status and a message a person can act on.
+pub struct ApiError(StatusCode, String);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.0, Json(serde_json::json!({ "error": self.1 }))).into_response()
+    }
+}
+
+impl From<VolumeError> for ApiError {
+    fn from(error: VolumeError) -> ApiError {
+        let status = match &error {
+            VolumeError::NotFound { .. }
+            | VolumeError::SnapshotNotFound { .. }
+            | VolumeError::Deleted { .. } => StatusCode::NOT_FOUND,
+            VolumeError::AlreadyExists { .. }
+            | VolumeError::SnapshotExists { .. }
+            | VolumeError::InUse { .. } => StatusCode::CONFLICT,
+            VolumeError::Invalid { .. }
+            | VolumeError::OutOfRange { .. }
+            | VolumeError::Stream { .. }
+            | VolumeError::BaseMissing { .. } => StatusCode::BAD_REQUEST,
+            VolumeError::Store { source, .. } if source.is_no_space() => {
+                StatusCode::INSUFFICIENT_STORAGE
+            }
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError(status, error.to_string())
+    }
+}
+
+impl From<keel_s3::FrontendError> for ApiError {
+    fn from(error: keel_s3::FrontendError) -> ApiError {
+        let text = error.to_string();
+        let lower = text.to_lowercase();
+        let status = if lower.contains("not found") || lower.contains("no such") {
+            StatusCode::NOT_FOUND
+        } else if lower.contains("exists") || lower.contains("not empty") {
+            StatusCode::CONFLICT
+        } else if lower.contains("invalid") {
+            StatusCode::BAD_REQUEST
+        } else {
+            StatusCode::INTERNAL_SERVER_ERROR
+        };
+        ApiError(status, text)
+    }
+}
+
+fn internal(error: impl std::fmt::Display) -> ApiError {
+    ApiError(StatusCode::INTERNAL_SERVER_ERROR, error.to_string())
+}
+
+fn bad_request(message: impl Into<String>) -> ApiError {
+    ApiError(StatusCode::BAD_REQUEST, message.into())
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+/// Runs blocking store work off the async runtime.
+async fn blocking<T, F>(work: F) -> ApiResult<T>
+where
+    F: FnOnce() -> ApiResult<T> + Send + 'static,
+    T: Send + 'static,
+{
+    tokio::task::spawn_blocking(work).await.map_err(internal)?
+}
+
+pub fn router(state: Shared) -> Router {
+    let protected = Router::new()
+        .route("/api/v1/volumes", get(list_volumes).post(create_volume))
+        .route(
+            "/api/v1/volumes/{name}",
+            get(volume_info).delete(delete_volume),
+        )
+        .route("/api/v1/volumes/{name}/resize", post(resize_volume))
+        .route(
+            "/api/v1/volumes/{name}/snapshots",
+            get(list_snapshots).post(create_snapshot),
+        )
+        .route(
+            "/api/v1/volumes/{name}/snapshots/{snapshot}",
+            axum::routing::delete(delete_snapshot),
+        )
+        .route(
+            "/api/v1/volumes/{name}/snapshots/{snapshot}/rollback",
+            post(rollback_snapshot),
+        )
+        .route(
+            "/api/v1/volumes/{name}/snapshots/{snapshot}/clone",
+            post(clone_snapshot),
+        )
+        .route("/api/v1/volumes/{name}/send", get(send_volume))
+        .route("/api/v1/volumes/{name}/receive", post(receive_volume))
+        .route("/api/v1/buckets", get(list_buckets).post(create_bucket))
+        .route(
+            "/api/v1/buckets/{name}",
+            get(bucket_info).delete(delete_bucket),
+        )
+        .route("/api/v1/buckets/{name}/allow", post(allow_bucket))
+        .route("/api/v1/keys", get(list_keys).post(create_key))
+        .route("/api/v1/keys/{id}", axum::routing::delete(delete_key))
+        .route("/api/v1/store/scrub", post(start_scrub))
+        .route("/api/v1/store/compact", post(start_compact))
+        .route("/api/v1/jobs", get(list_jobs))
+        .route("/api/v1/jobs/{id}", get(job_status))
+        .layer(middleware::from_fn_with_state(state.clone(), require_token));
+    Router::new()
+        .route("/", get(dashboard))
+        .route("/metrics", get(metrics))
+        .route("/api/v1/status", get(status))
+        .merge(protected)
+        .layer(axum::extract::DefaultBodyLimit::max(REQUEST_JSON_MAX_BYTES))
+        .with_state(state)
+}
+
+async fn require_token(State(state): State<Shared>, request: Request, next: Next) -> Response {
+    let presented = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if !constant_time_eq(presented.as_bytes(), state.token.as_bytes()) {
+        return ApiError(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong admin token (see <data dir>/admin-token or KEEL_ADMIN_TOKEN)".into(),
+        )
+        .into_response();
+    }
+    next.run(request).await
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+// ---------------------------------------------------------------------------------------------
+// Status and metrics.
+
+#[derive(Serialize, Deserialize, Debug, Clone)]
+pub struct StatusReport {
+    pub health: String,
+    pub reasons: Vec<String>,
+    pub version: String,
+    pub uptime_seconds: u64,
+    pub data: Vec<String>,
+    pub mirrored: bool,
+    pub ephemeral: bool,
+    pub s3: String,
+    pub nbd: String,
+    pub admin: String,
+    pub store: StoreStatus,
+    pub volumes: usize,
+    pub buckets: usize,
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone)]
+pub struct StoreStatus {
+    pub live_extents: u64,
+    pub live_raw_bytes: u64,
+    pub live_stored_bytes: u64,
+    pub compression_ratio: f64,
+    pub log_bytes: u64,
+    pub segments: u64,
+    pub last_seq: u64,
+    pub log_syncs: u64,
+    pub corrupt_reads: u64,
+    pub repaired_extents: u64,
+    pub poisoned: bool,
+    pub available_bytes: u64,
+}
+
+pub fn status_report(state: &AppState) -> ApiResult<StatusReport> {
+    let stats = state.store.stats().map_err(internal)?;
+    let mut reasons = Vec::new();
+    let mut level = 0;
+    if stats.poisoned {
+        level = 2;
+        reasons.push(
+            "store is poisoned after a failed sync: writes refused until restart".to_string(),
+        );
+    }
+    if stats.corrupt_reads > stats.repaired_extents {
+        level = level.max(1);
+        reasons.push(format!(
+            "{} checksum failures on read, {} repaired from a mirror; run `keel store scrub`",
+            stats.corrupt_reads, stats.repaired_extents
+        ));
+    }
+    if state.config.ephemeral {
+        level = level.max(1);
+        reasons.push("running --ephemeral: data may be on a volatile filesystem".to_string());
+    }
+    let mut available = u64::MAX;
+    for dir in &state.config.data {
+        if let Ok(info) = keel_store::fsinfo::filesystem_info(dir) {
+            available = available.min(info.available_bytes);
+            if info.total_bytes > 0 && info.available_bytes * 20 < info.total_bytes {
+                level = level.max(1);
+                reasons.push(format!("{} is over 95% full", dir.display()));
+            }
+        }
+    }
+    if state.config.data.len() == 1 {
+        reasons.push("single data directory: no local mirror (info)".to_string());
+    }
+    Ok(StatusReport {
+        health: ["HEALTH_OK", "HEALTH_WARN", "HEALTH_ERR"][level].to_string(),
+        reasons,
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        uptime_seconds: state.started.elapsed().as_secs(),
+        data: state
+            .config
+            .data
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect(),
+        mirrored: state.config.data.len() > 1,
+        ephemeral: state.config.ephemeral,
+        s3: state.config.s3.to_string(),
+        nbd: state.config.nbd.to_string(),
+        admin: state.config.admin.to_string(),
+        store: StoreStatus {
+            live_extents: stats.live_extents,
+            live_raw_bytes: stats.live_raw_bytes,
+            live_stored_bytes: stats.live_stored_bytes,
+            compression_ratio: stats.compression_ratio(),
+            log_bytes: stats.log_bytes,
+            segments: stats.segments,
+            last_seq: stats.last_seq,
+            log_syncs: stats.log_syncs,
+            corrupt_reads: stats.corrupt_reads,
+            repaired_extents: stats.repaired_extents,
+            poisoned: stats.poisoned,
+            available_bytes: if available == u64::MAX { 0 } else { available },
+        },
+        volumes: state.volumes.list().len(),
+        buckets: state.s3.list_buckets().len(),
+    })
+}
+
+async fn status(State(state): State<Shared>) -> ApiResult<Json<StatusReport>> {
+    blocking(move || status_report(&state).map(Json)).await
+}
+
+async fn metrics(State(state): State<Shared>) -> ApiResult<Response> {
+    let report = blocking(move || status_report(&state)).await?;
+    let text = crate::metrics::render(&report).map_err(internal)?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response())
+}
+
+async fn dashboard() -> Html<&'static str> {
+    Html(include_str!("dashboard.html"))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Volumes and snapshots.
+
+#[derive(Serialize, Deserialize, Debug, Clone)]
+pub struct VolumeJson {
+    pub name: String,
+    pub size_bytes: u64,
+    pub compression: String,
+    pub iops_max: Option<u64>,
+    pub bandwidth_max_mib_per_second: Option<u64>,
+    pub generation: u64,
+    pub snapshots: usize,
+    pub origin: Option<String>,
+    pub used_bytes: Option<u64>,
+    pub stored_bytes: Option<u64>,
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone)]
+pub struct SnapshotJson {
+    pub name: String,
+    pub guid: String,
+    pub generation: u64,
+    pub size_bytes: u64,
+    pub created_unix_seconds: u64,
+    pub referenced_bytes: u64,
+    pub unique_bytes: u64,
+}
+
+fn volume_json(summary: &keel_namespace::volume::VolumeSummary) -> VolumeJson {
+    VolumeJson {
+        name: summary.name.clone(),
+        size_bytes: summary.size_bytes,
+        compression: summary.compression.name().to_string(),
+        iops_max: summary.iops_max,
+        bandwidth_max_mib_per_second: summary.bandwidth_max_mib_per_second,
+        generation: summary.generation,
+        snapshots: summary.snapshots,
+        origin: summary.origin.as_ref().map(|(v, s)| format!("{v}@{s}")),
+        used_bytes: None,
+        stored_bytes: None,
+    }
+}
+
+fn snapshot_json(info: &keel_namespace::volume::SnapshotInfo) -> SnapshotJson {
+    SnapshotJson {
+        name: info.name.clone(),
+        guid: info.guid.clone(),
+        generation: info.generation,
+        size_bytes: info.size_bytes,
+        created_unix_seconds: info.created_unix_seconds,
+        referenced_bytes: info.referenced_bytes,
+        unique_bytes: info.unique_bytes,
+    }
+}
+
+#[derive(Deserialize)]
+pub struct CreateVolume {
+    pub name: String,
+    pub size_bytes: u64,
+    pub compression: Option<String>,
+    pub iops_max: Option<u64>,
+    pub bandwidth_max_mib_per_second: Option<u64>,
+}
+
+pub fn parse_compression(name: Option<&str>) -> ApiResult<Compression> {
+    match name {
+        None => Ok(Compression::None),
+        Some(name) => Compression::from_name(name).ok_or_else(|| {
+            bad_request(format!(
+                "unknown compression {name:?}: use none, lz4 or zstd"
+            ))
+        }),
+    }
+}
+
+async fn list_volumes(State(state): State<Shared>) -> Json<Vec<VolumeJson>> {
+    Json(state.volumes.list().iter().map(volume_json).collect())
+}
+
+async fn create_volume(
+    State(state): State<Shared>,
+    Json(request): Json<CreateVolume>,
+) -> ApiResult<Json<VolumeJson>> {
+    let mut spec = VolumeSpec::new(&request.name, request.size_bytes);
+    spec.compression = parse_compression(request.compression.as_deref())?;
+    spec.iops_max = request.iops_max;
+    spec.bandwidth_max_mib_per_second = request.bandwidth_max_mib_per_second;
+    blocking(move || Ok(Json(volume_json(&state.volumes.create(&spec)?)))).await
+}
+
+async fn volume_info(
+    State(state): State<Shared>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<serde_json::Value>> {
+    blocking(move || {
+        let info = state.volumes.info(&name)?;
+        let mut volume = volume_json(&info.summary);
+        volume.used_bytes = Some(info.used_bytes);
+        volume.stored_bytes = Some(info.stored_bytes);
+        let snapshots: Vec<SnapshotJson> = info.snapshots.iter().map(snapshot_json).collect();
+        Ok(Json(
+            serde_json::json!({ "volume": volume, "snapshots": snapshots }),
+        ))
+    })
+    .await
+}
+
+#[derive(Deserialize)]
+pub struct Resize {
+    pub size_bytes: u64,
+    #[serde(default)]
+    pub allow_shrink: bool,
+}
+
+async fn resize_volume(
+    State(state): State<Shared>,
+    Path(name): Path<String>,
+    Json(request): Json<Resize>,
+) -> ApiResult<Json<serde_json::Value>> {
+    blocking(move || {
+        state
+            .volumes
+            .resize(&name, request.size_bytes, request.allow_shrink)?;
+        Ok(Json(
+            serde_json::json!({ "name": name, "size_bytes": request.size_bytes }),
+        ))
+    })
+    .await
+}
+
+async fn delete_volume(
+    State(state): State<Shared>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<serde_json::Value>> {
+    // Validate now so a missing volume is a 404, then delete as a job (it can be large).
+    if !state.volumes.list().iter().any(|v| v.name == name) {
+        return Err(ApiError(
+            StatusCode::NOT_FOUND,
+            format!("volume {name:?} not found"),
+        ));
+    }
+    let volumes = state.volumes.clone();
+    let job = state.jobs.start("volume delete", move |progress| {
+        volumes.delete(&name, &mut |p| progress.report(p.done, p.total))?;
+        Ok(serde_json::json!({ "deleted": name }))
+    });
+    Ok(Json(serde_json::json!({ "job": job })))
+}
+
+async fn list_snapshots(
+    State(state): State<Shared>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<Vec<SnapshotJson>>> {
+    blocking(move || {
+        Ok(Json(
+            state
+                .volumes
+                .snapshot_list(&name)?
+                .iter()
+                .map(snapshot_json)
+                .collect(),
+        ))
+    })
+    .await
+}
+
+#[derive(Deserialize)]
+pub struct NameRequest {
+    pub name: String,
+}
+
+async fn create_snapshot(
+    State(state): State<Shared>,
+    Path(name): Path<String>,
+    Json(request): Json<NameRequest>,
+) -> ApiResult<Json<SnapshotJson>> {
+    blocking(move || {
+        Ok(Json(snapshot_json(
+            &state.volumes.snapshot_create(&name, &request.name)?,
+        )))
+    })
+    .await
+}
+
+async fn delete_snapshot(
+    State(state): State<Shared>,
+    Path((name, snapshot)): Path<(String, String)>,
+) -> ApiResult<Json<serde_json::Value>> {
+    blocking(move || {
+        state
+            .volumes
+            .snapshot_delete(&name, &snapshot, &mut |_| {})?;
+        Ok(Json(
+            serde_json::json!({ "deleted": format!("{name}@{snapshot}") }),
+        ))
+    })
+    .await
+}
+
+async fn rollback_snapshot(
+    State(state): State<Shared>,
+    Path((name, snapshot)): Path<(String, String)>,
+) -> ApiResult<Json<serde_json::Value>> {
+    blocking(move || {
+        state.volumes.rollback(&name, &snapshot)?;
+        Ok(Json(
+            serde_json::json!({ "rolled_back": format!("{name}@{snapshot}") }),
+        ))
+    })
+    .await
+}
+
+async fn clone_snapshot(
+    State(state): State<Shared>,
+    Path((name, snapshot)): Path<(String, String)>,
+    Json(request): Json<NameRequest>,
+) -> ApiResult<Json<VolumeJson>> {
+    blocking(move || {
+        Ok(Json(volume_json(&state.volumes.clone_volume(
+            &name,
+            &snapshot,
+            &request.name,
+        )?)))
+    })
+    .await
+}
+
+#[derive(Deserialize)]
+pub struct SendQuery {
+    pub snapshot: String,
+    pub base: Option<String>,
+}
+
+/// Streams a send stream: a blocking thread reads it in 1 MiB chunks into a bounded channel.
+async fn send_volume(
+    State(state): State<Shared>,
+    Path(name): Path<String>,
+    Query(query): Query<SendQuery>,
+) -> ApiResult<Response> {
+    let volumes = state.volumes.clone();
+    let mut stream =
+        blocking(move || Ok(volumes.send(&name, query.base.as_deref(), &query.snapshot)?)).await?;
+    let (sender, receiver) =
+        tokio::sync::mpsc::channel::<Result<Vec<u8>, std::io::Error>>(STREAM_CHANNEL_CHUNKS_MAX);
+    tokio::task::spawn_blocking(move || {
+        use std::io::Read;
+        loop {
+            let mut chunk = vec![0u8; STREAM_CHUNK_BYTES];
+            match stream.read(&mut chunk) {
+                Ok(0) => break,
+                Ok(n) => {
+                    chunk.truncate(n);
+                    if sender.blocking_send(Ok(chunk)).is_err() {
+                        break;
+                    }
+                }
+                Err(error) => {
+                    let _ = sender.blocking_send(Err(error));
+                    break;
+                }
+            }
+        }
+    });
+    let body = Body::from_stream(tokio_stream_from(receiver));
+    Ok((
+        [(header::CONTENT_TYPE, "application/x-keel-send-stream")],
+        body,
+    )
+        .into_response())
+}
+
+fn tokio_stream_from(
+    mut receiver: tokio::sync::mpsc::Receiver<Result<Vec<u8>, std::io::Error>>,
+) -> impl futures::Stream<Item = Result<Vec<u8>, std::io::Error>> {
+    futures::stream::poll_fn(move |cx| receiver.poll_recv(cx))
+}
+
+/// Applies a stream from the request body; the body is fed to a blocking reader through a
+/// bounded channel, so memory stays bounded whatever the stream's size.
+async fn receive_volume(
+    State(state): State<Shared>,
+    Path(name): Path<String>,
+    request: Request,
+) -> ApiResult<Json<serde_json::Value>> {
+    use futures::StreamExt;
+    let (sender, receiver) = std::sync::mpsc::sync_channel::<Result<bytes::Bytes, std::io::Error>>(
+        STREAM_CHANNEL_CHUNKS_MAX,
+    );
+    let volumes = state.volumes.clone();
+    let applying = tokio::task::spawn_blocking(move || {
+        let mut reader = ChannelReader {
+            receiver,
+            current: bytes::Bytes::new(),
+        };
+        volumes.receive(&mut reader, &name)
+    });
+    let mut body = request.into_body().into_data_stream();
+    let mut forwarding = true;
+    while let Some(chunk) = body.next().await {
+        let Ok(chunk) = chunk else {
+            // The client went away: the receiver sees the stream end early and refuses it.
+            break;
+        };
+        if !forwarding {
+            // The stream was refused already; read (and drop) the rest so the client, which
+            // sends the whole body before reading, gets the answer instead of a broken pipe.
+            continue;
+        }
+        let sender = sender.clone();
+        forwarding = tokio::task::spawn_blocking(move || sender.send(Ok(chunk)).is_ok())
+            .await
+            .map_err(internal)?;
+    }
+    drop(sender);
+    let report = applying.await.map_err(internal)??;
+    Ok(Json(
+        serde_json::json!({ "received": format!("{report:?}") }),
+    ))
+}
+
+struct ChannelReader {
+    receiver: std::sync::mpsc::Receiver<Result<bytes::Bytes, std::io::Error>>,
+    current: bytes::Bytes,
+}
+
+impl std::io::Read for ChannelReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        while self.current.is_empty() {
+            match self.receiver.recv() {
+                Ok(Ok(chunk)) => self.current = chunk,
+                Ok(Err(error)) => return Err(error),
+                Err(_) => return Ok(0),
+            }
+        }
+        let n = buf.len().min(self.current.len());
+        buf[..n].copy_from_slice(&self.current.split_to(n));
+        Ok(n)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Buckets and keys.
+
+#[derive(Deserialize)]
+pub struct CreateBucket {
+    pub name: String,
+    /// Access key that will own the bucket (defaults to the first key).
+    pub owner: Option<String>,
+    pub compression: Option<String>,
+}
+
+async fn list_buckets(State(state): State<Shared>) -> Json<serde_json::Value> {
+    let buckets: Vec<serde_json::Value> = state
+        .s3
+        .list_buckets()
+        .iter()
+        .map(|b| {
+            let compression = Compression::from_code(b.compression_code).unwrap_or_default();
+            serde_json::json!({ "name": b.name, "owner": b.owner, "compression": compression.name() })
+        })
+        .collect();
+    Json(serde_json::Value::Array(buckets))
+}
+
+async fn create_bucket(
+    State(state): State<Shared>,
+    Json(request): Json<CreateBucket>,
+) -> ApiResult<Json<serde_json::Value>> {
+    if let Some(name) = request.compression.as_deref() {
+        parse_compression(Some(name))?;
+    }
+    blocking(move || {
+        let owner = match request.owner {
+            Some(owner) => owner,
+            None => state
+                .s3
+                .list_keys()
+                .first()
+                .map(|k| k.access_key_id.clone())
+                .ok_or_else(|| {
+                    bad_request("no access key exists yet: create one with `keel key create`")
+                })?,
+        };
+        state
+            .s3
+            .create_bucket(&request.name, &owner, request.compression.as_deref())?;
+        Ok(Json(
+            serde_json::json!({ "name": request.name, "owner": owner }),
+        ))
+    })
+    .await
+}
+
+async fn bucket_info(
+    State(state): State<Shared>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<serde_json::Value>> {
+    blocking(move || {
+        let info = state.s3.bucket_info(&name)?;
+        Ok(Json(serde_json::json!({
+            "name": name,
+            "objects": info.objects,
+            "owner": info.owner,
+            "grants": info.grants,
+            "compression": info.compression,
+            "bytes": info.logical_bytes,
+            "unique_bytes": info.unique_bytes,
+            "stored_bytes_estimate": info.stored_bytes_estimate,
+            "compression_ratio": info.compression_ratio,
+            "uploads_in_progress": info.uploads_in_progress,
+        })))
+    })
+    .await
+}
+
+async fn delete_bucket(
+    State(state): State<Shared>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<serde_json::Value>> {
+    blocking(move || {
+        state.s3.delete_bucket(&name)?;
+        Ok(Json(serde_json::json!({ "deleted": name })))
+    })
+    .await
+}
+
+#[derive(Deserialize)]
+pub struct AllowRequest {
+    pub access_key_id: String,
+}
+
+async fn allow_bucket(
+    State(state): State<Shared>,
+    Path(name): Path<String>,
+    Json(request): Json<AllowRequest>,
+) -> ApiResult<Json<serde_json::Value>> {
+    blocking(move || {
+        state.s3.allow(&name, &request.access_key_id)?;
+        Ok(Json(
+            serde_json::json!({ "bucket": name, "allowed": request.access_key_id }),
+        ))
+    })
+    .await
+}
+
+async fn list_keys(State(state): State<Shared>) -> Json<serde_json::Value> {
+    let keys: Vec<serde_json::Value> = state
+        .s3
+        .list_keys()
+        .iter()
+        .map(|k| serde_json::json!({ "access_key_id": k.access_key_id, "name": k.name }))
+        .collect();
+    Json(serde_json::Value::Array(keys))
+}
+
+async fn create_key(
+    State(state): State<Shared>,
+    Json(request): Json<NameRequest>,
+) -> ApiResult<Json<serde_json::Value>> {
+    blocking(move || {
+        let (id, secret) = state.s3.create_key(&request.name)?;
+        Ok(Json(serde_json::json!({ "name": request.name, "access_key_id": id, "secret_access_key": secret })))
+    })
+    .await
+}
+
+async fn delete_key(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<serde_json::Value>> {
+    blocking(move || {
+        state.s3.delete_key(&id)?;
+        Ok(Json(serde_json::json!({ "deleted": id })))
+    })
+    .await
+}
+
+// ---------------------------------------------------------------------------------------------
+// Store maintenance and jobs.
+
+async fn start_scrub(State(state): State<Shared>) -> Json<serde_json::Value> {
+    let store = state.store.clone();
+    let job = state.jobs.start("scrub", move |progress| {
+        let report = store.scrub(&mut |p| progress.report(p.done, p.total))?;
+        Ok(serde_json::json!({
+            "extents_checked": report.extents_checked,
+            "bytes_checked": report.bytes_checked,
+            "repaired_copies": report.repaired_copies,
+            "unrecoverable_extents": report.unrecoverable_extents,
+            "unrecoverable_keys": report.unrecoverable_keys,
+        }))
+    });
+    Json(serde_json::json!({ "job": job }))
+}
+
+#[derive(Deserialize)]
+pub struct CompactRequest {
+    pub dead_ratio_min: Option<f64>,
+}
+
+async fn start_compact(
+    State(state): State<Shared>,
+    Json(request): Json<CompactRequest>,
+) -> ApiResult<Json<serde_json::Value>> {
+    let ratio = request.dead_ratio_min.unwrap_or(0.5);
+    if !(0.0..=1.0).contains(&ratio) {
+        return Err(bad_request("dead_ratio_min must be between 0 and 1"));
+    }
+    let store = state.store.clone();
+    let volumes = state.volumes.clone();
+    let s3 = state.s3.clone();
+    let job = state.jobs.start("compact", move |progress| {
+        // Garbage first (unreferenced chunks and blocks), then reclaim the segments.
+        let mut volume_extents_deleted = 0;
+        for volume in volumes.list() {
+            volume_extents_deleted += volumes
+                .collect_garbage(&volume.name, &mut |_| {})?
+                .extents_deleted;
+        }
+        let object_gc = s3.collect_garbage()?;
+        let report = store.compact(ratio, &mut |p| progress.report(p.done, p.total))?;
+        Ok(serde_json::json!({
+            "volume_extents_deleted": volume_extents_deleted,
+            "object_gc": format!("{object_gc:?}"),
+            "segments_compacted": report.segments_compacted,
+            "extents_moved": report.extents_moved,
+            "bytes_reclaimed": report.bytes_reclaimed,
+        }))
+    });
+    Ok(Json(serde_json::json!({ "job": job })))
+}
+
+async fn list_jobs(State(state): State<Shared>) -> Json<Vec<crate::jobs::JobStatus>> {
+    Json(state.jobs.list())
+}
+
+async fn job_status(
+    State(state): State<Shared>,
+    Path(id): Path<u64>,
+    _headers: HeaderMap,
+) -> ApiResult<Json<crate::jobs::JobStatus>> {
+    state
+        .jobs
+        .get(id)
+        .map(Json)
+        .ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("no job {id}")))
+}

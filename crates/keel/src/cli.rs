@@ -1,0 +1,718 @@
+//! The management CLI: nouns and verbs (`keel volume create`, `keel snapshot send`, ...) that talk
+//! to a running server's admin API. The token comes from `--token`, `KEEL_ADMIN_TOKEN`, or the
+//! `admin-token` file in the data directory (`--data`, default ./keel-data).
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context};
+use serde::de::DeserializeOwned;
+use serde_json::{json, Value};
+
+use crate::config::{DEFAULT_ADMIN_ADDR, DEFAULT_DATA_DIR};
+use crate::server::ADMIN_TOKEN_FILE;
+
+/// How often `wait_job` polls a job's progress.
+const JOB_POLL_INTERVAL: Duration = Duration::from_millis(200);
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct Connection {
+    /// Admin API address of the server.
+    #[arg(long, env = "KEEL_ADMIN", default_value = DEFAULT_ADMIN_ADDR, global = true)]
+    pub admin: String,
+    /// Admin token (default: read from <data>/admin-token).
+    #[arg(long, env = "KEEL_ADMIN_TOKEN", global = true, hide_env_values = true)]
+    pub token: Option<String>,
+    /// Data directory holding the admin token file.
+    #[arg(long = "token-dir", default_value = DEFAULT_DATA_DIR, global = true)]
+    pub token_dir: PathBuf,
+}
+
+pub struct Client {
+    base: String,
+    token: String,
+    agent: ureq::Agent,
+}
+
+impl Client {
+    pub fn connect(connection: &Connection) -> anyhow::Result<Client> {
+        let token = match &connection.token {
+            Some(token) => token.clone(),
+            None => {
+                let path = connection.token_dir.join(ADMIN_TOKEN_FILE);
+                std::fs::read_to_string(&path)
+                    .map(|t| t.trim().to_string())
+                    .with_context(|| {
+                        format!(
+                            "reading the admin token from {} (pass --token or KEEL_ADMIN_TOKEN, or --token-dir DIR)",
+                            path.display()
+                        )
+                    })?
+            }
+        };
+        let base = if connection.admin.starts_with("http") {
+            connection.admin.trim_end_matches('/').to_string()
+        } else {
+            format!("http://{}", connection.admin)
+        };
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .build()
+            .new_agent();
+        Ok(Client { base, token, agent })
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    fn bearer(&self) -> String {
+        format!("Bearer {}", self.token)
+    }
+
+    fn decode<T: DeserializeOwned>(
+        &self,
+        response: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+    ) -> anyhow::Result<T> {
+        let mut response = response
+            .map_err(|e| anyhow!("cannot reach the Keel admin API at {}: {e}", self.base))?;
+        let status = response.status();
+        let body: Value = response.body_mut().read_json().unwrap_or(Value::Null);
+        if !status.is_success() {
+            let message = body
+                .get("error")
+                .and_then(Value::as_str)
+                .unwrap_or("no detail");
+            bail!("{message} (HTTP {})", status.as_u16());
+        }
+        Ok(serde_json::from_value(body)?)
+    }
+
+    pub fn get<T: DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {
+        let response = self
+            .agent
+            .get(self.url(path))
+            .header("Authorization", self.bearer())
+            .call();
+        self.decode(response)
+    }
+
+    pub fn post<T: DeserializeOwned>(&self, path: &str, body: Value) -> anyhow::Result<T> {
+        let response = self
+            .agent
+            .post(self.url(path))
+            .header("Authorization", self.bearer())
+            .send_json(body);
+        self.decode(response)
+    }
+
+    pub fn delete<T: DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {
+        let response = self
+            .agent
+            .delete(self.url(path))
+            .header("Authorization", self.bearer())
+            .call();
+        self.decode(response)
+    }
+
+    /// Polls a job until it ends, drawing a progress line on a terminal.
+    pub fn wait_job(&self, id: u64, what: &str) -> anyhow::Result<Value> {
+        let tty = std::io::stderr().is_terminal();
+        loop {
+            let job: Value = self.get(&format!("/api/v1/jobs/{id}"))?;
+            let done = job["done"].as_u64().unwrap_or(0);
+            let total = job["total"].as_u64().unwrap_or(0);
+            match job["state"].as_str() {
+                Some("done") => {
+                    if tty {
+                        eprintln!("\r{what}: done ({done}/{total})          ");
+                    }
+                    return Ok(job["result"].clone());
+                }
+                Some("failed") => bail!(
+                    "{what} failed: {}",
+                    job["error"].as_str().unwrap_or("no detail")
+                ),
+                _ => {
+                    if tty {
+                        let percent = (done * 100).checked_div(total).unwrap_or(0);
+                        eprint!("\r{what}: {done}/{total} ({percent}%)   ");
+                    }
+                    std::thread::sleep(JOB_POLL_INTERVAL);
+                }
+            }
+        }
+    }
+
+    fn encode(segment: &str) -> String {
+        segment
+            .bytes()
+            .map(|b| match b {
+                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                    (b as char).to_string()
+                }
+                _ => format!("%{b:02X}"),
+            })
+            .collect()
+    }
+}
+
+/// Parses "10G", "512MiB", "4096" into bytes (binary units).
+pub fn parse_size(text: &str) -> anyhow::Result<u64> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: u64 = number
+        .parse()
+        .with_context(|| format!("size {text:?} has no number"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kib" | "kb" => 10,
+        "m" | "mib" | "mb" => 20,
+        "g" | "gib" | "gb" => 30,
+        "t" | "tib" | "tb" => 40,
+        other => bail!("unknown size unit {other:?} (use K, M, G or T)"),
+    };
+    number
+        .checked_mul(1u64 << shift)
+        .ok_or_else(|| anyhow!("size {text:?} is too large"))
+}
+
+fn split_snapshot(spec: &str) -> anyhow::Result<(String, String)> {
+    spec.split_once('@')
+        .map(|(v, s)| (v.to_string(), s.to_string()))
+        .filter(|(v, s)| !v.is_empty() && !s.is_empty())
+        .ok_or_else(|| anyhow!("expected VOLUME@SNAPSHOT, got {spec:?}"))
+}
+
+fn print_json(value: &Value) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(value)?);
+    Ok(())
+}
+
+fn human_bytes(bytes: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit < units.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", units[unit])
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[derive(clap::Subcommand, Debug)]
+pub enum VolumeCommand {
+    /// Create a thin-provisioned volume.
+    Create {
+        name: String,
+        /// Size, e.g. 10G.
+        #[arg(long)]
+        size: String,
+        /// none, lz4 or zstd.
+        #[arg(long, default_value = "none")]
+        compression: String,
+        /// Limit: operations per second.
+        #[arg(long)]
+        iops: Option<u64>,
+        /// Limit: MiB per second (reads plus writes).
+        #[arg(long)]
+        mbps: Option<u64>,
+    },
+    /// List volumes.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show a volume, its space use and snapshots.
+    Info { name: String },
+    /// Grow (or, with --allow-shrink, shrink) a volume.
+    Resize {
+        name: String,
+        #[arg(long)]
+        size: String,
+        #[arg(long)]
+        allow_shrink: bool,
+    },
+    /// Delete a volume and its snapshots.
+    Delete { name: String },
+}
+
+pub fn volume(connection: &Connection, command: VolumeCommand) -> anyhow::Result<()> {
+    let client = Client::connect(connection)?;
+    match command {
+        VolumeCommand::Create {
+            name,
+            size,
+            compression,
+            iops,
+            mbps,
+        } => {
+            let created: Value = client.post(
+                "/api/v1/volumes",
+                json!({ "name": name, "size_bytes": parse_size(&size)?, "compression": compression,
+                        "iops_max": iops, "bandwidth_max_mib_per_second": mbps }),
+            )?;
+            println!(
+                "created volume {} ({})",
+                name,
+                human_bytes(created["size_bytes"].as_u64().unwrap_or(0))
+            );
+        }
+        VolumeCommand::List { json } => {
+            let volumes: Value = client.get("/api/v1/volumes")?;
+            if json {
+                return print_json(&volumes);
+            }
+            println!(
+                "{:<24} {:>10} {:>6} {:>9} {:<20}",
+                "NAME", "SIZE", "COMP", "SNAPSHOTS", "ORIGIN"
+            );
+            for v in volumes.as_array().into_iter().flatten() {
+                println!(
+                    "{:<24} {:>10} {:>6} {:>9} {:<20}",
+                    v["name"].as_str().unwrap_or(""),
+                    human_bytes(v["size_bytes"].as_u64().unwrap_or(0)),
+                    v["compression"].as_str().unwrap_or(""),
+                    v["snapshots"].as_u64().unwrap_or(0),
+                    v["origin"].as_str().unwrap_or("-")
+                );
+            }
+        }
+        VolumeCommand::Info { name } => {
+            let info: Value = client.get(&format!("/api/v1/volumes/{}", Client::encode(&name)))?;
+            print_json(&info)?;
+        }
+        VolumeCommand::Resize {
+            name,
+            size,
+            allow_shrink,
+        } => {
+            let _: Value = client.post(
+                &format!("/api/v1/volumes/{}/resize", Client::encode(&name)),
+                json!({ "size_bytes": parse_size(&size)?, "allow_shrink": allow_shrink }),
+            )?;
+            println!("resized volume {name} to {size}");
+        }
+        VolumeCommand::Delete { name } => {
+            let started: Value =
+                client.delete(&format!("/api/v1/volumes/{}", Client::encode(&name)))?;
+            let job = started["job"]
+                .as_u64()
+                .ok_or_else(|| anyhow!("server did not start a job"))?;
+            client.wait_job(job, &format!("deleting {name}"))?;
+            println!("deleted volume {name}");
+        }
+    }
+    Ok(())
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum SnapshotCommand {
+    /// Take an instant copy-on-write snapshot: VOLUME@SNAPSHOT.
+    Create { spec: String },
+    /// List a volume's snapshots with their space use.
+    List {
+        volume: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete VOLUME@SNAPSHOT.
+    Delete { spec: String },
+    /// Make the volume's contents those of VOLUME@SNAPSHOT again.
+    Rollback { spec: String },
+    /// Create a writable volume NEW from VOLUME@SNAPSHOT.
+    Clone { spec: String, new_volume: String },
+    /// Write a send stream to stdout: full (VOL@B) or incremental (VOL@A VOL@B).
+    Send {
+        first: String,
+        second: Option<String>,
+    },
+    /// Apply a send stream from stdin to VOLUME (on the server, or offline with --data).
+    Receive {
+        volume: String,
+        /// Apply to this data directory directly (the server must not be running on it).
+        #[arg(long = "offline-data")]
+        offline_data: Option<PathBuf>,
+    },
+}
+
+pub fn snapshot(connection: &Connection, command: SnapshotCommand) -> anyhow::Result<()> {
+    if let SnapshotCommand::Receive {
+        volume,
+        offline_data: Some(dir),
+    } = &command
+    {
+        return receive_offline(volume, dir);
+    }
+    let client = Client::connect(connection)?;
+    match command {
+        SnapshotCommand::Create { spec } => {
+            let (volume, name) = split_snapshot(&spec)?;
+            let _: Value = client.post(
+                &format!("/api/v1/volumes/{}/snapshots", Client::encode(&volume)),
+                json!({ "name": name }),
+            )?;
+            println!("created snapshot {spec}");
+        }
+        SnapshotCommand::List { volume, json } => {
+            let snapshots: Value = client.get(&format!(
+                "/api/v1/volumes/{}/snapshots",
+                Client::encode(&volume)
+            ))?;
+            if json {
+                return print_json(&snapshots);
+            }
+            println!(
+                "{:<24} {:>10} {:>12} {:>12}",
+                "SNAPSHOT", "SIZE", "REFERENCED", "UNIQUE"
+            );
+            for s in snapshots.as_array().into_iter().flatten() {
+                println!(
+                    "{:<24} {:>10} {:>12} {:>12}",
+                    format!("{volume}@{}", s["name"].as_str().unwrap_or("")),
+                    human_bytes(s["size_bytes"].as_u64().unwrap_or(0)),
+                    human_bytes(s["referenced_bytes"].as_u64().unwrap_or(0)),
+                    human_bytes(s["unique_bytes"].as_u64().unwrap_or(0))
+                );
+            }
+        }
+        SnapshotCommand::Delete { spec } => {
+            let (volume, name) = split_snapshot(&spec)?;
+            let _: Value = client.delete(&format!(
+                "/api/v1/volumes/{}/snapshots/{}",
+                Client::encode(&volume),
+                Client::encode(&name)
+            ))?;
+            println!("deleted snapshot {spec}");
+        }
+        SnapshotCommand::Rollback { spec } => {
+            let (volume, name) = split_snapshot(&spec)?;
+            let _: Value = client.post(
+                &format!(
+                    "/api/v1/volumes/{}/snapshots/{}/rollback",
+                    Client::encode(&volume),
+                    Client::encode(&name)
+                ),
+                json!({}),
+            )?;
+            println!("rolled {volume} back to {spec}");
+        }
+        SnapshotCommand::Clone { spec, new_volume } => {
+            let (volume, name) = split_snapshot(&spec)?;
+            let _: Value = client.post(
+                &format!(
+                    "/api/v1/volumes/{}/snapshots/{}/clone",
+                    Client::encode(&volume),
+                    Client::encode(&name)
+                ),
+                json!({ "name": new_volume }),
+            )?;
+            println!("cloned {spec} as {new_volume}");
+        }
+        SnapshotCommand::Send { first, second } => {
+            let (volume, first_name) = split_snapshot(&first)?;
+            let (base, target) = match second {
+                Some(second) => {
+                    let (second_volume, second_name) = split_snapshot(&second)?;
+                    if second_volume != volume {
+                        bail!("an incremental stream needs two snapshots of one volume");
+                    }
+                    (Some(first_name), second_name)
+                }
+                None => (None, first_name),
+            };
+            let mut path = format!(
+                "/api/v1/volumes/{}/send?snapshot={}",
+                Client::encode(&volume),
+                Client::encode(&target)
+            );
+            if let Some(base) = base {
+                path.push_str(&format!("&base={}", Client::encode(&base)));
+            }
+            if std::io::stdout().is_terminal() {
+                bail!("refusing to write a binary stream to a terminal: redirect stdout (keel snapshot send ... > file)");
+            }
+            let response = client
+                .agent
+                .get(client.url(&path))
+                .header("Authorization", client.bearer())
+                .call()
+                .map_err(|e| anyhow!("cannot reach the Keel admin API: {e}"))?;
+            if !response.status().is_success() {
+                let status = response.status();
+                let body: Value = response.into_body().read_json().unwrap_or(Value::Null);
+                bail!(
+                    "{} (HTTP {})",
+                    body["error"].as_str().unwrap_or("send failed"),
+                    status.as_u16()
+                );
+            }
+            let mut reader = response.into_body().into_reader();
+            let copied = std::io::copy(&mut reader, &mut std::io::stdout().lock())
+                .context("streaming to stdout")?;
+            std::io::stdout().flush()?;
+            eprintln!("sent {} ({} bytes)", target, copied);
+        }
+        SnapshotCommand::Receive { volume, .. } => {
+            let mut stdin = std::io::stdin().lock();
+            let response = client
+                .agent
+                .post(client.url(&format!(
+                    "/api/v1/volumes/{}/receive",
+                    Client::encode(&volume)
+                )))
+                .header("Authorization", client.bearer())
+                .send(ureq::SendBody::from_reader(&mut stdin));
+            let report: Value = client.decode(response)?;
+            println!(
+                "received into {volume}: {}",
+                report["received"].as_str().unwrap_or("")
+            );
+        }
+    }
+    Ok(())
+}
+
+fn receive_offline(volume: &str, dir: &std::path::Path) -> anyhow::Result<()> {
+    let store = keel_store::Store::open(keel_store::StoreConfig::new(vec![dir.to_path_buf()]))
+        .with_context(|| format!("opening the store in {}", dir.display()))?;
+    let volumes = keel_namespace::volume::VolumeManager::open(store)?;
+    let mut stdin = std::io::stdin().lock();
+    let report = volumes.receive(&mut stdin, volume)?;
+    println!("received into {volume}: {report:?}");
+    Ok(())
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum BucketCommand {
+    /// Create a bucket owned by an access key (default: the first key).
+    Create {
+        name: String,
+        #[arg(long)]
+        owner: Option<String>,
+        /// none, lz4 or zstd (default zstd).
+        #[arg(long)]
+        compression: Option<String>,
+    },
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Objects, bytes, stored bytes and compression ratio of a bucket.
+    Info {
+        name: String,
+    },
+    Delete {
+        name: String,
+    },
+    /// Let another access key use a bucket.
+    Allow {
+        name: String,
+        access_key_id: String,
+    },
+}
+
+pub fn bucket(connection: &Connection, command: BucketCommand) -> anyhow::Result<()> {
+    let client = Client::connect(connection)?;
+    match command {
+        BucketCommand::Create {
+            name,
+            owner,
+            compression,
+        } => {
+            let created: Value = client.post(
+                "/api/v1/buckets",
+                json!({ "name": name, "owner": owner, "compression": compression }),
+            )?;
+            println!(
+                "created bucket {name} owned by {}",
+                created["owner"].as_str().unwrap_or("?")
+            );
+        }
+        BucketCommand::List { json } => {
+            let buckets: Value = client.get("/api/v1/buckets")?;
+            if json {
+                return print_json(&buckets);
+            }
+            println!("{:<32} {:<24} {:<6}", "BUCKET", "OWNER", "COMP");
+            for b in buckets.as_array().into_iter().flatten() {
+                println!(
+                    "{:<32} {:<24} {:<6}",
+                    b["name"].as_str().unwrap_or(""),
+                    b["owner"].as_str().unwrap_or(""),
+                    b["compression"].as_str().unwrap_or("")
+                );
+            }
+        }
+        BucketCommand::Info { name } => {
+            let info: Value = client.get(&format!("/api/v1/buckets/{}", Client::encode(&name)))?;
+            print_json(&info)?;
+        }
+        BucketCommand::Delete { name } => {
+            let _: Value = client.delete(&format!("/api/v1/buckets/{}", Client::encode(&name)))?;
+            println!("deleted bucket {name}");
+        }
+        BucketCommand::Allow {
+            name,
+            access_key_id,
+        } => {
+            let _: Value = client.post(
+                &format!("/api/v1/buckets/{}/allow", Client::encode(&name)),
+                json!({ "access_key_id": access_key_id }),
+            )?;
+            println!("{access_key_id} may now use bucket {name}");
+        }
+    }
+    Ok(())
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum KeyCommand {
+    /// Create an access key; the secret is shown once.
+    Create {
+        name: String,
+    },
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    Delete {
+        access_key_id: String,
+    },
+}
+
+pub fn key(connection: &Connection, command: KeyCommand) -> anyhow::Result<()> {
+    let client = Client::connect(connection)?;
+    match command {
+        KeyCommand::Create { name } => {
+            let key: Value = client.post("/api/v1/keys", json!({ "name": name }))?;
+            println!(
+                "AWS_ACCESS_KEY_ID={}",
+                key["access_key_id"].as_str().unwrap_or("")
+            );
+            println!(
+                "AWS_SECRET_ACCESS_KEY={}",
+                key["secret_access_key"].as_str().unwrap_or("")
+            );
+        }
+        KeyCommand::List { json } => {
+            let keys: Value = client.get("/api/v1/keys")?;
+            if json {
+                return print_json(&keys);
+            }
+            println!("{:<28} {:<24}", "ACCESS KEY ID", "NAME");
+            for k in keys.as_array().into_iter().flatten() {
+                println!(
+                    "{:<28} {:<24}",
+                    k["access_key_id"].as_str().unwrap_or(""),
+                    k["name"].as_str().unwrap_or("")
+                );
+            }
+        }
+        KeyCommand::Delete { access_key_id } => {
+            let _: Value =
+                client.delete(&format!("/api/v1/keys/{}", Client::encode(&access_key_id)))?;
+            println!("deleted key {access_key_id}");
+        }
+    }
+    Ok(())
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum StoreCommand {
+    /// Verify every live extent on every device and repair bad copies.
+    Scrub,
+    /// Collect garbage and reclaim the space of dead extents.
+    Compact {
+        /// Compact segments at least this dead (0.0-1.0).
+        #[arg(long, default_value_t = 0.5)]
+        dead_ratio: f64,
+    },
+}
+
+pub fn store(connection: &Connection, command: StoreCommand) -> anyhow::Result<()> {
+    let client = Client::connect(connection)?;
+    let (path, body, what) = match command {
+        StoreCommand::Scrub => ("/api/v1/store/scrub", json!({}), "scrub"),
+        StoreCommand::Compact { dead_ratio } => (
+            "/api/v1/store/compact",
+            json!({ "dead_ratio_min": dead_ratio }),
+            "compaction",
+        ),
+    };
+    let started: Value = client.post(path, body)?;
+    let job = started["job"]
+        .as_u64()
+        .ok_or_else(|| anyhow!("server did not start a job"))?;
+    let result = client.wait_job(job, what)?;
+    print_json(&result)?;
+    if result["unrecoverable_extents"].as_u64().unwrap_or(0) > 0 {
+        bail!("scrub found extents with no good copy");
+    }
+    Ok(())
+}
+
+pub fn status(connection: &Connection, json: bool) -> anyhow::Result<()> {
+    let client = Client::connect(connection).or_else(|_| {
+        // Status needs no token.
+        Client::connect(&Connection {
+            token: Some(String::new()),
+            ..connection.clone()
+        })
+    })?;
+    let report: Value = client.get("/api/v1/status")?;
+    if json {
+        return print_json(&report);
+    }
+    println!("{}", report["health"].as_str().unwrap_or("HEALTH_UNKNOWN"));
+    for reason in report["reasons"].as_array().into_iter().flatten() {
+        println!("  - {}", reason.as_str().unwrap_or(""));
+    }
+    let store = &report["store"];
+    println!(
+        "  data {} | {} volumes, {} buckets | live {} (x{:.2} compression), log {} in {} segments, free {}",
+        report["data"].as_array().map(|d| d.iter().filter_map(Value::as_str).collect::<Vec<_>>().join(", ")).unwrap_or_default(),
+        report["volumes"], report["buckets"],
+        human_bytes(store["live_raw_bytes"].as_u64().unwrap_or(0)),
+        store["compression_ratio"].as_f64().unwrap_or(1.0),
+        human_bytes(store["log_bytes"].as_u64().unwrap_or(0)),
+        store["segments"],
+        human_bytes(store["available_bytes"].as_u64().unwrap_or(0)),
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_units() {
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("10G").unwrap(), 10 << 30);
+        assert_eq!(parse_size("512MiB").unwrap(), 512 << 20);
+        assert!(parse_size("12 parsecs").is_err());
+        assert!(parse_size("99999999999T").is_err());
+    }
+
+    #[test]
+    fn snapshot_specs_need_both_parts() {
+        assert_eq!(
+            split_snapshot("db@nightly").unwrap(),
+            ("db".into(), "nightly".into())
+        );
+        assert!(split_snapshot("db").is_err());
+        assert!(split_snapshot("@x").is_err());
+    }
+}

@@ -1,0 +1,129 @@
+//! `keel`: the one binary. Nouns and verbs: `keel server`, `keel status`, `keel doctor`,
+//! `keel volume|snapshot|bucket|key|store ...` (through the admin API), `keel bench ...`.
+
+mod admin;
+mod bench_store;
+mod cli;
+mod config;
+mod doctor;
+mod jobs;
+mod metrics;
+mod server;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "keel",
+    version,
+    about = "Keel: checksummed, self-healing storage served as S3 objects and NBD block volumes"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run a node (default: single-node cluster with data in ./keel-data).
+    Server(server::ServerArgs),
+    /// Health of a running server: HEALTH_OK / HEALTH_WARN / HEALTH_ERR with reasons.
+    Status {
+        #[command(flatten)]
+        connection: cli::Connection,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Examine what the disk under a data directory really guarantees.
+    Doctor(doctor::DoctorArgs),
+    /// Block volumes.
+    Volume {
+        #[command(flatten)]
+        connection: cli::Connection,
+        #[command(subcommand)]
+        command: cli::VolumeCommand,
+    },
+    /// Snapshots, clones, rollback and send/receive.
+    Snapshot {
+        #[command(flatten)]
+        connection: cli::Connection,
+        #[command(subcommand)]
+        command: cli::SnapshotCommand,
+    },
+    /// S3 buckets.
+    Bucket {
+        #[command(flatten)]
+        connection: cli::Connection,
+        #[command(subcommand)]
+        command: cli::BucketCommand,
+    },
+    /// S3 access keys.
+    Key {
+        #[command(flatten)]
+        connection: cli::Connection,
+        #[command(subcommand)]
+        command: cli::KeyCommand,
+    },
+    /// Store maintenance: scrub and compaction.
+    Store {
+        #[command(flatten)]
+        connection: cli::Connection,
+        #[command(subcommand)]
+        command: cli::StoreCommand,
+    },
+    /// Benchmarks and durability checks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCommand {
+    /// Group commit: N writers of durable 4 KiB appends through the store vs raw write+fdatasync.
+    Store(bench_store::StoreBenchArgs),
+    #[command(flatten)]
+    Workload(keel_bench::BenchAction),
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KEEL_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Server(args) => server::run(args),
+        Command::Status { connection, json } => cli::status(&connection, json),
+        Command::Doctor(args) => doctor::run(args),
+        Command::Volume {
+            connection,
+            command,
+        } => cli::volume(&connection, command),
+        Command::Snapshot {
+            connection,
+            command,
+        } => cli::snapshot(&connection, command),
+        Command::Bucket {
+            connection,
+            command,
+        } => cli::bucket(&connection, command),
+        Command::Key {
+            connection,
+            command,
+        } => cli::key(&connection, command),
+        Command::Store {
+            connection,
+            command,
+        } => cli::store(&connection, command),
+        Command::Bench(BenchCommand::Store(args)) => bench_store::run(args),
+        Command::Bench(BenchCommand::Workload(action)) => {
+            keel_bench::run(keel_bench::BenchCommand { action })
+        }
+    };
+    if let Err(error) = result {
+        eprintln!("keel: {error:#}");
+        std::process::exit(1);
+    }
+}
