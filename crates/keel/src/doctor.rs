@@ -50,6 +50,7 @@ pub fn examine(dir: &Path, appends: u64) -> anyhow::Result<DoctorReport> {
     let fs = keel_store::fsinfo::filesystem_info(dir)
         .with_context(|| format!("statfs {}", dir.display()))?;
     let cache = keel_store::fsinfo::write_cache(dir);
+    let memory = keel_store::fsinfo::memory_backed(dir)?;
     let probe = dir.join(".keel-doctor-probe");
     let mut file = OpenOptions::new()
         .create(true)
@@ -68,11 +69,10 @@ pub fn examine(dir: &Path, appends: u64) -> anyhow::Result<DoctorReport> {
     drop(file);
     let _ = std::fs::remove_file(&probe);
     let volatile_cache = cache.as_ref().is_some_and(|c| c.volatile());
-    let verdict = if fs.is_volatile() {
+    let verdict = if let Some(what) = &memory {
         format!(
-            "NOT DURABLE: {} keeps data in memory; fsync returns at once and a power cut loses \
-             everything. `keel server` refuses this directory unless started with --ephemeral.",
-            fs.filesystem
+            "NOT DURABLE: {what} keeps data in memory; fsync returns at once and a power cut \
+             loses everything. `keel server` refuses this directory unless started with --ephemeral."
         )
     } else if volatile_cache {
         "OK with care: the device has a volatile write cache; Keel issues fdatasync, which the \
@@ -85,7 +85,7 @@ pub fn examine(dir: &Path, appends: u64) -> anyhow::Result<DoctorReport> {
     Ok(DoctorReport {
         dir: dir.to_path_buf(),
         filesystem: fs.filesystem.clone(),
-        volatile_filesystem: fs.is_volatile(),
+        volatile_filesystem: memory.is_some(),
         device: cache.as_ref().map(|c| c.device.clone()),
         write_cache: cache.as_ref().map(|c| c.mode.clone()),
         volatile_write_cache: volatile_cache,

@@ -22,6 +22,8 @@ const KNOWN_FILESYSTEMS: &[(i64, &str)] = &[
     (0xF2F5_2010, "f2fs"),
     (0x6573_5546, "fuse"),
     (0x4d44, "vfat"),
+    (0x0102_1997, "9p"),
+    (0x5346_544E, "ntfs"),
 ];
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,11 +98,13 @@ impl WriteCacheInfo {
     }
 }
 
-/// The write-cache mode of the block device under `path`, if it has one (tmpfs, overlay and
-/// network filesystems have none).
-pub fn write_cache(path: &Path) -> Option<WriteCacheInfo> {
-    let dev = std::fs::metadata(path).ok()?.dev();
-    let (major, minor) = (libc::major(dev), libc::minor(dev));
+/// The whole-disk block device name (e.g. "nvme0n1") for a device number, via
+/// `/sys/dev/block/MAJ:MIN`, walking up from a partition to its disk. `None` for anonymous
+/// devices (major 0: tmpfs, overlayfs, btrfs subvolumes) and anything sysfs does not list.
+pub fn whole_disk(major: u32, minor: u32) -> Option<String> {
+    if major == 0 {
+        return None;
+    }
     let sys = PathBuf::from(format!("/sys/dev/block/{major}:{minor}"));
     let resolved = std::fs::canonicalize(&sys).ok()?;
     // A partition's sysfs directory has a `partition` file and sits inside its disk's directory.
@@ -109,11 +113,41 @@ pub fn write_cache(path: &Path) -> Option<WriteCacheInfo> {
     } else {
         resolved
     };
-    let mode = std::fs::read_to_string(disk.join("queue/write_cache")).ok()?;
-    Some(WriteCacheInfo {
-        device: disk.file_name()?.to_string_lossy().into_owned(),
-        mode: mode.trim().to_string(),
-    })
+    Some(disk.file_name()?.to_string_lossy().into_owned())
+}
+
+/// `/sys/block/<device>/queue/write_cache`: "write back" or "write through".
+pub fn write_cache_mode(device: &str) -> Option<String> {
+    let mode = std::fs::read_to_string(format!("/sys/block/{device}/queue/write_cache")).ok()?;
+    Some(mode.trim().to_string())
+}
+
+/// RAM disks (`brd`, /dev/ramN) and compressed RAM (zram) look like block devices but lose
+/// everything on power loss.
+pub fn is_memory_device(device: &str) -> bool {
+    device.starts_with("ram") || device.starts_with("zram")
+}
+
+/// Why data under `path` would live only in memory, if it would: a tmpfs/ramfs filesystem, or a
+/// RAM disk / zram device under it. `None` for a real disk.
+pub fn memory_backed(path: &Path) -> io::Result<Option<String>> {
+    let fs = filesystem_info(path)?;
+    if fs.is_volatile() {
+        return Ok(Some(fs.filesystem));
+    }
+    let dev = std::fs::metadata(path)?.dev();
+    Ok(whole_disk(libc::major(dev), libc::minor(dev))
+        .filter(|device| is_memory_device(device))
+        .map(|device| format!("{} on RAM device {device}", fs.filesystem)))
+}
+
+/// The write-cache mode of the block device under `path`, if it has one (tmpfs, overlay and
+/// network filesystems have none).
+pub fn write_cache(path: &Path) -> Option<WriteCacheInfo> {
+    let dev = std::fs::metadata(path).ok()?.dev();
+    let device = whole_disk(libc::major(dev), libc::minor(dev))?;
+    let mode = write_cache_mode(&device)?;
+    Some(WriteCacheInfo { device, mode })
 }
 
 #[cfg(test)]

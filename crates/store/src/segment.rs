@@ -226,11 +226,11 @@ impl Segments {
         let mut ids = Vec::new();
         for dir in dirs {
             std::fs::create_dir_all(dir).map_err(|e| StoreError::io(dir, e))?;
-            let fs = fsinfo::filesystem_info(dir).map_err(|e| StoreError::io(dir, e))?;
-            if fs.is_volatile() && !ephemeral {
+            let memory = fsinfo::memory_backed(dir).map_err(|e| StoreError::io(dir, e))?;
+            if let (Some(filesystem), false) = (memory, ephemeral) {
                 return Err(StoreError::VolatileFilesystem {
                     path: dir.clone(),
-                    filesystem: fs.filesystem,
+                    filesystem,
                 });
             }
             let lock = lock_dir(dir)?;
