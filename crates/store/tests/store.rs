@@ -450,3 +450,44 @@ fn oversized_input_is_refused() {
     ));
     assert_eq!(store.stats().unwrap().last_seq, 0);
 }
+
+/// Segments are prepared ahead (zero-filled to full size) once the active one is half full; a
+/// rolled prepared segment ends in zeros, and replay must go on into the next segment rather
+/// than take the zeros for the end of the log.
+#[test]
+fn replay_crosses_prepared_segments() {
+    let dir = fresh_dir("prepared-segments");
+    let store = open_small_segments(std::slice::from_ref(&dir), 1 << 20);
+    for i in 0..80u64 {
+        store
+            .write(
+                vec![put(&meta_key(&i.to_be_bytes()), &value_for(i, 0, 40_000))],
+                Durability::Sync,
+            )
+            .unwrap();
+    }
+    let files = segment_files(&dir);
+    assert!(
+        files.len() >= 3,
+        "expected several segments, got {}",
+        files.len()
+    );
+    let full_size = files[..files.len() - 1]
+        .iter()
+        .filter(|f| std::fs::metadata(f).unwrap().len() == 1 << 20)
+        .count();
+    assert!(
+        full_size >= 1,
+        "no rolled segment was a prepared (full-size) one"
+    );
+    let image = crash_image(&dir, "prepared-segments-image");
+    drop(store);
+    let store = open_small_segments(&[image], 1 << 20);
+    for i in 0..80u64 {
+        assert_eq!(
+            store.get(&meta_key(&i.to_be_bytes())).unwrap().unwrap(),
+            value_for(i, 0, 40_000),
+            "key {i}"
+        );
+    }
+}
