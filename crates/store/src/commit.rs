@@ -42,24 +42,91 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// A write as the leader sees it: caller ops, or compaction copies that keep their old seq.
-pub(crate) enum Op {
-    User(WriteOp),
-    Relocate {
+/// A write as the leader sees it, prepared by the writer's own thread before it queues: hashed,
+/// compressed, validated. The leader only lays bytes into the batch buffer, so CPU work runs in
+/// parallel across writers and the critical section stays short.
+pub(crate) struct Op {
+    kind: u8,
+    key: Vec<u8>,
+    /// The payload as it goes to disk.
+    stored: Vec<u8>,
+    compression: Compression,
+    raw_len: usize,
+    content_hash: Option<[u8; 32]>,
+    /// Compaction copies keep the sequence number of the extent they copy.
+    relocated_seq: Option<u64>,
+}
+
+impl Op {
+    pub(crate) fn prepare(op: WriteOp) -> StoreResult<Op> {
+        validate(&op)?;
+        Ok(match op {
+            WriteOp::Put {
+                key,
+                value,
+                compression,
+                content_hash,
+            } => Op::put(key, value, compression, content_hash, None),
+            WriteOp::Delete { key } => Op {
+                kind: format::KIND_DELETE,
+                key,
+                stored: Vec::new(),
+                compression: Compression::None,
+                raw_len: 0,
+                content_hash: None,
+                relocated_seq: None,
+            },
+        })
+    }
+
+    /// A compaction copy of `value`, applied only if `key` still maps to `seq`.
+    pub(crate) fn relocation(
         key: Vec<u8>,
         value: Vec<u8>,
         compression: Compression,
         content_hash: bool,
         seq: u64,
-    },
-}
+    ) -> Op {
+        Op::put(key, value, compression, content_hash, Some(seq))
+    }
 
-impl Op {
-    fn payload_len(&self) -> usize {
-        match self {
-            Op::User(WriteOp::Put { value, .. }) | Op::Relocate { value, .. } => value.len(),
-            Op::User(WriteOp::Delete { .. }) => 0,
+    fn put(
+        key: Vec<u8>,
+        value: Vec<u8>,
+        compression: Compression,
+        content_hash: bool,
+        relocated_seq: Option<u64>,
+    ) -> Op {
+        let hash = content_hash.then(|| *blake3::hash(&value).as_bytes());
+        let raw_len = value.len();
+        let (compression, stored) = match compression {
+            Compression::None => (Compression::None, value),
+            codec => match format::compress(&value, codec) {
+                (Compression::None, _) => (Compression::None, value),
+                packed => packed,
+            },
+        };
+        Op {
+            kind: format::KIND_PUT,
+            key,
+            stored,
+            compression,
+            raw_len,
+            content_hash: hash,
+            relocated_seq,
         }
+    }
+
+    fn payload_len(&self) -> usize {
+        self.stored.len()
+    }
+
+    fn record_len(&self) -> usize {
+        format::record_len(self.key.len(), self.stored.len())
+    }
+
+    fn adds_data(&self) -> bool {
+        self.kind == format::KIND_PUT && self.relocated_seq.is_none()
     }
 }
 
@@ -157,15 +224,11 @@ impl Engine {
     }
 
     pub fn write(&self, ops: Vec<WriteOp>, durability: Durability) -> StoreResult<WriteAck> {
-        for op in &ops {
-            validate(op)?;
-        }
-        self.submit(
-            ops.into_iter().map(Op::User).collect(),
-            durability,
-            false,
-            None,
-        )
+        let prepared = ops
+            .into_iter()
+            .map(Op::prepare)
+            .collect::<StoreResult<Vec<Op>>>()?;
+        self.submit(prepared, durability, false, None)
     }
 
     pub fn flush(&self) -> StoreResult<()> {
@@ -337,10 +400,7 @@ impl Engine {
         let mut admitted: Vec<Option<StoreError>> = Vec::with_capacity(batch.len());
         let mut space_verdict: Option<Result<(), (std::path::PathBuf, u64, u64)>> = None;
         for pending in batch {
-            let adds_data = pending
-                .ops
-                .iter()
-                .any(|op| matches!(op, Op::User(WriteOp::Put { .. })));
+            let adds_data = pending.ops.iter().any(Op::adds_data);
             if !adds_data || pending.may_use_reserve {
                 admitted.push(None);
                 continue;
@@ -382,15 +442,11 @@ impl Engine {
         let mut total_len = 0u64;
         for (pending, refused) in batch.iter().zip(&admitted) {
             if refused.is_none() {
-                for op in &pending.ops {
-                    let (key_len, value_len) = match op {
-                        Op::User(WriteOp::Put { key, value, .. })
-                        | Op::Relocate { key, value, .. } => (key.len(), value.len()),
-                        Op::User(WriteOp::Delete { key }) => (key.len(), 0),
-                    };
-                    // Upper bound: compression only shrinks the payload.
-                    total_len += format::record_len(key_len, value_len) as u64;
-                }
+                total_len += pending
+                    .ops
+                    .iter()
+                    .map(|op| op.record_len() as u64)
+                    .sum::<u64>();
             }
         }
         if writer.offset + total_len > self.config.segment_size_max_bytes
@@ -422,77 +478,50 @@ impl Engine {
             for (i, op) in pending.ops.iter().enumerate() {
                 let group_end = if i == last { format::FLAG_GROUP_END } else { 0 };
                 let offset = base + buffer.len() as u64;
-                match op {
-                    Op::User(WriteOp::Put {
-                        key,
-                        value,
-                        compression,
-                        content_hash,
-                    }) => {
-                        encode_put(
-                            &mut buffer,
-                            key,
-                            value,
-                            *compression,
-                            *content_hash,
-                            seq,
-                            group_end,
-                        );
-                        updates.push(IndexUpdate::Put {
-                            key: key.clone(),
-                            location: location_of(&buffer, base, offset, seq, writer.segment.id),
-                            relocated: false,
-                        });
-                        seq += 1;
-                    }
-                    Op::User(WriteOp::Delete { key }) => {
-                        format::encode_extent(
-                            &mut buffer,
-                            format::KIND_DELETE,
-                            Compression::None,
-                            group_end,
-                            seq,
-                            key,
-                            &[],
-                            0,
-                            None,
-                        );
-                        updates.push(IndexUpdate::Delete { key: key.clone() });
-                        seq += 1;
-                    }
-                    Op::Relocate {
-                        key,
-                        value,
-                        compression,
-                        content_hash,
-                        seq: old_seq,
-                    } => {
-                        encode_put(
-                            &mut buffer,
-                            key,
-                            value,
-                            *compression,
-                            *content_hash,
-                            *old_seq,
-                            group_end | format::FLAG_RELOCATED,
-                        );
-                        updates.push(IndexUpdate::Put {
-                            key: key.clone(),
-                            location: location_of(
-                                &buffer,
-                                base,
-                                offset,
-                                *old_seq,
-                                writer.segment.id,
-                            ),
-                            relocated: true,
-                        });
-                    }
+                let (op_seq, flags) = match op.relocated_seq {
+                    Some(old_seq) => (old_seq, group_end | format::FLAG_RELOCATED),
+                    None => (seq, group_end),
+                };
+                format::encode_extent(
+                    &mut buffer,
+                    op.kind,
+                    op.compression,
+                    flags,
+                    op_seq,
+                    &op.key,
+                    &op.stored,
+                    op.raw_len,
+                    op.content_hash.as_ref(),
+                );
+                if op.kind == format::KIND_DELETE {
+                    updates.push(IndexUpdate::Delete {
+                        key: op.key.clone(),
+                    });
+                } else {
+                    updates.push(IndexUpdate::Put {
+                        key: op.key.clone(),
+                        location: Location {
+                            segment: writer.segment.id,
+                            offset,
+                            record_len: (base + buffer.len() as u64 - offset) as u32,
+                            raw_len: op.raw_len as u32,
+                            stored_len: op.stored.len() as u32,
+                            seq: op_seq,
+                        },
+                        relocated: op.relocated_seq.is_some(),
+                    });
+                }
+                if op.relocated_seq.is_none() {
+                    seq += 1;
                 }
             }
             acks.push(seq.saturating_sub(1));
         }
-        debug_assert!(buffer.len() as u64 <= total_len);
+        assert_eq!(
+            buffer.len() as u64,
+            total_len,
+            "batch size computed before encoding"
+        );
 
         // Write.
         if !buffer.is_empty() {
@@ -829,48 +858,6 @@ fn validate(op: &WriteOp) -> StoreResult<()> {
         }
     }
     Ok(())
-}
-
-fn encode_put(
-    buffer: &mut Vec<u8>,
-    key: &[u8],
-    value: &[u8],
-    compression: Compression,
-    content_hash: bool,
-    seq: u64,
-    flags: u8,
-) {
-    let (used, stored) = format::compress(value, compression);
-    let hash = content_hash.then(|| *blake3::hash(value).as_bytes());
-    format::encode_extent(
-        buffer,
-        format::KIND_PUT,
-        used,
-        flags,
-        seq,
-        key,
-        &stored,
-        value.len(),
-        hash.as_ref(),
-    );
-}
-
-/// The location of the extent just appended to `buffer` at file offset `offset`.
-fn location_of(buffer: &[u8], base: u64, offset: u64, seq: u64, segment: u64) -> Location {
-    let start = (offset - base) as usize;
-    let header = format::decode_header(&buffer[start..]).ok();
-    let (raw_len, stored_len) = header
-        .as_ref()
-        .map(|h| (h.raw_len as u32, h.stored_len as u32))
-        .unwrap_or_default();
-    Location {
-        segment,
-        offset,
-        record_len: (buffer.len() - start) as u32,
-        raw_len,
-        stored_len,
-        seq,
-    }
 }
 
 /// Verifies a record read at an index location: checksums, key, kind and sequence number.

@@ -122,13 +122,13 @@ fn compact_group(
                 .map(|h| (h.compression, h.flags & format::FLAG_CONTENT_HASH != 0))
                 .unwrap_or_default();
             batch_bytes += value.len();
-            batch.push(Op::Relocate {
+            batch.push(Op::relocation(
                 key,
                 value,
                 compression,
                 content_hash,
-                seq: location.seq,
-            });
+                location.seq,
+            ));
             report.extents_moved += 1;
             if batch_bytes >= RELOCATE_BATCH_MAX_BYTES {
                 engine.relocate(std::mem::take(&mut batch))?;
