@@ -841,7 +841,6 @@ async fn list_jobs(State(state): State<Shared>) -> Json<Vec<crate::jobs::JobStat
 async fn job_status(
     State(state): State<Shared>,
     Path(id): Path<u64>,
-    _headers: HeaderMap,
 ) -> ApiResult<Json<crate::jobs::JobStatus>> {
     state
         .jobs

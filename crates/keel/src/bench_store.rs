@@ -238,11 +238,7 @@ pub fn run(args: StoreBenchArgs) -> anyhow::Result<()> {
         for &writers in &args.writers {
             // Raw and store alternate so drift on a shared machine hits both alike.
             let pair = if round % 2 == 0 {
-                let raw = measure_raw(
-                    &args.dir,
-                    1.max(if writers == 1 { 1 } else { writers }),
-                    duration,
-                )?;
+                let raw = measure_raw(&args.dir, writers, duration)?;
                 let store = measure_store(&args.dir, writers, duration, args.ephemeral)?;
                 [raw, store]
             } else {
