@@ -26,18 +26,25 @@ step "format and lint gates"
 cargo fmt --all -- --check
 cargo clippy --release --workspace --all-targets --locked -- -D warnings
 
+# Both suites run even when the first fails, so one run reports every failure.
+set +e
 step "rust tests"
-cargo test --release --workspace --locked
+cargo test --release --workspace --locked --no-fail-fast
+rust_status=$?
 
 step "end-to-end tests"
 export KEEL_BIN="$PWD/target/release/keel"
 mkdir -p /var/tmp/keel-e2e
-set +e
 python3 -m pytest -q -p no:cacheprovider tests/ "$@"
-status=$?
+e2e_status=$?
 set -e
-if [ "$status" = 5 ]; then
+
+if [ "$e2e_status" = 5 ]; then
   echo "pytest collected no tests: that is a failure" >&2
+  e2e_status=1
+fi
+if [ "$rust_status" != 0 ] || [ "$e2e_status" != 0 ]; then
+  echo "FAILED: rust tests exit $rust_status, end-to-end tests exit $e2e_status" >&2
   exit 1
 fi
-exit "$status"
+echo "all test suites passed"
