@@ -139,6 +139,11 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     let nbd_addr = nbd_listener.local_addr()?;
     let admin_addr = admin_listener.local_addr()?;
 
+    // Handlers go in before the banner says "ready": a SIGTERM right after it must shut down
+    // cleanly, not take the default action.
+    let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+
     let mut shown = config.clone();
     shown.s3 = s3_addr;
     shown.nbd = nbd_addr;
@@ -171,10 +176,8 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     let s3_server = keel_s3::serve(s3_listener, (*s3).clone(), shutdown(stopped.clone()));
 
     let signals = async move {
-        let mut terminate =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
+            _ = interrupt.recv() => {}
             _ = terminate.recv() => {}
         }
         tracing::info!("shutting down");
