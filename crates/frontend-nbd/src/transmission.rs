@@ -165,9 +165,6 @@ where
         // no task in between, so a request costs two thread hand-offs, not four.
         let finish = move || {
             let (error, data) = work.execute();
-            // The write is complete (or failed) once the backend returned; release it before
-            // replying so a flush received meanwhile can proceed.
-            drop(ticket);
             let reply = Reply {
                 cookie,
                 error,
@@ -177,6 +174,10 @@ where
             };
             // If the writer is gone the connection is closing; the reply has nowhere to go.
             let _ = replies.blocking_send(reply);
+            // Release the write only once its reply is queued: a flush waiting for it then
+            // queues its own reply after this one, so replies of earlier writes always precede
+            // the flush's.
+            drop(ticket);
         };
         if command == Command::Flush {
             // A flush first waits (asynchronously) for the writes received before it.
