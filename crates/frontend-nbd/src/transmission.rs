@@ -179,7 +179,7 @@ where
             // the flush's.
             drop(ticket);
         };
-        if command == Command::Flush {
+        if command == Command::Flush && !tracker.writes_done_before(barrier) {
             // A flush first waits (asynchronously) for the writes received before it.
             let tracker = Arc::clone(&tracker);
             tokio::spawn(async move {
@@ -379,19 +379,22 @@ impl WriteTracker {
         self.next.load(Ordering::SeqCst)
     }
 
+    /// Whether no write with a sequence number below `barrier` is in flight.
+    fn writes_done_before(&self, barrier: u64) -> bool {
+        self.in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .first()
+            .is_none_or(|&oldest| oldest >= barrier)
+    }
+
     /// Waits until no write with a sequence number below `barrier` is in flight.
     async fn wait_for_writes_before(&self, barrier: u64) {
         // Subscribing before checking means a write finishing between the check and the wait
         // still wakes us.
         let mut finished = self.finished.subscribe();
         loop {
-            let done = self
-                .in_flight
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .first()
-                .is_none_or(|&oldest| oldest >= barrier);
-            if done || finished.changed().await.is_err() {
+            if self.writes_done_before(barrier) || finished.changed().await.is_err() {
                 return;
             }
         }
