@@ -309,6 +309,17 @@ impl KeelS3 {
         blocking(move || objects.get_manifest(&bucket, &key)).await
     }
 
+    /// NoSuchBucket unless `bucket` exists (access was checked by the auth layer).
+    fn require_bucket(&self, bucket: &str) -> S3Result<()> {
+        if self.objects.bucket(bucket).is_none() {
+            return Err(s3_error!(
+                NoSuchBucket,
+                "The specified bucket does not exist"
+            ));
+        }
+        Ok(())
+    }
+
     fn check_source_access(&self, caller: &str, bucket: &str) -> S3Result<()> {
         match self.objects.can_access(bucket, caller) {
             None => Err(s3_error!(NoSuchBucket, "The source bucket does not exist")),
@@ -391,12 +402,7 @@ impl S3 for KeelS3 {
         &self,
         req: S3Request<HeadBucketInput>,
     ) -> S3Result<S3Response<HeadBucketOutput>> {
-        if self.objects.bucket(&req.input.bucket).is_none() {
-            return Err(s3_error!(
-                NoSuchBucket,
-                "The specified bucket does not exist"
-            ));
-        }
+        self.require_bucket(&req.input.bucket)?;
         Ok(S3Response::new(HeadBucketOutput::default()))
     }
 
@@ -404,12 +410,7 @@ impl S3 for KeelS3 {
         &self,
         req: S3Request<GetBucketLocationInput>,
     ) -> S3Result<S3Response<GetBucketLocationOutput>> {
-        if self.objects.bucket(&req.input.bucket).is_none() {
-            return Err(s3_error!(
-                NoSuchBucket,
-                "The specified bucket does not exist"
-            ));
-        }
+        self.require_bucket(&req.input.bucket)?;
         Ok(S3Response::new(GetBucketLocationOutput::default()))
     }
 
@@ -417,12 +418,7 @@ impl S3 for KeelS3 {
         &self,
         req: S3Request<GetBucketVersioningInput>,
     ) -> S3Result<S3Response<GetBucketVersioningOutput>> {
-        if self.objects.bucket(&req.input.bucket).is_none() {
-            return Err(s3_error!(
-                NoSuchBucket,
-                "The specified bucket does not exist"
-            ));
-        }
+        self.require_bucket(&req.input.bucket)?;
         Ok(S3Response::new(GetBucketVersioningOutput::default()))
     }
 
@@ -648,12 +644,7 @@ impl S3 for KeelS3 {
                 "A DeleteObjects request may name at most 1000 keys"
             ));
         }
-        if self.objects.bucket(&input.bucket).is_none() {
-            return Err(s3_error!(
-                NoSuchBucket,
-                "The specified bucket does not exist"
-            ));
-        }
+        self.require_bucket(&input.bucket)?;
         let quiet = input.delete.quiet.unwrap_or(false);
         let keys: Vec<String> = input.delete.objects.into_iter().map(|o| o.key).collect();
         let objects = self.objects.clone();
