@@ -587,9 +587,7 @@ async fn receive_volume(
     request: Request,
 ) -> ApiResult<Json<serde_json::Value>> {
     use futures::StreamExt;
-    let (sender, receiver) = std::sync::mpsc::sync_channel::<Result<bytes::Bytes, std::io::Error>>(
-        STREAM_CHANNEL_CHUNKS_MAX,
-    );
+    let (sender, receiver) = tokio::sync::mpsc::channel::<bytes::Bytes>(STREAM_CHANNEL_CHUNKS_MAX);
     let volumes = state.volumes.clone();
     let applying = tokio::task::spawn_blocking(move || {
         let mut reader = ChannelReader {
@@ -610,10 +608,7 @@ async fn receive_volume(
             // sends the whole body before reading, gets the answer instead of a broken pipe.
             continue;
         }
-        let sender = sender.clone();
-        forwarding = tokio::task::spawn_blocking(move || sender.send(Ok(chunk)).is_ok())
-            .await
-            .map_err(internal)?;
+        forwarding = sender.send(chunk).await.is_ok();
     }
     drop(sender);
     let report = applying.await.map_err(internal)??;
@@ -622,18 +617,21 @@ async fn receive_volume(
     ))
 }
 
+/// The request body as a blocking `Read` for the receiving thread; memory stays bounded by the
+/// channel's capacity.
 struct ChannelReader {
-    receiver: std::sync::mpsc::Receiver<Result<bytes::Bytes, std::io::Error>>,
+    receiver: tokio::sync::mpsc::Receiver<bytes::Bytes>,
     current: bytes::Bytes,
 }
 
 impl std::io::Read for ChannelReader {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         while self.current.is_empty() {
-            match self.receiver.recv() {
-                Ok(Ok(chunk)) => self.current = chunk,
-                Ok(Err(error)) => return Err(error),
-                Err(_) => return Ok(0),
+            match self.receiver.blocking_recv() {
+                Some(chunk) => self.current = chunk,
+                // The body ended (or the client went away): the stream's own framing says
+                // whether it was complete.
+                None => return Ok(0),
             }
         }
         let n = buf.len().min(self.current.len());
