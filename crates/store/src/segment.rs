@@ -438,6 +438,14 @@ impl Segments {
         }
     }
 
+    /// Whether a finished preparation of segment `id` left full-size files on every device.
+    pub fn preparation_complete(&self, id: u64, size_bytes: u64) -> bool {
+        self.devices.iter().all(|device| {
+            std::fs::metadata(device.segments_dir.join(prepared_file_name(id)))
+                .is_ok_and(|meta| meta.len() == size_bytes)
+        })
+    }
+
     /// Makes a prepared (zero-filled, synced) segment `id` part of the log: renames it into place
     /// on every device and syncs the directories. `Ok(None)` when no complete preparation exists.
     pub fn activate_prepared(&self, id: u64, size_bytes: u64) -> StoreResult<Option<Arc<Segment>>> {

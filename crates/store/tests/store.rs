@@ -491,3 +491,57 @@ fn replay_crosses_prepared_segments() {
         );
     }
 }
+
+/// A fresh store's first segment grows with each append (every fdatasync also writes metadata);
+/// once 4 MiB went into it, the next segment is prepared and the writer moves there as soon as
+/// it is ready, long before the first is full. Data on both sides of the move survives reopen.
+#[test]
+fn a_growing_segment_is_left_once_a_prepared_one_is_ready() {
+    const SEGMENT_BYTES: u64 = 32 << 20;
+    let dir = fresh_dir("growing-segment");
+    let store = open_small_segments(std::slice::from_ref(&dir), SEGMENT_BYTES);
+    let mut written = 0u64;
+    for i in 0..5u64 {
+        store
+            .write(
+                vec![put(&meta_key(&i.to_be_bytes()), &value_for(i, 0, 1 << 20))],
+                Durability::Buffered,
+            )
+            .unwrap();
+        written += 1;
+    }
+    // Bounded wait for the preparation, writing meanwhile so the writer can move.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while segment_files(&dir).len() < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the writer never left the growing segment"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        store
+            .write(
+                vec![put(
+                    &meta_key(&written.to_be_bytes()),
+                    &value_for(written, 0, 4096),
+                )],
+                Durability::Sync,
+            )
+            .unwrap();
+        written += 1;
+    }
+    let files = segment_files(&dir);
+    let first = std::fs::metadata(&files[0]).unwrap().len();
+    let second = std::fs::metadata(&files[1]).unwrap().len();
+    assert!(first < SEGMENT_BYTES / 2, "first segment is {first} bytes");
+    assert_eq!(second, SEGMENT_BYTES, "the second segment was prepared");
+    drop(store);
+    let store = open_small_segments(&[dir], SEGMENT_BYTES);
+    for i in 0..written {
+        let length = if i < 5 { 1 << 20 } else { 4096 };
+        assert_eq!(
+            store.get(&meta_key(&i.to_be_bytes())).unwrap().unwrap(),
+            value_for(i, 0, length),
+            "key {i}"
+        );
+    }
+}
