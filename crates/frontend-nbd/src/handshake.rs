@@ -5,11 +5,12 @@
 //! Invariants: every option except NBD_OPT_EXPORT_NAME gets exactly one final reply (an ACK or an
 //! error), unknown options get NBD_REP_ERR_UNSUP and the loop continues; option data is never
 //! read into memory beyond [`OPTION_DATA_MAX_BYTES`]; the number of options per session is
-//! bounded by [`crate::HANDSHAKE_OPTIONS_MAX`] (the caller bounds the time).
+//! bounded by [`crate::HANDSHAKE_OPTIONS_MAX`]; the whole handshake, however slowly the client
+//! sends or reads, ends by its deadline.
 
+use std::io::{BufReader, Read};
 use std::sync::Arc;
-
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use std::time::{Duration, Instant};
 
 use crate::error::NbdError;
 use crate::export::{Export, Exports};
@@ -21,6 +22,7 @@ use crate::protocol::{
     OPTION_HEADER_BYTES, OPT_EXPORT_NAME, REP_ACK, REP_ERR_INVALID, REP_ERR_TOO_BIG,
     REP_ERR_UNKNOWN, REP_ERR_UNSUP, REP_INFO, REP_SERVER, STRING_MAX_BYTES,
 };
+use crate::socket::{is_timeout, Socket, SocketReader};
 use crate::{HANDSHAKE_OPTIONS_MAX, OPTION_DISCARD_MAX_BYTES, REQUEST_PAYLOAD_MAX_BYTES};
 
 /// An export the client selected, with what the transmission phase checks requests against.
@@ -36,37 +38,106 @@ pub(crate) enum Outcome {
     Aborted,
 }
 
+/// The session's socket during the handshake, with the time left to finish it.
+pub(crate) struct Wire<'a> {
+    pub reader: &'a mut BufReader<SocketReader>,
+    pub socket: &'a dyn Socket,
+    pub deadline: Instant,
+    pub timeout: Duration,
+}
+
+impl Wire<'_> {
+    fn timed_out(&self) -> NbdError {
+        NbdError::HandshakeTimeout {
+            seconds: self.timeout.as_secs(),
+        }
+    }
+
+    /// Bounds the next socket operations by the time left.
+    fn arm(&self, context: &'static str) -> Result<(), NbdError> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(self.timed_out());
+        }
+        self.socket
+            .set_read_timeout(Some(left))
+            .and_then(|()| self.socket.set_write_timeout(Some(left)))
+            .map_err(NbdError::io(context))
+    }
+
+    /// Fills `buf`, re-arming the timeout before every socket read so a client trickling bytes
+    /// is still cut off at the deadline.
+    fn read_exact(&mut self, buf: &mut [u8], context: &'static str) -> Result<(), NbdError> {
+        let mut filled = 0;
+        while filled < buf.len() {
+            self.arm(context)?;
+            match self.reader.read(&mut buf[filled..]) {
+                Ok(0) => {
+                    return Err(NbdError::Io {
+                        context,
+                        source: std::io::ErrorKind::UnexpectedEof.into(),
+                    })
+                }
+                Ok(read) => filled += read,
+                Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(error) if is_timeout(&error) => return Err(self.timed_out()),
+                Err(source) => return Err(NbdError::Io { context, source }),
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes all of `bytes`, re-arming the timeout before every socket write.
+    fn send(&mut self, mut bytes: &[u8]) -> Result<(), NbdError> {
+        const CONTEXT: &str = "sending an option reply";
+        while !bytes.is_empty() {
+            self.arm(CONTEXT)?;
+            match self.socket.write(bytes) {
+                Ok(0) => {
+                    return Err(NbdError::Io {
+                        context: CONTEXT,
+                        source: std::io::ErrorKind::WriteZero.into(),
+                    })
+                }
+                Ok(written) => bytes = &bytes[written..],
+                Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(error) if is_timeout(&error) => return Err(self.timed_out()),
+                Err(source) => {
+                    return Err(NbdError::Io {
+                        context: CONTEXT,
+                        source,
+                    })
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads and drops `length` bytes.
+    fn discard(&mut self, mut length: u64) -> Result<(), NbdError> {
+        let mut chunk = [0u8; 8192];
+        while length > 0 {
+            let take = length.min(chunk.len() as u64) as usize;
+            self.read_exact(&mut chunk[..take], "skipping oversized option data")?;
+            length -= take as u64;
+        }
+        Ok(())
+    }
+}
+
 /// Runs the handshake on a fresh connection.
-pub(crate) async fn negotiate<R, W>(
-    reader: &mut R,
-    writer: &mut W,
+pub(crate) fn negotiate(
+    wire: &mut Wire<'_>,
     exports: &Arc<dyn Exports>,
-) -> Result<Outcome, NbdError>
-where
-    R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin,
-{
-    writer
-        .write_all(&encode_greeting())
-        .await
-        .map_err(NbdError::io("sending the greeting"))?;
-    writer
-        .flush()
-        .await
-        .map_err(NbdError::io("sending the greeting"))?;
+) -> Result<Outcome, NbdError> {
+    wire.send(&encode_greeting())?;
     let mut flag_bytes = [0u8; CLIENT_FLAGS_BYTES];
-    reader
-        .read_exact(&mut flag_bytes)
-        .await
-        .map_err(NbdError::io("reading the client flags"))?;
+    wire.read_exact(&mut flag_bytes, "reading the client flags")?;
     let client = parse_client_flags(flag_bytes)?;
 
     for _ in 0..HANDSHAKE_OPTIONS_MAX {
         let mut header_bytes = [0u8; OPTION_HEADER_BYTES];
-        reader
-            .read_exact(&mut header_bytes)
-            .await
-            .map_err(NbdError::io("reading an option header"))?;
+        wire.read_exact(&mut header_bytes, "reading an option header")?;
         let header = OptionHeader::parse(&header_bytes)?;
         let length = header.length_bytes as usize;
         if length > OPTION_DATA_MAX_BYTES {
@@ -78,7 +149,7 @@ where
                     length_bytes: header.length_bytes,
                 });
             }
-            discard(reader, u64::from(header.length_bytes)).await?;
+            wire.discard(u64::from(header.length_bytes))?;
             let mut out = Vec::new();
             encode_option_reply(
                 &mut out,
@@ -86,14 +157,11 @@ where
                 REP_ERR_TOO_BIG,
                 b"option data is larger than this server accepts",
             );
-            send(writer, &out).await?;
+            wire.send(&out)?;
             continue;
         }
         let mut data = vec![0u8; length];
-        reader
-            .read_exact(&mut data)
-            .await
-            .map_err(NbdError::io("reading option data"))?;
+        wire.read_exact(&mut data, "reading option data")?;
         let request = match parse_option(header.option, &data) {
             Ok(request) => request,
             Err(invalid) => {
@@ -109,11 +177,11 @@ where
                     REP_ERR_INVALID,
                     invalid.message.as_bytes(),
                 );
-                send(writer, &out).await?;
+                wire.send(&out)?;
                 continue;
             }
         };
-        if let Some(outcome) = answer(request, header.option, client, writer, exports).await? {
+        if let Some(outcome) = answer(request, header.option, client, wire, exports)? {
             return Ok(outcome);
         }
     }
@@ -123,50 +191,47 @@ where
 }
 
 /// Answers one decoded option; `Some` ends the handshake.
-async fn answer<W>(
+fn answer(
     request: OptionRequest,
     option: u32,
     client: ClientFlags,
-    writer: &mut W,
+    wire: &mut Wire<'_>,
     exports: &Arc<dyn Exports>,
-) -> Result<Option<Outcome>, NbdError>
-where
-    W: AsyncWrite + Unpin,
-{
+) -> Result<Option<Outcome>, NbdError> {
     let mut out = Vec::new();
     match request {
         OptionRequest::ExportName { name } => {
             // No way to report an error here: a missing export ends the session.
-            let selected = open(exports, name).await?;
+            let selected = open(exports, name)?;
             let flags = transmission_flags(selected.geometry.read_only);
             let reply =
                 encode_export_name_reply(selected.geometry.size_bytes, flags, client.no_zeroes);
-            send(writer, &reply).await?;
+            wire.send(&reply)?;
             return Ok(Some(Outcome::Transmission(selected)));
         }
         OptionRequest::Abort => {
             encode_option_reply(&mut out, option, REP_ACK, &[]);
             // The client may already have closed; the ACK is a courtesy.
-            let _ = send(writer, &out).await;
+            let _ = wire.send(&out);
             return Ok(Some(Outcome::Aborted));
         }
         OptionRequest::List => {
-            let exports = Arc::clone(exports);
-            let names = tokio::task::spawn_blocking(move || exports.list())
-                .await
-                .unwrap_or_default();
-            for name in names.iter().filter(|name| name.len() <= STRING_MAX_BYTES) {
+            for name in exports
+                .list()
+                .iter()
+                .filter(|name| name.len() <= STRING_MAX_BYTES)
+            {
                 encode_option_reply(&mut out, option, REP_SERVER, &encode_server_entry(name));
             }
             encode_option_reply(&mut out, option, REP_ACK, &[]);
         }
         OptionRequest::Info(info) | OptionRequest::Go(info) => {
             let go = option == crate::protocol::OPT_GO;
-            match open(exports, info.name.clone()).await {
+            match open(exports, info.name.clone()) {
                 Ok(selected) => {
                     encode_info_replies(&mut out, option, &info, &selected.geometry);
                     encode_option_reply(&mut out, option, REP_ACK, &[]);
-                    send(writer, &out).await?;
+                    wire.send(&out)?;
                     if go {
                         return Ok(Some(Outcome::Transmission(selected)));
                     }
@@ -187,7 +252,7 @@ where
             encode_option_reply(&mut out, option, REP_ERR_UNSUP, &[]);
         }
     }
-    send(writer, &out).await?;
+    wire.send(&out)?;
     Ok(None)
 }
 
@@ -221,12 +286,11 @@ fn encode_info_replies(
     }
 }
 
-/// Opens an export on a blocking thread and checks what it reports about itself.
-async fn open(exports: &Arc<dyn Exports>, name: String) -> Result<Selected, NbdError> {
-    let exports = Arc::clone(exports);
-    let opened_name = name.clone();
-    let opened = tokio::task::spawn_blocking(move || {
-        let export = exports.open(&opened_name)?;
+/// Opens an export and checks what it reports about itself. A panicking implementation is
+/// refused like a missing export.
+fn open(exports: &Arc<dyn Exports>, name: String) -> Result<Selected, NbdError> {
+    let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let export = exports.open(&name)?;
         let minimum = export.minimum_block_size_bytes();
         let geometry = ExportGeometry {
             size_bytes: export.size_bytes(),
@@ -236,14 +300,13 @@ async fn open(exports: &Arc<dyn Exports>, name: String) -> Result<Selected, NbdE
             read_only: export.read_only(),
         };
         Ok::<_, NbdError>((export, geometry))
-    })
-    .await;
+    }));
     let (export, geometry) = match opened {
         Ok(result) => result?,
-        Err(join) => {
+        Err(_) => {
             return Err(NbdError::ExportUnavailable {
                 name,
-                reason: format!("opening the export panicked: {join}"),
+                reason: "opening the export panicked".to_string(),
             })
         }
     };
@@ -262,31 +325,6 @@ async fn open(exports: &Arc<dyn Exports>, name: String) -> Result<Selected, NbdE
         geometry,
         name,
     })
-}
-
-async fn send<W: AsyncWrite + Unpin>(writer: &mut W, bytes: &[u8]) -> Result<(), NbdError> {
-    writer
-        .write_all(bytes)
-        .await
-        .map_err(NbdError::io("sending an option reply"))?;
-    writer
-        .flush()
-        .await
-        .map_err(NbdError::io("sending an option reply"))
-}
-
-/// Reads and drops `length` bytes.
-async fn discard<R: AsyncRead + Unpin>(reader: &mut R, length: u64) -> Result<(), NbdError> {
-    let copied = tokio::io::copy(&mut reader.take(length), &mut tokio::io::sink())
-        .await
-        .map_err(NbdError::io("skipping oversized option data"))?;
-    if copied != length {
-        return Err(NbdError::Io {
-            context: "skipping oversized option data",
-            source: std::io::ErrorKind::UnexpectedEof.into(),
-        });
-    }
-    Ok(())
 }
 
 /// An error message cut to the protocol's string limit, on a character boundary.

@@ -14,25 +14,26 @@ use std::time::Duration;
 mod error;
 mod export;
 mod handshake;
-mod pool;
 pub mod protocol;
 mod server;
+mod socket;
 pub mod testing;
 mod transmission;
 
 pub use error::NbdError;
 pub use export::{Export, Exports};
 pub use server::{serve, serve_stream};
+pub use socket::Socket;
 
 /// Largest read or write a client may request (2^25, the size the protocol says a server should
 /// accept; advertised as the maximum payload in NBD_INFO_BLOCK_SIZE). Larger reads and writes
 /// are answered with EINVAL.
 pub const REQUEST_PAYLOAD_MAX_BYTES: u32 = 32 * 1024 * 1024;
 
-/// Requests of one connection being executed or waiting for their reply to be written. fio and
-/// qemu use queue depths up to 64-128; beyond this the connection stops reading requests until
-/// replies go out.
-pub const CONNECTION_REQUESTS_IN_FLIGHT_MAX: usize = 128;
+/// Worker threads of one connection, so requests executing or writing their reply at once
+/// (nbdkit's default is 16 too). Clients queue deeper (fio and qemu up to 64-128); the rest wait
+/// in the socket until a worker is free. A queue-depth-1 client uses two threads.
+pub const CONNECTION_REQUESTS_IN_FLIGHT_MAX: usize = 16;
 
 /// Read and write buffers one connection may hold at once. At least
 /// [`REQUEST_PAYLOAD_MAX_BYTES`], so one maximal request always fits.
@@ -64,9 +65,6 @@ pub const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(100);
 
 /// Socket read buffer per connection (request headers are 28 bytes; this batches them).
 pub const REQUEST_BUFFER_BYTES: usize = 256 * 1024;
-
-/// Socket write buffer per connection (replies completed together go out in one write).
-pub const REPLY_BUFFER_BYTES: usize = 256 * 1024;
 
 // Compile-time checks of the relations the limits rely on.
 const _: () = assert!(CONNECTION_BUFFER_MAX_BYTES >= REQUEST_PAYLOAD_MAX_BYTES);

@@ -1,26 +1,28 @@
-//! The accept loop: one task per connection, each running the handshake then the transmission
-//! phase. A connection's failure (protocol violation, I/O error, even a panic) ends only that
+//! The accept loop: one thread per connection, running the handshake then the transmission
+//! phase (which starts more threads as the client's queue deepens). A connection's failure (protocol violation, I/O error, even a panic) ends only that
 //! connection and is logged; the server keeps accepting.
 //!
 //! Invariants: at most [`CONNECTIONS_MAX`] connections are served at once (more are accepted and
 //! closed at once, so clients fail fast instead of hanging in the backlog); a handshake lasts at
 //! most [`HANDSHAKE_TIMEOUT`]; on shutdown no new connection is accepted and open ones get
-//! [`SHUTDOWN_DRAIN_TIMEOUT`] to answer what is in flight before their tasks are aborted.
+//! [`SHUTDOWN_DRAIN_TIMEOUT`] to answer what is in flight before their sockets are closed.
 
+use std::collections::HashMap;
 use std::future::Future;
-use std::io;
-use std::net::SocketAddr;
-use std::sync::Arc;
+use std::io::{self, BufReader};
+use std::net::{Shutdown, SocketAddr};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncRead, AsyncWrite, BufReader};
 use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::{oneshot, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::error::NbdError;
 use crate::export::Exports;
-use crate::handshake::{negotiate, Outcome};
-use crate::transmission::{signalled, transmit};
+use crate::handshake::{negotiate, Outcome, Wire};
+use crate::socket::{Socket, SocketReader};
+use crate::transmission::transmit;
 use crate::{
     ACCEPT_ERROR_BACKOFF, CONNECTIONS_MAX, HANDSHAKE_TIMEOUT, REQUEST_BUFFER_BYTES,
     SHUTDOWN_DRAIN_TIMEOUT,
@@ -30,8 +32,9 @@ use crate::{
 /// `tokio::signal::ctrl_c()` works as is), then lets open connections finish the requests they
 /// have in flight (up to [`SHUTDOWN_DRAIN_TIMEOUT`]) and returns.
 ///
-/// Errors of single connections are logged, never returned; the function only returns once
-/// shut down.
+/// Each connection runs on its own threads (see the transmission module); this task only
+/// accepts. Errors of single connections are logged, never returned; the function only returns
+/// once shut down.
 pub async fn serve<F>(
     listener: TcpListener,
     exports: Arc<dyn Exports>,
@@ -40,8 +43,9 @@ pub async fn serve<F>(
 where
     F: Future,
 {
-    let (stop, stop_signal) = watch::channel(false);
+    let sessions = Arc::new(Sessions::default());
     let slots = Arc::new(Semaphore::new(CONNECTIONS_MAX));
+    // One task per connection thread, resolving when the thread is done.
     let mut connections = JoinSet::new();
     tokio::pin!(shutdown);
     loop {
@@ -58,13 +62,39 @@ where
                     if let Err(error) = stream.set_nodelay(true) {
                         tracing::debug!(%peer, %error, "could not set TCP_NODELAY");
                     }
+                    let stream = match stream.into_std().and_then(|stream| {
+                        stream.set_nonblocking(false)?;
+                        Ok(stream)
+                    }) {
+                        Ok(stream) => stream,
+                        Err(error) => {
+                            tracing::warn!(%peer, %error, "could not take over an NBD connection");
+                            continue;
+                        }
+                    };
                     let exports = Arc::clone(&exports);
-                    let stop_signal = stop_signal.clone();
-                    connections.spawn(async move {
-                        let (reader, writer) = stream.into_split();
-                        log_end(peer, serve_connection(reader, writer, exports, stop_signal).await);
-                        drop(slot);
-                    });
+                    let sessions = Arc::clone(&sessions);
+                    let (done, finished) = oneshot::channel::<()>();
+                    let spawned = std::thread::Builder::new()
+                        .name("nbd-conn".into())
+                        .spawn(move || {
+                            let socket: Arc<dyn Socket> = Arc::new(stream);
+                            if let Some(id) = sessions.register(&socket) {
+                                let ended = run_session(socket, &exports, HANDSHAKE_TIMEOUT);
+                                sessions.remove(id);
+                                log_end(peer, ended);
+                            }
+                            drop(slot);
+                            let _ = done.send(());
+                        });
+                    match spawned {
+                        Ok(_) => {
+                            connections.spawn(async move {
+                                let _ = finished.await;
+                            });
+                        }
+                        Err(error) => tracing::warn!(%peer, %error, "could not start an NBD connection thread"),
+                    }
                 }
                 Err(error) => {
                     // Typically EMFILE/ENFILE: wait for descriptors to free up instead of spinning.
@@ -72,14 +102,11 @@ where
                     tokio::time::sleep(ACCEPT_ERROR_BACKOFF).await;
                 }
             },
-            Some(joined) = connections.join_next(), if !connections.is_empty() => {
-                if let Err(join) = joined {
-                    tracing::error!(%join, "an NBD connection task panicked");
-                }
-            }
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
         }
     }
-    let _ = stop.send(true);
+    // Readers see the end of their stream; requests in flight are still answered.
+    sessions.stop(Shutdown::Read);
     let drained = tokio::time::timeout(SHUTDOWN_DRAIN_TIMEOUT, async {
         while connections.join_next().await.is_some() {}
     })
@@ -87,52 +114,98 @@ where
     if drained.is_err() {
         tracing::warn!(
             remaining = connections.len(),
-            "NBD connections did not finish in time; aborting them"
+            "NBD connections did not finish in time; closing them"
         );
-        connections.shutdown().await;
+        // Fails writes blocked on clients that do not read; a thread still inside the export
+        // ends when the export returns.
+        sessions.stop(Shutdown::Both);
     }
     Ok(())
 }
 
-/// Serves one NBD session over any byte stream (a TCP socket, a Unix socket, an in-memory pipe in
-/// tests). Returns why the session ended, if it ended abnormally.
-pub async fn serve_stream<S>(stream: S, exports: Arc<dyn Exports>) -> Result<(), NbdError>
-where
-    S: AsyncRead + AsyncWrite + Send + 'static,
-{
-    let (reader, writer) = tokio::io::split(stream);
-    // Nobody will ever ask this session to stop early; keep the sender alive for its duration.
-    let (_stop, stop_signal) = watch::channel(false);
-    serve_connection(reader, writer, exports, stop_signal).await
+/// Serves one NBD session over a connected blocking socket, on the calling thread (and the
+/// worker threads it starts), giving the client `handshake_timeout` to reach the transmission
+/// phase. Returns why the session ended, if it ended abnormally. [`serve`] uses it for every
+/// TCP connection with [`HANDSHAKE_TIMEOUT`]; tests use it over a Unix socket pair.
+pub fn serve_stream<S: Socket>(
+    stream: S,
+    exports: Arc<dyn Exports>,
+    handshake_timeout: Duration,
+) -> Result<(), NbdError> {
+    run_session(Arc::new(stream), &exports, handshake_timeout)
 }
 
-async fn serve_connection<R, W>(
-    reader: R,
-    mut writer: W,
-    exports: Arc<dyn Exports>,
-    mut stop_signal: watch::Receiver<bool>,
-) -> Result<(), NbdError>
-where
-    R: AsyncRead + Unpin + Send,
-    W: AsyncWrite + Unpin + Send + 'static,
-{
+fn run_session(
+    socket: Arc<dyn Socket>,
+    exports: &Arc<dyn Exports>,
+    handshake_timeout: Duration,
+) -> Result<(), NbdError> {
     // One buffered reader for both phases: bytes a client pipelines right after NBD_OPT_GO stay
     // in the buffer for the transmission phase.
-    let mut reader = BufReader::with_capacity(REQUEST_BUFFER_BYTES, reader);
-    let negotiated = tokio::select! {
-        negotiated = tokio::time::timeout(
-            HANDSHAKE_TIMEOUT,
-            negotiate(&mut reader, &mut writer, &exports),
-        ) => negotiated.map_err(|_| NbdError::HandshakeTimeout {
-            seconds: HANDSHAKE_TIMEOUT.as_secs(),
-        })??,
-        () = signalled(&mut stop_signal) => return Ok(()),
+    let mut reader =
+        BufReader::with_capacity(REQUEST_BUFFER_BYTES, SocketReader(Arc::clone(&socket)));
+    let mut wire = Wire {
+        reader: &mut reader,
+        socket: &*socket,
+        deadline: Instant::now() + handshake_timeout,
+        timeout: handshake_timeout,
     };
-    match negotiated {
+    match negotiate(&mut wire, exports)? {
         Outcome::Aborted => Ok(()),
         Outcome::Transmission(selected) => {
             tracing::debug!(export = %selected.name, "NBD client entered transmission");
-            transmit(reader, writer, selected, stop_signal).await
+            // In transmission there is no idle timeout: a kernel client may sit idle for hours.
+            socket
+                .set_read_timeout(None)
+                .and_then(|()| socket.set_write_timeout(None))
+                .map_err(NbdError::io("clearing the handshake timeout"))?;
+            transmit(reader, socket, selected)
+        }
+    }
+}
+
+/// The sockets of open sessions, so that shutdown can wake their threads.
+#[derive(Default)]
+struct Sessions {
+    state: Mutex<SessionsState>,
+}
+
+#[derive(Default)]
+struct SessionsState {
+    stopping: bool,
+    next_id: u64,
+    sockets: HashMap<u64, Arc<dyn Socket>>,
+}
+
+impl Sessions {
+    fn lock(&self) -> MutexGuard<'_, SessionsState> {
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Adds a session; `None` if the server is already stopping (the session must not start).
+    fn register(&self, socket: &Arc<dyn Socket>) -> Option<u64> {
+        let mut state = self.lock();
+        if state.stopping {
+            return None;
+        }
+        let id = state.next_id;
+        state.next_id += 1;
+        state.sockets.insert(id, Arc::clone(socket));
+        Some(id)
+    }
+
+    fn remove(&self, id: u64) {
+        self.lock().sockets.remove(&id);
+    }
+
+    /// Refuses new sessions and shuts down the sockets of open ones.
+    fn stop(&self, how: Shutdown) {
+        let mut state = self.lock();
+        state.stopping = true;
+        for socket in state.sockets.values() {
+            let _ = socket.shutdown(how);
         }
     }
 }

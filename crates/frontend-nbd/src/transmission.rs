@@ -1,147 +1,247 @@
-//! The transmission phase of one connection: a reader loop that decodes requests and starts each
-//! on a blocking thread, and a writer task that sends replies in completion order (the protocol
-//! allows out-of-order replies, matched by cookie).
+//! The transmission phase of one connection, on blocking threads in the manner of nbdkit: each
+//! worker takes the read side, reads one request, lets the read side go, runs the request
+//! against the export and writes the reply itself. A request crosses no thread: the thread the
+//! kernel wakes for the request's bytes is the one that answers it. Replies go out in
+//! completion order (the protocol allows out-of-order replies, matched by cookie).
 //!
 //! Invariants:
-//! - At most [`CONNECTION_REQUESTS_IN_FLIGHT_MAX`] requests and [`CONNECTION_BUFFER_MAX_BYTES`]
-//!   of read/write buffers are held per connection; a request's permits are released only after
-//!   its reply has been handed to the socket buffer, so a client that stops reading replies stops
-//!   being read from.
-//! - Every request except NBD_CMD_DISC gets exactly one reply; a refused write's payload is still
-//!   consumed so the stream stays framed (or the connection ends if the payload is absurd).
+//! - At most [`CONNECTION_REQUESTS_IN_FLIGHT_MAX`] workers, hence requests in flight, per
+//!   connection. Workers start lazily: one that takes a request while no other is waiting to read
+//!   starts another, so a queue-depth-1 client uses two threads and a deep queue at most the
+//!   bound.
+//! - At most [`CONNECTION_BUFFER_MAX_BYTES`] of read/write buffers per connection. A request's
+//!   share is released only after its reply has been handed to the socket, so a client that
+//!   stops reading replies stops being read from.
+//! - Every request except NBD_CMD_DISC gets exactly one reply (while the socket takes them); a
+//!   refused write's payload is still consumed so the stream stays framed (or the connection ends
+//!   if the payload is absurd).
 //! - FLUSH: a flush is sent to the export only after every write-like request (write, trim,
-//!   write-zeroes) received before it on this connection has finished; the [`crate::Export`]
-//!   contract makes the export's flush cover completed writes from all connections. That is
-//!   stronger than the protocol's rule (only writes already *replied to* must be covered), and
-//!   it is what the Linux block layer and qemu expect of a disk.
-//! - On NBD_CMD_DISC, end of stream, a bad magic or server shutdown: no new requests are read,
-//!   requests in flight finish and are answered, then the socket is shut down.
+//!   write-zeroes) received before it on this connection has finished and been answered; the
+//!   [`crate::Export`] contract makes the export's flush cover completed writes from all
+//!   connections. That is stronger than the protocol's rule (only writes already *replied to*
+//!   must be covered), and it is what the Linux block layer and qemu expect of a disk.
+//! - On NBD_CMD_DISC, end of stream, a bad magic, a failed reply, or server shutdown (which shuts
+//!   the socket's read side): no new requests are read, requests in flight finish and are
+//!   answered, then the socket is shut down.
 
 use std::collections::BTreeSet;
-use std::io;
+use std::io::{self, BufReader, Read};
+use std::net::Shutdown;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
-
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
-use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use crate::error::NbdError;
 use crate::export::Export;
 use crate::handshake::Selected;
 use crate::protocol::{
-    check_request, encode_simple_reply, error_code_from_io, Command, RequestHeader, EIO,
-    REQUEST_HEADER_BYTES,
+    check_request, encode_simple_reply, error_code_from_io, Command, ExportGeometry, RequestHeader,
+    EIO, REQUEST_HEADER_BYTES, SIMPLE_REPLY_HEADER_BYTES,
 };
+use crate::socket::{write_all_vectored, Socket, SocketReader};
 use crate::{
-    CONNECTION_BUFFER_MAX_BYTES, CONNECTION_REQUESTS_IN_FLIGHT_MAX, REPLY_BUFFER_BYTES,
-    WRITE_DISCARD_MAX_BYTES,
+    CONNECTION_BUFFER_MAX_BYTES, CONNECTION_REQUESTS_IN_FLIGHT_MAX, WRITE_DISCARD_MAX_BYTES,
 };
 
-/// One reply on its way to the writer task, holding the request's permits until it is written.
-struct Reply {
-    cookie: u64,
-    error: u32,
-    /// A successful read's data.
-    data: Option<Vec<u8>>,
-    _request: OwnedSemaphorePermit,
-    _buffer: Option<OwnedSemaphorePermit>,
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Runs the transmission phase until the client disconnects, breaks the protocol, or the server
-/// shuts down. Returns the reason if it was an error.
-pub(crate) async fn transmit<R, W>(
-    mut reader: R,
-    writer: W,
+/// Runs the transmission phase on the calling thread (and the workers it starts) until the
+/// client disconnects, breaks the protocol, or the socket's read side is shut down. Returns the
+/// reason if it was an error.
+pub(crate) fn transmit(
+    reader: BufReader<SocketReader>,
+    socket: Arc<dyn Socket>,
     selected: Selected,
-    mut shutdown: watch::Receiver<bool>,
-) -> Result<(), NbdError>
-where
-    R: AsyncRead + Unpin + Send,
-    W: AsyncWrite + Unpin + Send + 'static,
-{
+) -> Result<(), NbdError> {
     let Selected {
         export, geometry, ..
     } = selected;
-    let requests = Arc::new(Semaphore::new(CONNECTION_REQUESTS_IN_FLIGHT_MAX));
-    let buffers = Arc::new(Semaphore::new(CONNECTION_BUFFER_MAX_BYTES as usize));
-    let (replies, reply_queue) = mpsc::channel::<Reply>(CONNECTION_REQUESTS_IN_FLIGHT_MAX);
-    let writer_task = tokio::spawn(write_replies(writer, reply_queue));
-    let tracker = Arc::new(WriteTracker::default());
+    let connection = Arc::new(Connection {
+        export,
+        geometry,
+        socket,
+        read_side: Mutex::new(ReadSide {
+            reader,
+            closed: false,
+        }),
+        readers_waiting: AtomicUsize::new(0),
+        workers: Mutex::new(1),
+        workers_gone: Condvar::new(),
+        outbox: Mutex::new(Outbox::default()),
+        tracker: WriteTracker::default(),
+        buffers: Budget::new(u64::from(CONNECTION_BUFFER_MAX_BYTES)),
+        failure: Mutex::new(None),
+    });
+    run_worker(&connection);
+    let mut workers = lock(&connection.workers);
+    while *workers > 0 {
+        workers = connection
+            .workers_gone
+            .wait(workers)
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+    }
+    drop(workers);
+    // Every request is answered: close our side (the TCP FIN ends the session cleanly). The
+    // client may be gone already; that is not this session's error.
+    let _ = connection.socket.shutdown(Shutdown::Write);
+    let failure = lock(&connection.failure).take();
+    match failure {
+        Some(error) => Err(error),
+        None => Ok(()),
+    }
+}
 
-    let ended: Result<(), NbdError> = loop {
+struct ReadSide {
+    reader: BufReader<SocketReader>,
+    /// No more requests will be read (disconnect, end of stream, protocol error).
+    closed: bool,
+}
+
+struct Connection {
+    export: Arc<dyn Export>,
+    geometry: ExportGeometry,
+    socket: Arc<dyn Socket>,
+    read_side: Mutex<ReadSide>,
+    /// Workers waiting for `read_side`; when none is, a worker taking a request starts another.
+    readers_waiting: AtomicUsize,
+    /// Workers alive (including the session's own thread).
+    workers: Mutex<usize>,
+    workers_gone: Condvar,
+    /// Replies waiting for the socket, and whether a worker is writing them.
+    outbox: Mutex<Outbox>,
+    tracker: WriteTracker,
+    buffers: Budget,
+    /// The first error that ended the session.
+    failure: Mutex<Option<NbdError>>,
+}
+
+/// Replies are written by one worker at a time, the sender; replies finished meanwhile queue
+/// here and the sender writes them all in one `writev` when its write returns (a reply write
+/// costs about as much as the request on loopback, so batching them matters at depth).
+#[derive(Default)]
+struct Outbox {
+    replies: Vec<Vec<u8>>,
+    /// Buffer budget the queued replies hold, released once they are written.
+    buffer_bytes: u64,
+    sending: bool,
+    /// A write failed: nothing more will be sent.
+    failed: bool,
+}
+
+/// One request taken from the stream, in receive order.
+enum Request<'a> {
+    /// Answered with `code` without reaching the export.
+    Refused { cookie: u64, code: u32 },
+    Run {
+        cookie: u64,
+        command: Command,
+        /// A write's data.
+        payload: Vec<u8>,
+        /// The request's share of the connection's buffer budget, held until it is answered.
+        buffer_bytes: u64,
+        /// Write-like requests are tracked until answered, for later flushes.
+        ticket: Option<WriteTicket<'a>>,
+        /// For a flush: the writes with a lower sequence number came before it.
+        barrier: u64,
+    },
+}
+
+/// Decrements the worker count when a worker ends, however it ends.
+struct WorkerExit<'a>(&'a Connection);
+
+impl Drop for WorkerExit<'_> {
+    fn drop(&mut self) {
+        *lock(&self.0.workers) -= 1;
+        self.0.workers_gone.notify_all();
+    }
+}
+
+fn run_worker(connection: &Arc<Connection>) {
+    let _exit = WorkerExit(connection);
+    while let Some(request) = connection.next_request() {
+        connection.answer(request);
+    }
+}
+
+impl Connection {
+    /// Takes the next request off the stream, or `None` once the stream is finished.
+    fn next_request(self: &Arc<Self>) -> Option<Request<'_>> {
+        self.readers_waiting.fetch_add(1, Ordering::SeqCst);
+        let mut side = lock(&self.read_side);
+        self.readers_waiting.fetch_sub(1, Ordering::SeqCst);
+        if side.closed {
+            return None;
+        }
+        match self.read_request(&mut side.reader) {
+            Ok(Some(request)) => {
+                if self.readers_waiting.load(Ordering::SeqCst) == 0 {
+                    self.add_worker();
+                }
+                Some(request)
+            }
+            Ok(None) => {
+                side.closed = true;
+                None
+            }
+            Err(error) => {
+                side.closed = true;
+                self.fail(error);
+                None
+            }
+        }
+    }
+
+    /// Reads one request (with a write's payload). `None` means the session is over: the
+    /// client sent NBD_CMD_DISC or closed its side, or the server shut the read side down.
+    fn read_request(
+        &self,
+        reader: &mut BufReader<SocketReader>,
+    ) -> Result<Option<Request<'_>>, NbdError> {
         let mut header_bytes = [0u8; REQUEST_HEADER_BYTES];
-        let read = tokio::select! {
-            biased;
-            () = signalled(&mut shutdown) => break Ok(()),
-            () = replies.closed() => break Ok(()),
-            read = reader.read_exact(&mut header_bytes) => read,
-        };
-        match read {
-            Ok(_) => {}
+        match reader.read_exact(&mut header_bytes) {
+            Ok(()) => {}
             // The client closed without NBD_CMD_DISC (a hard disconnect): not an error here.
-            Err(error) if error.kind() == io::ErrorKind::UnexpectedEof => break Ok(()),
+            Err(error) if error.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
             Err(source) => {
-                break Err(NbdError::Io {
+                return Err(NbdError::Io {
                     context: "reading a request header",
                     source,
                 })
             }
         }
-        let header = match RequestHeader::parse(&header_bytes) {
-            Ok(header) => header,
-            Err(error) => break Err(error),
-        };
-        let request_permit = tokio::select! {
-            biased;
-            () = signalled(&mut shutdown) => break Ok(()),
-            permit = Arc::clone(&requests).acquire_owned() => {
-                permit.expect("the request semaphore is never closed")
-            }
-        };
-        let command = match check_request(&header, &geometry) {
+        let header = RequestHeader::parse(&header_bytes)?;
+        let command = match check_request(&header, &self.geometry) {
             Ok(command) => command,
             Err(code) => {
                 let payload = header.payload_bytes();
                 if payload > WRITE_DISCARD_MAX_BYTES {
-                    break Err(NbdError::WriteTooLarge {
+                    return Err(NbdError::WriteTooLarge {
                         length_bytes: payload,
                     });
                 }
-                if let Err(error) = discard(&mut reader, u64::from(payload)).await {
-                    break Err(error);
-                }
+                discard(reader, u64::from(payload))?;
                 tracing::debug!(?header, code, "refusing request");
-                let reply = Reply {
+                return Ok(Some(Request::Refused {
                     cookie: header.cookie,
-                    error: code,
-                    data: None,
-                    _request: request_permit,
-                    _buffer: None,
-                };
-                if replies.send(reply).await.is_err() {
-                    break Ok(());
-                }
-                continue;
+                    code,
+                }));
             }
         };
         if command == Command::Disconnect {
-            break Ok(());
+            return Ok(None);
         }
-        let buffer_permit = match command.buffer_bytes() {
-            0 => None,
-            bytes => Some(
-                Arc::clone(&buffers)
-                    .acquire_many_owned(bytes)
-                    .await
-                    .expect("the buffer semaphore is never closed"),
-            ),
-        };
+        let buffer_bytes = u64::from(command.buffer_bytes());
+        self.buffers.acquire(buffer_bytes);
         let payload = match command {
             Command::Write { length, .. } => {
                 let mut payload = vec![0u8; length as usize];
-                if let Err(source) = reader.read_exact(&mut payload).await {
-                    break Err(NbdError::Io {
+                if let Err(source) = reader.read_exact(&mut payload) {
+                    self.buffers.release(buffer_bytes);
+                    return Err(NbdError::Io {
                         context: "reading a write payload",
                         source,
                     });
@@ -152,181 +252,186 @@ where
         };
         // Sequence numbers are taken here, in receive order, so a flush knows which writes came
         // before it.
-        let ticket = command.is_write().then(|| tracker.begin());
-        let barrier = tracker.barrier();
-        let work = Work {
-            export: Arc::clone(&export),
+        let ticket = command.is_write().then(|| self.tracker.begin());
+        Ok(Some(Request::Run {
+            cookie: header.cookie,
             command,
             payload,
-        };
-        let replies = replies.clone();
-        let cookie = header.cookie;
-        // The pool worker runs the export call and hands the reply straight to the writer task:
-        // no task in between, so a request costs two thread hand-offs, not four.
-        let finish = move || {
-            let (error, data) = work.execute();
-            let reply = Reply {
+            buffer_bytes,
+            ticket,
+            barrier: self.tracker.barrier(),
+        }))
+    }
+
+    /// Starts one more worker, up to the bound.
+    fn add_worker(self: &Arc<Self>) {
+        let mut workers = lock(&self.workers);
+        if *workers >= CONNECTION_REQUESTS_IN_FLIGHT_MAX {
+            return;
+        }
+        let connection = Arc::clone(self);
+        let spawned = std::thread::Builder::new()
+            .name("nbd-conn".into())
+            .spawn(move || run_worker(&connection));
+        match spawned {
+            Ok(_) => *workers += 1,
+            // The workers already running carry on; requests just wait longer.
+            Err(error) => tracing::warn!(%error, "could not start an NBD connection worker"),
+        }
+    }
+
+    /// Runs one request and sends its reply.
+    fn answer(&self, request: Request<'_>) {
+        match request {
+            Request::Refused { cookie, code } => {
+                self.send(encode_simple_reply(code, cookie).to_vec(), 0, None);
+            }
+            Request::Run {
                 cookie,
-                error,
-                data,
-                _request: request_permit,
-                _buffer: buffer_permit,
-            };
-            // If the writer is gone the connection is closing; the reply has nowhere to go.
-            let _ = replies.blocking_send(reply);
-            // Release the write only once its reply is queued: a flush waiting for it then
-            // queues its own reply after this one, so replies of earlier writes always precede
-            // the flush's.
-            drop(ticket);
-        };
-        if command == Command::Flush && !tracker.writes_done_before(barrier) {
-            // A flush first waits (asynchronously) for the writes received before it.
-            let tracker = Arc::clone(&tracker);
-            tokio::spawn(async move {
-                tracker.wait_for_writes_before(barrier).await;
-                crate::pool::spawn(finish);
-            });
-        } else {
-            crate::pool::spawn(finish);
+                command,
+                payload,
+                buffer_bytes,
+                ticket,
+                barrier,
+            } => {
+                if command == Command::Flush {
+                    self.tracker.wait_for_writes_before(barrier);
+                }
+                let reply = execute(&*self.export, command, payload, cookie);
+                self.send(reply, buffer_bytes, ticket);
+            }
+        }
+    }
+
+    /// Queues one reply and, unless another worker is already writing, writes the queue until
+    /// it is empty. `ticket` is released once the reply is queued: a flush waiting for that
+    /// write then queues its own reply after this one. Once a reply cannot be written, none
+    /// can: the session stops reading and ends.
+    fn send(&self, reply: Vec<u8>, buffer_bytes: u64, ticket: Option<WriteTicket<'_>>) {
+        let mut outbox = lock(&self.outbox);
+        if outbox.failed {
+            drop(outbox);
+            self.buffers.release(buffer_bytes);
+            return;
+        }
+        outbox.replies.push(reply);
+        outbox.buffer_bytes += buffer_bytes;
+        drop(ticket);
+        if outbox.sending {
+            return;
+        }
+        outbox.sending = true;
+        loop {
+            let replies = std::mem::take(&mut outbox.replies);
+            let released = std::mem::take(&mut outbox.buffer_bytes);
+            if replies.is_empty() {
+                outbox.sending = false;
+                return;
+            }
+            drop(outbox);
+            let written = write_all_vectored(&*self.socket, &replies);
+            self.buffers.release(released);
+            outbox = lock(&self.outbox);
+            if let Err(source) = written {
+                outbox.failed = true;
+                outbox.sending = false;
+                outbox.replies.clear();
+                let stranded = std::mem::take(&mut outbox.buffer_bytes);
+                drop(outbox);
+                self.buffers.release(stranded);
+                self.fail(NbdError::Io {
+                    context: "sending a reply",
+                    source,
+                });
+                // Wakes the worker blocked reading the next request.
+                let _ = self.socket.shutdown(Shutdown::Both);
+                return;
+            }
+        }
+    }
+
+    fn fail(&self, error: NbdError) {
+        lock(&self.failure).get_or_insert(error);
+    }
+}
+
+/// Runs one request on the calling thread and returns its encoded reply (header, then a
+/// successful read's data). A panicking export becomes EIO for this request only.
+fn execute(export: &dyn Export, command: Command, payload: Vec<u8>, cookie: u64) -> Vec<u8> {
+    let mut read_reply = Vec::new();
+    let outcome = catch_unwind(AssertUnwindSafe(|| -> io::Result<()> {
+        match command {
+            Command::Read { offset, length } => {
+                read_reply = vec![0u8; SIMPLE_REPLY_HEADER_BYTES + length as usize];
+                if length > 0 {
+                    export.read(offset, &mut read_reply[SIMPLE_REPLY_HEADER_BYTES..])?;
+                }
+                Ok(())
+            }
+            Command::Write { offset, fua, .. } => {
+                if !payload.is_empty() {
+                    export.write(offset, &payload, fua)?;
+                }
+                Ok(())
+            }
+            Command::Flush => export.flush(),
+            Command::Trim {
+                offset,
+                length,
+                fua,
+            } => {
+                if length > 0 {
+                    export.trim(offset, u64::from(length))?;
+                    // Trim has no FUA variant in the export API; a flush gives the same
+                    // guarantee.
+                    if fua {
+                        export.flush()?;
+                    }
+                }
+                Ok(())
+            }
+            Command::WriteZeroes {
+                offset,
+                length,
+                fua,
+                may_trim,
+            } => {
+                if length > 0 {
+                    export.write_zeroes(offset, u64::from(length), fua, may_trim)?;
+                }
+                Ok(())
+            }
+            Command::Disconnect => Ok(()),
+        }
+    }));
+    let error = match outcome {
+        Ok(Ok(())) => 0,
+        Ok(Err(error)) => {
+            tracing::warn!(?command, %error, "export request failed");
+            error_code_from_io(&error)
+        }
+        // A panicking export must not take the connection (or the server) down with it.
+        Err(_) => {
+            tracing::error!(?command, "export request panicked");
+            EIO
         }
     };
-
-    // Requests in flight hold clones of `replies`; the writer ends once the last one is sent.
-    drop(replies);
-    let written = match writer_task.await {
-        Ok(result) => result,
-        Err(join) => Err(NbdError::Io {
-            context: "writing replies",
-            source: io::Error::other(join.to_string()),
-        }),
-    };
-    ended.and(written)
-}
-
-/// One request's execution, run on a pool thread.
-struct Work {
-    export: Arc<dyn Export>,
-    command: Command,
-    payload: Vec<u8>,
-}
-
-impl Work {
-    /// Runs the request on the calling (pool) thread; returns the NBD error value (0 on
-    /// success) and a read's data. A panicking export becomes EIO for this request only.
-    fn execute(self) -> (u32, Option<Vec<u8>>) {
-        let Work {
-            export,
-            command,
-            payload,
-        } = self;
-        let outcome = catch_unwind(AssertUnwindSafe(|| -> io::Result<Option<Vec<u8>>> {
-            match command {
-                Command::Read { offset, length } => {
-                    let mut buffer = vec![0u8; length as usize];
-                    if length > 0 {
-                        export.read(offset, &mut buffer)?;
-                    }
-                    Ok(Some(buffer))
-                }
-                Command::Write { offset, fua, .. } => {
-                    if !payload.is_empty() {
-                        export.write(offset, &payload, fua)?;
-                    }
-                    Ok(None)
-                }
-                Command::Flush => export.flush().map(|()| None),
-                Command::Trim {
-                    offset,
-                    length,
-                    fua,
-                } => {
-                    if length > 0 {
-                        export.trim(offset, u64::from(length))?;
-                        // Trim has no FUA variant in the export API; a flush gives the same
-                        // guarantee.
-                        if fua {
-                            export.flush()?;
-                        }
-                    }
-                    Ok(None)
-                }
-                Command::WriteZeroes {
-                    offset,
-                    length,
-                    fua,
-                    may_trim,
-                } => {
-                    if length > 0 {
-                        export.write_zeroes(offset, u64::from(length), fua, may_trim)?;
-                    }
-                    Ok(None)
-                }
-                Command::Disconnect => Ok(None),
-            }
-        }));
-        match outcome {
-            Ok(Ok(data)) => (0, data),
-            Ok(Err(error)) => {
-                tracing::warn!(?command, %error, "export request failed");
-                (error_code_from_io(&error), None)
-            }
-            // A panicking export must not take the connection (or the server) down with it.
-            Err(_) => {
-                tracing::error!(?command, "export request panicked");
-                (EIO, None)
-            }
-        }
+    let header = encode_simple_reply(error, cookie);
+    if error == 0 && read_reply.len() >= SIMPLE_REPLY_HEADER_BYTES {
+        read_reply[..SIMPLE_REPLY_HEADER_BYTES].copy_from_slice(&header);
+        read_reply
+    } else {
+        header.to_vec()
     }
-}
-
-/// Sends replies as they complete. Replies already queued are written together before one flush
-/// of the socket buffer.
-async fn write_replies<W>(writer: W, mut queue: mpsc::Receiver<Reply>) -> Result<(), NbdError>
-where
-    W: AsyncWrite + Unpin,
-{
-    let mut out = BufWriter::with_capacity(REPLY_BUFFER_BYTES, writer);
-    while let Some(reply) = queue.recv().await {
-        write_reply(&mut out, reply).await?;
-        for _ in 0..CONNECTION_REQUESTS_IN_FLIGHT_MAX {
-            match queue.try_recv() {
-                Ok(reply) => write_reply(&mut out, reply).await?,
-                Err(_) => break,
-            }
-        }
-        out.flush().await.map_err(NbdError::io("sending replies"))?;
-    }
-    // Every request is answered: close our side (the TCP FIN ends the session cleanly).
-    out.shutdown()
-        .await
-        .map_err(NbdError::io("closing the connection"))
-}
-
-async fn write_reply<W: AsyncWrite + Unpin>(
-    out: &mut BufWriter<W>,
-    reply: Reply,
-) -> Result<(), NbdError> {
-    out.write_all(&encode_simple_reply(reply.error, reply.cookie))
-        .await
-        .map_err(NbdError::io("sending a reply"))?;
-    if reply.error == 0 {
-        if let Some(data) = &reply.data {
-            out.write_all(data)
-                .await
-                .map_err(NbdError::io("sending read data"))?;
-        }
-    }
-    Ok(())
 }
 
 /// Reads and drops a refused write's payload, so the next request header is where the client
 /// put it.
-async fn discard<R: AsyncRead + Unpin>(reader: &mut R, length: u64) -> Result<(), NbdError> {
+fn discard(reader: &mut BufReader<SocketReader>, length: u64) -> Result<(), NbdError> {
     if length == 0 {
         return Ok(());
     }
-    let copied = tokio::io::copy(&mut reader.take(length), &mut tokio::io::sink())
-        .await
+    let copied = io::copy(&mut reader.by_ref().take(length), &mut io::sink())
         .map_err(NbdError::io("skipping a refused write payload"))?;
     if copied != length {
         return Err(NbdError::Io {
@@ -337,77 +442,123 @@ async fn discard<R: AsyncRead + Unpin>(reader: &mut R, length: u64) -> Result<()
     Ok(())
 }
 
-/// Resolves once the server asks connections to stop. A dropped sender means nobody can ask any
-/// more, so it never resolves then.
-pub(crate) async fn signalled(shutdown: &mut watch::Receiver<bool>) {
-    if shutdown.wait_for(|stop| *stop).await.is_err() {
-        std::future::pending::<()>().await;
+/// A counting budget of buffer bytes; `acquire` waits until enough is free.
+struct Budget {
+    state: Mutex<BudgetState>,
+    released: Condvar,
+}
+
+struct BudgetState {
+    free: u64,
+    /// Threads waiting in `acquire` (a notification is a system call; skip it when nobody
+    /// waits).
+    waiting: usize,
+}
+
+impl Budget {
+    fn new(bytes: u64) -> Budget {
+        Budget {
+            state: Mutex::new(BudgetState {
+                free: bytes,
+                waiting: 0,
+            }),
+            released: Condvar::new(),
+        }
+    }
+
+    /// Takes `bytes` (at most the whole budget, which the request limits guarantee).
+    fn acquire(&self, bytes: u64) {
+        if bytes == 0 {
+            return;
+        }
+        let mut state = lock(&self.state);
+        while state.free < bytes {
+            state.waiting += 1;
+            state = self
+                .released
+                .wait(state)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            state.waiting -= 1;
+        }
+        state.free -= bytes;
+    }
+
+    fn release(&self, bytes: u64) {
+        if bytes == 0 {
+            return;
+        }
+        let mut state = lock(&self.state);
+        state.free += bytes;
+        if state.waiting > 0 {
+            self.released.notify_all();
+        }
     }
 }
 
-/// The write-like requests of one connection that are received but not finished, by receive
+/// The write-like requests of one connection that are received but not answered, by receive
 /// sequence number; flushes wait on it.
 #[derive(Default)]
 struct WriteTracker {
-    in_flight: Mutex<BTreeSet<u64>>,
-    next: AtomicU64,
-    finished: watch::Sender<()>,
+    state: Mutex<TrackerState>,
+    finished: Condvar,
 }
 
-/// Marks one write-like request in flight; dropping it (when the export call returned, or if the
-/// task died) marks it finished.
-struct WriteTicket {
-    tracker: Arc<WriteTracker>,
+#[derive(Default)]
+struct TrackerState {
+    in_flight: BTreeSet<u64>,
+    next: u64,
+    /// Flushes waiting in `wait_for_writes_before`.
+    waiting: usize,
+}
+
+/// Marks one write-like request in flight; dropping it (once answered, or if its worker died)
+/// marks it finished.
+struct WriteTicket<'a> {
+    tracker: &'a WriteTracker,
     sequence: u64,
 }
 
 impl WriteTracker {
-    fn begin(self: &Arc<Self>) -> WriteTicket {
-        let sequence = self.next.fetch_add(1, Ordering::SeqCst);
-        self.in_flight
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(sequence);
+    fn begin(&self) -> WriteTicket<'_> {
+        let mut state = lock(&self.state);
+        let sequence = state.next;
+        state.next += 1;
+        state.in_flight.insert(sequence);
         WriteTicket {
-            tracker: Arc::clone(self),
+            tracker: self,
             sequence,
         }
     }
 
     /// The sequence number the next write will get: writes below it were received earlier.
     fn barrier(&self) -> u64 {
-        self.next.load(Ordering::SeqCst)
-    }
-
-    /// Whether no write with a sequence number below `barrier` is in flight.
-    fn writes_done_before(&self, barrier: u64) -> bool {
-        self.in_flight
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .first()
-            .is_none_or(|&oldest| oldest >= barrier)
+        lock(&self.state).next
     }
 
     /// Waits until no write with a sequence number below `barrier` is in flight.
-    async fn wait_for_writes_before(&self, barrier: u64) {
-        // Subscribing before checking means a write finishing between the check and the wait
-        // still wakes us.
-        let mut finished = self.finished.subscribe();
-        loop {
-            if self.writes_done_before(barrier) || finished.changed().await.is_err() {
-                return;
-            }
+    fn wait_for_writes_before(&self, barrier: u64) {
+        let mut state = lock(&self.state);
+        while state
+            .in_flight
+            .first()
+            .is_some_and(|&oldest| oldest < barrier)
+        {
+            state.waiting += 1;
+            state = self
+                .finished
+                .wait(state)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            state.waiting -= 1;
         }
     }
 }
 
-impl Drop for WriteTicket {
+impl Drop for WriteTicket<'_> {
     fn drop(&mut self) {
-        self.tracker
-            .in_flight
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&self.sequence);
-        self.tracker.finished.send_replace(());
+        let mut state = lock(&self.tracker.state);
+        state.in_flight.remove(&self.sequence);
+        if state.waiting > 0 {
+            self.tracker.finished.notify_all();
+        }
     }
 }

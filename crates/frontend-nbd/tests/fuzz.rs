@@ -1,5 +1,5 @@
 //! Fuzz-style tests: random and mutated bytes fed to the pure parsers (proptest), and whole
-//! mutated sessions fed to the server, both over an in-memory pipe (`serve_stream`) and over TCP
+//! mutated sessions fed to the server, both over a Unix socket pair (`serve_stream`) and over TCP
 //! to the real `serve` loop. The properties: nothing panics, every session ends in bounded time,
 //! accepted requests are always in bounds, and the server serves a good client afterwards.
 //! Loops are seeded (reproducible) and bounded in count and time.
@@ -216,6 +216,23 @@ where
     received
 }
 
+/// A session over a Unix socket pair, served by `serve_stream` on a blocking thread; returns
+/// the client's end and the session.
+fn unix_session(
+    exports: &Arc<dyn Exports>,
+) -> (
+    tokio::net::UnixStream,
+    tokio::task::JoinHandle<Result<(), keel_nbd::NbdError>>,
+) {
+    let (client, server) = std::os::unix::net::UnixStream::pair().unwrap();
+    client.set_nonblocking(true).unwrap();
+    let exports = Arc::clone(exports);
+    let session = tokio::task::spawn_blocking(move || {
+        keel_nbd::serve_stream(server, exports, keel_nbd::HANDSHAKE_TIMEOUT)
+    });
+    (tokio::net::UnixStream::from_std(client).unwrap(), session)
+}
+
 fn memory_exports() -> Arc<dyn Exports> {
     let exports = MemoryExports::new();
     exports.insert("mem", MEM_SIZE_BYTES);
@@ -223,13 +240,12 @@ fn memory_exports() -> Arc<dyn Exports> {
 }
 
 // Proves the unmutated script is a valid session end to end (so the mutations below start from
-// something the server accepts), then that 3000 mutated sessions over an in-memory pipe each end
+// something the server accepts), then that 3000 mutated sessions over a Unix socket pair each end
 // in bounded time without a panic.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mutated_sessions_end_cleanly_in_memory() {
     let exports = memory_exports();
-    let (client, server) = tokio::io::duplex(64 * 1024);
-    let session = tokio::spawn(keel_nbd::serve_stream(server, Arc::clone(&exports)));
+    let (client, session) = unix_session(&exports);
     let received = play(client, valid_session()).await;
     session.await.unwrap().unwrap();
     // Greeting, 5 option replies for INFO (export, block size, ACK), LIST (one entry, ACK),
@@ -247,8 +263,7 @@ async fn mutated_sessions_end_cleanly_in_memory() {
             break;
         }
         let bytes = mutate(&mut rng, valid_session());
-        let (client, server) = tokio::io::duplex(64 * 1024);
-        let session = tokio::spawn(keel_nbd::serve_stream(server, Arc::clone(&exports)));
+        let (client, session) = unix_session(&exports);
         let played =
             tokio::time::timeout(Duration::from_secs(10), play(client, bytes.clone())).await;
         assert!(played.is_ok(), "case {case} hung; input {bytes:02x?}");

@@ -861,34 +861,75 @@ async fn random_operations_match_a_model() {
     server.stop().await;
 }
 
-// Proves the handshake timeout: a client that connects and then says nothing is dropped after
-// HANDSHAKE_TIMEOUT (on tokio's paused clock, so the test takes no real time), and one that
-// completes the handshake is not.
-#[tokio::test(start_paused = true)]
+/// A session over a Unix socket pair, served by `serve_stream` on a blocking thread with the
+/// given handshake timeout; returns the client's end and the session.
+fn unix_session(
+    exports: &Arc<MemoryExports>,
+    handshake_timeout: Duration,
+) -> (
+    tokio::net::UnixStream,
+    tokio::task::JoinHandle<Result<(), NbdError>>,
+) {
+    let (client, server) = std::os::unix::net::UnixStream::pair().unwrap();
+    client.set_nonblocking(true).unwrap();
+    let exports = Arc::clone(exports) as Arc<dyn Exports>;
+    let session = tokio::task::spawn_blocking(move || {
+        keel_nbd::serve_stream(server, exports, handshake_timeout)
+    });
+    (tokio::net::UnixStream::from_std(client).unwrap(), session)
+}
+
+// Proves the handshake timeout: a client that connects and then says nothing is dropped once
+// the timeout passes, so is one that trickles bytes (the deadline covers the whole handshake,
+// not each read), and one that completes the handshake is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_clients_time_out_in_the_handshake() {
+    let timeout = Duration::from_millis(500);
     let exports = Arc::new(MemoryExports::new());
     exports.insert("mem", MEM_SIZE_BYTES);
-    let (mut client, server) = tokio::io::duplex(64 * 1024);
+    let (mut client, session) = unix_session(&exports, timeout);
     let started = tokio::time::Instant::now();
-    let session = tokio::spawn(keel_nbd::serve_stream(
-        server,
-        Arc::clone(&exports) as Arc<dyn Exports>,
-    ));
     let mut greeting = [0u8; GREETING_BYTES];
     client.read_exact(&mut greeting).await.unwrap();
-    let ended = session.await.unwrap();
+    let ended = tokio::time::timeout(common::IO_TIMEOUT, session)
+        .await
+        .unwrap()
+        .unwrap();
     assert!(
         matches!(ended, Err(NbdError::HandshakeTimeout { .. })),
         "{ended:?}"
     );
-    assert!(started.elapsed() >= keel_nbd::HANDSHAKE_TIMEOUT);
+    assert!(started.elapsed() >= timeout);
+
+    let (mut client, session) = unix_session(&exports, timeout);
+    let started = tokio::time::Instant::now();
+    client.read_exact(&mut greeting).await.unwrap();
+    let mut bytes = FLAGS.to_be_bytes().to_vec();
+    bytes.extend_from_slice(&OPTION_MAGIC.to_be_bytes());
+    for byte in bytes {
+        if session.is_finished() {
+            break;
+        }
+        if tokio::io::AsyncWriteExt::write_all(&mut client, &[byte])
+            .await
+            .is_err()
+        {
+            break;
+        }
+        tokio::time::sleep(timeout / 5).await;
+    }
+    let ended = tokio::time::timeout(common::IO_TIMEOUT, session)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(ended, Err(NbdError::HandshakeTimeout { .. })),
+        "{ended:?}"
+    );
+    assert!(started.elapsed() < timeout * 2, "cut off at the deadline");
 
     // In transmission there is no idle timeout: a kernel client may sit idle for hours.
-    let (client, server) = tokio::io::duplex(64 * 1024);
-    let session = tokio::spawn(keel_nbd::serve_stream(
-        server,
-        Arc::clone(&exports) as Arc<dyn Exports>,
-    ));
+    let (client, session) = unix_session(&exports, timeout);
     let (mut reader, mut writer) = tokio::io::split(client);
     reader.read_exact(&mut greeting).await.unwrap();
     let mut bytes = FLAGS.to_be_bytes().to_vec();
@@ -904,7 +945,7 @@ async fn silent_clients_time_out_in_the_handshake() {
     tokio::io::AsyncWriteExt::write_all(&mut writer, &bytes)
         .await
         .unwrap();
-    tokio::time::sleep(keel_nbd::HANDSHAKE_TIMEOUT * 4).await;
+    tokio::time::sleep(timeout * 4).await;
     assert!(
         !session.is_finished(),
         "an idle session in transmission stays open"
@@ -915,5 +956,9 @@ async fn silent_clients_time_out_in_the_handshake() {
     )
     .await
     .unwrap();
-    session.await.unwrap().unwrap();
+    tokio::time::timeout(common::IO_TIMEOUT, session)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
 }
