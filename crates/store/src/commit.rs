@@ -830,12 +830,13 @@ impl Engine {
 }
 
 impl Drop for Engine {
-    /// redb makes its pending non-durable commits durable when it closes; the log they point at
-    /// must be durable first.
+    /// A clean close syncs the log and writes the whole index durably, so the next open has
+    /// nothing to replay. (redb also makes its non-durable commits durable when it closes; the
+    /// log they point at is durable first either way.)
     fn drop(&mut self) {
         if !self.poisoned.load(Ordering::SeqCst) {
-            if let Err(error) = self.flush() {
-                tracing::error!(%error, "could not sync the log at close");
+            if let Err(error) = self.checkpoint(Vec::new()) {
+                tracing::error!(%error, "could not checkpoint the index at close");
             }
         }
         if let Some((_, thread)) = lock(&self.preparing).take() {
