@@ -214,9 +214,10 @@ pub(crate) struct Index {
     /// commit leader, or recovery) applies and writes; readers look here first, then in redb.
     pending: RwLock<Pending>,
     pending_entries_max: usize,
-    /// Recently used locations of keys that are not pending, so hot point lookups (a volume's
-    /// blocks) skip redb's tree walk. Entries change only under the pending write lock (apply)
-    /// or are filled from redb under its read lock, so they never go stale.
+    /// Recently used locations, so hot point lookups (a volume's blocks) skip the pending map
+    /// and redb's tree walk. `apply` writes every key's new location here (or removes a deleted
+    /// key) under the pending write lock, and lookups fill it from redb under the read lock
+    /// only for keys that are not pending, so a cached location is always the key's newest.
     locations: quick_cache::sync::Cache<Vec<u8>, Location>,
 }
 
@@ -280,10 +281,10 @@ impl Index {
                 let key = match update {
                     IndexUpdate::Put { key, .. } | IndexUpdate::Delete { key } => key,
                 };
-                let current = match pending.extents.get(key) {
-                    Some(entry) => *entry,
-                    None => match self.locations.get(key.as_slice()) {
-                        Some(location) => Some(location),
+                let current = match self.locations.get(key.as_slice()) {
+                    Some(location) => Some(location),
+                    None => match pending.extents.get(key) {
+                        Some(entry) => *entry,
                         None => {
                             let txn = match &redb_read {
                                 Some(txn) => txn,
@@ -397,11 +398,12 @@ impl Index {
         // Held throughout: `apply` cannot change the key between the redb read and the cache
         // fill below.
         let pending = read_lock(&self.pending);
-        if let Some(entry) = pending.extents.get(key) {
-            return Ok(*entry);
-        }
+        // A cached location is the key's newest: `apply` overwrites or removes it.
         if let Some(location) = self.locations.get(key) {
             return Ok(Some(location));
+        }
+        if let Some(entry) = pending.extents.get(key) {
+            return Ok(*entry);
         }
         let txn = self.db.begin_read()?;
         let table = txn.open_table(EXTENTS)?;
