@@ -3,7 +3,7 @@
 //! Group commit is leader/follower: a writer queues its ops; if no leader is active it becomes
 //! the leader, takes everything queued (up to `batch_size_max_bytes`), encodes it into one buffer,
 //! writes it with one `pwrite` per device, issues one `fdatasync` per device if any writer in the
-//! batch asked for `Sync`, applies the batch to the index (non-durable redb commit), hands the
+//! batch asked for `Sync`, applies the batch to the index (in memory; see `index`), hands the
 //! leadership to the next queued writer and wakes the writers of its batch. A lone writer pays no
 //! thread hand-off; N concurrent writers share one sync.
 //!
@@ -19,7 +19,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use crate::error::{StoreError, StoreResult};
 use crate::format::{self, Compression, ExtentHeader};
 use crate::fsinfo;
-use crate::index::{Index, IndexUpdate, Location, Tail};
+use crate::index::{Index, IndexUpdate, Location, Persist, Tail};
 use crate::segment::{hex, Segment, Segments};
 use crate::{Durability, StoreConfig, StoreStats, WriteAck, WriteOp};
 
@@ -572,7 +572,15 @@ impl Engine {
         }
 
         // Index.
+        // An explicit checkpoint (compaction about to delete segments, close) waits for the
+        // index to be durable; the periodic one, which only bounds replay, is written in the
+        // background.
         let durable = need_sync && (checkpoint_due || checkpoint.is_some());
+        let persist = match (durable, checkpoint.is_some()) {
+            (false, _) => Persist::Later,
+            (true, false) => Persist::DurableInBackground,
+            (true, true) => Persist::Durable,
+        };
         let tail = Tail {
             segment: writer.segment.id,
             offset: writer.offset,
@@ -580,7 +588,7 @@ impl Engine {
         };
         if !updates.is_empty() || durable {
             let dropped = checkpoint.unwrap_or_default();
-            if let Err(error) = self.index.apply(&updates, tail, durable, &dropped) {
+            if let Err(error) = self.index.apply(&updates, tail, persist, &dropped) {
                 // The log holds the batch durably; reopening replays it into the index.
                 self.poison("index update", &error);
                 return fail_all(&|| self.poisoned_error());
@@ -915,7 +923,7 @@ fn recover(
             offset: format::SEGMENT_HEADER_LEN as u64,
             next_seq: 1,
         };
-        index.apply(&[], tail, true, &[])?;
+        index.apply(&[], tail, Persist::Durable, &[])?;
         return Ok(Writer {
             segment,
             offset: tail.offset,
@@ -999,7 +1007,7 @@ fn recover(
                         offset: end.1,
                         next_seq,
                     };
-                    index.apply(&updates, partial, false, &[])?;
+                    index.apply(&updates, partial, Persist::Later, &[])?;
                     updates.clear();
                 }
             }
@@ -1056,7 +1064,7 @@ fn recover(
         offset: end_offset,
         next_seq,
     };
-    index.apply(&updates, tail, true, &[])?;
+    index.apply(&updates, tail, Persist::Durable, &[])?;
     if replayed_extents > 0 {
         tracing::info!(replayed_extents, "replayed log tail into the index");
     }

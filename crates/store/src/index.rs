@@ -10,7 +10,8 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
 
@@ -180,6 +181,17 @@ impl SegmentStats {
     }
 }
 
+/// When applied updates must reach redb.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Persist {
+    /// When enough are pending (in the background).
+    Later,
+    /// Now, durably, on a background thread: a periodic checkpoint, which only bounds replay.
+    DurableInBackground,
+    /// Now, durably, before `apply` returns.
+    Durable,
+}
+
 /// One change to apply, in log order.
 pub(crate) enum IndexUpdate {
     Put {
@@ -203,41 +215,107 @@ struct Pending {
     /// Segments whose counters are to be deleted.
     dropped: Vec<u64>,
     tail: Option<Tail>,
+    /// Numbers the writes to redb: redb records the last one it holds, so a reader can tell
+    /// whether its redb snapshot already includes a set that is being written.
+    write_number: u64,
+}
+
+/// What is applied but not yet in redb: the entries still gathering, and the set being written
+/// (on the background writer or by a checkpoint). `active` takes precedence over `writing`,
+/// and both over redb.
+#[derive(Default)]
+struct Overlay {
+    active: Pending,
+    writing: Option<Arc<Pending>>,
+}
+
+impl Overlay {
+    /// The newest pending entry for `key`, if any layer has one.
+    fn entry(&self, key: &[u8]) -> Option<Option<Location>> {
+        self.active
+            .extents
+            .get(key)
+            .or_else(|| self.writing.as_ref().and_then(|w| w.extents.get(key)))
+            .copied()
+    }
+
+    /// Pending entries with keys in `range`, ascending, `active` winning over `writing`.
+    fn entries<R>(&self, range: R) -> Vec<(&Vec<u8>, Option<Location>)>
+    where
+        R: std::ops::RangeBounds<Vec<u8>> + Clone,
+    {
+        let mut merged: BTreeMap<&Vec<u8>, Option<Location>> = BTreeMap::new();
+        if let Some(writing) = &self.writing {
+            merged.extend(writing.extents.range(range.clone()).map(|(k, v)| (k, *v)));
+        }
+        merged.extend(self.active.extents.range(range).map(|(k, v)| (k, *v)));
+        merged.into_iter().collect()
+    }
 }
 
 pub(crate) struct Index {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
     db: Database,
-    /// Applied updates are gathered here and written to redb in one transaction once there are
-    /// [`PENDING_ENTRIES_MAX`] of them, or at a durable checkpoint. A redb write transaction
-    /// per group commit copied a leaf and its branches per key (copy-on-write) and cost more
-    /// CPU than the rest of a 4 KiB write together. Only the committing thread (the group
-    /// commit leader, or recovery) applies and writes; readers look here first, then in redb.
-    pending: RwLock<Pending>,
+    /// Applied updates gather in `overlay.active`; once there are [`PENDING_ENTRIES_MAX`] of
+    /// them they become `overlay.writing` and a background thread writes them to redb in one
+    /// transaction, while new updates gather again. A durable checkpoint writes everything in
+    /// the committing thread. (A redb write transaction per group commit copied a leaf and its
+    /// branches per key and cost more CPU than the rest of a 4 KiB write together; writing them
+    /// in the committing thread stalled every writer for tens of milliseconds.) Only the
+    /// committing thread (the group commit leader, or recovery) applies; readers look here
+    /// first, then in redb.
+    overlay: RwLock<Overlay>,
     pending_entries_max: usize,
-    /// Recently used locations, so hot point lookups (a volume's blocks) skip the pending map
-    /// and redb's tree walk. `apply` writes every key's new location here (or removes a deleted
-    /// key) under the pending write lock, and lookups fill it from redb under the read lock
+    /// Recently used locations, so hot point lookups (a volume's blocks) skip the overlay and
+    /// redb's tree walk. `apply` writes every key's new location here (or removes a deleted
+    /// key) under the overlay's write lock, and lookups fill it from redb under the read lock
     /// only for keys that are not pending, so a cached location is always the key's newest.
     locations: quick_cache::sync::Cache<Vec<u8>, Location>,
+    /// The background write in progress, if any (at most one at a time).
+    writer: Mutex<WriterSlot>,
+    /// Why a background write failed; the next `apply` reports it (and the store is poisoned).
+    write_failure: Mutex<Option<String>>,
+    /// Numbers the sets of pending entries.
+    next_write_number: AtomicU64,
 }
+
+/// The thread writing a set of pending entries to redb, if one is.
+type WriterSlot = Option<std::thread::JoinHandle<()>>;
 
 /// Locations kept in the lookup cache: about 64 MiB, the metadata of 2 GiB of 4 KiB blocks.
 const LOCATION_CACHE_ENTRIES: usize = 512 * 1024;
 
-/// Pending index entries written to redb together (a few MiB of memory at most).
+/// Pending index entries written to redb together (a few MiB of memory at most; twice that
+/// while one set is being written).
 const PENDING_ENTRIES_MAX: usize = 16_384;
 
-fn read_lock(lock: &RwLock<Pending>) -> RwLockReadGuard<'_, Pending> {
+/// In `STATE`: the number of the last set of pending entries written to redb.
+const WRITTEN: &str = "written";
+
+fn read_lock(lock: &RwLock<Overlay>) -> RwLockReadGuard<'_, Overlay> {
     lock.read().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-fn write_lock(lock: &RwLock<Pending>) -> RwLockWriteGuard<'_, Pending> {
+fn write_lock(lock: &RwLock<Overlay>) -> RwLockWriteGuard<'_, Overlay> {
     lock.write()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Index {
     pub fn open(path: &Path) -> StoreResult<(Index, Option<Tail>)> {
+        Index::open_with(path, PENDING_ENTRIES_MAX)
+    }
+
+    fn open_with(path: &Path, pending_entries_max: usize) -> StoreResult<(Index, Option<Tail>)> {
         let db = redb::Builder::new()
             .set_cache_size(INDEX_CACHE_SIZE_MAX_BYTES)
             .create(path)?;
@@ -248,47 +326,60 @@ impl Index {
             txn.open_table(STATE)?;
         }
         txn.commit()?;
-        let index = Index {
-            db,
-            pending: RwLock::new(Pending::default()),
-            pending_entries_max: PENDING_ENTRIES_MAX,
-            locations: quick_cache::sync::Cache::new(LOCATION_CACHE_ENTRIES),
+        let (tail, written) = {
+            let txn = db.begin_read()?;
+            let table = txn.open_table(STATE)?;
+            let tail = table
+                .get(TAIL)?
+                .map(|v| Tail::decode(v.value()))
+                .transpose()?;
+            (tail, written_number(&table)?)
         };
-        let tail = index.tail()?;
+        let index = Index {
+            shared: Arc::new(Shared {
+                db,
+                overlay: RwLock::new(Overlay::default()),
+                pending_entries_max,
+                locations: quick_cache::sync::Cache::new(LOCATION_CACHE_ENTRIES),
+                writer: Mutex::new(None),
+                write_failure: Mutex::new(None),
+                next_write_number: AtomicU64::new(written + 1),
+            }),
+        };
         Ok((index, tail))
     }
 
-    fn tail(&self) -> StoreResult<Option<Tail>> {
-        let txn = self.db.begin_read()?;
-        let table = txn.open_table(STATE)?;
-        let value = table.get(TAIL)?;
-        value.map(|v| Tail::decode(v.value())).transpose()
-    }
-
-    /// Applies updates in order and records `tail`; with `durable`, writes everything pending
-    /// to redb and commits durably. Called by one thread at a time (the committer).
+    /// Applies updates in order and records `tail`, then writes what is pending to redb as
+    /// `persist` says (a full set of pending entries is always handed to a background write).
+    /// Called by one thread at a time (the committer).
     pub fn apply(
         &self,
         updates: &[IndexUpdate],
         tail: Tail,
-        durable: bool,
+        persist: Persist,
         dropped_segments: &[u64],
     ) -> StoreResult<()> {
+        if let Some(reason) = lock(&self.shared.write_failure).clone() {
+            return Err(StoreError::Index(format!(
+                "writing index entries to redb failed earlier: {reason}"
+            )));
+        }
+        let shared = &*self.shared;
         let full = {
-            let mut pending = write_lock(&self.pending);
+            let mut overlay = write_lock(&shared.overlay);
             let mut redb_read = None;
             for update in updates {
                 let key = match update {
                     IndexUpdate::Put { key, .. } | IndexUpdate::Delete { key } => key,
                 };
-                let current = match self.locations.get(key.as_slice()) {
+                let current = match shared.locations.get(key.as_slice()) {
                     Some(location) => Some(location),
-                    None => match pending.extents.get(key) {
-                        Some(entry) => *entry,
+                    None => match overlay.entry(key) {
+                        Some(entry) => entry,
                         None => {
                             let txn = match &redb_read {
                                 Some(txn) => txn,
-                                None => redb_read.insert(self.db.begin_read()?),
+                                None => redb_read.insert(shared.db.begin_read()?),
                             };
                             txn.open_table(EXTENTS)?
                                 .get(key.as_slice())?
@@ -297,6 +388,7 @@ impl Index {
                         }
                     },
                 };
+                let active = &mut overlay.active;
                 let new = match update {
                     IndexUpdate::Put {
                         location,
@@ -307,7 +399,7 @@ impl Index {
                         if *relocated && current.map(|c| c.seq) != Some(location.seq) {
                             continue;
                         }
-                        pending
+                        active
                             .stats
                             .entry(location.segment)
                             .or_default()
@@ -323,98 +415,108 @@ impl Index {
                     }
                 };
                 if let Some(old) = current {
-                    pending.stats.entry(old.segment).or_default().1.add(&old, 1);
+                    active.stats.entry(old.segment).or_default().1.add(&old, 1);
                 }
-                // Once the pending entry is written to redb, the cache agrees with it.
+                // Once the entry is written to redb, the cache agrees with it.
                 match new {
-                    Some(location) => self.locations.insert(key.clone(), location),
+                    Some(location) => shared.locations.insert(key.clone(), location),
                     None => {
-                        self.locations.remove(key.as_slice());
+                        shared.locations.remove(key.as_slice());
                     }
                 }
-                pending.extents.insert(key.clone(), new);
+                active.extents.insert(key.clone(), new);
             }
             for segment in dropped_segments {
-                pending.stats.remove(segment);
-                pending.dropped.push(*segment);
+                overlay.active.stats.remove(segment);
+                overlay.active.dropped.push(*segment);
             }
-            pending.tail = Some(tail);
-            pending.extents.len() >= self.pending_entries_max
+            overlay.active.tail = Some(tail);
+            overlay.active.extents.len() >= shared.pending_entries_max
         };
-        if durable || full {
-            self.write_pending(durable)?;
+        match persist {
+            Persist::Durable => self.write_all_durably(),
+            Persist::DurableInBackground => self.start_background_write(true),
+            Persist::Later if full => self.start_background_write(false),
+            Persist::Later => Ok(()),
         }
-        Ok(())
     }
 
-    /// Writes what is pending to redb in one transaction, then forgets it. Readers keep seeing
-    /// the pending entries until redb holds them.
-    fn write_pending(&self, durable: bool) -> StoreResult<()> {
-        {
-            let pending = read_lock(&self.pending);
-            let mut txn = self.db.begin_write()?;
-            txn.set_durability(if durable {
-                Durability::Immediate
-            } else {
-                Durability::None
-            })?;
-            {
-                let mut extents = txn.open_table(EXTENTS)?;
-                for (key, entry) in &pending.extents {
-                    match entry {
-                        Some(location) => {
-                            extents.insert(key.as_slice(), location.encode().as_slice())?;
-                        }
-                        None => {
-                            extents.remove(key.as_slice())?;
-                        }
-                    }
-                }
-                let mut stats = txn.open_table(SEGMENT_STATS)?;
-                for (segment, (added, removed)) in &pending.stats {
-                    let mut current = stats
-                        .get(*segment)?
-                        .map(|v| SegmentStats::decode(v.value()))
-                        .unwrap_or_default();
-                    current.apply(added, removed);
-                    stats.insert(*segment, current.encode().as_slice())?;
-                }
-                for segment in &pending.dropped {
-                    stats.remove(*segment)?;
-                }
-                if let Some(tail) = pending.tail {
-                    let mut state = txn.open_table(STATE)?;
-                    state.insert(TAIL, tail.encode().as_slice())?;
-                }
-            }
-            txn.commit()?;
+    /// Moves the active entries to `writing` (after the previous write finished) and returns
+    /// them, holding the writer slot.
+    fn take_active(&self) -> StoreResult<(MutexGuard<'_, WriterSlot>, Arc<Pending>)> {
+        let shared = &*self.shared;
+        let mut writer = lock(&shared.writer);
+        if let Some(previous) = writer.take() {
+            // Bounded memory: one set being written, one gathering.
+            let _ = previous.join();
         }
-        // Only the committer changes `pending`, so nothing was added since it was written.
-        *write_lock(&self.pending) = Pending::default();
-        Ok(())
+        if let Some(reason) = lock(&shared.write_failure).clone() {
+            return Err(StoreError::Index(format!(
+                "writing index entries to redb failed earlier: {reason}"
+            )));
+        }
+        let mut overlay = write_lock(&shared.overlay);
+        let mut set = std::mem::take(&mut overlay.active);
+        set.write_number = shared.next_write_number.fetch_add(1, Ordering::SeqCst);
+        let set = Arc::new(set);
+        overlay.writing = Some(Arc::clone(&set));
+        drop(overlay);
+        Ok((writer, set))
+    }
+
+    fn start_background_write(&self, durable: bool) -> StoreResult<()> {
+        let (mut writer, set) = self.take_active()?;
+        let shared = Arc::clone(&self.shared);
+        let background = Arc::clone(&set);
+        let spawned = std::thread::Builder::new()
+            .name("keel-index-write".into())
+            .spawn(move || {
+                // A failure is recorded for the next apply.
+                let _ = shared.write_set(&background, durable);
+            });
+        match spawned {
+            Ok(thread) => {
+                *writer = Some(thread);
+                Ok(())
+            }
+            Err(error) => {
+                // Write the set here instead.
+                tracing::warn!(%error, "could not start the index writer thread");
+                self.shared
+                    .write_set(&set, false)
+                    .map_err(StoreError::Index)
+            }
+        }
+    }
+
+    /// Writes every pending entry to redb and commits durably.
+    fn write_all_durably(&self) -> StoreResult<()> {
+        let (_writer, set) = self.take_active()?;
+        self.shared.write_set(&set, true).map_err(StoreError::Index)
     }
 
     pub fn get(&self, key: &[u8]) -> StoreResult<Option<Location>> {
+        let shared = &*self.shared;
         // Held throughout: `apply` cannot change the key between the redb read and the cache
         // fill below.
-        let pending = read_lock(&self.pending);
+        let overlay = read_lock(&shared.overlay);
         // A cached location is the key's newest: `apply` overwrites or removes it.
-        if let Some(location) = self.locations.get(key) {
+        if let Some(location) = shared.locations.get(key) {
             return Ok(Some(location));
         }
-        if let Some(entry) = pending.extents.get(key) {
-            return Ok(*entry);
+        if let Some(entry) = overlay.entry(key) {
+            return Ok(entry);
         }
-        let txn = self.db.begin_read()?;
+        let txn = shared.db.begin_read()?;
         let table = txn.open_table(EXTENTS)?;
         let location = table
             .get(key)?
             .map(|v| Location::decode(v.value()))
             .transpose()?;
         if let Some(location) = location {
-            self.locations.insert(key.to_vec(), location);
+            shared.locations.insert(key.to_vec(), location);
         }
-        drop(pending);
+        drop(overlay);
         Ok(location)
     }
 
@@ -426,21 +528,18 @@ impl Index {
             // A point lookup: redb's get walks the tree once, a range cursor twice.
             return Ok(self.get(low)?.map(|location| (low.to_vec(), location)));
         }
-        let pending = read_lock(&self.pending);
-        let mut overlay = pending
-            .extents
-            .range(low.to_vec()..=high.to_vec())
-            .rev()
-            .peekable();
-        let txn = self.db.begin_read()?;
+        let overlay = read_lock(&self.shared.overlay);
+        let pending = overlay.entries(low.to_vec()..=high.to_vec());
+        let mut pending = pending.into_iter().rev().peekable();
+        let txn = self.shared.db.begin_read()?;
         let table = txn.open_table(EXTENTS)?;
         let mut stored = table.range(low..=high)?.rev();
         let mut next_stored = stored.next().transpose()?;
         loop {
             let stored_key = next_stored.as_ref().map(|(key, _)| key.value());
-            match (overlay.peek(), stored_key) {
+            match (pending.peek(), stored_key) {
                 (None, None) => return Ok(None),
-                // The overlay's key is the greater (or the same key, which it overrides).
+                // The pending key is the greater (or the same key, which it overrides).
                 (Some((key, entry)), stored_key)
                     if stored_key.is_none_or(|s| key.as_slice() >= s) =>
                 {
@@ -450,7 +549,7 @@ impl Index {
                     if let Some(location) = entry {
                         return Ok(Some(((*key).clone(), *location)));
                     }
-                    overlay.next();
+                    pending.next();
                 }
                 _ => {
                     return match next_stored {
@@ -474,21 +573,19 @@ impl Index {
         if start >= end {
             return Ok(Vec::new());
         }
-        let pending = read_lock(&self.pending);
-        let mut overlay = pending
-            .extents
-            .range(start.to_vec()..end.to_vec())
-            .peekable();
-        let txn = self.db.begin_read()?;
+        let overlay = read_lock(&self.shared.overlay);
+        let pending = overlay.entries(start.to_vec()..end.to_vec());
+        let mut pending = pending.into_iter().peekable();
+        let txn = self.shared.db.begin_read()?;
         let table = txn.open_table(EXTENTS)?;
         let mut stored = table.range(start..end)?;
         let mut next_stored = stored.next().transpose()?;
         let mut out = Vec::new();
         while out.len() < limit {
             let stored_key = next_stored.as_ref().map(|(key, _)| key.value());
-            match (overlay.peek(), stored_key) {
+            match (pending.peek(), stored_key) {
                 (None, None) => break,
-                // The overlay's key is the smaller (or the same key, which it overrides).
+                // The pending key is the smaller (or the same key, which it overrides).
                 (Some((key, entry)), stored_key)
                     if stored_key.is_none_or(|s| key.as_slice() <= s) =>
                 {
@@ -498,7 +595,7 @@ impl Index {
                     if let Some(location) = entry {
                         out.push(((*key).clone(), *location));
                     }
-                    overlay.next();
+                    pending.next();
                 }
                 _ => {
                     if let Some((key, value)) = next_stored {
@@ -512,21 +609,103 @@ impl Index {
     }
 
     pub fn segment_stats(&self) -> StoreResult<BTreeMap<u64, SegmentStats>> {
-        let pending = read_lock(&self.pending);
-        let txn = self.db.begin_read()?;
+        let overlay = read_lock(&self.shared.overlay);
+        let txn = self.shared.db.begin_read()?;
+        let written = written_number(&txn.open_table(STATE)?)?;
         let table = txn.open_table(SEGMENT_STATS)?;
         let mut out = BTreeMap::new();
         for entry in table.iter()? {
             let (segment, value) = entry?;
             out.insert(segment.value(), SegmentStats::decode(value.value()));
         }
-        for segment in &pending.dropped {
-            out.remove(segment);
-        }
-        for (segment, (added, removed)) in &pending.stats {
-            out.entry(*segment).or_default().apply(added, removed);
+        // The set being written counts only if this redb snapshot does not hold it yet.
+        let writing = overlay
+            .writing
+            .as_deref()
+            .filter(|set| set.write_number > written);
+        for set in writing.into_iter().chain([&overlay.active]) {
+            for segment in &set.dropped {
+                out.remove(segment);
+            }
+            for (segment, (added, removed)) in &set.stats {
+                out.entry(*segment).or_default().apply(added, removed);
+            }
         }
         Ok(out)
+    }
+}
+
+impl Shared {
+    /// Writes one set of pending entries to redb in one transaction, then forgets it. Readers
+    /// keep seeing the set in the overlay until redb holds it.
+    fn write_set(&self, set: &Pending, durable: bool) -> Result<(), String> {
+        let written = self.write_to_redb(set, durable).map_err(|e| e.to_string());
+        match &written {
+            Ok(()) => write_lock(&self.overlay).writing = None,
+            // The set stays in the overlay, so reads stay right; the next apply fails.
+            Err(reason) => {
+                tracing::error!(%reason, "writing index entries to redb failed");
+                *lock(&self.write_failure) = Some(reason.clone());
+            }
+        }
+        written
+    }
+
+    fn write_to_redb(&self, set: &Pending, durable: bool) -> StoreResult<()> {
+        let mut txn = self.db.begin_write()?;
+        txn.set_durability(if durable {
+            Durability::Immediate
+        } else {
+            Durability::None
+        })?;
+        {
+            let mut extents = txn.open_table(EXTENTS)?;
+            for (key, entry) in &set.extents {
+                match entry {
+                    Some(location) => {
+                        extents.insert(key.as_slice(), location.encode().as_slice())?;
+                    }
+                    None => {
+                        extents.remove(key.as_slice())?;
+                    }
+                }
+            }
+            let mut stats = txn.open_table(SEGMENT_STATS)?;
+            for (segment, (added, removed)) in &set.stats {
+                let mut current = stats
+                    .get(*segment)?
+                    .map(|v| SegmentStats::decode(v.value()))
+                    .unwrap_or_default();
+                current.apply(added, removed);
+                stats.insert(*segment, current.encode().as_slice())?;
+            }
+            for segment in &set.dropped {
+                stats.remove(*segment)?;
+            }
+            let mut state = txn.open_table(STATE)?;
+            if let Some(tail) = set.tail {
+                state.insert(TAIL, tail.encode().as_slice())?;
+            }
+            state.insert(WRITTEN, set.write_number.to_le_bytes().as_slice())?;
+        }
+        txn.commit()?;
+        Ok(())
+    }
+}
+
+fn written_number<T: ReadableTable<&'static str, &'static [u8]>>(table: &T) -> StoreResult<u64> {
+    Ok(table
+        .get(WRITTEN)?
+        .and_then(|v| v.value().try_into().ok().map(u64::from_le_bytes))
+        .unwrap_or(0))
+}
+
+impl Drop for Index {
+    /// A background write still holds the database; let it finish before the file closes.
+    fn drop(&mut self) {
+        if let Some(thread) = lock(&self.shared.writer).take() {
+            let _ = thread.join();
+        }
     }
 }
 
@@ -577,8 +756,7 @@ mod tests {
             std::fs::create_dir_all(&dir).unwrap();
             let path = dir.join(format!("{}.redb", std::process::id()));
             let _ = std::fs::remove_file(&path);
-            let (mut index, _) = Index::open(&path).unwrap();
-            index.pending_entries_max = pending_max;
+            let (index, _) = Index::open_with(&path, pending_max).unwrap();
             let mut model: BTreeMap<Vec<u8>, Location> = BTreeMap::new();
             let mut seq = 0u64;
             for (round, ops) in ops.chunks(chunk).enumerate() {
@@ -596,7 +774,12 @@ mod tests {
                     }
                 }
                 let tail = Tail { segment: 1, offset: seq, next_seq: seq + 1 };
-                index.apply(&updates, tail, round % durable_every == 0, &[]).unwrap();
+                let persist = match round % durable_every {
+                    0 => Persist::Durable,
+                    1 => Persist::DurableInBackground,
+                    _ => Persist::Later,
+                };
+                index.apply(&updates, tail, persist, &[]).unwrap();
                 for key in 0u8..24 {
                     proptest::prop_assert_eq!(index.get(&[key]).unwrap(), model.get(&vec![key]).copied());
                     for high in key..24 {
