@@ -879,6 +879,18 @@ fn unix_session(
     (tokio::net::UnixStream::from_std(client).unwrap(), session)
 }
 
+/// Waits (bounded) for the session to end and checks it ended by the handshake timeout.
+async fn expect_handshake_timeout(session: tokio::task::JoinHandle<Result<(), NbdError>>) {
+    let ended = tokio::time::timeout(common::IO_TIMEOUT, session)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(ended, Err(NbdError::HandshakeTimeout { .. })),
+        "{ended:?}"
+    );
+}
+
 // Proves the handshake timeout: a client that connects and then says nothing is dropped once
 // the timeout passes, so is one that trickles bytes (the deadline covers the whole handshake,
 // not each read), and one that completes the handshake is not.
@@ -891,14 +903,7 @@ async fn silent_clients_time_out_in_the_handshake() {
     let started = tokio::time::Instant::now();
     let mut greeting = [0u8; GREETING_BYTES];
     client.read_exact(&mut greeting).await.unwrap();
-    let ended = tokio::time::timeout(common::IO_TIMEOUT, session)
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(
-        matches!(ended, Err(NbdError::HandshakeTimeout { .. })),
-        "{ended:?}"
-    );
+    expect_handshake_timeout(session).await;
     assert!(started.elapsed() >= timeout);
 
     let (mut client, session) = unix_session(&exports, timeout);
@@ -918,14 +923,7 @@ async fn silent_clients_time_out_in_the_handshake() {
         }
         tokio::time::sleep(timeout / 5).await;
     }
-    let ended = tokio::time::timeout(common::IO_TIMEOUT, session)
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(
-        matches!(ended, Err(NbdError::HandshakeTimeout { .. })),
-        "{ended:?}"
-    );
+    expect_handshake_timeout(session).await;
     assert!(started.elapsed() < timeout * 2, "cut off at the deadline");
 
     // In transmission there is no idle timeout: a kernel client may sit idle for hours.
