@@ -161,6 +161,18 @@ impl VolumeHandle {
         Ok(state)
     }
 
+    /// `offset + length`, or an out-of-range error if that overflows (before the size is known).
+    fn range_end(&self, offset: u64, length: u64) -> VolumeResult<u64> {
+        offset
+            .checked_add(length)
+            .ok_or_else(|| VolumeError::OutOfRange {
+                volume: self.shared.name.clone(),
+                offset,
+                length,
+                size_bytes: 0,
+            })
+    }
+
     fn check_range(&self, offset: u64, length: u64, size_bytes: u64) -> VolumeResult<u64> {
         match offset.checked_add(length) {
             Some(end) if end <= size_bytes => Ok(end),
@@ -258,14 +270,7 @@ impl VolumeHandle {
         }
         self.throttle(data.len() as u64);
         let length = data.len() as u64;
-        let end = offset
-            .checked_add(length)
-            .ok_or_else(|| VolumeError::OutOfRange {
-                volume: self.shared.name.clone(),
-                offset,
-                length,
-                size_bytes: 0,
-            })?;
+        let end = self.range_end(offset, length)?;
         let first = offset / BLOCK_SIZE_BYTES;
         let last = (end - 1) / BLOCK_SIZE_BYTES;
         let partial: Vec<u64> = [first, last]
@@ -347,14 +352,7 @@ impl VolumeHandle {
             return Ok(());
         }
         self.throttle(0);
-        let end = offset
-            .checked_add(length)
-            .ok_or_else(|| VolumeError::OutOfRange {
-                volume: self.shared.name.clone(),
-                offset,
-                length,
-                size_bytes: 0,
-            })?;
+        let end = self.range_end(offset, length)?;
         let first_full = offset.div_ceil(BLOCK_SIZE_BYTES);
         let end_full = end / BLOCK_SIZE_BYTES;
         let state = self.state()?;
@@ -383,14 +381,7 @@ impl VolumeHandle {
         if length == 0 {
             return if fua { self.flush() } else { Ok(()) };
         }
-        let end = offset
-            .checked_add(length)
-            .ok_or_else(|| VolumeError::OutOfRange {
-                volume: self.shared.name.clone(),
-                offset,
-                length,
-                size_bytes: 0,
-            })?;
+        let end = self.range_end(offset, length)?;
         {
             let state = self.state()?;
             self.check_range(offset, length, state.record.size_bytes)?;
@@ -433,30 +424,15 @@ impl VolumeHandle {
         let mut ops = Vec::new();
         while chunk_start < end {
             let chunk_end = end.min(chunk_start + ZERO_CHUNK_BLOCKS);
-            let mut per_layer = Vec::with_capacity(view.len());
-            for layer in view {
-                per_layer.push(super::scan::collect_generations(
-                    &self.store,
-                    &self.shared.name,
-                    layer.volume_id,
-                    chunk_start,
-                    chunk_end,
-                )?);
-            }
-            let mut blocks: Vec<u64> = per_layer
-                .iter()
-                .flat_map(|map| map.keys().copied())
-                .collect();
-            blocks.sort_unstable();
-            blocks.dedup();
-            for block in blocks {
-                let generations_of = |volume_id: u64| -> &[u64] {
-                    view.iter()
-                        .position(|layer| layer.volume_id == volume_id)
-                        .and_then(|index| per_layer[index].get(&block))
-                        .map(Vec::as_slice)
-                        .unwrap_or(&[])
-                };
+            let stored = super::scan::RangeGenerations::collect(
+                &self.store,
+                &self.shared.name,
+                view.iter().map(|layer| layer.volume_id),
+                chunk_start,
+                chunk_end,
+            )?;
+            for &block in stored.blocks() {
+                let generations_of = |volume_id: u64| stored.of(volume_id, block);
                 let Some(shown) = view::resolve(view, block, generations_of) else {
                     continue;
                 };

@@ -29,7 +29,7 @@ pub(crate) const KEYS_PAGE_MAX: usize = 4096;
 pub(crate) const DELETE_BATCH_OPS_MAX: usize = 4096;
 
 /// Block → ascending generations of `volume_id`'s extents for blocks in `[block_from, block_to)`.
-pub(crate) fn collect_generations(
+fn collect_generations(
     store: &Store,
     volume: &str,
     volume_id: u64,
@@ -54,6 +54,56 @@ pub(crate) fn collect_generations(
         }
     }
     Ok(generations)
+}
+
+/// The generations stored for blocks `[block_from, block_to)` by several volumes (the layers
+/// of one or two views), and the blocks any of them holds, ascending.
+pub(crate) struct RangeGenerations {
+    /// Sorted, without duplicates; `maps[i]` belongs to `volume_ids[i]`.
+    volume_ids: Vec<u64>,
+    maps: Vec<BTreeMap<u64, Vec<u64>>>,
+    blocks: Vec<u64>,
+}
+
+impl RangeGenerations {
+    pub(crate) fn collect(
+        store: &Store,
+        volume: &str,
+        volume_ids: impl IntoIterator<Item = u64>,
+        block_from: u64,
+        block_to: u64,
+    ) -> VolumeResult<RangeGenerations> {
+        let mut volume_ids: Vec<u64> = volume_ids.into_iter().collect();
+        volume_ids.sort_unstable();
+        volume_ids.dedup();
+        let maps = volume_ids
+            .iter()
+            .map(|&volume_id| collect_generations(store, volume, volume_id, block_from, block_to))
+            .collect::<VolumeResult<Vec<_>>>()?;
+        let mut blocks: Vec<u64> = maps.iter().flat_map(|map| map.keys().copied()).collect();
+        blocks.sort_unstable();
+        blocks.dedup();
+        Ok(RangeGenerations {
+            volume_ids,
+            maps,
+            blocks,
+        })
+    }
+
+    /// Blocks with at least one extent in the range, ascending.
+    pub(crate) fn blocks(&self) -> &[u64] {
+        &self.blocks
+    }
+
+    /// Ascending generations `volume_id` stores for `block` (empty if none).
+    pub(crate) fn of(&self, volume_id: u64, block: u64) -> &[u64] {
+        self.volume_ids
+            .binary_search(&volume_id)
+            .ok()
+            .and_then(|index| self.maps[index].get(&block))
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
+    }
 }
 
 /// Calls `visit(block, generations, keys)` for every block of `volume_id` that has extents, in

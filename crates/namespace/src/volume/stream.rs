@@ -218,41 +218,20 @@ impl SendStream {
         }
         let chunk_start = self.next_block;
         let chunk_end = self.size_blocks.min(chunk_start + SEND_CHUNK_BLOCKS);
-        let mut volume_ids: Vec<u64> = self
+        let volume_ids = self
             .target_view
             .iter()
-            .map(|layer| layer.volume_id)
-            .collect();
-        if let Some(base_view) = &self.base_view {
-            volume_ids.extend(base_view.iter().map(|layer| layer.volume_id));
-        }
-        volume_ids.sort_unstable();
-        volume_ids.dedup();
-        let mut generations = Vec::with_capacity(volume_ids.len());
-        for &volume_id in &volume_ids {
-            generations.push(scan::collect_generations(
-                &self.store,
-                &self.shared.name,
-                volume_id,
-                chunk_start,
-                chunk_end,
-            )?);
-        }
-        let mut blocks: Vec<u64> = generations
-            .iter()
-            .flat_map(|map| map.keys().copied())
-            .collect();
-        blocks.sort_unstable();
-        blocks.dedup();
-        for block in blocks {
-            let generations_of = |volume_id: u64| -> &[u64] {
-                volume_ids
-                    .binary_search(&volume_id)
-                    .ok()
-                    .and_then(|index| generations[index].get(&block))
-                    .map(Vec::as_slice)
-                    .unwrap_or(&[])
-            };
+            .chain(self.base_view.iter().flatten())
+            .map(|layer| layer.volume_id);
+        let stored = scan::RangeGenerations::collect(
+            &self.store,
+            &self.shared.name,
+            volume_ids,
+            chunk_start,
+            chunk_end,
+        )?;
+        for &block in stored.blocks() {
+            let generations_of = |volume_id: u64| stored.of(volume_id, block);
             let target_shown = view::resolve(&self.target_view, block, generations_of);
             let base_shown = self
                 .base_view
