@@ -29,7 +29,10 @@ use std::time::{Duration, Instant};
 use rand::Rng;
 
 use crate::nbd::NbdClient;
-use crate::target::{AlignedBuffer, BlockTarget, FileOptions, FileTarget, SyncMethod, TargetSpec};
+use crate::target::{
+    sync_parent_directory, AlignedBuffer, BlockTarget, FileOptions, FileTarget, SyncMethod,
+    TargetSpec,
+};
 use crate::BenchError;
 
 const RECORD_MAGIC: &[u8; 8] = b"KEELDUR1";
@@ -343,20 +346,6 @@ impl Log {
             }
         }
     }
-}
-
-fn sync_parent_directory(path: &Path) -> Result<(), BenchError> {
-    if let Some(parent) = path.parent() {
-        let parent = if parent.as_os_str().is_empty() {
-            Path::new(".")
-        } else {
-            parent
-        };
-        File::open(parent)
-            .and_then(|directory| directory.sync_all())
-            .map_err(|error| BenchError::io("fsync directory", parent, error))?;
-    }
-    Ok(())
 }
 
 /// The log server (`durability log-server`): takes one writer's connection on `listener`,

@@ -242,17 +242,7 @@ impl FileTarget {
             offset += length as u64;
         }
         self.sync_data()?;
-        if let Some(parent) = self.path.parent() {
-            let parent = if parent.as_os_str().is_empty() {
-                Path::new(".")
-            } else {
-                parent
-            };
-            File::open(parent)
-                .and_then(|directory| directory.sync_all())
-                .map_err(|error| BenchError::io("fsync directory", parent, error))?;
-        }
-        Ok(())
+        sync_parent_directory(&self.path)
     }
 
     fn sync_data(&self) -> Result<(), BenchError> {
@@ -401,6 +391,21 @@ impl Drop for AlignedBuffer {
         // SAFETY: allocated in `new` with this very layout.
         unsafe { std::alloc::dealloc(self.pointer.as_ptr(), self.layout) }
     }
+}
+
+/// Makes `path`'s directory entry durable (fsync of the directory holding it).
+pub(crate) fn sync_parent_directory(path: &Path) -> Result<(), BenchError> {
+    if let Some(parent) = path.parent() {
+        let parent = if parent.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            parent
+        };
+        File::open(parent)
+            .and_then(|directory| directory.sync_all())
+            .map_err(|error| BenchError::io("fsync directory", parent, error))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
