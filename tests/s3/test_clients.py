@@ -4,7 +4,6 @@ import filecmp
 import hashlib
 import os
 import subprocess
-import tempfile
 import uuid
 
 import pytest
