@@ -177,8 +177,9 @@ struct Writer {
     /// Every byte appended so far has been fdatasynced.
     synced: bool,
     /// The segment grows with each append (it was not prepared), so every fdatasync also
-    /// writes file-size and block-allocation metadata. The writer moves to a prepared segment as
-    /// soon as one is ready, instead of when this one is full.
+    /// writes file-size and block-allocation metadata: the writer moves to a prepared segment as
+    /// soon as one is ready, instead of when this one is full. Cleared if that preparation
+    /// fails; the segment is then used up as usual.
     growing: bool,
     since_checkpoint_bytes: u64,
     /// When free space was last read, the least free space of any device then, and the bytes
@@ -459,9 +460,17 @@ impl Engine {
             }
         }
         let full = writer.offset + total_len > self.config.segment_size_max_bytes;
-        if (full || (writer.growing && self.prepared_ready(writer.segment.id + 1)))
-            && writer.offset > format::SEGMENT_HEADER_LEN as u64
-        {
+        let successor_ready = writer.growing
+            && match self.preparation_outcome(writer.segment.id + 1) {
+                Some(true) => true,
+                // It failed: stay in this segment until it is full (and stop asking).
+                Some(false) => {
+                    writer.growing = false;
+                    false
+                }
+                None => false,
+            };
+        if (full || successor_ready) && writer.offset > format::SEGMENT_HEADER_LEN as u64 {
             if let Err(error) = self.roll(&mut writer) {
                 return fail_all(&|| clone_error(&error));
             }
@@ -642,15 +651,16 @@ impl Engine {
         Ok(())
     }
 
-    /// Whether segment `id` has been prepared completely (a failed preparation never is).
-    fn prepared_ready(&self, id: u64) -> bool {
+    /// Whether the preparation of segment `id` finished with full-size files (`Some(true)`),
+    /// finished without them (`Some(false)`), or has not finished or started (`None`).
+    fn preparation_outcome(&self, id: u64) -> Option<bool> {
         let finished = lock(&self.preparing)
             .as_ref()
             .is_some_and(|(prepared, thread)| *prepared == id && thread.is_finished());
-        finished
-            && self
-                .segments
+        finished.then(|| {
+            self.segments
                 .preparation_complete(id, self.config.segment_size_max_bytes)
+        })
     }
 
     /// Starts zero-filling segment `id` on a background thread, once.
