@@ -497,13 +497,14 @@ impl Index {
 
     pub fn get(&self, key: &[u8]) -> StoreResult<Option<Location>> {
         let shared = &*self.shared;
-        // Held throughout: `apply` cannot change the key between the redb read and the cache
-        // fill below.
-        let overlay = read_lock(&shared.overlay);
-        // A cached location is the key's newest: `apply` overwrites or removes it.
+        // A cached location is the key's newest: `apply` overwrites or removes it before the
+        // write is acknowledged. No lock needed for that.
         if let Some(location) = shared.locations.get(key) {
             return Ok(Some(location));
         }
+        // Held from here on: `apply` cannot change the key between the redb read and the cache
+        // fill below.
+        let overlay = read_lock(&shared.overlay);
         if let Some(entry) = overlay.entry(key) {
             return Ok(entry);
         }
