@@ -78,6 +78,57 @@ fn etag(value: &str) -> ETag {
     ETag::Strong(value.to_string())
 }
 
+/// The stored-object headers GetObject and HeadObject both answer with (s3s has one output
+/// type per operation): `$output` built from a manifest, the length served, the content range
+/// and the checksum fields, plus any operation-specific fields.
+macro_rules! stored_object_output {
+    ($output:ident, $manifest:expr, $length:expr, $content_range:expr, $checksums:expr,
+     $($field:ident: $value:expr,)*) => {{
+        let manifest: &Manifest = $manifest;
+        let headers = &manifest.headers;
+        let (crc32, crc32c, crc64nvme, sha1, sha256) = $checksums;
+        $output {
+            $($field: $value,)*
+            accept_ranges: Some("bytes".into()),
+            content_length: Some($length as i64),
+            content_range: $content_range,
+            content_type: headers.content_type.clone(),
+            content_encoding: headers.content_encoding.clone(),
+            content_disposition: headers.content_disposition.clone(),
+            content_language: headers.content_language.clone(),
+            cache_control: headers.cache_control.clone(),
+            expires: headers.expires_unix_ms.map(timestamp),
+            e_tag: Some(etag(&manifest.etag)),
+            last_modified: Some(timestamp(manifest.modified_unix_ms)),
+            metadata: metadata_map(&manifest.metadata),
+            checksum_crc32: crc32,
+            checksum_crc32c: crc32c,
+            checksum_crc64nvme: crc64nvme,
+            checksum_sha1: sha1,
+            checksum_sha256: sha256,
+            parts_count: (!manifest.part_sizes_bytes.is_empty())
+                .then_some(manifest.part_sizes_bytes.len() as i32),
+            ..Default::default()
+        }
+    }};
+}
+
+/// The conditional-request headers of a GET/HEAD (or of a copy's source), as checked by
+/// `check_conditions`.
+fn conditions(
+    if_match: Option<&ETagCondition>,
+    if_none_match: Option<&ETagCondition>,
+    if_modified_since: Option<&Timestamp>,
+    if_unmodified_since: Option<&Timestamp>,
+) -> Conditions {
+    Conditions {
+        if_match: if_match.map(condition_value),
+        if_none_match: if_none_match.map(condition_value),
+        if_modified_since_unix_s: if_modified_since.map(unix_s),
+        if_unmodified_since_unix_s: if_unmodified_since.map(unix_s),
+    }
+}
+
 fn condition_value(condition: &ETagCondition) -> Option<String> {
     match condition {
         ETagCondition::Any => None,
@@ -527,12 +578,12 @@ impl S3 for KeelS3 {
     ) -> S3Result<S3Response<GetObjectOutput>> {
         let input = req.input;
         let manifest = self.manifest(&input.bucket, &input.key).await?;
-        let conditions = Conditions {
-            if_match: input.if_match.as_ref().map(condition_value),
-            if_none_match: input.if_none_match.as_ref().map(condition_value),
-            if_modified_since_unix_s: input.if_modified_since.as_ref().map(unix_s),
-            if_unmodified_since_unix_s: input.if_unmodified_since.as_ref().map(unix_s),
-        };
+        let conditions = conditions(
+            input.if_match.as_ref(),
+            input.if_none_match.as_ref(),
+            input.if_modified_since.as_ref(),
+            input.if_unmodified_since.as_ref(),
+        );
         check_conditions(&manifest, &conditions, false)?;
         let (start, end, content_range) =
             resolve_range(&manifest, input.range.as_ref(), input.part_number)?;
@@ -550,35 +601,20 @@ impl S3 for KeelS3 {
             None => None,
         };
         let stream = futures::stream::iter(first.map(Ok)).chain(body);
-        let (crc32, crc32c, crc64nvme, sha1, sha256) = if content_range.is_none() {
+        // Checksums describe the whole object: not sent with a range.
+        let checksums = if content_range.is_none() {
             checksum_fields(&manifest.checksums)
         } else {
             Default::default()
         };
-        let headers = &manifest.headers;
-        Ok(S3Response::new(GetObjectOutput {
-            body: Some(StreamingBlob::wrap(stream)),
-            accept_ranges: Some("bytes".into()),
-            content_length: Some((end - start) as i64),
+        Ok(S3Response::new(stored_object_output!(
+            GetObjectOutput,
+            &manifest,
+            end - start,
             content_range,
-            content_type: headers.content_type.clone(),
-            content_encoding: headers.content_encoding.clone(),
-            content_disposition: headers.content_disposition.clone(),
-            content_language: headers.content_language.clone(),
-            cache_control: headers.cache_control.clone(),
-            expires: headers.expires_unix_ms.map(timestamp),
-            e_tag: Some(etag(&manifest.etag)),
-            last_modified: Some(timestamp(manifest.modified_unix_ms)),
-            metadata: metadata_map(&manifest.metadata),
-            checksum_crc32: crc32,
-            checksum_crc32c: crc32c,
-            checksum_crc64nvme: crc64nvme,
-            checksum_sha1: sha1,
-            checksum_sha256: sha256,
-            parts_count: (!manifest.part_sizes_bytes.is_empty())
-                .then_some(manifest.part_sizes_bytes.len() as i32),
-            ..Default::default()
-        }))
+            checksums,
+            body: Some(StreamingBlob::wrap(stream)),
+        )))
     }
 
     async fn head_object(
@@ -587,39 +623,22 @@ impl S3 for KeelS3 {
     ) -> S3Result<S3Response<HeadObjectOutput>> {
         let input = req.input;
         let manifest = self.manifest(&input.bucket, &input.key).await?;
-        let conditions = Conditions {
-            if_match: input.if_match.as_ref().map(condition_value),
-            if_none_match: input.if_none_match.as_ref().map(condition_value),
-            if_modified_since_unix_s: input.if_modified_since.as_ref().map(unix_s),
-            if_unmodified_since_unix_s: input.if_unmodified_since.as_ref().map(unix_s),
-        };
+        let conditions = conditions(
+            input.if_match.as_ref(),
+            input.if_none_match.as_ref(),
+            input.if_modified_since.as_ref(),
+            input.if_unmodified_since.as_ref(),
+        );
         check_conditions(&manifest, &conditions, false)?;
         let (start, end, content_range) =
             resolve_range(&manifest, input.range.as_ref(), input.part_number)?;
-        let (crc32, crc32c, crc64nvme, sha1, sha256) = checksum_fields(&manifest.checksums);
-        let headers = &manifest.headers;
-        Ok(S3Response::new(HeadObjectOutput {
-            accept_ranges: Some("bytes".into()),
-            content_length: Some((end - start) as i64),
+        Ok(S3Response::new(stored_object_output!(
+            HeadObjectOutput,
+            &manifest,
+            end - start,
             content_range,
-            content_type: headers.content_type.clone(),
-            content_encoding: headers.content_encoding.clone(),
-            content_disposition: headers.content_disposition.clone(),
-            content_language: headers.content_language.clone(),
-            cache_control: headers.cache_control.clone(),
-            expires: headers.expires_unix_ms.map(timestamp),
-            e_tag: Some(etag(&manifest.etag)),
-            last_modified: Some(timestamp(manifest.modified_unix_ms)),
-            metadata: metadata_map(&manifest.metadata),
-            checksum_crc32: crc32,
-            checksum_crc32c: crc32c,
-            checksum_crc64nvme: crc64nvme,
-            checksum_sha1: sha1,
-            checksum_sha256: sha256,
-            parts_count: (!manifest.part_sizes_bytes.is_empty())
-                .then_some(manifest.part_sizes_bytes.len() as i32),
-            ..Default::default()
-        }))
+            checksum_fields(&manifest.checksums),
+        )))
     }
 
     async fn delete_object(
@@ -710,15 +729,12 @@ impl S3 for KeelS3 {
             ));
         }
         let source = self.manifest(&source_bucket, &source_key).await?;
-        let conditions = Conditions {
-            if_match: input.copy_source_if_match.as_ref().map(condition_value),
-            if_none_match: input
-                .copy_source_if_none_match
-                .as_ref()
-                .map(condition_value),
-            if_modified_since_unix_s: input.copy_source_if_modified_since.as_ref().map(unix_s),
-            if_unmodified_since_unix_s: input.copy_source_if_unmodified_since.as_ref().map(unix_s),
-        };
+        let conditions = conditions(
+            input.copy_source_if_match.as_ref(),
+            input.copy_source_if_none_match.as_ref(),
+            input.copy_source_if_modified_since.as_ref(),
+            input.copy_source_if_unmodified_since.as_ref(),
+        );
         check_conditions(&source, &conditions, true)?;
         let mut manifest = source.clone();
         manifest.modified_unix_ms = now_unix_ms();
@@ -1113,15 +1129,12 @@ impl S3 for KeelS3 {
             blocking(move || objects.get_upload(&bucket, &key, &upload_id)).await?;
         }
         let source = self.manifest(&source_bucket, &source_key).await?;
-        let conditions = Conditions {
-            if_match: input.copy_source_if_match.as_ref().map(condition_value),
-            if_none_match: input
-                .copy_source_if_none_match
-                .as_ref()
-                .map(condition_value),
-            if_modified_since_unix_s: input.copy_source_if_modified_since.as_ref().map(unix_s),
-            if_unmodified_since_unix_s: input.copy_source_if_unmodified_since.as_ref().map(unix_s),
-        };
+        let conditions = conditions(
+            input.copy_source_if_match.as_ref(),
+            input.copy_source_if_none_match.as_ref(),
+            input.copy_source_if_modified_since.as_ref(),
+            input.copy_source_if_unmodified_since.as_ref(),
+        );
         check_conditions(&source, &conditions, true)?;
         let (start, end) = match &input.copy_source_range {
             None => (0, source.size_bytes),
