@@ -47,6 +47,7 @@ pub(crate) fn s3_error(error: ObjectError) -> S3Error {
         E::PreconditionFailed(_) => S3Error::with_message(S3ErrorCode::PreconditionFailed, message),
         E::NoSuchAccessKey(_) => S3Error::with_message(S3ErrorCode::InvalidAccessKeyId, message),
         E::AccessKeyExists(_) => S3Error::with_message(S3ErrorCode::InvalidArgument, message),
+        E::Unavailable(_) => S3Error::with_message(S3ErrorCode::ServiceUnavailable, message),
         _ if error.is_no_space() => {
             let mut e =
                 S3Error::with_message(S3ErrorCode::Custom("InsufficientStorage".into()), message);

@@ -66,10 +66,13 @@ pub struct S3Frontend {
 }
 
 impl S3Frontend {
-    /// Opens the object layer on `store` (reads bucket and key records). Blocking.
-    pub fn open(store: Store) -> Result<S3Frontend, FrontendError> {
+    /// Opens the object layer on `store`, with buckets and keys from the catalog. Blocking.
+    pub fn open(
+        store: Store,
+        metadata: Arc<dyn keel_catalog::Metadata>,
+    ) -> Result<S3Frontend, FrontendError> {
         Ok(S3Frontend {
-            objects: Objects::open(store)?,
+            objects: Objects::open(store, metadata)?,
         })
     }
 

@@ -65,6 +65,8 @@ impl From<VolumeError> for ApiError {
             VolumeError::Store { source, .. } if source.is_no_space() => {
                 StatusCode::INSUFFICIENT_STORAGE
             }
+            VolumeError::Elsewhere { .. } => StatusCode::MISDIRECTED_REQUEST,
+            VolumeError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
         ApiError(status, error.to_string())
@@ -81,6 +83,8 @@ impl From<keel_s3::FrontendError> for ApiError {
             StatusCode::CONFLICT
         } else if lower.contains("invalid") {
             StatusCode::BAD_REQUEST
+        } else if lower.contains("unavailable") {
+            StatusCode::SERVICE_UNAVAILABLE
         } else {
             StatusCode::INTERNAL_SERVER_ERROR
         };

@@ -486,7 +486,17 @@ pub fn snapshot(connection: &Connection, command: SnapshotCommand) -> anyhow::Re
 fn receive_offline(volume: &str, dir: &std::path::Path) -> anyhow::Result<()> {
     let store = keel_store::Store::open(keel_store::StoreConfig::new(vec![dir.to_path_buf()]))
         .with_context(|| format!("opening the store in {}", dir.display()))?;
-    let volumes = keel_namespace::volume::VolumeManager::open(store)?;
+    let catalog = keel_catalog::LocalCatalog::open(store.clone())?;
+    if catalog.members() > 1 {
+        anyhow::bail!(
+            "{} belongs to a cluster of {} nodes: an offline receive would change its metadata \
+             behind the cluster's back; receive through a running server (--admin ADDR) instead",
+            dir.display(),
+            catalog.members()
+        );
+    }
+    let metadata: std::sync::Arc<dyn keel_catalog::Metadata> = std::sync::Arc::new(catalog);
+    let volumes = keel_namespace::volume::VolumeManager::open(store, metadata)?;
     let mut stdin = std::io::stdin().lock();
     let report = volumes.receive(&mut stdin, volume)?;
     println!("received into {volume}: {report:?}");

@@ -112,13 +112,24 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     let store = tokio::task::spawn_blocking(move || keel_store::Store::open(store_config))
         .await?
         .context("opening the store")?;
+    let metadata: Arc<dyn keel_catalog::Metadata> = {
+        let store = store.clone();
+        Arc::new(
+            tokio::task::spawn_blocking(move || keel_catalog::LocalCatalog::open(store)).await??,
+        )
+    };
     let volumes = {
         let store = store.clone();
-        Arc::new(tokio::task::spawn_blocking(move || VolumeManager::open(store)).await??)
+        let metadata = metadata.clone();
+        Arc::new(tokio::task::spawn_blocking(move || VolumeManager::open(store, metadata)).await??)
     };
     let s3 = {
         let store = store.clone();
-        Arc::new(tokio::task::spawn_blocking(move || keel_s3::S3Frontend::open(store)).await??)
+        let metadata = metadata.clone();
+        Arc::new(
+            tokio::task::spawn_blocking(move || keel_s3::S3Frontend::open(store, metadata))
+                .await??,
+        )
     };
     let initial_key = {
         let s3 = s3.clone();

@@ -1,10 +1,10 @@
-//! keel-namespace: what users name and see, mapped onto the store's keys.
+//! keel-namespace: what users name and see — volumes, buckets, objects — turned into catalog
+//! commands (cluster-wide metadata, through `keel_catalog::Metadata`) and local engine work.
 //!
-//! - [`volume`]: block volumes, their generations, snapshots, clones and send/receive streams.
-//! - [`object`]: S3 buckets, objects (manifests of content-addressed chunks), multipart uploads.
-//!
-//! Each module owns a distinct prefix inside the store's `Meta` keyspace ("v/" and "s3/"), so
-//! their records never collide.
+//! - [`volume`]: block volumes, snapshots, clones, send/receive; the block work is the local
+//!   volume engine's (`keel_volume`).
+//! - [`object`]: S3 buckets and access keys (catalog records), objects (manifests of
+//!   content-addressed chunks on this node's store), multipart uploads.
 
 pub mod object;
 pub mod volume;

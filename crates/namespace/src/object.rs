@@ -26,10 +26,10 @@ pub mod records;
 mod tests;
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use keel_catalog::{CatalogError, Command, Metadata, MetadataError};
 use keel_store::{Compression, Durability, Store, StoreError, WriteOp};
 
 pub use chunks::{ChunkStore, LocalChunkStore, PinSet, PinTable, Stripes};
@@ -75,7 +75,9 @@ pub enum ObjectError {
     #[error("bucket {0} already exists and is yours")]
     BucketAlreadyOwnedByYou(String),
     #[error("invalid bucket name {name:?}: {reason}")]
-    InvalidBucketName { name: String, reason: &'static str },
+    InvalidBucketName { name: String, reason: String },
+    #[error("cluster metadata is unavailable: {0}")]
+    Unavailable(String),
     #[error("object key is longer than {KEY_LENGTH_MAX_BYTES} bytes")]
     KeyTooLong,
     #[error("invalid argument: {0}")]
@@ -129,36 +131,12 @@ pub fn now_unix_ms() -> i64 {
 
 /// S3 bucket naming rules (the DNS-compatible ones S3 enforces for new buckets).
 pub fn validate_bucket_name(name: &str) -> Result<(), ObjectError> {
-    let invalid = |reason| {
-        Err(ObjectError::InvalidBucketName {
-            name: name.chars().take(80).collect(),
-            reason,
-        })
-    };
-    if !(3..=63).contains(&name.len()) {
-        return invalid("must be 3 to 63 characters long");
-    }
-    if !name
-        .bytes()
-        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'.' || b == b'-')
-    {
-        return invalid("only lower-case letters, digits, '.' and '-' are allowed");
-    }
-    let first = name.as_bytes()[0];
-    let last = name.as_bytes()[name.len() - 1];
-    if !(first.is_ascii_alphanumeric() && last.is_ascii_alphanumeric()) {
-        return invalid("must start and end with a letter or digit");
-    }
-    if name.contains("..") || name.contains(".-") || name.contains("-.") {
-        return invalid("must not contain '..', '.-' or '-.'");
-    }
-    if name.parse::<std::net::Ipv4Addr>().is_ok() {
-        return invalid("must not look like an IP address");
-    }
-    if name.starts_with("xn--") || name.ends_with("-s3alias") || name.ends_with("--ol-s3") {
-        return invalid("reserved prefix or suffix");
-    }
-    Ok(())
+    keel_catalog::validate_bucket_name(name).map_err(|error| match error {
+        CatalogError::InvalidBucketName { name, reason } => {
+            ObjectError::InvalidBucketName { name, reason }
+        }
+        other => ObjectError::InvalidArgument(other.to_string()),
+    })
 }
 
 /// Object keys: 1 to 1024 bytes of UTF-8, no NUL. Everything else (`..`, `/`, spaces) is just
@@ -232,21 +210,11 @@ pub struct GcReport {
     pub chunks_deleted: u64,
 }
 
+/// Local state of a bucket this node writes into (the bucket's record is in the catalog).
 pub(crate) struct BucketEntry {
-    record: Mutex<BucketRecord>,
     /// Object writes hold it shared; deleting the bucket holds it exclusively, so no object is
-    /// committed into a bucket being deleted.
+    /// committed (on this node) into a bucket being deleted.
     gate: RwLock<()>,
-    deleted: AtomicBool,
-}
-
-impl BucketEntry {
-    fn record(&self) -> BucketRecord {
-        self.record
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .clone()
-    }
 }
 
 /// A bucket held open for an object write: the bucket cannot be deleted until it is dropped.
@@ -256,52 +224,62 @@ pub(crate) struct BucketGuard<'a> {
 }
 
 /// The object layer over one store. Cheap to share (`Arc`); all methods take `&self`.
+///
+/// Buckets and access keys are catalog records (cluster-wide, changed through
+/// [`Metadata::propose`]); manifests, chunks and uploads are records of this node's store.
 pub struct Objects {
     store: Store,
+    metadata: Arc<dyn Metadata>,
     chunks: Arc<dyn ChunkStore>,
-    buckets: RwLock<HashMap<String, Arc<BucketEntry>>>,
-    keys: RwLock<HashMap<String, KeyRecord>>,
+    gates: RwLock<HashMap<String, Arc<BucketEntry>>>,
     key_stripes: Stripes,
     chunk_stripes: Stripes,
     pins: Arc<PinTable>,
-    /// Serializes bucket and access-key administration (rare).
+    /// Serializes bucket administration done from this node (rare).
     admin: Mutex<()>,
+}
+
+fn refusal(error: MetadataError) -> ObjectError {
+    match error {
+        MetadataError::Refused(refusal) => match refusal {
+            CatalogError::NoSuchBucket { name } => ObjectError::NoSuchBucket(name),
+            CatalogError::BucketAlreadyExists { name } => ObjectError::BucketAlreadyExists(name),
+            CatalogError::BucketAlreadyOwnedByYou { name } => {
+                ObjectError::BucketAlreadyOwnedByYou(name)
+            }
+            CatalogError::InvalidBucketName { name, reason } => {
+                ObjectError::InvalidBucketName { name, reason }
+            }
+            CatalogError::NoSuchAccessKey { access_key_id } => {
+                ObjectError::NoSuchAccessKey(access_key_id)
+            }
+            CatalogError::AccessKeyExists { access_key_id } => {
+                ObjectError::AccessKeyExists(access_key_id)
+            }
+            other => ObjectError::InvalidArgument(other.to_string()),
+        },
+        other => ObjectError::Unavailable(other.to_string()),
+    }
 }
 
 impl Objects {
     /// Opens the object layer on `store`, chunks stored locally.
-    pub fn open(store: Store) -> Result<Arc<Objects>, ObjectError> {
+    pub fn open(store: Store, metadata: Arc<dyn Metadata>) -> Result<Arc<Objects>, ObjectError> {
         let chunks = Arc::new(LocalChunkStore::new(store.clone()));
-        Objects::open_with_chunks(store, chunks)
+        Objects::open_with_chunks(store, metadata, chunks)
     }
 
     /// Opens the object layer with chunks placed by `chunks` (the cluster's placement).
     pub fn open_with_chunks(
         store: Store,
+        metadata: Arc<dyn Metadata>,
         chunks: Arc<dyn ChunkStore>,
     ) -> Result<Arc<Objects>, ObjectError> {
-        let mut buckets = HashMap::new();
-        for (_, value) in scan_all(&store, &records::buckets_prefix())? {
-            let record: BucketRecord = records::decode(&value, "bucket record")?;
-            buckets.insert(
-                record.name.clone(),
-                Arc::new(BucketEntry {
-                    record: Mutex::new(record),
-                    gate: RwLock::new(()),
-                    deleted: AtomicBool::new(false),
-                }),
-            );
-        }
-        let mut keys = HashMap::new();
-        for (_, value) in scan_all(&store, &records::key_records_prefix())? {
-            let record: KeyRecord = records::decode(&value, "access key record")?;
-            keys.insert(record.access_key_id.clone(), record);
-        }
         Ok(Arc::new(Objects {
             store,
+            metadata,
             chunks,
-            buckets: RwLock::new(buckets),
-            keys: RwLock::new(keys),
+            gates: RwLock::new(HashMap::new()),
             key_stripes: Stripes::new(),
             chunk_stripes: Stripes::new(),
             pins: Arc::new(PinTable::default()),
@@ -313,84 +291,79 @@ impl Objects {
         &self.store
     }
 
+    pub fn metadata(&self) -> &Arc<dyn Metadata> {
+        &self.metadata
+    }
+
     fn admin_lock(&self) -> std::sync::MutexGuard<'_, ()> {
         self.admin
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    fn propose(&self, command: Command) -> Result<(), ObjectError> {
+        self.metadata.propose(command).map(|_| ()).map_err(refusal)
+    }
+
     // ---- access keys ----
 
     /// Stores a new access key (the caller generated its id and secret).
     pub fn add_key(&self, record: KeyRecord) -> Result<(), ObjectError> {
-        let _admin = self.admin_lock();
-        if self.key(&record.access_key_id).is_some() {
-            return Err(ObjectError::AccessKeyExists(record.access_key_id));
-        }
-        let op = WriteOp::put(
-            records::key_record_key(&record.access_key_id),
-            records::encode(&record),
-            Compression::None,
-        );
-        self.store
-            .write(vec![op], Durability::Sync)
-            .map_err(|e| store_error("storing an access key", e))?;
-        self.keys
-            .write()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .insert(record.access_key_id.clone(), record);
-        Ok(())
+        self.propose(Command::KeyAdd { record })
     }
 
     pub fn key(&self, access_key_id: &str) -> Option<KeyRecord> {
-        self.keys
+        self.metadata
+            .catalog()
             .read()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .keys
             .get(access_key_id)
             .cloned()
     }
 
     /// All access keys, sorted by id.
     pub fn list_keys(&self) -> Vec<KeyRecord> {
-        let mut keys: Vec<KeyRecord> = self
-            .keys
+        self.metadata
+            .catalog()
             .read()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .keys
             .values()
             .cloned()
-            .collect();
-        keys.sort_by(|a, b| a.access_key_id.cmp(&b.access_key_id));
-        keys
+            .collect()
     }
 
     /// Deletes an access key. Buckets it owns keep existing (grant them to another key).
     pub fn delete_key(&self, access_key_id: &str) -> Result<(), ObjectError> {
-        let _admin = self.admin_lock();
-        if self.key(access_key_id).is_none() {
-            return Err(ObjectError::NoSuchAccessKey(access_key_id.to_string()));
-        }
-        let op = WriteOp::Delete {
-            key: records::key_record_key(access_key_id),
-        };
-        self.store
-            .write(vec![op], Durability::Sync)
-            .map_err(|e| store_error("deleting an access key", e))?;
-        self.keys
-            .write()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .remove(access_key_id);
-        Ok(())
+        self.propose(Command::KeyDelete {
+            access_key_id: access_key_id.to_string(),
+        })
     }
 
     // ---- buckets ----
 
     fn entry(&self, bucket: &str) -> Result<Arc<BucketEntry>, ObjectError> {
-        self.buckets
+        if !self.metadata.catalog().read().buckets.contains_key(bucket) {
+            return Err(ObjectError::NoSuchBucket(bucket.to_string()));
+        }
+        if let Some(entry) = self
+            .gates
             .read()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .get(bucket)
-            .cloned()
-            .ok_or_else(|| ObjectError::NoSuchBucket(bucket.to_string()))
+        {
+            return Ok(entry.clone());
+        }
+        Ok(self
+            .gates
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .entry(bucket.to_string())
+            .or_insert_with(|| {
+                Arc::new(BucketEntry {
+                    gate: RwLock::new(()),
+                })
+            })
+            .clone())
     }
 
     /// Creates `name` owned by `owner` (an access key id).
@@ -402,49 +375,16 @@ impl Objects {
     ) -> Result<(), ObjectError> {
         validate_bucket_name(name)?;
         let _admin = self.admin_lock();
-        if let Ok(entry) = self.entry(name) {
-            let record = entry.record();
-            return Err(if record.owner == owner {
-                ObjectError::BucketAlreadyOwnedByYou(name.to_string())
-            } else {
-                ObjectError::BucketAlreadyExists(name.to_string())
-            });
-        }
-        let record = BucketRecord {
+        self.propose(Command::BucketCreate {
             name: name.to_string(),
             owner: owner.to_string(),
-            grants: Vec::new(),
-            created_unix_ms: now_unix_ms(),
             compression_code: compression.code(),
-        };
-        self.write_bucket_record(&record)?;
-        self.buckets
-            .write()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .insert(
-                name.to_string(),
-                Arc::new(BucketEntry {
-                    record: Mutex::new(record),
-                    gate: RwLock::new(()),
-                    deleted: AtomicBool::new(false),
-                }),
-            );
-        Ok(())
+            created_unix_ms: now_unix_ms(),
+        })
     }
 
-    fn write_bucket_record(&self, record: &BucketRecord) -> Result<(), ObjectError> {
-        let op = WriteOp::put(
-            records::bucket_key(&record.name),
-            records::encode(record),
-            Compression::None,
-        );
-        self.store
-            .write(vec![op], Durability::Sync)
-            .map_err(|e| store_error("writing a bucket record", e))?;
-        Ok(())
-    }
-
-    /// Deletes an empty bucket; multipart uploads still in progress in it are aborted.
+    /// Deletes an empty bucket; multipart uploads still in progress in it are aborted. (Objects
+    /// are stored on the node that received them: the emptiness check covers this node's.)
     pub fn delete_bucket(&self, name: &str) -> Result<(), ObjectError> {
         let _admin = self.admin_lock();
         let entry = self.entry(name)?;
@@ -464,14 +404,10 @@ impl Objects {
         for upload in self.all_uploads(name)? {
             self.abort_upload_locked(name, &upload.key, &upload.upload_id)?;
         }
-        let op = WriteOp::Delete {
-            key: records::bucket_key(name),
-        };
-        self.store
-            .write(vec![op], Durability::Sync)
-            .map_err(|e| store_error("deleting a bucket record", e))?;
-        entry.deleted.store(true, Ordering::SeqCst);
-        self.buckets
+        self.propose(Command::BucketDelete {
+            name: name.to_string(),
+        })?;
+        self.gates
             .write()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .remove(name);
@@ -479,20 +415,18 @@ impl Objects {
     }
 
     pub fn bucket(&self, name: &str) -> Option<BucketRecord> {
-        self.entry(name).ok().map(|entry| entry.record())
+        self.metadata.catalog().read().buckets.get(name).cloned()
     }
 
     /// All buckets, sorted by name.
     pub fn list_buckets(&self) -> Vec<BucketRecord> {
-        let mut list: Vec<BucketRecord> = self
-            .buckets
+        self.metadata
+            .catalog()
             .read()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .buckets
             .values()
-            .map(|entry| entry.record())
-            .collect();
-        list.sort_by(|a, b| a.name.cmp(&b.name));
-        list
+            .cloned()
+            .collect()
     }
 
     /// Buckets `access_key_id` owns or was granted, sorted by name.
@@ -505,8 +439,10 @@ impl Objects {
 
     /// `None` when the bucket does not exist; otherwise whether the key may use it.
     pub fn can_access(&self, bucket: &str, access_key_id: &str) -> Option<bool> {
-        let record = self.bucket(bucket)?;
-        Some(record.owner == access_key_id || record.grants.iter().any(|g| g == access_key_id))
+        self.metadata
+            .catalog()
+            .read()
+            .can_access(bucket, access_key_id)
     }
 
     /// Grants `access_key_id` full access to `bucket`.
@@ -520,23 +456,11 @@ impl Objects {
     }
 
     fn change_grants(&self, bucket: &str, key: &str, grant: bool) -> Result<(), ObjectError> {
-        let _admin = self.admin_lock();
-        if self.key(key).is_none() {
-            return Err(ObjectError::NoSuchAccessKey(key.to_string()));
-        }
-        let entry = self.entry(bucket)?;
-        let mut record = entry.record();
-        record.grants.retain(|g| g != key);
-        if grant {
-            record.grants.push(key.to_string());
-            record.grants.sort();
-        }
-        self.write_bucket_record(&record)?;
-        *entry
-            .record
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner()) = record;
-        Ok(())
+        self.propose(Command::BucketGrant {
+            bucket: bucket.to_string(),
+            access_key_id: key.to_string(),
+            allow: grant,
+        })
     }
 
     /// Changes how new chunks of `bucket` are compressed (existing chunks stay as they are).
@@ -545,16 +469,10 @@ impl Objects {
         bucket: &str,
         compression: Compression,
     ) -> Result<(), ObjectError> {
-        let _admin = self.admin_lock();
-        let entry = self.entry(bucket)?;
-        let mut record = entry.record();
-        record.compression_code = compression.code();
-        self.write_bucket_record(&record)?;
-        *entry
-            .record
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner()) = record;
-        Ok(())
+        self.propose(Command::BucketSetCompression {
+            bucket: bucket.to_string(),
+            compression_code: compression.code(),
+        })
     }
 
     /// Counts a bucket's objects and bytes (walks its manifests: O(objects)).
@@ -627,8 +545,7 @@ impl Objects {
         bucket: &str,
     ) -> Result<(Arc<BucketEntry>, Compression), ObjectError> {
         let entry = self.entry(bucket)?;
-        let compression =
-            Compression::from_code(entry.record().compression_code).unwrap_or_default();
+        let compression = self.compression_of(bucket)?;
         Ok((entry, compression))
     }
 
@@ -641,15 +558,22 @@ impl Objects {
             .gate
             .read()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if entry.deleted.load(Ordering::SeqCst) {
-            return Err(ObjectError::NoSuchBucket(bucket.to_string()));
-        }
-        let compression =
-            Compression::from_code(entry.record().compression_code).unwrap_or_default();
+        // Checked under the gate: a deletion from this node holds it exclusively until the
+        // bucket's record is gone.
+        let compression = self.compression_of(bucket)?;
         Ok(BucketGuard {
             _gate: gate,
             compression,
         })
+    }
+
+    fn compression_of(&self, bucket: &str) -> Result<Compression, ObjectError> {
+        let catalog = self.metadata.catalog().read();
+        let record = catalog
+            .buckets
+            .get(bucket)
+            .ok_or_else(|| ObjectError::NoSuchBucket(bucket.to_string()))?;
+        Ok(Compression::from_code(record.compression_code).unwrap_or_default())
     }
 
     /// The compression new chunks of `bucket` get.
@@ -930,23 +854,4 @@ fn check_put_condition(
         }
     }
     Ok(())
-}
-
-/// A store key and its value.
-type KeyValue = (Vec<u8>, Vec<u8>);
-
-/// Every record under `prefix` (used at open for buckets and keys: small sets).
-fn scan_all(store: &Store, prefix: &[u8]) -> Result<Vec<KeyValue>, ObjectError> {
-    let end = records::prefix_end(prefix).unwrap_or_default();
-    let mut out = Vec::new();
-    let mut cursor = prefix.to_vec();
-    loop {
-        let batch = store
-            .scan(&cursor, &end, SCAN_BATCH_RECORDS)
-            .map_err(|e| store_error("scanning metadata", e))?;
-        let Some((last, _)) = batch.last() else { break };
-        cursor = records::successor(last);
-        out.extend(batch);
-    }
-    Ok(out)
 }

@@ -1,13 +1,14 @@
 //! The S3 metadata records and where they live in the store's `Meta` keyspace.
 //!
+//! Access keys (`s3/key/...`) and buckets (`s3/bucket/...`) are catalog records
+//! (`keel_catalog::records`). The records of this node's objects:
+//!
 //! Layout (every key is `meta_key(b"s3/...")`; `\0` separates names because neither bucket names
 //! nor object keys may contain a NUL byte, so the separators are unambiguous and a prefix of a
 //! bucket's object keys is one contiguous range of the index):
 //!
 //! | key                                              | value            |
 //! | ------------------------------------------------ | ---------------- |
-//! | `s3/key/<access key id>`                         | [`KeyRecord`]    |
-//! | `s3/bucket/<bucket>`                             | [`BucketRecord`] |
 //! | `s3/obj/<bucket>\0<object key>`                  | [`Manifest`]     |
 //! | `s3/ref/<32-byte chunk hash>`                    | u64 LE refcount  |
 //! | `s3/upload/<bucket>\0<object key>\0<upload id>`  | [`UploadRecord`] |
@@ -143,25 +144,7 @@ impl Manifest {
     }
 }
 
-/// An access key. The secret is stored in clear: SigV4 needs it to recompute signatures.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KeyRecord {
-    pub access_key_id: String,
-    pub name: String,
-    pub secret_access_key: String,
-    pub created_unix_ms: i64,
-}
-
-/// A bucket: its owner (the key that created it), the keys it was granted to, and how its chunks
-/// are compressed (a `keel_store::Compression` code).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BucketRecord {
-    pub name: String,
-    pub owner: String,
-    pub grants: Vec<String>,
-    pub created_unix_ms: i64,
-    pub compression_code: u8,
-}
+pub use keel_catalog::{BucketRecord, KeyRecord};
 
 /// An in-progress multipart upload: what the completed object will carry besides its bytes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -237,22 +220,6 @@ pub fn decode_refcount(bytes: &[u8]) -> Result<u64, ObjectError> {
 }
 
 // ---- key layout ----
-
-pub fn key_record_key(access_key_id: &str) -> Vec<u8> {
-    meta_key(format!("s3/key/{access_key_id}").as_bytes())
-}
-
-pub fn key_records_prefix() -> Vec<u8> {
-    meta_key(b"s3/key/")
-}
-
-pub fn bucket_key(bucket: &str) -> Vec<u8> {
-    meta_key(format!("s3/bucket/{bucket}").as_bytes())
-}
-
-pub fn buckets_prefix() -> Vec<u8> {
-    meta_key(b"s3/bucket/")
-}
 
 /// Prefix of all object manifests of `bucket`: `s3/obj/<bucket>\0`.
 pub fn objects_prefix(bucket: &str) -> Vec<u8> {

@@ -44,7 +44,9 @@ fn test_dir(name: &str) -> TestDir {
 
 fn open(dir: &std::path::Path) -> Arc<Objects> {
     let store = Store::open(StoreConfig::new(vec![dir.to_path_buf()])).unwrap();
-    Objects::open(store).unwrap()
+    let metadata: Arc<dyn keel_catalog::Metadata> =
+        Arc::new(keel_catalog::LocalCatalog::open(store.clone()).unwrap());
+    Objects::open(store, metadata).unwrap()
 }
 
 fn with_bucket(name: &str) -> (TestDir, Arc<Objects>) {

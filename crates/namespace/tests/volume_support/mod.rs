@@ -31,7 +31,10 @@ pub fn open_store(dir: &Path) -> Store {
 }
 
 pub fn open_manager(dir: &Path) -> VolumeManager {
-    VolumeManager::open(open_store(dir)).unwrap()
+    let store = open_store(dir);
+    let metadata: std::sync::Arc<dyn keel_catalog::Metadata> =
+        std::sync::Arc::new(keel_catalog::LocalCatalog::open(store.clone()).unwrap());
+    VolumeManager::open(store, metadata).unwrap()
 }
 
 /// Deterministic bytes that differ per (seed, position).

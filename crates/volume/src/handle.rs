@@ -20,8 +20,9 @@ use std::sync::{Arc, RwLockReadGuard, RwLockWriteGuard};
 
 use keel_store::{block_key, Durability, Store, WriteOp};
 
+use keel_catalog::view::{self, Layer};
+
 use super::record::parse_block_key;
-use super::view::{self, Layer};
 use super::{
     read, SnapshotUse, VolumeError, VolumeResult, VolumeShared, VolumeState, BLOCK_SIZE_BYTES,
     LOCK_STRIPES,

@@ -26,11 +26,12 @@ use std::sync::Arc;
 use keel_store::{block_key, Compression, Durability, Store, WriteOp};
 use serde::{Deserialize, Serialize};
 
-use super::record::{hex, SnapshotRecord, VolumeStatus, RECORD_FORMAT};
-use super::view::{self, Layer, Truncation};
+use keel_catalog::view::{self, Layer};
+use keel_catalog::{Command, Metadata, MetadataError, Outcome, SnapshotRecord, VolumeStatus};
+
+use super::record::hex;
 use super::{
-    lock, read, rebase_onto, scan, validate_name, validate_size, write, SnapshotUse, VolumeError,
-    VolumeManager, VolumeResult, VolumeShared, VolumeSpec, BLOCK_SIZE_BYTES,
+    read, scan, Engine, SnapshotUse, VolumeError, VolumeResult, VolumeShared, BLOCK_SIZE_BYTES,
 };
 
 const MAGIC: &[u8; 8] = b"KEELVOL1";
@@ -129,7 +130,8 @@ pub struct SendStream {
 }
 
 impl SendStream {
-    pub(crate) fn new(
+    /// A stream of `target` (full) or of what changed between `base` and `target`.
+    pub fn new(
         store: Store,
         shared: Arc<VolumeShared>,
         volume_uuid: [u8; 16],
@@ -397,19 +399,36 @@ impl StreamReader<'_> {
 }
 
 /// Where a receive writes, and how to undo it.
+/// Where a receive writes.
 struct Target {
     shared: Arc<VolumeShared>,
     generation: u64,
-    base: Option<SnapshotRecord>,
+    base_generation: Option<u64>,
     _base_user: Option<SnapshotUse>,
 }
 
-pub(crate) fn receive(
-    manager: &VolumeManager,
+fn propose(metadata: &dyn Metadata, volume: &str, command: Command) -> VolumeResult<Outcome> {
+    metadata.propose(command).map_err(|error| match error {
+        MetadataError::Refused(refusal) => VolumeError::from_catalog(refusal),
+        other => VolumeError::Unavailable {
+            volume: volume.to_string(),
+            detail: other.to_string(),
+        },
+    })
+}
+
+/// Applies a stream made by [`SendStream`] on this node. A full stream creates volume `volume`
+/// (which must not exist) here; an incremental one needs `volume` to be hosted here with the
+/// stream's base snapshot, and replaces its current contents by the stream's target snapshot
+/// (like `zfs receive -F`). Nothing is visible until the whole stream verified; a bad,
+/// truncated or mismatched stream leaves the volume as it was.
+pub fn receive(
+    engine: &Engine,
+    metadata: &dyn Metadata,
     input: &mut dyn Read,
     volume: &str,
 ) -> VolumeResult<ReceiveReport> {
-    validate_name("volume", volume)?;
+    keel_catalog::validate_name("volume", volume).map_err(VolumeError::from_catalog)?;
     let mut reader = StreamReader {
         input,
         offset: 0,
@@ -428,58 +447,89 @@ pub(crate) fn receive(
             header.version, header.block_size_bytes
         )));
     }
-    validate_size(volume, header.size_bytes)?;
-    validate_name("snapshot", &header.target.name)?;
-    let target = prepare(manager, volume, &header)?;
-    match apply(manager, &mut reader, &header, &target, &mut payload) {
-        Ok(report) => {
-            lock(&target.shared.activity).receiving = false;
-            Ok(report)
+    keel_catalog::validate_size(volume, header.size_bytes).map_err(VolumeError::from_catalog)?;
+    keel_catalog::validate_name("snapshot", &header.target.name)
+        .map_err(VolumeError::from_catalog)?;
+    let target = prepare(engine, metadata, volume, &header)?;
+    match apply(engine, &mut reader, &header, &target, &mut payload) {
+        Ok(blocks) => {
+            let published = propose(
+                metadata,
+                volume,
+                Command::ReceivePublish {
+                    volume_id: target.shared.id,
+                    generation: target.generation,
+                    base_generation: target.base_generation,
+                    target_name: header.target.name.clone(),
+                    target_guid: header.target.guid,
+                    size_bytes: header.size_bytes,
+                    created_unix_seconds: super::record::unix_seconds_now(),
+                },
+            );
+            match published {
+                Ok(_) => Ok(ReceiveReport {
+                    volume: volume.to_string(),
+                    snapshot: header.target.name.clone(),
+                    incremental: header.base.is_some(),
+                    blocks: blocks.0,
+                    trimmed_blocks: blocks.1,
+                    stream_bytes: reader.offset,
+                }),
+                Err(error) => {
+                    abandon(metadata, volume, &target);
+                    Err(error)
+                }
+            }
         }
         Err(error) => {
-            abandon(manager, volume, &target);
+            abandon(metadata, volume, &target);
             Err(error)
         }
     }
 }
 
-/// Reserves where the stream's blocks go: a hidden new volume (full stream) or a fresh
-/// generation of the target volume excluded from every view (incremental).
-fn prepare(manager: &VolumeManager, volume: &str, header: &StreamHeader) -> VolumeResult<Target> {
-    let mut catalog = lock(&manager.catalog);
+/// Reserves where the stream's blocks go: a hidden new volume on this node (full stream) or a
+/// fresh generation of the target volume excluded from every view (incremental).
+fn prepare(
+    engine: &Engine,
+    metadata: &dyn Metadata,
+    volume: &str,
+    header: &StreamHeader,
+) -> VolumeResult<Target> {
     let Some(base) = &header.base else {
-        if catalog.by_name.contains_key(volume) {
-            return Err(VolumeError::AlreadyExists {
-                name: volume.to_string(),
-            });
-        }
-        let spec = VolumeSpec {
+        let settings = keel_catalog::VolumeSettings {
             name: volume.to_string(),
             size_bytes: header.size_bytes,
-            compression: Compression::from_name(&header.compression).unwrap_or_default(),
+            compression: Compression::from_name(&header.compression)
+                .unwrap_or_default()
+                .name()
+                .to_string(),
             iops_max: None,
             bandwidth_max_mib_per_second: None,
         };
-        let (id, id_op) = VolumeManager::allocate_volume_id(&mut catalog)?;
-        let record = VolumeManager::new_record(
-            id,
-            &spec,
-            vec![Layer::new(id, 1)],
-            None,
-            VolumeStatus::Receiving,
-        );
-        manager.commit(
+        let outcome = propose(
+            metadata,
             volume,
-            "creating the received volume",
-            vec![id_op, VolumeManager::volume_put(&record)?],
+            Command::VolumeCreate {
+                settings,
+                uuid: super::record::new_unique_id(volume.as_bytes()),
+                created_unix_seconds: super::record::unix_seconds_now(),
+                replicas: vec![engine.local_node()],
+                status: VolumeStatus::Receiving,
+            },
         )?;
-        let shared = Arc::new(VolumeShared::new(record, Default::default()));
-        lock(&shared.activity).receiving = true;
-        catalog.by_name.insert(volume.to_string(), shared.clone());
+        let Outcome::Volume(volume_id) = outcome else {
+            return Err(VolumeError::Metadata {
+                detail: format!("creating a volume answered {outcome:?}"),
+            });
+        };
+        let shared = engine.get(volume_id).ok_or_else(|| VolumeError::Metadata {
+            detail: format!("volume {volume:?} was created but is not hosted here"),
+        })?;
         return Ok(Target {
             shared,
             generation: 1,
-            base: None,
+            base_generation: None,
             _base_user: None,
         });
     };
@@ -488,71 +538,68 @@ fn prepare(manager: &VolumeManager, volume: &str, header: &StreamHeader) -> Volu
         base_name: base.name.clone(),
         base_guid: hex(&base.guid),
     };
-    let shared = VolumeManager::get_ready(&catalog, volume).map_err(|_| base_missing())?;
-    let mut state = write(&shared.state);
-    let base_snapshot = state
+    let volume_id = metadata
+        .catalog()
+        .read()
+        .volume(volume)
+        .map(|entry| entry.record.id)
+        .ok_or_else(base_missing)?;
+    let shared = engine.get(volume_id).ok_or_else(base_missing)?;
+    let base_generation = read(&shared.state)
         .snapshots
         .values()
         .find(|snapshot| snapshot.guid == base.guid)
-        .cloned()
+        .map(|snapshot| snapshot.generation)
         .ok_or_else(base_missing)?;
-    if let Some(existing) = state
-        .snapshots
-        .values()
-        .find(|snapshot| snapshot.name == header.target.name || snapshot.guid == header.target.guid)
-    {
-        return Err(VolumeError::SnapshotExists {
-            volume: volume.to_string(),
-            snapshot: existing.name.clone(),
-        });
-    }
-    let mut activity = lock(&shared.activity);
-    if activity.receiving {
-        return Err(VolumeError::InUse {
-            volume: volume.to_string(),
-            detail: "another stream is being received into it".to_string(),
-        });
-    }
-    let mut record = state.record.clone();
-    let generation = record.generation_next;
-    record.generation_next += 1;
-    record.view[0].exclude(generation, generation);
-    // Registered before generation_next moves (both under the state lock): the collector
-    // never sees this generation as garbage while the receive runs.
-    activity.pending_generations.push(generation);
-    activity.receiving = true;
-    drop(activity);
-    if let Err(error) = manager.commit(
+    // Held from before the reservation until the receive ends: the namespace refuses to delete
+    // a snapshot in use.
+    let base_user = shared.use_snapshot(base_generation);
+    let outcome = propose(
+        metadata,
         volume,
-        "reserving a generation to receive into",
-        vec![VolumeManager::volume_put(&record)?],
-    ) {
-        let mut activity = lock(&shared.activity);
-        activity
-            .pending_generations
-            .retain(|&pending| pending != generation);
-        activity.receiving = false;
-        return Err(error);
-    }
-    state.record = record;
-    drop(state);
-    let user = shared.use_snapshot(base_snapshot.generation);
-    Ok(Target {
-        shared: shared.clone(),
+        Command::ReceiveReserve {
+            volume: volume.to_string(),
+            base_guid: base.guid,
+            target_name: header.target.name.clone(),
+            target_guid: header.target.guid,
+        },
+    )
+    .map_err(|error| match error {
+        VolumeError::BaseMissing { .. } => base_missing(),
+        other => other,
+    })?;
+    let Outcome::Reserved {
+        volume_id: reserved_volume,
         generation,
-        base: Some(base_snapshot),
-        _base_user: Some(user),
+        base_generation: reserved_base,
+    } = outcome
+    else {
+        return Err(VolumeError::Metadata {
+            detail: format!("reserving a receive answered {outcome:?}"),
+        });
+    };
+    if reserved_volume != volume_id || reserved_base != base_generation {
+        return Err(VolumeError::Metadata {
+            detail: format!("volume {volume:?} changed while its receive was being reserved"),
+        });
+    }
+    Ok(Target {
+        shared,
+        generation,
+        base_generation: Some(base_generation),
+        _base_user: Some(base_user),
     })
 }
 
+/// Writes the stream's blocks into the target generation; returns (blocks, trimmed blocks).
 fn apply(
-    manager: &VolumeManager,
+    engine: &Engine,
     reader: &mut StreamReader<'_>,
     header: &StreamHeader,
     target: &Target,
     payload: &mut Vec<u8>,
-) -> VolumeResult<ReceiveReport> {
-    let store = &manager.store;
+) -> VolumeResult<(u64, u64)> {
+    let store = engine.store();
     let shared = &target.shared;
     let size_blocks = header.size_bytes / BLOCK_SIZE_BYTES;
     let compression = read(&shared.state).compression;
@@ -650,117 +697,21 @@ fn apply(
         Err(error) => return Err(VolumeError::Io(error)),
     }
     submit(&mut ops)?;
+    // The blocks are durable before the snapshot that shows them is published.
     store
         .flush()
         .map_err(VolumeError::store(&shared.name, "flushing received blocks"))?;
-    commit_received(manager, header, target)?;
-    Ok(ReceiveReport {
-        volume: shared.name.clone(),
-        snapshot: header.target.name.clone(),
-        incremental: header.base.is_some(),
-        blocks,
-        trimmed_blocks,
-        stream_bytes: reader.offset,
-    })
+    Ok((blocks, trimmed_blocks))
 }
 
-/// Publishes the received snapshot and points the volume at it, in one synced write.
-fn commit_received(
-    manager: &VolumeManager,
-    header: &StreamHeader,
-    target: &Target,
-) -> VolumeResult<()> {
-    let _catalog = lock(&manager.catalog);
-    let shared = &target.shared;
-    let mut state = write(&shared.state);
-    let size_blocks = header.size_bytes / BLOCK_SIZE_BYTES;
-    let mut frozen_view = match &target.base {
-        None => vec![Layer::new(shared.id, target.generation)],
-        Some(base) => {
-            let mut view = base.view.clone();
-            view[0].generation_max = target.generation;
-            view[0].exclude(base.generation + 1, target.generation - 1);
-            if size_blocks < base.size_bytes / BLOCK_SIZE_BYTES {
-                view[0].truncations.push(Truncation {
-                    block_from: size_blocks,
-                    generation_upto: target.generation - 1,
-                });
-            }
-            view
-        }
-    };
-    frozen_view[0].volume_id = shared.id;
-    if state
-        .snapshots
-        .values()
-        .any(|snapshot| snapshot.name == header.target.name || snapshot.guid == header.target.guid)
-    {
-        return Err(VolumeError::SnapshotExists {
-            volume: shared.name.clone(),
-            snapshot: header.target.name.clone(),
-        });
-    }
-    let snapshot = SnapshotRecord {
-        format: RECORD_FORMAT,
-        volume_id: shared.id,
-        name: header.target.name.clone(),
-        guid: header.target.guid,
+/// Undoes a failed receive: the hidden new volume becomes `Deleting` (the engine erases it), or
+/// the reserved generation is released (the engine collects its blocks).
+fn abandon(metadata: &dyn Metadata, volume: &str, target: &Target) {
+    let result = metadata.propose(Command::ReceiveAbandon {
+        volume_id: target.shared.id,
         generation: target.generation,
-        size_bytes: header.size_bytes,
-        view: frozen_view,
-        created_unix_seconds: super::record::unix_seconds_now(),
-    };
-    let mut record = state.record.clone();
-    rebase_onto(
-        &mut record,
-        &snapshot.view,
-        snapshot.generation,
-        snapshot.size_bytes,
-    );
-    record.status = VolumeStatus::Ready;
-    manager.commit(
-        &shared.name,
-        "publishing the received snapshot",
-        vec![
-            VolumeManager::snapshot_put(&snapshot)?,
-            VolumeManager::volume_put(&record)?,
-        ],
-    )?;
-    state.record = record;
-    state.snapshots.insert(snapshot.generation, snapshot);
-    lock(&shared.activity)
-        .pending_generations
-        .retain(|&pending| pending != target.generation);
-    Ok(())
-}
-
-/// Undoes a failed receive: deletes the hidden new volume, or collects the excluded
-/// generation's blocks.
-fn abandon(manager: &VolumeManager, volume: &str, target: &Target) {
-    let shared = &target.shared;
-    {
-        let mut activity = lock(&shared.activity);
-        activity
-            .pending_generations
-            .retain(|&pending| pending != target.generation);
-        activity.receiving = false;
-    }
-    let result = if target.base.is_none() {
-        {
-            let mut catalog = lock(&manager.catalog);
-            if catalog
-                .by_name
-                .get(volume)
-                .is_some_and(|entry| Arc::ptr_eq(entry, shared))
-            {
-                catalog.by_name.remove(volume);
-            }
-        }
-        manager.erase(shared, &mut |_| {})
-    } else {
-        scan::collect_garbage(&manager.store, shared, &mut |_| {}).map(|_| ())
-    };
+    });
     if let Err(error) = result {
-        tracing::warn!(volume, %error, "could not clean up after a failed receive; the next garbage collection or restart will");
+        tracing::warn!(volume, %error, "could not abandon a failed receive; the next start of this node will");
     }
 }

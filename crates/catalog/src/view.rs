@@ -19,14 +19,14 @@ use serde::{Deserialize, Serialize};
 /// Blocks at or past `block_from` see nothing at generations `<= generation_upto` in this layer,
 /// nor anything in lower layers. Written by a shrink, so that growing again shows zeroes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct Truncation {
+pub struct Truncation {
     pub block_from: u64,
     pub generation_upto: u64,
 }
 
 /// One volume's extents as one view sees them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct Layer {
+pub struct Layer {
     pub volume_id: u64,
     /// Newest generation this view sees in this volume.
     pub generation_max: u64,
@@ -103,7 +103,7 @@ impl Layer {
 ///
 /// `generations_of(volume_id)` gives the ascending generations of the block's extents in that
 /// volume.
-pub(crate) fn resolve<'a>(
+pub fn resolve<'a>(
     view: &[Layer],
     block: u64,
     mut generations_of: impl FnMut(u64) -> &'a [u64],

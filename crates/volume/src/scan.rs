@@ -7,7 +7,8 @@
 //! one block's generations.
 //!
 //! Collector safety: it captures the volume's views (current and every snapshot's own layer),
-//! `generation_next` and the generations a receive is filling, under the state lock; then it
+//! `generation_next` and the generation a receive is filling (all in the volume's record), under
+//! the state lock; then it
 //! deletes only extents below that `generation_next`, not being received, and shown by none of
 //! the captured views. Views created later are built from captured ones or from newer
 //! generations, so they never need what it deletes. Deletes are `Buffered`: a crash can bring a
@@ -19,8 +20,9 @@ use std::sync::Arc;
 
 use keel_store::{block_key, Durability, Progress, Store, WriteOp};
 
+use keel_catalog::view::Layer;
+
 use super::record::{key_successor, parse_block_key, volume_blocks_end};
-use super::view::Layer;
 use super::{lock, read, GcReport, VolumeError, VolumeResult, VolumeShared, BLOCK_SIZE_BYTES};
 
 /// Keys fetched per `Store::keys` call.
@@ -167,9 +169,9 @@ fn own_layers(shared: &VolumeShared) -> (Layer, Vec<(u64, Layer)>, u64, Vec<u64>
             (snapshot.generation, snapshot.view[0].clone())
         })
         .collect();
-    // Captured under the state lock: a receive registers its generation there before it
-    // raises generation_next.
-    let pending = lock(&shared.activity).pending_generations.clone();
+    // The receive's generation is reserved in the same record change that raises
+    // generation_next, so both are captured together.
+    let pending: Vec<u64> = state.record.receiving_generation.into_iter().collect();
     let size_blocks = state.record.size_bytes / BLOCK_SIZE_BYTES;
     (
         current,
@@ -186,6 +188,7 @@ pub(crate) fn collect_garbage(
     shared: &Arc<VolumeShared>,
     progress: &mut dyn FnMut(Progress),
 ) -> VolumeResult<GcReport> {
+    let _one_at_a_time = lock(&shared.collecting);
     let (current, snapshots, generation_limit, pending, size_blocks) = own_layers(shared);
     let mut layers: Vec<Layer> = vec![current];
     layers.extend(snapshots.into_iter().map(|(_, layer)| layer));
@@ -235,7 +238,7 @@ pub(crate) fn collect_garbage(
 
 /// Space use of a volume, in blocks.
 #[derive(Debug, Default)]
-pub(crate) struct Usage {
+pub struct Usage {
     /// Own extents the current contents show.
     pub current_blocks: u64,
     /// Every own extent stored.
@@ -282,20 +285,22 @@ pub(crate) fn usage(store: &Store, shared: &Arc<VolumeShared>) -> VolumeResult<U
     Ok(usage)
 }
 
-/// Deletes every extent of the volume, in batches, reporting the block position reached.
+/// Deletes every extent of volume `volume_id` (named `volume` in errors), in batches, reporting
+/// the block position reached out of `size_blocks`.
 pub(crate) fn delete_all_blocks(
     store: &Store,
-    shared: &VolumeShared,
+    volume_id: u64,
+    volume: &str,
     size_blocks: u64,
     progress: &mut dyn FnMut(Progress),
 ) -> VolumeResult<()> {
-    let end = volume_blocks_end(shared.id);
-    let start = block_key(shared.id, 0, 0);
+    let end = volume_blocks_end(volume_id);
+    let start = block_key(volume_id, 0, 0);
     loop {
         // Always restart from the beginning: the previous page is deleted, so this pages on.
         let page = store
             .keys(&start, &end, DELETE_BATCH_OPS_MAX)
-            .map_err(VolumeError::store(&shared.name, "listing blocks to delete"))?;
+            .map_err(VolumeError::store(volume, "listing blocks to delete"))?;
         let Some(last) = page.last() else { break };
         let position = parse_block_key(last)
             .map(|(_, block, _)| block)
@@ -307,7 +312,7 @@ pub(crate) fn delete_all_blocks(
             .collect();
         store
             .write(deletes, Durability::Buffered)
-            .map_err(VolumeError::store(&shared.name, "deleting blocks"))?;
+            .map_err(VolumeError::store(volume, "deleting blocks"))?;
         progress(Progress {
             done: position.min(size_blocks),
             total: size_blocks,

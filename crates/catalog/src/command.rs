@@ -1,0 +1,272 @@
+//! The one command type that changes the catalog, and what applying one returns.
+//!
+//! A command carries everything that must be the same on every node — names, sizes, and the
+//! random or time-based values (UUIDs, GUIDs, creation times), chosen once by the node that
+//! proposes it — so applying it is deterministic: every node's state machine turns the same log
+//! into the same records ([`crate::CatalogState::plan`]).
+//!
+//! Commands are serialized into the Raft log (postcard): add variants at the end only, and never
+//! change an existing variant's fields; a new shape is a new variant.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::records::{DeviceRecord, KeyRecord, NodeAddresses, NodeRole, NodeState, VolumeStatus};
+use crate::NodeId;
+
+/// A new node as it asks to join (or as the first node bootstraps).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeSpec {
+    pub name: String,
+    pub role: NodeRole,
+    pub addresses: NodeAddresses,
+    pub labels: BTreeMap<String, String>,
+    pub devices: Vec<DeviceRecord>,
+}
+
+/// A new volume's settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeSettings {
+    pub name: String,
+    /// A positive multiple of [`crate::BLOCK_SIZE_BYTES`].
+    pub size_bytes: u64,
+    /// `keel_store::Compression::name()`.
+    pub compression: String,
+    pub iops_max: Option<u64>,
+    pub bandwidth_max_mib_per_second: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Command {
+    // ---- cluster ----
+    /// Creates the cluster record and its first node (id 1). Refused once a cluster exists.
+    Bootstrap {
+        cluster_id: [u8; 16],
+        created_unix_ms: i64,
+        node: NodeSpec,
+    },
+    /// Adds a node under a fresh id (returned as [`Outcome::Node`]).
+    NodeAdd {
+        node: NodeSpec,
+        joined_unix_ms: i64,
+    },
+    /// A member's addresses, labels or devices changed (it restarted with new settings).
+    NodeUpdate {
+        id: NodeId,
+        addresses: NodeAddresses,
+        labels: BTreeMap<String, String>,
+        devices: Vec<DeviceRecord>,
+    },
+    /// The failure detector's verdict.
+    NodeSetState {
+        id: NodeId,
+        state: NodeState,
+        at_unix_ms: i64,
+    },
+    NodeSetDraining {
+        id: NodeId,
+        draining: bool,
+    },
+    /// Marks a node removed (its record stays so its id is never reused). Refused while it
+    /// hosts a volume replica.
+    NodeRemove {
+        id: NodeId,
+    },
+
+    // ---- volumes ----
+    VolumeCreate {
+        settings: VolumeSettings,
+        uuid: [u8; 16],
+        created_unix_seconds: u64,
+        /// Nodes that hold the replicas; the first is the primary.
+        replicas: Vec<NodeId>,
+        /// `Ready`, or `Receiving` for the target of a full send stream.
+        status: VolumeStatus,
+    },
+    /// A writable clone of `parent@snapshot`, placed with its parent (it reads through the
+    /// parent's blocks).
+    VolumeClone {
+        parent: String,
+        snapshot: String,
+        name: String,
+        uuid: [u8; 16],
+        created_unix_seconds: u64,
+    },
+    /// Marks a ready volume `Deleting`; its hosts erase its blocks and then send
+    /// [`Command::VolumeForget`].
+    VolumeDelete {
+        name: String,
+    },
+    /// Removes the records of a `Deleting` volume once its blocks are gone.
+    VolumeForget {
+        volume_id: u64,
+    },
+    VolumeResize {
+        name: String,
+        size_bytes: u64,
+        allow_shrink: bool,
+    },
+    VolumeSetLimits {
+        name: String,
+        iops_max: Option<u64>,
+        bandwidth_max_mib_per_second: Option<u64>,
+    },
+    SnapshotCreate {
+        volume: String,
+        snapshot: String,
+        guid: [u8; 16],
+        created_unix_seconds: u64,
+    },
+    SnapshotDelete {
+        volume: String,
+        snapshot: String,
+    },
+    VolumeRollback {
+        volume: String,
+        snapshot: String,
+    },
+    /// Reserves a generation of `volume` for an incremental stream based on the snapshot with
+    /// `base_guid` ([`Outcome::Reserved`]).
+    ReceiveReserve {
+        volume: String,
+        base_guid: [u8; 16],
+        target_name: String,
+        target_guid: [u8; 16],
+    },
+    /// Publishes a fully received stream as snapshot `target_name` and points the volume at it.
+    ReceivePublish {
+        volume_id: u64,
+        generation: u64,
+        /// The base snapshot's generation for an incremental stream.
+        base_generation: Option<u64>,
+        target_name: String,
+        target_guid: [u8; 16],
+        size_bytes: u64,
+        created_unix_seconds: u64,
+    },
+    /// Gives up a receive: a full stream's hidden volume becomes `Deleting`; an incremental
+    /// stream's reserved generation is released (it stays excluded from every view).
+    ReceiveAbandon {
+        volume_id: u64,
+        generation: u64,
+    },
+
+    // ---- S3 access keys and buckets ----
+    KeyAdd {
+        record: KeyRecord,
+    },
+    KeyDelete {
+        access_key_id: String,
+    },
+    BucketCreate {
+        name: String,
+        owner: String,
+        compression_code: u8,
+        created_unix_ms: i64,
+    },
+    BucketDelete {
+        name: String,
+    },
+    /// Grants (`allow`) or revokes an access key's full access to a bucket.
+    BucketGrant {
+        bucket: String,
+        access_key_id: String,
+        allow: bool,
+    },
+    BucketSetCompression {
+        bucket: String,
+        compression_code: u8,
+    },
+}
+
+impl Command {
+    /// A short name for logs and metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Command::Bootstrap { .. } => "bootstrap",
+            Command::NodeAdd { .. } => "node-add",
+            Command::NodeUpdate { .. } => "node-update",
+            Command::NodeSetState { .. } => "node-set-state",
+            Command::NodeSetDraining { .. } => "node-set-draining",
+            Command::NodeRemove { .. } => "node-remove",
+            Command::VolumeCreate { .. } => "volume-create",
+            Command::VolumeClone { .. } => "volume-clone",
+            Command::VolumeDelete { .. } => "volume-delete",
+            Command::VolumeForget { .. } => "volume-forget",
+            Command::VolumeResize { .. } => "volume-resize",
+            Command::VolumeSetLimits { .. } => "volume-set-limits",
+            Command::SnapshotCreate { .. } => "snapshot-create",
+            Command::SnapshotDelete { .. } => "snapshot-delete",
+            Command::VolumeRollback { .. } => "volume-rollback",
+            Command::ReceiveReserve { .. } => "receive-reserve",
+            Command::ReceivePublish { .. } => "receive-publish",
+            Command::ReceiveAbandon { .. } => "receive-abandon",
+            Command::KeyAdd { .. } => "key-add",
+            Command::KeyDelete { .. } => "key-delete",
+            Command::BucketCreate { .. } => "bucket-create",
+            Command::BucketDelete { .. } => "bucket-delete",
+            Command::BucketGrant { .. } => "bucket-grant",
+            Command::BucketSetCompression { .. } => "bucket-set-compression",
+        }
+    }
+}
+
+/// What an applied command produced.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Outcome {
+    Done,
+    /// The id a node got.
+    Node(NodeId),
+    /// The id a volume got.
+    Volume(u64),
+    /// A snapshot's generation.
+    Snapshot {
+        volume_id: u64,
+        generation: u64,
+    },
+    /// Where an incremental receive writes, and the base it builds on.
+    Reserved {
+        volume_id: u64,
+        generation: u64,
+        base_generation: u64,
+    },
+}
+
+/// What changed, for the layers that keep local state in step with the catalog (the volume
+/// engine, the object layer). Delivered in apply order, after the change is durable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// A volume's record or snapshots changed (created, resized, snapshotted, ...).
+    VolumeChanged {
+        volume_id: u64,
+    },
+    /// A volume became `Deleting`: its hosts erase its blocks.
+    VolumeDeleting {
+        volume_id: u64,
+    },
+    /// A volume's records are gone.
+    VolumeForgotten {
+        volume_id: u64,
+    },
+    /// Extents of a volume may have become garbage (snapshot deleted, rollback, shrink,
+    /// abandoned receive): its hosts collect.
+    VolumeGarbage {
+        volume_id: u64,
+    },
+    NodeChanged {
+        node: NodeId,
+    },
+    BucketChanged {
+        name: String,
+    },
+    KeysChanged,
+    /// A Raft snapshot replaced the whole catalog.
+    Restored,
+}
+
+impl std::fmt::Display for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.kind())
+    }
+}

@@ -1,0 +1,478 @@
+//! The catalog's records and where they live in the store's `Meta` keyspace.
+//!
+//! | key (after the `Meta` keyspace byte)         | value                                   |
+//! | -------------------------------------------- | --------------------------------------- |
+//! | `c/cluster`                                  | [`ClusterRecord`]                       |
+//! | `c/node/<node id, 16 hex>`                   | [`NodeRecord`]                          |
+//! | `v/next-volume-id`                           | u64 (postcard): the next volume id      |
+//! | `v/vol/<volume id, 16 hex>`                  | [`VolumeRecord`]                        |
+//! | `v/snap/<volume id, 16 hex>/<gen, 16 hex>`   | [`SnapshotRecord`]                      |
+//! | `s3/key/<access key id>`                     | [`KeyRecord`] (version byte + postcard) |
+//! | `s3/bucket/<bucket>`                         | [`BucketRecord`] (version byte + ...)   |
+//!
+//! The `v/` and `s3/` layouts are the ones single-node Keel wrote before the cluster existed, so
+//! an existing data directory becomes a one-node cluster without a migration step; volume
+//! records of format 1 (before replication state existed) decode into format 2 with the volume
+//! placed on the local node ([`decode_volume`]).
+//!
+//! Every record is written only by [`crate::CatalogState::apply`]: one command, one atomic store
+//! write, the same on every node.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::view::Layer;
+use crate::{CatalogError, NodeId};
+
+/// Version of the volume and snapshot record encodings (their first field).
+pub const VOLUME_RECORD_FORMAT: u8 = 2;
+/// Volume records written before the cluster existed: no replication state.
+pub const VOLUME_RECORD_FORMAT_SINGLE_NODE: u8 = 1;
+/// Format byte in front of S3 key and bucket records (and the cluster and node records).
+pub const RECORD_VERSION: u8 = 1;
+
+pub const CLUSTER_SUFFIX: &[u8] = b"c/cluster";
+pub const NODE_PREFIX: &[u8] = b"c/node/";
+pub const NEXT_VOLUME_ID_SUFFIX: &[u8] = b"v/next-volume-id";
+pub const VOLUME_PREFIX: &[u8] = b"v/vol/";
+pub const SNAPSHOT_PREFIX: &[u8] = b"v/snap/";
+pub const KEY_PREFIX: &[u8] = b"s3/key/";
+pub const BUCKET_PREFIX: &[u8] = b"s3/bucket/";
+
+/// Every prefix the catalog owns: installing a Raft snapshot replaces exactly the records under
+/// these (and nothing else of the store).
+pub const CATALOG_PREFIXES: [&[u8]; 4] = [b"c/", b"v/", KEY_PREFIX, BUCKET_PREFIX];
+
+// ---- cluster and nodes ----
+
+/// The cluster itself: its identity and the counters that make ids unique forever.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterRecord {
+    /// Random, fixed at bootstrap; every node-to-node connection checks it.
+    pub cluster_id: [u8; 16],
+    pub created_unix_ms: i64,
+    /// The next node id to hand out. Node ids are never reused: a node that starts over with an
+    /// empty log under a used id could vote twice in one term (openraft's node-id rule).
+    pub next_node_id: NodeId,
+}
+
+/// What a node does for the cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NodeRole {
+    /// Holds data (volumes, objects) and may vote.
+    Storage,
+    /// Holds only the Raft log: a tie-breaking voter for two storage nodes.
+    Witness,
+}
+
+impl NodeRole {
+    pub fn name(self) -> &'static str {
+        match self {
+            NodeRole::Storage => "storage",
+            NodeRole::Witness => "witness",
+        }
+    }
+}
+
+/// Liveness as the cluster agreed on it (decided by the leader's failure detector and recorded
+/// through Raft, so every node sees the same state).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NodeState {
+    Up,
+    /// Missed heartbeats for longer than the suspect timeout.
+    Suspect,
+    /// Missed heartbeats for longer than the down timeout.
+    Down,
+}
+
+impl NodeState {
+    pub fn name(self) -> &'static str {
+        match self {
+            NodeState::Up => "up",
+            NodeState::Suspect => "suspect",
+            NodeState::Down => "down",
+        }
+    }
+}
+
+/// Where a node listens, per role. Cluster traffic (Raft, replication) and client traffic can be
+/// on different networks.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeAddresses {
+    /// Node-to-node RPC (`host:port`).
+    pub cluster: String,
+    /// Admin API and dashboard.
+    pub admin: Option<String>,
+    pub s3: Option<String>,
+    pub nbd: Option<String>,
+}
+
+/// One data directory of a node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceRecord {
+    pub path: String,
+    pub filesystem: String,
+    pub capacity_bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    pub id: NodeId,
+    /// Unique among members that were not removed.
+    pub name: String,
+    pub role: NodeRole,
+    pub addresses: NodeAddresses,
+    /// Failure-domain labels (`host`, `rack`, `zone`, ...): placement puts replicas in
+    /// different domains where labels exist.
+    pub labels: BTreeMap<String, String>,
+    pub devices: Vec<DeviceRecord>,
+    pub state: NodeState,
+    pub state_since_unix_ms: i64,
+    /// Asked to move its data away; never chosen for new data.
+    pub draining: bool,
+    /// Removed from the cluster. The record stays so the id is never handed out again.
+    pub removed: bool,
+    pub joined_unix_ms: i64,
+}
+
+// ---- volumes ----
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum VolumeStatus {
+    Ready,
+    /// Being filled by a full receive; invisible; abandoned (deleted) if the receive dies.
+    Receiving,
+    /// Being deleted: its hosts erase its blocks, then the record goes.
+    Deleting,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Origin {
+    pub volume_id: u64,
+    pub snapshot_generation: u64,
+}
+
+/// Where a volume's replicas are and who may write them. The replication layer (a later
+/// change) keeps `epoch`, `primary` and `in_sync` current through Raft; today every volume has
+/// one replica, on the node it was created on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Replication {
+    /// Replicas wanted (R).
+    pub factor: u8,
+    /// Writes fail rather than go on with fewer in-sync replicas than this.
+    pub in_sync_min: u8,
+    /// Nodes holding a replica, distinct.
+    pub replicas: Vec<NodeId>,
+    /// Bumped whenever the primary or the in-sync set changes; replicas refuse older epochs.
+    pub epoch: u64,
+    pub primary: NodeId,
+    /// Replicas that hold every acknowledged flush; always contains the primary.
+    pub in_sync: Vec<NodeId>,
+}
+
+impl Replication {
+    pub fn single(node: NodeId) -> Replication {
+        Replication {
+            factor: 1,
+            in_sync_min: 1,
+            replicas: vec![node],
+            epoch: 1,
+            primary: node,
+            in_sync: vec![node],
+        }
+    }
+
+    pub fn hosts(&self, node: NodeId) -> bool {
+        self.replicas.contains(&node)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeRecord {
+    pub format: u8,
+    pub id: u64,
+    pub uuid: [u8; 16],
+    pub name: String,
+    pub size_bytes: u64,
+    /// `keel_store::Compression::name()`.
+    pub compression: String,
+    pub iops_max: Option<u64>,
+    pub bandwidth_max_mib_per_second: Option<u64>,
+    /// Generation new writes go to. Always `view[0].generation_max`.
+    pub generation: u64,
+    /// Next generation to hand out; every generation is handed out once.
+    pub generation_next: u64,
+    pub view: Vec<Layer>,
+    pub origin: Option<Origin>,
+    pub status: VolumeStatus,
+    pub created_unix_seconds: u64,
+    /// A generation an incremental receive is filling: excluded from every view, and the
+    /// garbage collector leaves it alone, until the receive is published or abandoned.
+    pub receiving_generation: Option<u64>,
+    pub replication: Replication,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotRecord {
+    pub format: u8,
+    pub volume_id: u64,
+    pub name: String,
+    /// Identity that survives send/receive: an incremental stream names its base by this.
+    pub guid: [u8; 16],
+    pub generation: u64,
+    pub size_bytes: u64,
+    pub view: Vec<Layer>,
+    pub created_unix_seconds: u64,
+}
+
+/// A volume record as single-node Keel wrote it (format 1).
+#[derive(Deserialize)]
+struct VolumeRecordSingleNode {
+    format: u8,
+    id: u64,
+    uuid: [u8; 16],
+    name: String,
+    size_bytes: u64,
+    compression: String,
+    iops_max: Option<u64>,
+    bandwidth_max_mib_per_second: Option<u64>,
+    generation: u64,
+    generation_next: u64,
+    view: Vec<Layer>,
+    origin: Option<Origin>,
+    status: VolumeStatus,
+    created_unix_seconds: u64,
+}
+
+/// Decodes a volume record of either format; a format-1 record is placed on `local_node` (the
+/// only node a single-node data directory ever had).
+pub fn decode_volume(
+    key: &[u8],
+    bytes: &[u8],
+    local_node: NodeId,
+) -> Result<VolumeRecord, CatalogError> {
+    match bytes.first() {
+        Some(&VOLUME_RECORD_FORMAT_SINGLE_NODE) => {
+            let old: VolumeRecordSingleNode = decode_postcard(key, bytes)?;
+            debug_assert_eq!(old.format, VOLUME_RECORD_FORMAT_SINGLE_NODE);
+            Ok(VolumeRecord {
+                format: VOLUME_RECORD_FORMAT,
+                id: old.id,
+                uuid: old.uuid,
+                name: old.name,
+                size_bytes: old.size_bytes,
+                compression: old.compression,
+                iops_max: old.iops_max,
+                bandwidth_max_mib_per_second: old.bandwidth_max_mib_per_second,
+                generation: old.generation,
+                generation_next: old.generation_next,
+                view: old.view,
+                origin: old.origin,
+                status: old.status,
+                created_unix_seconds: old.created_unix_seconds,
+                receiving_generation: None,
+                replication: Replication::single(local_node),
+            })
+        }
+        _ => decode_postcard(key, bytes),
+    }
+}
+
+// ---- S3 keys and buckets ----
+
+/// An access key. The secret is stored in clear: SigV4 needs it to recompute signatures.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyRecord {
+    pub access_key_id: String,
+    pub name: String,
+    pub secret_access_key: String,
+    pub created_unix_ms: i64,
+}
+
+/// A bucket: its owner (the key that created it), the keys it was granted to, and how its chunks
+/// are compressed (a `keel_store::Compression` code).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BucketRecord {
+    pub name: String,
+    pub owner: String,
+    pub grants: Vec<String>,
+    pub created_unix_ms: i64,
+    pub compression_code: u8,
+}
+
+// ---- keys ----
+
+fn hex16(value: u64) -> String {
+    format!("{value:016x}")
+}
+
+fn meta(suffix: &[u8], tail: &[u8]) -> Vec<u8> {
+    let mut key = Vec::with_capacity(1 + suffix.len() + tail.len());
+    key.push(keel_store::Keyspace::Meta as u8);
+    key.extend_from_slice(suffix);
+    key.extend_from_slice(tail);
+    key
+}
+
+pub fn cluster_key() -> Vec<u8> {
+    meta(CLUSTER_SUFFIX, b"")
+}
+
+pub fn node_key(node: NodeId) -> Vec<u8> {
+    meta(NODE_PREFIX, hex16(node).as_bytes())
+}
+
+pub fn next_volume_id_key() -> Vec<u8> {
+    meta(NEXT_VOLUME_ID_SUFFIX, b"")
+}
+
+pub fn volume_key(volume_id: u64) -> Vec<u8> {
+    meta(VOLUME_PREFIX, hex16(volume_id).as_bytes())
+}
+
+pub fn snapshot_key(volume_id: u64, generation: u64) -> Vec<u8> {
+    meta(
+        SNAPSHOT_PREFIX,
+        format!("{}/{}", hex16(volume_id), hex16(generation)).as_bytes(),
+    )
+}
+
+pub fn key_record_key(access_key_id: &str) -> Vec<u8> {
+    meta(KEY_PREFIX, access_key_id.as_bytes())
+}
+
+pub fn bucket_key(bucket: &str) -> Vec<u8> {
+    meta(BUCKET_PREFIX, bucket.as_bytes())
+}
+
+/// `meta_key(prefix)` and the first key past every key starting with it.
+pub fn prefix_range(prefix: &[u8]) -> (Vec<u8>, Vec<u8>) {
+    let start = meta(prefix, b"");
+    let mut end = start.clone();
+    // Every prefix here ends in a printable byte, so incrementing the last byte is exact.
+    if let Some(last) = end.last_mut() {
+        *last += 1;
+    }
+    (start, end)
+}
+
+// ---- encodings ----
+
+fn decode_postcard<T: for<'de> Deserialize<'de>>(
+    key: &[u8],
+    bytes: &[u8],
+) -> Result<T, CatalogError> {
+    postcard::from_bytes(bytes).map_err(|error| CatalogError::Corrupt {
+        record: String::from_utf8_lossy(key.get(1..).unwrap_or_default()).into_owned(),
+        detail: error.to_string(),
+    })
+}
+
+/// Plain postcard: volume, snapshot and counter records (their format byte is a field).
+pub fn encode_plain<T: Serialize>(record: &T) -> Vec<u8> {
+    // postcard only fails on writer errors or serde shapes our plain records do not use.
+    postcard::to_allocvec(record)
+        .unwrap_or_else(|error| panic!("postcard cannot encode a plain catalog record: {error}"))
+}
+
+pub fn decode_plain<T: for<'de> Deserialize<'de>>(
+    key: &[u8],
+    bytes: &[u8],
+) -> Result<T, CatalogError> {
+    decode_postcard(key, bytes)
+}
+
+/// Version byte, then postcard: key, bucket, cluster and node records.
+pub fn encode_versioned<T: Serialize>(record: &T) -> Vec<u8> {
+    let mut out = vec![RECORD_VERSION];
+    out.extend_from_slice(&encode_plain(record));
+    out
+}
+
+pub fn decode_versioned<T: for<'de> Deserialize<'de>>(
+    key: &[u8],
+    bytes: &[u8],
+) -> Result<T, CatalogError> {
+    match bytes.split_first() {
+        Some((&RECORD_VERSION, body)) => decode_postcard(key, body),
+        Some((version, _)) => Err(CatalogError::Corrupt {
+            record: String::from_utf8_lossy(key.get(1..).unwrap_or_default()).into_owned(),
+            detail: format!("unknown record version {version}"),
+        }),
+        None => Err(CatalogError::Corrupt {
+            record: String::from_utf8_lossy(key.get(1..).unwrap_or_default()).into_owned(),
+            detail: "empty record".to_string(),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Serialize)]
+    struct WrittenBySingleNode {
+        format: u8,
+        id: u64,
+        uuid: [u8; 16],
+        name: String,
+        size_bytes: u64,
+        compression: String,
+        iops_max: Option<u64>,
+        bandwidth_max_mib_per_second: Option<u64>,
+        generation: u64,
+        generation_next: u64,
+        view: Vec<Layer>,
+        origin: Option<Origin>,
+        status: VolumeStatus,
+        created_unix_seconds: u64,
+    }
+
+    // Proves a volume record written by single-node Keel (format 1) still decodes, placed on
+    // the local node, and that format-2 records round-trip.
+    #[test]
+    fn single_node_volume_records_decode() {
+        let old = WrittenBySingleNode {
+            format: 1,
+            id: 7,
+            uuid: [3; 16],
+            name: "pg".into(),
+            size_bytes: 1 << 30,
+            compression: "lz4".into(),
+            iops_max: Some(100),
+            bandwidth_max_mib_per_second: None,
+            generation: 4,
+            generation_next: 5,
+            view: vec![Layer::new(7, 4)],
+            origin: None,
+            status: VolumeStatus::Ready,
+            created_unix_seconds: 12,
+        };
+        let key = volume_key(7);
+        let record = decode_volume(&key, &encode_plain(&old), 1).expect("decodes");
+        assert_eq!(record.format, VOLUME_RECORD_FORMAT);
+        assert_eq!(record.name, "pg");
+        assert_eq!(record.generation, 4);
+        assert_eq!(record.iops_max, Some(100));
+        assert_eq!(record.replication, Replication::single(1));
+        let again = decode_volume(&key, &encode_plain(&record), 9).expect("decodes");
+        assert_eq!(again, record);
+        assert!(decode_volume(&key, &[2, 1], 1).is_err());
+    }
+
+    // Proves the catalog's prefixes are disjoint from the object layer's local records (whose
+    // keys start `s3/obj/`, `s3/ref/`, `s3/upload/`, `s3/part/`).
+    #[test]
+    fn catalog_prefixes_exclude_local_object_records() {
+        for local in [&b"s3/obj/x"[..], b"s3/ref/x", b"s3/upload/x", b"s3/part/x"] {
+            assert!(CATALOG_PREFIXES
+                .iter()
+                .all(|prefix| !local.starts_with(prefix)));
+        }
+        let (start, end) = prefix_range(b"v/vol/");
+        assert!(start < volume_key(0) && volume_key(u64::MAX) < end);
+        let snapshot = snapshot_key(u64::MAX, 1);
+        assert!(snapshot < start || snapshot >= end);
+    }
+}

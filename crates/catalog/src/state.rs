@@ -1,0 +1,1280 @@
+//! The catalog's state and the one place it changes: [`CatalogState::plan`] turns a command into
+//! a list of record changes (or a deterministic refusal), which [`CatalogState::commit`] applies
+//! to memory and [`Change::store_op`] turns into store writes.
+//!
+//! Determinism: `plan` reads only the state and the command (never the clock, randomness or the
+//! local node), so every node applying the same log reaches the same records. Planning does not
+//! mutate: a store write that fails leaves memory as it was.
+//!
+//! Invariants kept here (checked by `check_invariants` in tests):
+//! - names are unique among ready and receiving volumes, and among buckets, keys and live nodes;
+//! - ids (volume, node) are handed out once: counters only grow;
+//! - a volume's `generation == view[0].generation_max < generation_next`, and every snapshot's
+//!   generation is below `generation_next`;
+//! - a clone's origin snapshot exists while the clone does.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use keel_store::{Compression, Store, WriteOp};
+
+use crate::command::{Command, Event, NodeSpec, Outcome, VolumeSettings};
+use crate::records::{
+    self, BucketRecord, ClusterRecord, KeyRecord, NodeRecord, NodeState, Origin, Replication,
+    SnapshotRecord, VolumeRecord, VolumeStatus, VOLUME_RECORD_FORMAT,
+};
+use crate::view::{Layer, Truncation};
+use crate::{
+    validate_name, validate_size, CatalogError, NodeId, CLONE_DEPTH_MAX, SNAPSHOTS_PER_VOLUME_MAX,
+};
+
+/// Records fetched per store scan when loading or replacing the catalog.
+const SCAN_PAGE_RECORDS: usize = 1024;
+
+/// A volume and its snapshots (by generation).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeEntry {
+    pub record: VolumeRecord,
+    pub snapshots: BTreeMap<u64, SnapshotRecord>,
+}
+
+impl VolumeEntry {
+    pub fn snapshot_by_name(&self, name: &str) -> Option<&SnapshotRecord> {
+        self.snapshots
+            .values()
+            .find(|snapshot| snapshot.name == name)
+    }
+
+    pub fn snapshot_by_guid(&self, guid: &[u8; 16]) -> Option<&SnapshotRecord> {
+        self.snapshots
+            .values()
+            .find(|snapshot| snapshot.guid == *guid)
+    }
+}
+
+/// Everything the catalog holds, in memory (it is small: records, not data).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CatalogState {
+    pub cluster: Option<ClusterRecord>,
+    pub nodes: BTreeMap<NodeId, NodeRecord>,
+    pub next_volume_id: u64,
+    pub volumes: BTreeMap<u64, VolumeEntry>,
+    pub keys: BTreeMap<String, KeyRecord>,
+    pub buckets: BTreeMap<String, BucketRecord>,
+}
+
+/// One record-level change a command makes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    PutCluster(ClusterRecord),
+    PutNode(NodeRecord),
+    PutNextVolumeId(u64),
+    PutVolume(VolumeRecord),
+    DeleteVolume(u64),
+    PutSnapshot(SnapshotRecord),
+    DeleteSnapshot { volume_id: u64, generation: u64 },
+    PutKey(KeyRecord),
+    DeleteKey(String),
+    PutBucket(BucketRecord),
+    DeleteBucket(String),
+}
+
+impl Change {
+    /// The store write that persists this change.
+    pub fn store_op(&self) -> WriteOp {
+        let put = |key: Vec<u8>, value: Vec<u8>| WriteOp::put(key, value, Compression::None);
+        match self {
+            Change::PutCluster(record) => {
+                put(records::cluster_key(), records::encode_versioned(record))
+            }
+            Change::PutNode(record) => put(
+                records::node_key(record.id),
+                records::encode_versioned(record),
+            ),
+            Change::PutNextVolumeId(next) => {
+                put(records::next_volume_id_key(), records::encode_plain(next))
+            }
+            Change::PutVolume(record) => put(
+                records::volume_key(record.id),
+                records::encode_plain(record),
+            ),
+            Change::DeleteVolume(id) => WriteOp::Delete {
+                key: records::volume_key(*id),
+            },
+            Change::PutSnapshot(record) => put(
+                records::snapshot_key(record.volume_id, record.generation),
+                records::encode_plain(record),
+            ),
+            Change::DeleteSnapshot {
+                volume_id,
+                generation,
+            } => WriteOp::Delete {
+                key: records::snapshot_key(*volume_id, *generation),
+            },
+            Change::PutKey(record) => put(
+                records::key_record_key(&record.access_key_id),
+                records::encode_versioned(record),
+            ),
+            Change::DeleteKey(id) => WriteOp::Delete {
+                key: records::key_record_key(id),
+            },
+            Change::PutBucket(record) => put(
+                records::bucket_key(&record.name),
+                records::encode_versioned(record),
+            ),
+            Change::DeleteBucket(name) => WriteOp::Delete {
+                key: records::bucket_key(name),
+            },
+        }
+    }
+}
+
+/// A command's effect, before it is applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    pub changes: Vec<Change>,
+    pub outcome: Outcome,
+    pub events: Vec<Event>,
+}
+
+impl Plan {
+    fn new(outcome: Outcome) -> Plan {
+        Plan {
+            changes: Vec::new(),
+            outcome,
+            events: Vec::new(),
+        }
+    }
+
+    fn change(mut self, change: Change) -> Plan {
+        self.changes.push(change);
+        self
+    }
+
+    fn event(mut self, event: Event) -> Plan {
+        self.events.push(event);
+        self
+    }
+
+    pub fn store_ops(&self) -> Vec<WriteOp> {
+        self.changes.iter().map(Change::store_op).collect()
+    }
+}
+
+fn not_found(name: &str) -> CatalogError {
+    CatalogError::VolumeNotFound {
+        name: name.to_string(),
+    }
+}
+
+fn snapshot_not_found(volume: &str, snapshot: &str) -> CatalogError {
+    CatalogError::SnapshotNotFound {
+        volume: volume.to_string(),
+        snapshot: snapshot.to_string(),
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
+/// Points `record`'s current view at a frozen view (rollback, receive): a fresh generation on
+/// top of it, skipping every own generation written after it.
+fn rebase_onto(
+    record: &mut VolumeRecord,
+    frozen_view: &[Layer],
+    frozen_generation: u64,
+    size_bytes: u64,
+) {
+    let next = record.generation_next;
+    let mut view = frozen_view.to_vec();
+    view[0].generation_max = next;
+    view[0].exclude(frozen_generation + 1, next - 1);
+    record.view = view;
+    record.generation = next;
+    record.generation_next = next + 1;
+    record.size_bytes = size_bytes;
+}
+
+impl CatalogState {
+    /// Reads every catalog record from the store. `local_node` places volume records written by
+    /// single-node Keel (before replication state existed).
+    pub fn load(store: &Store, local_node: NodeId) -> Result<CatalogState, CatalogError> {
+        let mut state = CatalogState {
+            next_volume_id: 1,
+            ..CatalogState::default()
+        };
+        let mut snapshots: Vec<SnapshotRecord> = Vec::new();
+        for prefix in records::CATALOG_PREFIXES {
+            for (key, value) in scan_prefix(store, prefix)? {
+                let suffix = key.get(1..).unwrap_or_default();
+                if suffix == records::CLUSTER_SUFFIX {
+                    state.cluster = Some(records::decode_versioned(&key, &value)?);
+                } else if suffix.starts_with(records::NODE_PREFIX) {
+                    let node: NodeRecord = records::decode_versioned(&key, &value)?;
+                    state.nodes.insert(node.id, node);
+                } else if suffix == records::NEXT_VOLUME_ID_SUFFIX {
+                    let next: u64 = records::decode_plain(&key, &value)?;
+                    state.next_volume_id = state.next_volume_id.max(next);
+                } else if suffix.starts_with(records::VOLUME_PREFIX) {
+                    let record = records::decode_volume(&key, &value, local_node)?;
+                    state.next_volume_id = state.next_volume_id.max(record.id + 1);
+                    state.volumes.insert(
+                        record.id,
+                        VolumeEntry {
+                            record,
+                            snapshots: BTreeMap::new(),
+                        },
+                    );
+                } else if suffix.starts_with(records::SNAPSHOT_PREFIX) {
+                    snapshots.push(records::decode_plain(&key, &value)?);
+                } else if suffix.starts_with(records::KEY_PREFIX) {
+                    let record: KeyRecord = records::decode_versioned(&key, &value)?;
+                    state.keys.insert(record.access_key_id.clone(), record);
+                } else if suffix.starts_with(records::BUCKET_PREFIX) {
+                    let record: BucketRecord = records::decode_versioned(&key, &value)?;
+                    state.buckets.insert(record.name.clone(), record);
+                } else {
+                    tracing::warn!(
+                        record = %String::from_utf8_lossy(suffix),
+                        "ignoring an unknown record in the catalog's key range"
+                    );
+                }
+            }
+        }
+        for snapshot in snapshots {
+            match state.volumes.get_mut(&snapshot.volume_id) {
+                Some(entry) => {
+                    entry.snapshots.insert(snapshot.generation, snapshot);
+                }
+                None => tracing::warn!(
+                    volume_id = snapshot.volume_id,
+                    snapshot = %snapshot.name,
+                    "ignoring a snapshot record whose volume record is gone"
+                ),
+            }
+        }
+        Ok(state)
+    }
+
+    /// Store ops that make the store's catalog records exactly this state's: deletes of every
+    /// record now under the catalog's prefixes, then puts of every record of `self`.
+    pub fn replace_ops(&self, store: &Store) -> Result<Vec<WriteOp>, CatalogError> {
+        let mut ops = Vec::new();
+        for prefix in records::CATALOG_PREFIXES {
+            for (key, _) in scan_prefix(store, prefix)? {
+                ops.push(WriteOp::Delete { key });
+            }
+        }
+        let mut changes = Vec::new();
+        if let Some(cluster) = &self.cluster {
+            changes.push(Change::PutCluster(cluster.clone()));
+        }
+        changes.extend(self.nodes.values().cloned().map(Change::PutNode));
+        changes.push(Change::PutNextVolumeId(self.next_volume_id));
+        for entry in self.volumes.values() {
+            changes.push(Change::PutVolume(entry.record.clone()));
+            changes.extend(entry.snapshots.values().cloned().map(Change::PutSnapshot));
+        }
+        changes.extend(self.keys.values().cloned().map(Change::PutKey));
+        changes.extend(self.buckets.values().cloned().map(Change::PutBucket));
+        ops.extend(changes.iter().map(Change::store_op));
+        Ok(ops)
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        records::encode_versioned(self)
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<CatalogState, CatalogError> {
+        records::decode_versioned(b"\x01snapshot", bytes)
+    }
+
+    // ---- lookups ----
+
+    /// A ready volume by name.
+    pub fn volume(&self, name: &str) -> Option<&VolumeEntry> {
+        self.volumes
+            .values()
+            .find(|entry| entry.record.name == name && entry.record.status == VolumeStatus::Ready)
+    }
+
+    /// Whether a ready or receiving volume holds `name` (a deleting one frees its name).
+    fn volume_name_taken(&self, name: &str) -> bool {
+        self.volumes
+            .values()
+            .any(|entry| entry.record.name == name && entry.record.status != VolumeStatus::Deleting)
+    }
+
+    pub fn ready_volumes(&self) -> impl Iterator<Item = &VolumeEntry> {
+        self.volumes
+            .values()
+            .filter(|entry| entry.record.status == VolumeStatus::Ready)
+    }
+
+    /// Names of ready volumes (other than `volume_id`) that read through `volume_id`'s extents:
+    /// clones of any of its snapshots, or of the one at `snapshot_generation`.
+    pub fn dependents(&self, volume_id: u64, snapshot_generation: Option<u64>) -> Vec<String> {
+        self.volumes
+            .values()
+            .filter(|entry| entry.record.id != volume_id)
+            .filter(|entry| match (&entry.record.origin, snapshot_generation) {
+                (Some(origin), Some(generation)) => {
+                    origin.volume_id == volume_id && origin.snapshot_generation == generation
+                }
+                (Some(origin), None) => origin.volume_id == volume_id,
+                (None, _) => false,
+            })
+            .map(|entry| entry.record.name.clone())
+            .collect()
+    }
+
+    /// (volume name, snapshot name) a clone was made from.
+    pub fn origin_names(&self, origin: &Option<Origin>) -> Option<(String, String)> {
+        let origin = origin.as_ref()?;
+        let parent = self.volumes.get(&origin.volume_id)?;
+        let snapshot = parent.snapshots.get(&origin.snapshot_generation)?;
+        Some((parent.record.name.clone(), snapshot.name.clone()))
+    }
+
+    pub fn node_by_name(&self, name: &str) -> Option<&NodeRecord> {
+        self.nodes
+            .values()
+            .find(|node| node.name == name && !node.removed)
+    }
+
+    /// Members that were not removed.
+    pub fn members(&self) -> impl Iterator<Item = &NodeRecord> {
+        self.nodes.values().filter(|node| !node.removed)
+    }
+
+    /// Whether the key may use the bucket: `None` when the bucket does not exist.
+    pub fn can_access(&self, bucket: &str, access_key_id: &str) -> Option<bool> {
+        let record = self.buckets.get(bucket)?;
+        Some(record.owner == access_key_id || record.grants.iter().any(|g| g == access_key_id))
+    }
+
+    // ---- applying ----
+
+    /// The changes `command` makes, or why it is refused. Pure: reads `self` and `command` only.
+    pub fn plan(&self, command: &Command) -> Result<Plan, CatalogError> {
+        match command {
+            Command::Bootstrap {
+                cluster_id,
+                created_unix_ms,
+                node,
+            } => self.plan_bootstrap(*cluster_id, *created_unix_ms, node),
+            Command::NodeAdd {
+                node,
+                joined_unix_ms,
+            } => self.plan_node_add(node, *joined_unix_ms),
+            Command::NodeUpdate {
+                id,
+                addresses,
+                labels,
+                devices,
+            } => {
+                let mut record = self.live_node(*id)?.clone();
+                record.addresses = addresses.clone();
+                record.labels = labels.clone();
+                record.devices = devices.clone();
+                Ok(Plan::new(Outcome::Done)
+                    .change(Change::PutNode(record))
+                    .event(Event::NodeChanged { node: *id }))
+            }
+            Command::NodeSetState {
+                id,
+                state,
+                at_unix_ms,
+            } => {
+                let mut record = self.live_node(*id)?.clone();
+                if record.state == *state {
+                    return Ok(Plan::new(Outcome::Done));
+                }
+                record.state = *state;
+                record.state_since_unix_ms = *at_unix_ms;
+                Ok(Plan::new(Outcome::Done)
+                    .change(Change::PutNode(record))
+                    .event(Event::NodeChanged { node: *id }))
+            }
+            Command::NodeSetDraining { id, draining } => {
+                let mut record = self.live_node(*id)?.clone();
+                record.draining = *draining;
+                Ok(Plan::new(Outcome::Done)
+                    .change(Change::PutNode(record))
+                    .event(Event::NodeChanged { node: *id }))
+            }
+            Command::NodeRemove { id } => {
+                let mut record = self.live_node(*id)?.clone();
+                let hosted: Vec<String> = self
+                    .volumes
+                    .values()
+                    .filter(|entry| entry.record.replication.hosts(*id))
+                    .map(|entry| entry.record.name.clone())
+                    .collect();
+                if !hosted.is_empty() {
+                    return Err(CatalogError::NodeInUse {
+                        node: record.name,
+                        detail: format!(
+                            "it holds replicas of volumes {hosted:?}; delete or move them first"
+                        ),
+                    });
+                }
+                record.removed = true;
+                Ok(Plan::new(Outcome::Done)
+                    .change(Change::PutNode(record))
+                    .event(Event::NodeChanged { node: *id }))
+            }
+            Command::VolumeCreate {
+                settings,
+                uuid,
+                created_unix_seconds,
+                replicas,
+                status,
+            } => self.plan_volume_create(settings, *uuid, *created_unix_seconds, replicas, *status),
+            Command::VolumeClone {
+                parent,
+                snapshot,
+                name,
+                uuid,
+                created_unix_seconds,
+            } => self.plan_clone(parent, snapshot, name, *uuid, *created_unix_seconds),
+            Command::VolumeDelete { name } => {
+                let entry = self.volume(name).ok_or_else(|| not_found(name))?;
+                let clones = self.dependents(entry.record.id, None);
+                if !clones.is_empty() {
+                    return Err(CatalogError::VolumeInUse {
+                        volume: name.clone(),
+                        detail: format!(
+                            "clones {clones:?} read through its snapshots; delete them first"
+                        ),
+                    });
+                }
+                if entry.record.receiving_generation.is_some() {
+                    return Err(CatalogError::VolumeInUse {
+                        volume: name.clone(),
+                        detail: "a stream is being received into it".to_string(),
+                    });
+                }
+                let mut record = entry.record.clone();
+                record.status = VolumeStatus::Deleting;
+                Ok(Plan::new(Outcome::Volume(record.id))
+                    .event(Event::VolumeDeleting {
+                        volume_id: record.id,
+                    })
+                    .change(Change::PutVolume(record)))
+            }
+            Command::VolumeForget { volume_id } => {
+                let entry = self
+                    .volumes
+                    .get(volume_id)
+                    .ok_or_else(|| CatalogError::Invalid {
+                        subject: format!("volume id {volume_id}"),
+                        detail: "no such volume".to_string(),
+                    })?;
+                if entry.record.status != VolumeStatus::Deleting {
+                    return Err(CatalogError::Invalid {
+                        subject: entry.record.name.clone(),
+                        detail: "only a volume being deleted can be forgotten".to_string(),
+                    });
+                }
+                let mut plan = Plan::new(Outcome::Done);
+                for &generation in entry.snapshots.keys() {
+                    plan = plan.change(Change::DeleteSnapshot {
+                        volume_id: *volume_id,
+                        generation,
+                    });
+                }
+                Ok(plan
+                    .change(Change::DeleteVolume(*volume_id))
+                    .event(Event::VolumeForgotten {
+                        volume_id: *volume_id,
+                    }))
+            }
+            Command::VolumeResize {
+                name,
+                size_bytes,
+                allow_shrink,
+            } => self.plan_resize(name, *size_bytes, *allow_shrink),
+            Command::VolumeSetLimits {
+                name,
+                iops_max,
+                bandwidth_max_mib_per_second,
+            } => {
+                let entry = self.volume(name).ok_or_else(|| not_found(name))?;
+                let mut record = entry.record.clone();
+                record.iops_max = *iops_max;
+                record.bandwidth_max_mib_per_second = *bandwidth_max_mib_per_second;
+                Ok(Plan::new(Outcome::Done)
+                    .event(Event::VolumeChanged {
+                        volume_id: record.id,
+                    })
+                    .change(Change::PutVolume(record)))
+            }
+            Command::SnapshotCreate {
+                volume,
+                snapshot,
+                guid,
+                created_unix_seconds,
+            } => self.plan_snapshot_create(volume, snapshot, *guid, *created_unix_seconds),
+            Command::SnapshotDelete { volume, snapshot } => {
+                let entry = self.volume(volume).ok_or_else(|| not_found(volume))?;
+                let frozen = entry
+                    .snapshot_by_name(snapshot)
+                    .ok_or_else(|| snapshot_not_found(volume, snapshot))?;
+                let clones = self.dependents(entry.record.id, Some(frozen.generation));
+                if !clones.is_empty() {
+                    return Err(CatalogError::VolumeInUse {
+                        volume: volume.clone(),
+                        detail: format!("clones {clones:?} were made from snapshot {snapshot:?}"),
+                    });
+                }
+                let volume_id = entry.record.id;
+                Ok(Plan::new(Outcome::Done)
+                    .change(Change::DeleteSnapshot {
+                        volume_id,
+                        generation: frozen.generation,
+                    })
+                    .event(Event::VolumeChanged { volume_id })
+                    .event(Event::VolumeGarbage { volume_id }))
+            }
+            Command::VolumeRollback { volume, snapshot } => {
+                let entry = self.volume(volume).ok_or_else(|| not_found(volume))?;
+                if entry.record.receiving_generation.is_some() {
+                    return Err(CatalogError::VolumeInUse {
+                        volume: volume.clone(),
+                        detail: "a stream is being received into it".to_string(),
+                    });
+                }
+                let target = entry
+                    .snapshot_by_name(snapshot)
+                    .ok_or_else(|| snapshot_not_found(volume, snapshot))?;
+                let mut record = entry.record.clone();
+                rebase_onto(
+                    &mut record,
+                    &target.view,
+                    target.generation,
+                    target.size_bytes,
+                );
+                let volume_id = record.id;
+                Ok(Plan::new(Outcome::Done)
+                    .change(Change::PutVolume(record))
+                    .event(Event::VolumeChanged { volume_id })
+                    .event(Event::VolumeGarbage { volume_id }))
+            }
+            Command::ReceiveReserve {
+                volume,
+                base_guid,
+                target_name,
+                target_guid,
+            } => self.plan_receive_reserve(volume, base_guid, target_name, target_guid),
+            Command::ReceivePublish {
+                volume_id,
+                generation,
+                base_generation,
+                target_name,
+                target_guid,
+                size_bytes,
+                created_unix_seconds,
+            } => self.plan_receive_publish(
+                *volume_id,
+                *generation,
+                *base_generation,
+                target_name,
+                *target_guid,
+                *size_bytes,
+                *created_unix_seconds,
+            ),
+            Command::ReceiveAbandon {
+                volume_id,
+                generation,
+            } => {
+                let entry = self
+                    .volumes
+                    .get(volume_id)
+                    .ok_or_else(|| CatalogError::Invalid {
+                        subject: format!("volume id {volume_id}"),
+                        detail: "no such volume".to_string(),
+                    })?;
+                let mut record = entry.record.clone();
+                if record.status == VolumeStatus::Receiving {
+                    record.status = VolumeStatus::Deleting;
+                    return Ok(Plan::new(Outcome::Done)
+                        .change(Change::PutVolume(record))
+                        .event(Event::VolumeDeleting {
+                            volume_id: *volume_id,
+                        }));
+                }
+                if record.receiving_generation != Some(*generation) {
+                    // Already published or abandoned: nothing left to release.
+                    return Ok(Plan::new(Outcome::Done));
+                }
+                record.receiving_generation = None;
+                Ok(Plan::new(Outcome::Done)
+                    .change(Change::PutVolume(record))
+                    .event(Event::VolumeChanged {
+                        volume_id: *volume_id,
+                    })
+                    .event(Event::VolumeGarbage {
+                        volume_id: *volume_id,
+                    }))
+            }
+            Command::KeyAdd { record } => {
+                if self.keys.contains_key(&record.access_key_id) {
+                    return Err(CatalogError::AccessKeyExists {
+                        access_key_id: record.access_key_id.clone(),
+                    });
+                }
+                Ok(Plan::new(Outcome::Done)
+                    .change(Change::PutKey(record.clone()))
+                    .event(Event::KeysChanged))
+            }
+            Command::KeyDelete { access_key_id } => {
+                if !self.keys.contains_key(access_key_id) {
+                    return Err(CatalogError::NoSuchAccessKey {
+                        access_key_id: access_key_id.clone(),
+                    });
+                }
+                Ok(Plan::new(Outcome::Done)
+                    .change(Change::DeleteKey(access_key_id.clone()))
+                    .event(Event::KeysChanged))
+            }
+            Command::BucketCreate {
+                name,
+                owner,
+                compression_code,
+                created_unix_ms,
+            } => {
+                crate::validate_bucket_name(name)?;
+                if let Some(existing) = self.buckets.get(name) {
+                    return Err(if existing.owner == *owner {
+                        CatalogError::BucketAlreadyOwnedByYou { name: name.clone() }
+                    } else {
+                        CatalogError::BucketAlreadyExists { name: name.clone() }
+                    });
+                }
+                if !self.keys.contains_key(owner) {
+                    return Err(CatalogError::NoSuchAccessKey {
+                        access_key_id: owner.clone(),
+                    });
+                }
+                Compression::from_code(*compression_code).ok_or_else(|| CatalogError::Invalid {
+                    subject: name.clone(),
+                    detail: format!("unknown compression code {compression_code}"),
+                })?;
+                Ok(Plan::new(Outcome::Done)
+                    .change(Change::PutBucket(BucketRecord {
+                        name: name.clone(),
+                        owner: owner.clone(),
+                        grants: Vec::new(),
+                        created_unix_ms: *created_unix_ms,
+                        compression_code: *compression_code,
+                    }))
+                    .event(Event::BucketChanged { name: name.clone() }))
+            }
+            Command::BucketDelete { name } => {
+                if !self.buckets.contains_key(name) {
+                    return Err(CatalogError::NoSuchBucket { name: name.clone() });
+                }
+                Ok(Plan::new(Outcome::Done)
+                    .change(Change::DeleteBucket(name.clone()))
+                    .event(Event::BucketChanged { name: name.clone() }))
+            }
+            Command::BucketGrant {
+                bucket,
+                access_key_id,
+                allow,
+            } => {
+                if !self.keys.contains_key(access_key_id) {
+                    return Err(CatalogError::NoSuchAccessKey {
+                        access_key_id: access_key_id.clone(),
+                    });
+                }
+                let mut record = self
+                    .buckets
+                    .get(bucket)
+                    .ok_or_else(|| CatalogError::NoSuchBucket {
+                        name: bucket.clone(),
+                    })?
+                    .clone();
+                record.grants.retain(|grant| grant != access_key_id);
+                if *allow {
+                    record.grants.push(access_key_id.clone());
+                    record.grants.sort();
+                }
+                Ok(Plan::new(Outcome::Done)
+                    .change(Change::PutBucket(record))
+                    .event(Event::BucketChanged {
+                        name: bucket.clone(),
+                    }))
+            }
+            Command::BucketSetCompression {
+                bucket,
+                compression_code,
+            } => {
+                Compression::from_code(*compression_code).ok_or_else(|| CatalogError::Invalid {
+                    subject: bucket.clone(),
+                    detail: format!("unknown compression code {compression_code}"),
+                })?;
+                let mut record = self
+                    .buckets
+                    .get(bucket)
+                    .ok_or_else(|| CatalogError::NoSuchBucket {
+                        name: bucket.clone(),
+                    })?
+                    .clone();
+                record.compression_code = *compression_code;
+                Ok(Plan::new(Outcome::Done)
+                    .change(Change::PutBucket(record))
+                    .event(Event::BucketChanged {
+                        name: bucket.clone(),
+                    }))
+            }
+        }
+    }
+
+    /// Applies planned changes to memory (after they are in the store).
+    pub fn commit(&mut self, changes: &[Change]) {
+        for change in changes {
+            match change {
+                Change::PutCluster(record) => self.cluster = Some(record.clone()),
+                Change::PutNode(record) => {
+                    self.nodes.insert(record.id, record.clone());
+                }
+                Change::PutNextVolumeId(next) => self.next_volume_id = *next,
+                Change::PutVolume(record) => {
+                    self.volumes
+                        .entry(record.id)
+                        .and_modify(|entry| entry.record = record.clone())
+                        .or_insert_with(|| VolumeEntry {
+                            record: record.clone(),
+                            snapshots: BTreeMap::new(),
+                        });
+                }
+                Change::DeleteVolume(id) => {
+                    self.volumes.remove(id);
+                }
+                Change::PutSnapshot(record) => {
+                    if let Some(entry) = self.volumes.get_mut(&record.volume_id) {
+                        entry.snapshots.insert(record.generation, record.clone());
+                    }
+                }
+                Change::DeleteSnapshot {
+                    volume_id,
+                    generation,
+                } => {
+                    if let Some(entry) = self.volumes.get_mut(volume_id) {
+                        entry.snapshots.remove(generation);
+                    }
+                }
+                Change::PutKey(record) => {
+                    self.keys
+                        .insert(record.access_key_id.clone(), record.clone());
+                }
+                Change::DeleteKey(id) => {
+                    self.keys.remove(id);
+                }
+                Change::PutBucket(record) => {
+                    self.buckets.insert(record.name.clone(), record.clone());
+                }
+                Change::DeleteBucket(name) => {
+                    self.buckets.remove(name);
+                }
+            }
+        }
+    }
+
+    fn live_node(&self, id: NodeId) -> Result<&NodeRecord, CatalogError> {
+        self.nodes
+            .get(&id)
+            .filter(|node| !node.removed)
+            .ok_or(CatalogError::NodeNotFound { node: id })
+    }
+
+    fn validate_node(&self, node: &NodeSpec) -> Result<(), CatalogError> {
+        validate_name("node", &node.name)?;
+        if self.node_by_name(&node.name).is_some() {
+            return Err(CatalogError::NodeExists {
+                name: node.name.clone(),
+            });
+        }
+        if node.addresses.cluster.is_empty() {
+            return Err(CatalogError::Invalid {
+                subject: node.name.clone(),
+                detail: "a node needs a cluster address".to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    fn new_node(id: NodeId, node: &NodeSpec, at_unix_ms: i64) -> NodeRecord {
+        NodeRecord {
+            id,
+            name: node.name.clone(),
+            role: node.role,
+            addresses: node.addresses.clone(),
+            labels: node.labels.clone(),
+            devices: node.devices.clone(),
+            state: NodeState::Up,
+            state_since_unix_ms: at_unix_ms,
+            draining: false,
+            removed: false,
+            joined_unix_ms: at_unix_ms,
+        }
+    }
+
+    fn plan_bootstrap(
+        &self,
+        cluster_id: [u8; 16],
+        created_unix_ms: i64,
+        node: &NodeSpec,
+    ) -> Result<Plan, CatalogError> {
+        if let Some(cluster) = &self.cluster {
+            return Err(CatalogError::Invalid {
+                subject: "cluster".to_string(),
+                detail: format!(
+                    "this catalog already belongs to cluster {}",
+                    hex(&cluster.cluster_id)
+                ),
+            });
+        }
+        self.validate_node(node)?;
+        let first = crate::FIRST_NODE_ID;
+        Ok(Plan::new(Outcome::Node(first))
+            .change(Change::PutCluster(ClusterRecord {
+                cluster_id,
+                created_unix_ms,
+                next_node_id: first + 1,
+            }))
+            .change(Change::PutNode(Self::new_node(
+                first,
+                node,
+                created_unix_ms,
+            )))
+            .event(Event::NodeChanged { node: first }))
+    }
+
+    fn plan_node_add(&self, node: &NodeSpec, joined_unix_ms: i64) -> Result<Plan, CatalogError> {
+        let mut cluster = self.cluster.clone().ok_or_else(|| CatalogError::Invalid {
+            subject: node.name.clone(),
+            detail: "the cluster is not bootstrapped".to_string(),
+        })?;
+        self.validate_node(node)?;
+        let id = cluster.next_node_id;
+        cluster.next_node_id += 1;
+        Ok(Plan::new(Outcome::Node(id))
+            .change(Change::PutCluster(cluster))
+            .change(Change::PutNode(Self::new_node(id, node, joined_unix_ms)))
+            .event(Event::NodeChanged { node: id }))
+    }
+
+    /// A fresh volume record at generation 1 showing only its own (empty) layer, ready, with
+    /// `replication`; callers adjust the view, origin or status.
+    fn new_volume_record(
+        id: u64,
+        settings: &VolumeSettings,
+        uuid: [u8; 16],
+        created_unix_seconds: u64,
+        replication: Replication,
+    ) -> VolumeRecord {
+        VolumeRecord {
+            format: VOLUME_RECORD_FORMAT,
+            id,
+            uuid,
+            name: settings.name.clone(),
+            size_bytes: settings.size_bytes,
+            compression: settings.compression.clone(),
+            iops_max: settings.iops_max,
+            bandwidth_max_mib_per_second: settings.bandwidth_max_mib_per_second,
+            generation: 1,
+            generation_next: 2,
+            view: vec![Layer::new(id, 1)],
+            origin: None,
+            status: VolumeStatus::Ready,
+            created_unix_seconds,
+            receiving_generation: None,
+            replication,
+        }
+    }
+
+    fn plan_volume_create(
+        &self,
+        settings: &VolumeSettings,
+        uuid: [u8; 16],
+        created_unix_seconds: u64,
+        replicas: &[NodeId],
+        status: VolumeStatus,
+    ) -> Result<Plan, CatalogError> {
+        validate_name("volume", &settings.name)?;
+        validate_size(&settings.name, settings.size_bytes)?;
+        if Compression::from_name(&settings.compression).is_none() {
+            return Err(CatalogError::Invalid {
+                subject: settings.name.clone(),
+                detail: format!("unknown compression {:?}", settings.compression),
+            });
+        }
+        if status == VolumeStatus::Deleting {
+            return Err(CatalogError::Invalid {
+                subject: settings.name.clone(),
+                detail: "a volume cannot be created in the deleting state".to_string(),
+            });
+        }
+        if self.volume_name_taken(&settings.name) {
+            return Err(CatalogError::VolumeExists {
+                name: settings.name.clone(),
+            });
+        }
+        let replication = self.check_placement(&settings.name, replicas)?;
+        let id = self.next_volume_id;
+        let mut record =
+            Self::new_volume_record(id, settings, uuid, created_unix_seconds, replication);
+        record.status = status;
+        Ok(Plan::new(Outcome::Volume(id))
+            .change(Change::PutNextVolumeId(id + 1))
+            .change(Change::PutVolume(record))
+            .event(Event::VolumeChanged { volume_id: id }))
+    }
+
+    /// Replicas must be distinct live storage nodes; the first is the primary.
+    fn check_placement(
+        &self,
+        volume: &str,
+        replicas: &[NodeId],
+    ) -> Result<Replication, CatalogError> {
+        let invalid = |detail: String| CatalogError::Invalid {
+            subject: volume.to_string(),
+            detail,
+        };
+        let Some(&primary) = replicas.first() else {
+            return Err(invalid("a volume needs at least one replica".to_string()));
+        };
+        for (index, &node) in replicas.iter().enumerate() {
+            if replicas[..index].contains(&node) {
+                return Err(invalid(format!("node {node} is named twice as a replica")));
+            }
+            let record = self.live_node(node)?;
+            if record.role != crate::records::NodeRole::Storage {
+                return Err(invalid(format!(
+                    "node {} is a {} and holds no data",
+                    record.name,
+                    record.role.name()
+                )));
+            }
+        }
+        let factor = u8::try_from(replicas.len())
+            .map_err(|_| invalid(format!("{} replicas is too many", replicas.len())))?;
+        Ok(Replication {
+            factor,
+            in_sync_min: 1,
+            replicas: replicas.to_vec(),
+            epoch: 1,
+            primary,
+            in_sync: replicas.to_vec(),
+        })
+    }
+
+    fn plan_clone(
+        &self,
+        parent: &str,
+        snapshot: &str,
+        name: &str,
+        uuid: [u8; 16],
+        created_unix_seconds: u64,
+    ) -> Result<Plan, CatalogError> {
+        validate_name("volume", name)?;
+        if self.volume_name_taken(name) {
+            return Err(CatalogError::VolumeExists {
+                name: name.to_string(),
+            });
+        }
+        let parent_entry = self.volume(parent).ok_or_else(|| not_found(parent))?;
+        let source = parent_entry
+            .snapshot_by_name(snapshot)
+            .ok_or_else(|| snapshot_not_found(parent, snapshot))?;
+        if source.view.len() >= CLONE_DEPTH_MAX {
+            return Err(CatalogError::Invalid {
+                subject: name.to_string(),
+                detail: format!("clone chains are limited to {CLONE_DEPTH_MAX} levels"),
+            });
+        }
+        let settings = VolumeSettings {
+            name: name.to_string(),
+            size_bytes: source.size_bytes,
+            compression: parent_entry.record.compression.clone(),
+            iops_max: parent_entry.record.iops_max,
+            bandwidth_max_mib_per_second: parent_entry.record.bandwidth_max_mib_per_second,
+        };
+        let id = self.next_volume_id;
+        let mut view = vec![Layer::new(id, 1)];
+        view.extend(source.view.iter().cloned());
+        let mut replication = parent_entry.record.replication.clone();
+        replication.epoch = 1;
+        let mut record =
+            Self::new_volume_record(id, &settings, uuid, created_unix_seconds, replication);
+        record.view = view;
+        record.origin = Some(Origin {
+            volume_id: parent_entry.record.id,
+            snapshot_generation: source.generation,
+        });
+        Ok(Plan::new(Outcome::Volume(id))
+            .change(Change::PutNextVolumeId(id + 1))
+            .change(Change::PutVolume(record))
+            .event(Event::VolumeChanged { volume_id: id }))
+    }
+
+    fn plan_resize(
+        &self,
+        name: &str,
+        size_bytes: u64,
+        allow_shrink: bool,
+    ) -> Result<Plan, CatalogError> {
+        validate_size(name, size_bytes)?;
+        let entry = self.volume(name).ok_or_else(|| not_found(name))?;
+        let mut record = entry.record.clone();
+        let shrinking = size_bytes < record.size_bytes;
+        if shrinking && !allow_shrink {
+            return Err(CatalogError::Invalid {
+                subject: name.to_string(),
+                detail: format!(
+                    "shrinking from {} to {size_bytes} bytes discards data; ask for it explicitly",
+                    record.size_bytes
+                ),
+            });
+        }
+        if shrinking {
+            // Hide every block past the new end as of now, then move on to a fresh generation
+            // so writes after a later grow are seen again.
+            let current = record.generation;
+            let next = record.generation_next;
+            let top = &mut record.view[0];
+            top.truncations.push(Truncation {
+                block_from: size_bytes / crate::BLOCK_SIZE_BYTES,
+                generation_upto: current,
+            });
+            top.generation_max = next;
+            record.generation = next;
+            record.generation_next = next + 1;
+        }
+        record.size_bytes = size_bytes;
+        let volume_id = record.id;
+        let mut plan = Plan::new(Outcome::Done)
+            .change(Change::PutVolume(record))
+            .event(Event::VolumeChanged { volume_id });
+        if shrinking {
+            plan = plan.event(Event::VolumeGarbage { volume_id });
+        }
+        Ok(plan)
+    }
+
+    fn plan_snapshot_create(
+        &self,
+        volume: &str,
+        snapshot: &str,
+        guid: [u8; 16],
+        created_unix_seconds: u64,
+    ) -> Result<Plan, CatalogError> {
+        validate_name("snapshot", snapshot)?;
+        let entry = self.volume(volume).ok_or_else(|| not_found(volume))?;
+        if entry.snapshot_by_name(snapshot).is_some() {
+            return Err(CatalogError::SnapshotExists {
+                volume: volume.to_string(),
+                snapshot: snapshot.to_string(),
+            });
+        }
+        if entry.snapshots.len() >= SNAPSHOTS_PER_VOLUME_MAX {
+            return Err(CatalogError::Invalid {
+                subject: volume.to_string(),
+                detail: format!("it already has {SNAPSHOTS_PER_VOLUME_MAX} snapshots"),
+            });
+        }
+        let mut record = entry.record.clone();
+        let frozen = SnapshotRecord {
+            format: VOLUME_RECORD_FORMAT,
+            volume_id: record.id,
+            name: snapshot.to_string(),
+            guid,
+            generation: record.generation,
+            size_bytes: record.size_bytes,
+            view: record.view.clone(),
+            created_unix_seconds,
+        };
+        let next = record.generation_next;
+        record.generation = next;
+        record.generation_next = next + 1;
+        record.view[0].generation_max = next;
+        let volume_id = record.id;
+        Ok(Plan::new(Outcome::Snapshot {
+            volume_id,
+            generation: frozen.generation,
+        })
+        .change(Change::PutSnapshot(frozen))
+        .change(Change::PutVolume(record))
+        .event(Event::VolumeChanged { volume_id }))
+    }
+
+    fn plan_receive_reserve(
+        &self,
+        volume: &str,
+        base_guid: &[u8; 16],
+        target_name: &str,
+        target_guid: &[u8; 16],
+    ) -> Result<Plan, CatalogError> {
+        validate_name("snapshot", target_name)?;
+        let base_missing = || CatalogError::BaseMissing {
+            volume: volume.to_string(),
+            base_guid: hex(base_guid),
+        };
+        let entry = self.volume(volume).ok_or_else(base_missing)?;
+        let base = entry.snapshot_by_guid(base_guid).ok_or_else(base_missing)?;
+        if let Some(existing) = entry
+            .snapshots
+            .values()
+            .find(|snapshot| snapshot.name == target_name || snapshot.guid == *target_guid)
+        {
+            return Err(CatalogError::SnapshotExists {
+                volume: volume.to_string(),
+                snapshot: existing.name.clone(),
+            });
+        }
+        if entry.record.receiving_generation.is_some() {
+            return Err(CatalogError::VolumeInUse {
+                volume: volume.to_string(),
+                detail: "another stream is being received into it".to_string(),
+            });
+        }
+        let mut record = entry.record.clone();
+        let generation = record.generation_next;
+        record.generation_next += 1;
+        record.view[0].exclude(generation, generation);
+        record.receiving_generation = Some(generation);
+        let volume_id = record.id;
+        Ok(Plan::new(Outcome::Reserved {
+            volume_id,
+            generation,
+            base_generation: base.generation,
+        })
+        .change(Change::PutVolume(record))
+        .event(Event::VolumeChanged { volume_id }))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn plan_receive_publish(
+        &self,
+        volume_id: u64,
+        generation: u64,
+        base_generation: Option<u64>,
+        target_name: &str,
+        target_guid: [u8; 16],
+        size_bytes: u64,
+        created_unix_seconds: u64,
+    ) -> Result<Plan, CatalogError> {
+        let entry = self
+            .volumes
+            .get(&volume_id)
+            .ok_or_else(|| CatalogError::Invalid {
+                subject: format!("volume id {volume_id}"),
+                detail: "the volume being received into is gone".to_string(),
+            })?;
+        let name = entry.record.name.clone();
+        validate_size(&name, size_bytes)?;
+        let expected_status = if base_generation.is_some() {
+            entry.record.status == VolumeStatus::Ready
+                && entry.record.receiving_generation == Some(generation)
+        } else {
+            entry.record.status == VolumeStatus::Receiving && generation == 1
+        };
+        if !expected_status {
+            return Err(CatalogError::Invalid {
+                subject: name,
+                detail: "the receive was abandoned before it could be published".to_string(),
+            });
+        }
+        if entry
+            .snapshots
+            .values()
+            .any(|snapshot| snapshot.name == target_name || snapshot.guid == target_guid)
+        {
+            return Err(CatalogError::SnapshotExists {
+                volume: name,
+                snapshot: target_name.to_string(),
+            });
+        }
+        let size_blocks = size_bytes / crate::BLOCK_SIZE_BYTES;
+        let mut frozen_view =
+            match base_generation {
+                None => vec![Layer::new(volume_id, generation)],
+                Some(base_generation) => {
+                    let base = entry.snapshots.get(&base_generation).ok_or_else(|| {
+                        CatalogError::Invalid {
+                            subject: name.clone(),
+                            detail: "the receive's base snapshot was deleted".to_string(),
+                        }
+                    })?;
+                    let mut view = base.view.clone();
+                    view[0].generation_max = generation;
+                    view[0].exclude(base.generation + 1, generation - 1);
+                    if size_blocks < base.size_bytes / crate::BLOCK_SIZE_BYTES {
+                        view[0].truncations.push(Truncation {
+                            block_from: size_blocks,
+                            generation_upto: generation - 1,
+                        });
+                    }
+                    view
+                }
+            };
+        frozen_view[0].volume_id = volume_id;
+        let snapshot = SnapshotRecord {
+            format: VOLUME_RECORD_FORMAT,
+            volume_id,
+            name: target_name.to_string(),
+            guid: target_guid,
+            generation,
+            size_bytes,
+            view: frozen_view,
+            created_unix_seconds,
+        };
+        let mut record = entry.record.clone();
+        rebase_onto(
+            &mut record,
+            &snapshot.view,
+            snapshot.generation,
+            snapshot.size_bytes,
+        );
+        record.status = VolumeStatus::Ready;
+        record.receiving_generation = None;
+        Ok(Plan::new(Outcome::Snapshot {
+            volume_id,
+            generation,
+        })
+        .change(Change::PutSnapshot(snapshot))
+        .change(Change::PutVolume(record))
+        .event(Event::VolumeChanged { volume_id }))
+    }
+}
+
+/// A store key and its value.
+type KeyValue = (Vec<u8>, Vec<u8>);
+
+/// Every (key, value) under `meta_key(prefix)`.
+fn scan_prefix(store: &Store, prefix: &[u8]) -> Result<Vec<KeyValue>, CatalogError> {
+    let (mut cursor, end) = records::prefix_range(prefix);
+    let mut out = Vec::new();
+    loop {
+        let page = store
+            .scan(&cursor, &end, SCAN_PAGE_RECORDS)
+            .map_err(|source| CatalogError::Store {
+                operation: "reading catalog records",
+                detail: source.to_string(),
+            })?;
+        let full = page.len() == SCAN_PAGE_RECORDS;
+        if let Some((last, _)) = page.last() {
+            cursor = last.clone();
+            cursor.push(0);
+        }
+        out.extend(page);
+        if !full {
+            return Ok(out);
+        }
+    }
+}
