@@ -19,6 +19,9 @@ use crate::NodeId;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeSpec {
     pub name: String,
+    /// Random, made once per data directory: recognises a join retried after a crash, and a
+    /// wiped node coming back under an old name.
+    pub instance: [u8; 16],
     pub role: NodeRole,
     pub addresses: NodeAddresses,
     pub labels: BTreeMap<String, String>,

@@ -88,10 +88,7 @@ pub enum CatalogError {
     #[error("catalog record {record} is corrupt: {detail}")]
     Corrupt { record: String, detail: String },
     #[error("store error while {operation}: {detail}")]
-    Store {
-        operation: &'static str,
-        detail: String,
-    },
+    Store { operation: String, detail: String },
 }
 
 /// Why a proposal did not produce an outcome.
@@ -244,37 +241,39 @@ impl Catalog {
         }
     }
 
-    /// Applies `command`: its record changes and `extra` (the caller's bookkeeping) in one store
-    /// write with `durability`, then memory, then observers. A refusal still writes `extra`.
-    /// A store failure leaves memory unchanged and is returned as the outer error.
+    /// Applies `command`: its record changes and the caller's bookkeeping (`extra`, given the
+    /// outcome) in one store write with `durability`, then memory, then observers. A refusal
+    /// still writes `extra`. A store failure leaves memory unchanged and is returned as the outer
+    /// error.
     pub fn apply(
         &self,
         store: &Store,
         command: &Command,
-        extra: Vec<WriteOp>,
+        extra: &dyn Fn(&Result<Outcome, CatalogError>) -> Vec<WriteOp>,
         durability: Durability,
     ) -> Result<Result<Outcome, CatalogError>, StoreError> {
         let _applying = lock(&self.applying);
         let plan = self.read().plan(command);
+        let outcome = plan
+            .as_ref()
+            .map(|plan| plan.outcome.clone())
+            .map_err(Clone::clone);
         let mut ops = match &plan {
             Ok(plan) => plan.store_ops(),
             Err(_) => Vec::new(),
         };
-        ops.extend(extra);
+        ops.extend(extra(&outcome));
         if !ops.is_empty() {
             store.write(ops, durability)?;
         }
-        match plan {
-            Ok(plan) => {
-                self.state
-                    .write()
-                    .unwrap_or_else(|poisoned| poisoned.into_inner())
-                    .commit(&plan.changes);
-                self.notify(&plan.events);
-                Ok(Ok(plan.outcome))
-            }
-            Err(refusal) => Ok(Err(refusal)),
+        if let Ok(plan) = plan {
+            self.state
+                .write()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .commit(&plan.changes);
+            self.notify(&plan.events);
         }
+        Ok(outcome)
     }
 
     /// Replaces the whole catalog with `state` (a Raft snapshot being installed): every catalog
@@ -291,7 +290,7 @@ impl Catalog {
         store
             .write(ops, Durability::Sync)
             .map_err(|source| CatalogError::Store {
-                operation: "installing a catalog snapshot",
+                operation: "installing a catalog snapshot".to_string(),
                 detail: source.to_string(),
             })?;
         *self
@@ -329,6 +328,7 @@ impl LocalCatalog {
         if state.cluster.is_none() {
             let node = NodeSpec {
                 name: "local".to_string(),
+                instance: [0; 16],
                 role: NodeRole::Storage,
                 addresses: NodeAddresses {
                     cluster: "local".to_string(),
@@ -360,7 +360,7 @@ impl Metadata for LocalCatalog {
     fn propose(&self, command: Command) -> Result<Outcome, MetadataError> {
         match self
             .catalog
-            .apply(&self.store, &command, Vec::new(), Durability::Sync)
+            .apply(&self.store, &command, &|_| Vec::new(), Durability::Sync)
         {
             Ok(outcome) => Ok(outcome?),
             Err(error) => Err(MetadataError::Failed {

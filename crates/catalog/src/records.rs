@@ -121,6 +121,8 @@ pub struct NodeRecord {
     pub id: NodeId,
     /// Unique among members that were not removed.
     pub name: String,
+    /// Random, made once per data directory (see `NodeSpec::instance`).
+    pub instance: [u8; 16],
     pub role: NodeRole,
     pub addresses: NodeAddresses,
     /// Failure-domain labels (`host`, `rack`, `zone`, ...): placement puts replicas in

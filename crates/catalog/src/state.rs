@@ -338,6 +338,13 @@ impl CatalogState {
         Some((parent.record.name.clone(), snapshot.name.clone()))
     }
 
+    /// The live member made from the data directory with this instance id.
+    pub fn node_by_instance(&self, instance: &[u8; 16]) -> Option<&NodeRecord> {
+        self.nodes
+            .values()
+            .find(|node| node.instance == *instance && !node.removed)
+    }
+
     pub fn node_by_name(&self, name: &str) -> Option<&NodeRecord> {
         self.nodes
             .values()
@@ -812,6 +819,7 @@ impl CatalogState {
         NodeRecord {
             id,
             name: node.name.clone(),
+            instance: node.instance,
             role: node.role,
             addresses: node.addresses.clone(),
             labels: node.labels.clone(),
@@ -1264,7 +1272,7 @@ fn scan_prefix(store: &Store, prefix: &[u8]) -> Result<Vec<KeyValue>, CatalogErr
         let page = store
             .scan(&cursor, &end, SCAN_PAGE_RECORDS)
             .map_err(|source| CatalogError::Store {
-                operation: "reading catalog records",
+                operation: "reading catalog records".to_string(),
                 detail: source.to_string(),
             })?;
         let full = page.len() == SCAN_PAGE_RECORDS;

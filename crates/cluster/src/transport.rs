@@ -1,0 +1,247 @@
+//! How the cluster talks to other nodes: one call-and-answer primitive over the node-to-node
+//! transport (`keel-rpc` in a server, [`LocalNetwork`] in tests and simulations).
+//!
+//! Errors distinguish "never sent" (safe to retry anywhere) from "sent, outcome unknown" (a
+//! proposal retried after this must be deduplicated, which the state machine does by proposal
+//! id), because the difference decides whether a retry can apply a change twice.
+
+use std::collections::{BTreeSet, HashMap};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::Duration;
+
+use keel_catalog::NodeId;
+
+pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+/// Whom a call is for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Peer {
+    /// A member, which must answer as that node id at that address.
+    Node { id: NodeId, address: String },
+    /// Whichever member of this cluster answers at the address (joining: the caller has no id
+    /// yet and does not know the seed's).
+    AnyAt { address: String },
+}
+
+impl Peer {
+    pub fn address(&self) -> &str {
+        match self {
+            Peer::Node { address, .. } | Peer::AnyAt { address } => address,
+        }
+    }
+}
+
+/// Who made an incoming call (the transport authenticated it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Caller {
+    Member(NodeId),
+    /// A node with the cluster's secret and no id yet: it may only ask to join.
+    Unassigned,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransportError {
+    /// The call was not sent (no connection, refused, partitioned): nothing happened there.
+    #[error("{peer} is unreachable: {detail}")]
+    Unreachable { peer: String, detail: String },
+    /// Sent, and no answer in time: it may or may not have happened there.
+    #[error("{peer} did not answer within {timeout:?}")]
+    Timeout { peer: String, timeout: Duration },
+    /// Sent, and the connection broke before the answer: it may or may not have happened.
+    #[error("connection to {peer} was lost: {detail}")]
+    Lost { peer: String, detail: String },
+    /// The peer answered with an error.
+    #[error("{peer} answered: {message}")]
+    Remote {
+        peer: String,
+        code: u16,
+        message: String,
+    },
+}
+
+impl TransportError {
+    /// Whether the call certainly did not take effect at the peer.
+    pub fn never_sent(&self) -> bool {
+        matches!(self, TransportError::Unreachable { .. })
+    }
+}
+
+/// An error a handler answers with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteFailure {
+    pub code: u16,
+    pub message: String,
+}
+
+/// The client side of the node-to-node transport.
+pub trait Transport: Send + Sync + 'static {
+    fn call(
+        &self,
+        peer: Peer,
+        method: u16,
+        payload: Vec<u8>,
+        timeout: Duration,
+    ) -> BoxFuture<Result<Vec<u8>, TransportError>>;
+}
+
+/// The server side: what a node does with an incoming call.
+pub trait Handler: Send + Sync + 'static {
+    fn handle(
+        &self,
+        caller: Caller,
+        method: u16,
+        payload: Vec<u8>,
+    ) -> BoxFuture<Result<Vec<u8>, RemoteFailure>>;
+    /// The node id this handler answers as (0 before it has one).
+    fn node_id(&self) -> NodeId;
+}
+
+struct Endpoint {
+    handler: Weak<dyn Handler>,
+}
+
+/// An in-process network of nodes, for tests and simulations: calls go straight to the
+/// target's handler on the same runtime, with partitions that drop traffic between chosen
+/// nodes (both directions), so the real cluster code runs without sockets.
+#[derive(Clone, Default)]
+pub struct LocalNetwork {
+    endpoints: Arc<RwLock<HashMap<String, Endpoint>>>,
+    /// Pairs of node ids that cannot reach each other.
+    cut: Arc<Mutex<BTreeSet<(NodeId, NodeId)>>>,
+}
+
+impl LocalNetwork {
+    pub fn new() -> LocalNetwork {
+        LocalNetwork::default()
+    }
+
+    /// Makes `handler` answer at `address` (replacing whatever answered there).
+    pub fn listen(&self, address: &str, handler: Weak<dyn Handler>) {
+        self.endpoints
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(address.to_string(), Endpoint { handler });
+    }
+
+    /// Nothing answers at `address` any more (the node crashed).
+    pub fn close(&self, address: &str) {
+        self.endpoints
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .remove(address);
+    }
+
+    /// Cuts every link between a node of `side` and a node not in it.
+    pub fn partition(&self, side: &[NodeId], all: &[NodeId]) {
+        let mut cut = self
+            .cut
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        for &a in side {
+            for &b in all.iter().filter(|b| !side.contains(b)) {
+                cut.insert((a.min(b), a.max(b)));
+            }
+        }
+    }
+
+    pub fn heal(&self) {
+        self.cut
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clear();
+    }
+
+    fn is_cut(&self, a: NodeId, b: NodeId) -> bool {
+        self.cut
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .contains(&(a.min(b), a.max(b)))
+    }
+
+    /// A transport for the node `from` (its id may change once it joins: read through `from`).
+    pub fn transport(&self, from: Arc<dyn Fn() -> NodeId + Send + Sync>) -> LocalTransport {
+        LocalTransport {
+            network: self.clone(),
+            from,
+        }
+    }
+}
+
+/// One node's side of a [`LocalNetwork`].
+pub struct LocalTransport {
+    network: LocalNetwork,
+    from: Arc<dyn Fn() -> NodeId + Send + Sync>,
+}
+
+impl Transport for LocalTransport {
+    fn call(
+        &self,
+        peer: Peer,
+        method: u16,
+        payload: Vec<u8>,
+        timeout: Duration,
+    ) -> BoxFuture<Result<Vec<u8>, TransportError>> {
+        let network = self.network.clone();
+        let from = (self.from)();
+        Box::pin(async move {
+            let address = peer.address().to_string();
+            let unreachable = |detail: &str| TransportError::Unreachable {
+                peer: address.clone(),
+                detail: detail.to_string(),
+            };
+            let handler = network
+                .endpoints
+                .read()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .get(&address)
+                .and_then(|endpoint| endpoint.handler.upgrade());
+            let Some(handler) = handler else {
+                return Err(unreachable("nothing listens there"));
+            };
+            let target = handler.node_id();
+            if let Peer::Node { id, .. } = peer {
+                if id != target {
+                    return Err(unreachable(&format!(
+                        "node {target} answers there, not node {id}"
+                    )));
+                }
+            }
+            if network.is_cut(from, target) {
+                // A partition looks like silence, not like a refusal.
+                tokio::time::sleep(timeout).await;
+                return Err(TransportError::Timeout {
+                    peer: address,
+                    timeout,
+                });
+            }
+            let caller = if from == 0 {
+                Caller::Unassigned
+            } else {
+                Caller::Member(from)
+            };
+            let answer =
+                tokio::time::timeout(timeout, handler.handle(caller, method, payload)).await;
+            // The answer crosses the partition too.
+            if network.is_cut(from, target) {
+                return Err(TransportError::Lost {
+                    peer: address,
+                    detail: "partitioned while the call was in flight".to_string(),
+                });
+            }
+            match answer {
+                Ok(Ok(bytes)) => Ok(bytes),
+                Ok(Err(failure)) => Err(TransportError::Remote {
+                    peer: address,
+                    code: failure.code,
+                    message: failure.message,
+                }),
+                Err(_) => Err(TransportError::Timeout {
+                    peer: address,
+                    timeout,
+                }),
+            }
+        })
+    }
+}
