@@ -117,6 +117,9 @@ pub struct ClusterConfig {
     pub devices: Vec<keel_catalog::DeviceRecord>,
     /// Cluster address of any member, to join through (ignored once this node is a member).
     pub join: Option<String>,
+    /// The cluster id from the join token: used when forming a cluster, checked when joining
+    /// or restarting. None: a random one when forming, nothing checked.
+    pub cluster_id: Option<[u8; 16]>,
     /// Voters the leader keeps when enough healthy members exist: 1, 3 or 5.
     pub voters: usize,
     pub timing: Timing,
@@ -352,7 +355,7 @@ impl Cluster {
             }
             (None, None) => (
                 Identity {
-                    cluster_id: random_bytes::<16>(),
+                    cluster_id: config.cluster_id.unwrap_or_else(random_bytes::<16>),
                     node_id: FIRST_NODE_ID,
                 },
                 true,
@@ -363,6 +366,15 @@ impl Cluster {
                 (identity, false)
             }
         };
+        if let Some(expected) = config.cluster_id {
+            if expected != identity.cluster_id {
+                return Err(ClusterError::Config(format!(
+                    "this node belongs to cluster {}, not to cluster {} (the join token's)",
+                    hex::encode(identity.cluster_id),
+                    hex::encode(expected)
+                )));
+            }
+        }
         if existing.is_none() {
             let store = store.clone();
             tokio::task::spawn_blocking(move || write_identity(&store, &identity))

@@ -92,6 +92,7 @@ pub async fn start(network: &LocalNetwork, dir: PathBuf, name: &str, options: Op
         labels: Default::default(),
         devices: Vec::new(),
         join: options.join,
+        cluster_id: None,
         voters: options.voters,
         timing: options.timing,
     };
