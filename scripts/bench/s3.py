@@ -175,7 +175,7 @@ def main():
     parser.add_argument("--out", default=os.path.join(REPO, "target", "bench-s3.json"))
     parser.add_argument("--server-cmd", default=os.environ.get(
         "KEEL_S3_SERVER_CMD",
-        "target/release/keel server --data {dir} --s3 127.0.0.1:{port} --nbd 127.0.0.1:0 --admin 127.0.0.1:0"))
+        "target/release/keel server --data {dir} --s3 127.0.0.1:{port} --nbd 127.0.0.1:0 --admin 127.0.0.1:0 --cluster 127.0.0.1:0"))
     parser.add_argument("--load-bin", default=os.path.join(REPO, "target/release/examples/s3load"))
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=3)

@@ -55,7 +55,8 @@ class Targets:
         self.procs = []
         keel_dir = base / "keel"
         self.keel = subprocess.Popen([KEEL, "server", "--data", str(keel_dir), "--s3", "127.0.0.1:0",
-                                      "--nbd", "127.0.0.1:10890", "--admin", "127.0.0.1:10891"],
+                                      "--nbd", "127.0.0.1:10890", "--admin", "127.0.0.1:10891",
+                                      "--cluster", "127.0.0.1:0"],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.procs.append(self.keel)
         for line in self.keel.stdout:

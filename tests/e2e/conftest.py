@@ -54,7 +54,7 @@ class KeelServer:
         self.proc = None
         self.banner = []
         self.s3 = self.nbd = self.admin = None
-        self.s3_port = self.nbd_port = self.admin_port = 0
+        self.s3_port = self.nbd_port = self.admin_port = self.cluster_port = 0
 
     def start(self):
         args = [KEEL_BIN, "server"]
@@ -64,6 +64,7 @@ class KeelServer:
             "--s3", f"127.0.0.1:{self.s3_port}",
             "--nbd", f"127.0.0.1:{self.nbd_port}",
             "--admin", f"127.0.0.1:{self.admin_port}",
+            "--cluster", f"127.0.0.1:{self.cluster_port}",
         ]
         args += self.extra_args
         self.log = open(self.data_dirs[0].parent / f"server-{self.data_dirs[0].name}.log", "ab")
@@ -81,11 +82,14 @@ class KeelServer:
                 self.nbd = m.group(1)
             if m := re.match(r"\s+admin\s+http://(\S+)", line):
                 self.admin = m.group(1)
+            if m := re.match(r"\s+cluster\s+(\S+)", line):
+                self.cluster = m.group(1)
             if line.strip() == "ready":
                 # Restarts reuse the ports so clients' URLs stay valid.
                 self.s3_port = int(self.s3.rsplit(":", 1)[1])
                 self.nbd_port = int(self.nbd.rsplit(":", 1)[1])
                 self.admin_port = int(self.admin.rsplit(":", 1)[1])
+                self.cluster_port = int(self.cluster.rsplit(":", 1)[1])
                 return self
         raise RuntimeError("keel server did not become ready")
 

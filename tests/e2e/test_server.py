@@ -28,7 +28,7 @@ def test_server_refuses_tmpfs_unless_ephemeral():
     path = shm_dir("refuse")
     try:
         result = subprocess.run([KEEL_BIN, "server", "--data", str(path / "data"), "--s3", "127.0.0.1:0",
-                                 "--nbd", "127.0.0.1:0", "--admin", "127.0.0.1:0"], capture_output=True, text=True, timeout=60)
+                                 "--nbd", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--cluster", "127.0.0.1:0"], capture_output=True, text=True, timeout=60)
         assert result.returncode != 0
         assert "tmpfs" in result.stderr and "--ephemeral" in result.stderr
         srv = KeelServer([path / "data"], ["--ephemeral"]).start()
@@ -71,9 +71,12 @@ def test_default_server_uses_keel_data(workdir):
                 break
         text = "".join(banner)
         assert "127.0.0.1:3900" in text and "127.0.0.1:10809" in text and "127.0.0.1:3903" in text, text
+        assert "127.0.0.1:3902" in text and "node   " in text and "(id 1)" in text, text
         assert "aws --endpoint-url" in text
         assert (workdir / "keel-data" / "segments").is_dir()
         assert (workdir / "keel-data" / "admin-token").stat().st_mode & 0o077 == 0
+        assert (workdir / "keel-data" / "cluster-token").stat().st_mode & 0o077 == 0
+        assert (workdir / "keel-data" / "cluster-token").read_text().startswith("keel1-")
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -25,7 +25,7 @@ DATA_ROOT = os.environ.get("KEEL_S3_TEST_DATA", "/var/tmp/keel-s3-tests")
 KEEL_BIN = os.environ.get("KEEL_BIN", os.path.join(REPO, "target", "release", "keel"))
 DEFAULT_CMD = (
     KEEL_BIN + " server --data {dir} --s3 127.0.0.1:{port} "
-    "--nbd 127.0.0.1:0 --admin 127.0.0.1:{admin_port}"
+    "--nbd 127.0.0.1:0 --admin 127.0.0.1:{admin_port} --cluster 127.0.0.1:0"
 )
 ACCESS_KEY_ID = "GKKEELTEST0000000001"
 SECRET_ACCESS_KEY = "keel-test-secret-0123456789abcdefghijklm"

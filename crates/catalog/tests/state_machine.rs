@@ -27,8 +27,8 @@ fn store_dir(name: &str) -> PathBuf {
     dir
 }
 
-fn open(dir: &PathBuf) -> Store {
-    Store::open(StoreConfig::new(vec![dir.clone()])).unwrap()
+fn open(dir: &std::path::Path) -> Store {
+    Store::open(StoreConfig::new(vec![dir.to_path_buf()])).unwrap()
 }
 
 const VOLUMES: [&str; 3] = ["a", "b", "c"];

@@ -281,6 +281,8 @@ pub struct Cluster {
     transport: Arc<dyn Transport>,
     runtime: tokio::runtime::Handle,
     liveness: Mutex<Liveness>,
+    /// Client-facing addresses, known once the server bound its listeners (after start).
+    addresses: Mutex<NodeAddresses>,
     reporter: OnceLock<Reporter>,
     stopping: watch::Sender<bool>,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
@@ -408,6 +410,7 @@ impl Cluster {
         .await
         .map_err(raft_error)?;
 
+        let addresses = config.addresses.clone();
         let cluster = Arc::new(Cluster {
             identity,
             config,
@@ -417,6 +420,7 @@ impl Cluster {
             transport,
             runtime: tokio::runtime::Handle::current(),
             liveness: Mutex::new(Liveness::default()),
+            addresses: Mutex::new(addresses),
             reporter: OnceLock::new(),
             stopping: watch::channel(false).0,
             tasks: Mutex::new(Vec::new()),
@@ -467,10 +471,29 @@ impl Cluster {
             name: self.config.name.clone(),
             instance,
             role: self.config.role,
-            addresses: self.config.addresses.clone(),
+            addresses: self.addresses(),
             labels: self.config.labels.clone(),
             devices: self.config.devices.clone(),
         }
+    }
+
+    /// This node's advertised addresses.
+    pub fn addresses(&self) -> NodeAddresses {
+        lock(&self.addresses).clone()
+    }
+
+    /// Records the client-facing addresses the server actually bound (S3, NBD, admin); the
+    /// node's catalog record follows within a report interval.
+    pub fn set_client_addresses(
+        &self,
+        admin: Option<String>,
+        s3: Option<String>,
+        nbd: Option<String>,
+    ) {
+        let mut addresses = lock(&self.addresses);
+        addresses.admin = admin;
+        addresses.s3 = s3;
+        addresses.nbd = nbd;
     }
 
     fn raft_node(&self) -> RaftNode {
@@ -980,6 +1003,20 @@ impl Cluster {
             .collect()
     }
 
+    /// Whether this node's record says what its configuration says (addresses, labels,
+    /// devices); a restart with new settings is recorded by [`Command::NodeUpdate`].
+    fn record_is_current(&self) -> bool {
+        let state = self.catalog.read();
+        state
+            .nodes
+            .get(&self.identity.node_id)
+            .is_none_or(|record| {
+                record.addresses == self.addresses()
+                    && record.labels == self.config.labels
+                    && record.devices == self.config.devices
+            })
+    }
+
     fn spawn_background(self: &Arc<Self>) {
         let mut tasks = lock(&self.tasks);
         tasks.push(tokio::spawn(report_loop(Arc::downgrade(self))));
@@ -1187,6 +1224,18 @@ async fn report_loop(cluster: Weak<Cluster>) {
             return;
         };
         let interval = strong.config.timing.report_interval;
+        if !strong.record_is_current() && strong.leader().is_some() {
+            let command = Command::NodeUpdate {
+                id: strong.identity.node_id,
+                addresses: strong.addresses(),
+                labels: strong.config.labels.clone(),
+                devices: strong.config.devices.clone(),
+            };
+            match strong.propose_async(command).await {
+                Ok(_) => tracing::info!("recorded this node's new addresses, labels or devices"),
+                Err(error) => tracing::info!(%error, "could not record this node's settings yet"),
+            }
+        }
         let report = strong.own_report();
         if strong.is_leader() {
             strong.record_report(report);
@@ -1331,6 +1380,32 @@ impl Cluster {
                     .await
                     .map_err(raft_error)?;
             }
+        }
+        // Members whose cluster address changed since Raft learnt it (a restart elsewhere).
+        let moved: BTreeMap<NodeId, RaftNode> = members
+            .iter()
+            .filter(|member| {
+                membership
+                    .nodes()
+                    .any(|(id, node)| *id == member.id && node.address != member.addresses.cluster)
+            })
+            .map(|member| {
+                (
+                    member.id,
+                    RaftNode {
+                        name: member.name.clone(),
+                        address: member.addresses.cluster.clone(),
+                    },
+                )
+            })
+            .collect();
+        if !moved.is_empty() {
+            tracing::info!(nodes = ?moved.keys().collect::<Vec<_>>(), "updating node addresses in raft");
+            self.raft
+                .change_membership(ChangeMembers::SetNodes(moved), true)
+                .await
+                .map_err(raft_error)?;
+            return Ok(());
         }
         let last_index = metrics.last_log_index.unwrap_or(0);
         let caught_up: BTreeSet<NodeId> = match &metrics.replication {

@@ -32,6 +32,9 @@ pub struct AppState {
     pub store: Store,
     pub volumes: Arc<VolumeManager>,
     pub s3: Arc<keel_s3::S3Frontend>,
+    pub cluster: Arc<keel_cluster::Cluster>,
+    /// The transport's fault injection, when `--debug-faults` enabled it.
+    pub faults: Option<crate::cluster_net::FaultControl>,
     pub token: String,
     pub jobs: Jobs,
     pub config: Config,
@@ -149,6 +152,12 @@ pub fn router(state: Shared) -> Router {
         .route("/api/v1/store/compact", post(start_compact))
         .route("/api/v1/jobs", get(list_jobs))
         .route("/api/v1/jobs/{id}", get(job_status))
+        .route("/api/v1/cluster", get(cluster_status))
+        .route("/api/v1/cluster/token", get(cluster_token))
+        .route("/api/v1/nodes", get(list_nodes))
+        .route("/api/v1/nodes/{name}", get(node_info).delete(remove_node))
+        .route("/api/v1/nodes/{name}/drain", post(drain_node))
+        .route("/api/v1/debug/faults", post(set_faults))
         .layer(middleware::from_fn_with_state(state.clone(), require_token));
     Router::new()
         .route("/", get(dashboard))
@@ -198,6 +207,8 @@ pub struct StatusReport {
     pub store: StoreStatus,
     pub volumes: usize,
     pub buckets: usize,
+    /// The cluster as this node sees it: nodes, roles, liveness, health findings.
+    pub cluster: keel_cluster::ClusterStatus,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone)]
@@ -216,10 +227,20 @@ pub struct StoreStatus {
     pub available_bytes: u64,
 }
 
-pub fn status_report(state: &AppState) -> ApiResult<StatusReport> {
+pub fn status_report(
+    state: &AppState,
+    cluster: keel_cluster::ClusterStatus,
+) -> ApiResult<StatusReport> {
     let stats = state.store.stats().map_err(internal)?;
     let mut reasons = Vec::new();
     let mut level = 0;
+    for check in &cluster.health {
+        level = level.max(if check.severity == "error" { 2 } else { 1 });
+        reasons.push(format!(
+            "{}: {} ({})",
+            check.code, check.message, check.action
+        ));
+    }
     if stats.poisoned {
         level = 2;
         reasons.push(
@@ -282,15 +303,18 @@ pub fn status_report(state: &AppState) -> ApiResult<StatusReport> {
         },
         volumes: state.volumes.list().len(),
         buckets: state.s3.list_buckets().len(),
+        cluster,
     })
 }
 
 async fn status(State(state): State<Shared>) -> ApiResult<Json<StatusReport>> {
-    blocking(move || status_report(&state).map(Json)).await
+    let cluster = state.cluster.status().await;
+    blocking(move || status_report(&state, cluster).map(Json)).await
 }
 
 async fn metrics(State(state): State<Shared>) -> ApiResult<Response> {
-    let report = blocking(move || status_report(&state)).await?;
+    let cluster = state.cluster.status().await;
+    let report = blocking(move || status_report(&state, cluster)).await?;
     let text = crate::metrics::render(&report).map_err(internal)?;
     Ok((
         [(
@@ -849,4 +873,130 @@ async fn job_status(
         .get(id)
         .map(Json)
         .ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("no job {id}")))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cluster and nodes.
+
+fn metadata_error(error: keel_catalog::MetadataError) -> ApiError {
+    use keel_catalog::{CatalogError, MetadataError};
+    let status = match &error {
+        MetadataError::Refused(CatalogError::NodeNotFound { .. }) => StatusCode::NOT_FOUND,
+        MetadataError::Refused(CatalogError::NodeInUse { .. }) => StatusCode::CONFLICT,
+        MetadataError::Refused(_) => StatusCode::BAD_REQUEST,
+        MetadataError::Unavailable { .. } | MetadataError::Timeout { .. } => {
+            StatusCode::SERVICE_UNAVAILABLE
+        }
+        MetadataError::Failed { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    ApiError(status, error.to_string())
+}
+
+async fn cluster_status(State(state): State<Shared>) -> Json<keel_cluster::ClusterStatus> {
+    Json(state.cluster.status().await)
+}
+
+async fn cluster_token(State(state): State<Shared>) -> ApiResult<Json<serde_json::Value>> {
+    let path = state.config.token_path();
+    let token = std::fs::read_to_string(&path)
+        .map_err(|error| internal(format!("reading {}: {error}", path.display())))?;
+    Ok(Json(serde_json::json!({ "token": token.trim() })))
+}
+
+async fn list_nodes(State(state): State<Shared>) -> Json<Vec<keel_cluster::NodeStatus>> {
+    Json(state.cluster.status().await.nodes)
+}
+
+/// A node by name or by id.
+fn find_node(state: &AppState, name: &str) -> ApiResult<keel_catalog::NodeRecord> {
+    let catalog = state.cluster.catalog().read();
+    let found = catalog
+        .node_by_name(name)
+        .or_else(|| {
+            name.parse::<u64>()
+                .ok()
+                .and_then(|id| catalog.nodes.get(&id))
+        })
+        .cloned();
+    found.ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("node {name:?} not found")))
+}
+
+async fn node_info(
+    State(state): State<Shared>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<keel_cluster::NodeStatus>> {
+    let record = find_node(&state, &name)?;
+    let status = state.cluster.status().await;
+    status
+        .nodes
+        .into_iter()
+        .find(|node| node.record.id == record.id)
+        .map(Json)
+        .ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("node {name:?} not found")))
+}
+
+#[derive(Deserialize)]
+struct DrainRequest {
+    /// false: stop draining.
+    #[serde(default = "default_true")]
+    draining: bool,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+async fn drain_node(
+    State(state): State<Shared>,
+    Path(name): Path<String>,
+    Json(request): Json<DrainRequest>,
+) -> ApiResult<Json<serde_json::Value>> {
+    let record = find_node(&state, &name)?;
+    state
+        .cluster
+        .drain(record.id, request.draining)
+        .await
+        .map_err(metadata_error)?;
+    Ok(Json(
+        serde_json::json!({ "node": record.name, "draining": request.draining }),
+    ))
+}
+
+async fn remove_node(
+    State(state): State<Shared>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<serde_json::Value>> {
+    let record = find_node(&state, &name)?;
+    state
+        .cluster
+        .remove(record.id)
+        .await
+        .map_err(metadata_error)?;
+    Ok(Json(
+        serde_json::json!({ "removed": record.name, "id": record.id }),
+    ))
+}
+
+#[derive(Deserialize)]
+struct FaultRequest {
+    /// Node ids whose traffic with this node is dropped (both directions); empty: heal.
+    #[serde(default)]
+    blocked_nodes: Vec<u64>,
+}
+
+async fn set_faults(
+    State(state): State<Shared>,
+    Json(request): Json<FaultRequest>,
+) -> ApiResult<Json<serde_json::Value>> {
+    let Some(faults) = &state.faults else {
+        return Err(ApiError(
+            StatusCode::NOT_FOUND,
+            "fault injection is off (start the server with --debug-faults)".to_string(),
+        ));
+    };
+    faults.block_only(&request.blocked_nodes);
+    tracing::warn!(blocked = ?request.blocked_nodes, "debug fault injection changed");
+    Ok(Json(
+        serde_json::json!({ "blocked_nodes": request.blocked_nodes }),
+    ))
 }

@@ -145,7 +145,7 @@ impl Client {
         }
     }
 
-    fn encode(segment: &str) -> String {
+    pub fn encode(segment: &str) -> String {
         segment
             .bytes()
             .map(|b| match b {
@@ -725,4 +725,199 @@ mod tests {
         assert!(split_snapshot("db").is_err());
         assert!(split_snapshot("@x").is_err());
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cluster and nodes.
+
+#[derive(clap::Subcommand, Debug)]
+pub enum ClusterCommand {
+    /// The cluster: leader, term, every node and the health findings.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print the join token other nodes need (`keel server --join ADDR --join-token TOKEN`).
+    Token,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum NodeCommand {
+    /// Every node: state, role, voter or learner, last report, free space.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// One node (by name or id).
+    Info { node: String },
+    /// Move a node's voter seat (and, with replication, its data) elsewhere.
+    Drain {
+        node: String,
+        /// Stop draining instead.
+        #[arg(long)]
+        undo: bool,
+    },
+    /// Remove a node from the cluster for good (its id is never reused). Refused while it holds
+    /// volume replicas.
+    Remove { node: String },
+}
+
+fn age(milliseconds: Option<u64>) -> String {
+    match milliseconds {
+        Some(ms) if ms < 10_000 => format!("{:.1}s ago", ms as f64 / 1000.0),
+        Some(ms) => format!("{}s ago", ms / 1000),
+        None => "never".to_string(),
+    }
+}
+
+fn print_nodes(nodes: &[Value]) {
+    println!(
+        "{:<4} {:<16} {:<8} {:<8} {:<8} {:<9} {:<12} {:<22} FREE",
+        "ID", "NAME", "ROLE", "STATE", "RAFT", "DRAINING", "HEARD", "CLUSTER ADDRESS"
+    );
+    for node in nodes {
+        let record = &node["record"];
+        if record["removed"].as_bool().unwrap_or(false) {
+            continue;
+        }
+        let liveness = &node["liveness"];
+        let free: u64 = liveness["report"]["device_free_bytes"]
+            .as_array()
+            .map(|devices| devices.iter().filter_map(Value::as_u64).sum())
+            .unwrap_or(0);
+        let raft = format!(
+            "{}{}",
+            node["raft_role"].as_str().unwrap_or("?").to_lowercase(),
+            if node["leader"].as_bool().unwrap_or(false) {
+                "*"
+            } else {
+                ""
+            }
+        );
+        println!(
+            "{:<4} {:<16} {:<8} {:<8} {:<8} {:<9} {:<12} {:<22} {}",
+            record["id"],
+            record["name"].as_str().unwrap_or(""),
+            record["role"].as_str().unwrap_or("").to_lowercase(),
+            record["state"].as_str().unwrap_or("").to_lowercase(),
+            raft,
+            if record["draining"].as_bool().unwrap_or(false) {
+                "yes"
+            } else {
+                "no"
+            },
+            age(liveness["last_report_ms_ago"].as_u64()),
+            record["addresses"]["cluster"].as_str().unwrap_or(""),
+            if liveness.is_null() {
+                "-".to_string()
+            } else {
+                human_bytes(free)
+            },
+        );
+    }
+}
+
+pub fn cluster(connection: &Connection, command: ClusterCommand) -> anyhow::Result<()> {
+    let client = Client::connect(connection)?;
+    match command {
+        ClusterCommand::Status { json } => {
+            let status: Value = client.get("/api/v1/cluster")?;
+            if json {
+                return print_json(&status);
+            }
+            println!(
+                "cluster {} | this node {} | leader {} | term {}",
+                status["cluster_id"].as_str().unwrap_or(""),
+                status["node_id"],
+                status["leader"]
+                    .as_u64()
+                    .map(|id| id.to_string())
+                    .unwrap_or("none".into()),
+                status["term"],
+            );
+            print_nodes(status["nodes"].as_array().map(Vec::as_slice).unwrap_or(&[]));
+            for check in status["health"].as_array().into_iter().flatten() {
+                println!(
+                    "  {} {}: {}\n      do: {}",
+                    check["severity"].as_str().unwrap_or(""),
+                    check["code"].as_str().unwrap_or(""),
+                    check["message"].as_str().unwrap_or(""),
+                    check["action"].as_str().unwrap_or("")
+                );
+            }
+        }
+        ClusterCommand::Token => {
+            let token: Value = client.get("/api/v1/cluster/token")?;
+            println!("{}", token["token"].as_str().unwrap_or(""));
+        }
+    }
+    Ok(())
+}
+
+pub fn node(connection: &Connection, command: NodeCommand) -> anyhow::Result<()> {
+    let client = Client::connect(connection)?;
+    match command {
+        NodeCommand::List { json } => {
+            let nodes: Value = client.get("/api/v1/nodes")?;
+            if json {
+                return print_json(&nodes);
+            }
+            print_nodes(nodes.as_array().map(Vec::as_slice).unwrap_or(&[]));
+        }
+        NodeCommand::Info { node } => {
+            let info: Value = client.get(&format!("/api/v1/nodes/{}", Client::encode(&node)))?;
+            print_json(&info)?;
+        }
+        NodeCommand::Drain { node, undo } => {
+            let answer: Value = client.post(
+                &format!("/api/v1/nodes/{}/drain", Client::encode(&node)),
+                serde_json::json!({ "draining": !undo }),
+            )?;
+            println!(
+                "node {} {}",
+                answer["node"].as_str().unwrap_or(&node),
+                if undo {
+                    "no longer draining"
+                } else {
+                    "draining"
+                }
+            );
+        }
+        NodeCommand::Remove { node } => {
+            let answer: Value =
+                client.delete(&format!("/api/v1/nodes/{}", Client::encode(&node)))?;
+            println!(
+                "removed node {} (id {}); its id will not be reused",
+                answer["removed"].as_str().unwrap_or(&node),
+                answer["id"]
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `keel cluster force-primary`: offline, on the survivor's stopped data directory.
+pub fn force_primary(data: &std::path::Path, confirmed: bool) -> anyhow::Result<()> {
+    if !confirmed {
+        bail!(
+            "force-primary makes this node the only metadata voter. Metadata changes that the \
+             lost nodes committed and this node never received are LOST, and a lost node that \
+             comes back must be wiped and joined again. Stop the server on {}, then run again \
+             with --yes-i-accept-losing-metadata",
+            data.display()
+        );
+    }
+    let store = keel_store::Store::open(keel_store::StoreConfig::new(vec![data.to_path_buf()]))
+        .with_context(|| format!("opening the store in {}", data.display()))?;
+    let report = keel_cluster::force::force_primary(&store)?;
+    store.flush()?;
+    eprintln!(
+        "WARNING: node {} is now the only voter (term {}, entry {}); it was one of {:?}.",
+        report.node_id, report.term, report.index, report.previous_voters
+    );
+    eprintln!(
+        "Start its server now. Wipe the data directory of any other former member before it \
+         comes back, and join it anew."
+    );
+    Ok(())
 }

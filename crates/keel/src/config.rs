@@ -12,6 +12,10 @@ pub const DEFAULT_DATA_DIR: &str = "./keel-data";
 pub const DEFAULT_S3_ADDR: &str = "127.0.0.1:3900";
 pub const DEFAULT_NBD_ADDR: &str = "127.0.0.1:10809";
 pub const DEFAULT_ADMIN_ADDR: &str = "127.0.0.1:3903";
+pub const DEFAULT_CLUSTER_ADDR: &str = "127.0.0.1:3902";
+pub const DEFAULT_WITNESS_DATA_DIR: &str = "./keel-witness";
+/// The join token's file in the first data directory (mode 0600).
+pub const CLUSTER_TOKEN_FILE: &str = "cluster-token";
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -31,6 +35,105 @@ pub struct Config {
     /// `<first data dir>/admin-token`.
     pub admin: SocketAddr,
     pub store: StoreTuning,
+    pub cluster: ClusterSettings,
+}
+
+/// How this node takes part in a cluster. With the defaults, `keel server` is a one-node cluster
+/// whose node-to-node port only listens on loopback.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterSettings {
+    /// This node's name, unique in the cluster. Default: the host name.
+    pub name: Option<String>,
+    /// Node-to-node (Raft, replication) listen address. Default 127.0.0.1:3902. Every connection
+    /// is authenticated with the cluster secret; traffic is checksummed but not encrypted, so
+    /// keep it on a private network.
+    pub listen: SocketAddr,
+    /// The address other nodes dial to reach this one. Default: `listen` (set it when listening
+    /// on 0.0.0.0).
+    pub advertise: Option<String>,
+    /// Node-to-node address of any member to join through, on first start. Default: none (the
+    /// first start forms a new cluster). Ignored once the node is a member.
+    pub join: Option<String>,
+    /// The join token (cluster id and secret). Default: read from `<first data dir>/
+    /// cluster-token`, which the first node writes when it forms the cluster; a joining node
+    /// needs it given here, with `--join-token` or `KEEL_CLUSTER_TOKEN`, and stores it there.
+    pub join_token: Option<String>,
+    /// A metadata-only witness: only the Raft log, no volumes or objects, no S3 or NBD
+    /// listeners. The third voter that lets two storage nodes lose one. Default false.
+    pub witness: bool,
+    /// Metadata voters the leader keeps when enough healthy nodes exist: 1, 3 or 5. Default 3.
+    /// Three tolerate one voter failure, five two.
+    pub voters: usize,
+    /// Failure-domain labels (`host`, `rack`, `zone`, ...): replicas go to different domains.
+    pub labels: std::collections::BTreeMap<String, String>,
+    /// A node silent this long is `suspect`. Default 3000 ms.
+    pub suspect_after_ms: u64,
+    /// A node silent this long is `down`; a voter on it is replaced. Default 10000 ms.
+    pub down_after_ms: u64,
+    /// Raft entries between metadata snapshots (and log purges). Default 1000. A node that was
+    /// away for longer catches up by snapshot.
+    pub snapshot_every_entries: u64,
+    /// Enables `POST /api/v1/debug/faults` (dropping traffic to chosen nodes, for partition
+    /// tests). Never on in production. Default false.
+    pub debug_faults: bool,
+}
+
+impl Default for ClusterSettings {
+    fn default() -> ClusterSettings {
+        let timing = keel_cluster::Timing::default();
+        ClusterSettings {
+            name: None,
+            listen: parse_default(DEFAULT_CLUSTER_ADDR),
+            advertise: None,
+            join: None,
+            join_token: None,
+            witness: false,
+            voters: 3,
+            labels: Default::default(),
+            suspect_after_ms: timing.suspect_after.as_millis() as u64,
+            down_after_ms: timing.down_after.as_millis() as u64,
+            snapshot_every_entries: timing.snapshot_every_entries,
+            debug_faults: false,
+        }
+    }
+}
+
+impl ClusterSettings {
+    /// The name this node uses: the configured one, or the host name.
+    pub fn node_name(&self) -> String {
+        if let Some(name) = &self.name {
+            return name.clone();
+        }
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|name| name.trim().to_string())
+            .unwrap_or_default();
+        let cleaned: String = host
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                    c
+                } else {
+                    '-'
+                }
+            })
+            .take(keel_catalog::NAME_MAX_BYTES)
+            .collect();
+        if cleaned.is_empty() || cleaned.starts_with('.') {
+            "keel".to_string()
+        } else {
+            cleaned
+        }
+    }
+
+    pub fn timing(&self) -> keel_cluster::Timing {
+        keel_cluster::Timing {
+            suspect_after: std::time::Duration::from_millis(self.suspect_after_ms),
+            down_after: std::time::Duration::from_millis(self.down_after_ms),
+            snapshot_every_entries: self.snapshot_every_entries.max(2),
+            ..keel_cluster::Timing::default()
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -69,6 +172,7 @@ impl Default for Config {
             nbd: parse_default(DEFAULT_NBD_ADDR),
             admin: parse_default(DEFAULT_ADMIN_ADDR),
             store: StoreTuning::default(),
+            cluster: ClusterSettings::default(),
         }
     }
 }
@@ -101,7 +205,40 @@ impl Config {
         if self.store.batch_size_max_bytes < (1 << 20) {
             bail!("store.batch_size_max_bytes must be at least 1 MiB");
         }
+        if ![1, 3, 5].contains(&self.cluster.voters) {
+            bail!(
+                "cluster.voters must be 1, 3 or 5 (got {})",
+                self.cluster.voters
+            );
+        }
+        if self.cluster.suspect_after_ms == 0
+            || self.cluster.down_after_ms <= self.cluster.suspect_after_ms
+        {
+            bail!("cluster.down_after_ms must be above cluster.suspect_after_ms, both above 0");
+        }
+        keel_catalog::validate_name("node", &self.cluster.node_name())
+            .map_err(|error| anyhow::anyhow!("cluster.name: {error}"))?;
+        if self.cluster.listen.ip().is_unspecified() && self.cluster.advertise.is_none() {
+            bail!(
+                "cluster.listen is {}: give cluster.advertise (--advertise HOST:PORT), the \
+                 address other nodes dial",
+                self.cluster.listen
+            );
+        }
         Ok(())
+    }
+
+    /// Where the join token lives.
+    pub fn token_path(&self) -> PathBuf {
+        self.data[0].join(CLUSTER_TOKEN_FILE)
+    }
+
+    /// The address other nodes dial for this node's cluster traffic.
+    pub fn cluster_advertise(&self) -> String {
+        self.cluster
+            .advertise
+            .clone()
+            .unwrap_or_else(|| self.cluster.listen.to_string())
     }
 
     pub fn store_config(&self) -> keel_store::StoreConfig {

@@ -4,6 +4,7 @@
 mod admin;
 mod bench_store;
 mod cli;
+mod cluster_net;
 mod config;
 mod doctor;
 mod jobs;
@@ -71,9 +72,39 @@ enum Command {
         #[command(subcommand)]
         command: cli::StoreCommand,
     },
+    /// The cluster: status, join token, and the force-primary repair.
+    Cluster {
+        #[command(flatten)]
+        connection: cli::Connection,
+        #[command(subcommand)]
+        command: ClusterAction,
+    },
+    /// Cluster nodes: list, info, drain, remove.
+    Node {
+        #[command(flatten)]
+        connection: cli::Connection,
+        #[command(subcommand)]
+        command: cli::NodeCommand,
+    },
     /// Benchmarks and durability checks.
     #[command(subcommand)]
     Bench(BenchCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum ClusterAction {
+    #[command(flatten)]
+    Online(cli::ClusterCommand),
+    /// LAST RESORT, server stopped: make this node the only metadata voter, when the other
+    /// voters are lost for good (two storage nodes and a witness, both others gone).
+    ForcePrimary {
+        /// The stopped survivor's first data directory.
+        #[arg(long)]
+        data: std::path::PathBuf,
+        /// Confirms you accept losing metadata the lost nodes committed.
+        #[arg(long = "yes-i-accept-losing-metadata")]
+        confirmed: bool,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -117,6 +148,17 @@ fn main() {
             connection,
             command,
         } => cli::store(&connection, command),
+        Command::Cluster {
+            connection,
+            command,
+        } => match command {
+            ClusterAction::Online(command) => cli::cluster(&connection, command),
+            ClusterAction::ForcePrimary { data, confirmed } => cli::force_primary(&data, confirmed),
+        },
+        Command::Node {
+            connection,
+            command,
+        } => cli::node(&connection, command),
         Command::Bench(BenchCommand::Store(args)) => bench_store::run(args),
         Command::Bench(BenchCommand::Workload(action)) => {
             keel_bench::run(keel_bench::BenchCommand { action })

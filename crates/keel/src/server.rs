@@ -41,6 +41,36 @@ pub struct ServerArgs {
     /// Allow a data directory on tmpfs/ramfs (throwaway data: fsync means nothing there).
     #[arg(long)]
     pub ephemeral: bool,
+    /// This node's name in the cluster (default: the host name).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Node-to-node listen address (default 127.0.0.1:3902).
+    #[arg(long)]
+    pub cluster: Option<SocketAddr>,
+    /// Node-to-node address other nodes dial (default: --cluster).
+    #[arg(long)]
+    pub advertise: Option<String>,
+    /// Join the cluster that the node at this node-to-node address belongs to (first start only).
+    #[arg(long)]
+    pub join: Option<String>,
+    /// The cluster's join token (`keel cluster token` on a member shows it).
+    #[arg(long, env = "KEEL_CLUSTER_TOKEN", hide_env_values = true)]
+    pub join_token: Option<String>,
+    /// A file holding the join token (a member's `<data>/cluster-token`).
+    #[arg(long, conflicts_with = "join_token")]
+    pub join_token_file: Option<PathBuf>,
+    /// Run as a metadata-only witness: the Raft log only, no volumes, objects, S3 or NBD.
+    #[arg(long)]
+    pub witness: bool,
+    /// A failure-domain label, KEY=VALUE (host, rack, zone); repeat for several.
+    #[arg(long = "label")]
+    pub labels: Vec<String>,
+    /// Metadata voters to keep: 1, 3 or 5 (default 3).
+    #[arg(long)]
+    pub voters: Option<usize>,
+    /// Enable the fault-injection endpoint (tests only).
+    #[arg(long, hide = true)]
+    pub debug_faults: bool,
 }
 
 pub fn effective_config(args: &ServerArgs) -> anyhow::Result<Config> {
@@ -61,6 +91,43 @@ pub fn effective_config(args: &ServerArgs) -> anyhow::Result<Config> {
         config.admin = addr;
     }
     config.ephemeral |= args.ephemeral;
+    if args.name.is_some() {
+        config.cluster.name = args.name.clone();
+    }
+    if let Some(addr) = args.cluster {
+        config.cluster.listen = addr;
+    }
+    if args.advertise.is_some() {
+        config.cluster.advertise = args.advertise.clone();
+    }
+    if args.join.is_some() {
+        config.cluster.join = args.join.clone();
+    }
+    if args.join_token.is_some() {
+        config.cluster.join_token = args.join_token.clone();
+    }
+    if let Some(path) = &args.join_token_file {
+        let token = std::fs::read_to_string(path)
+            .with_context(|| format!("reading the join token from {}", path.display()))?;
+        config.cluster.join_token = Some(token.trim().to_string());
+    }
+    config.cluster.witness |= args.witness;
+    if config.cluster.witness && args.data.is_empty() && args.config.is_none() {
+        config.data = vec![PathBuf::from(crate::config::DEFAULT_WITNESS_DATA_DIR)];
+    }
+    for label in &args.labels {
+        let (key, value) = label
+            .split_once('=')
+            .with_context(|| format!("--label {label:?}: use KEY=VALUE"))?;
+        config
+            .cluster
+            .labels
+            .insert(key.trim().to_string(), value.trim().to_string());
+    }
+    if let Some(voters) = args.voters {
+        config.cluster.voters = voters;
+    }
+    config.cluster.debug_faults |= args.debug_faults;
     config.validate()?;
     Ok(config)
 }
@@ -112,12 +179,26 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     let store = tokio::task::spawn_blocking(move || keel_store::Store::open(store_config))
         .await?
         .context("opening the store")?;
-    let metadata: Arc<dyn keel_catalog::Metadata> = {
+
+    // The node-to-node listener first: the cluster starts on it. The client listeners are
+    // bound only once everything behind them is open (a test treats an accepting port as
+    // ready); the cluster records their actual addresses then.
+    let cluster_listener = bind("cluster", config.cluster.listen).await?;
+    let mut shown = config.clone();
+    shown.cluster.listen = cluster_listener.local_addr()?;
+
+    // The cluster next: every metadata change below goes through it.
+    let membership = crate::cluster_net::start_cluster(&shown, store.clone(), cluster_listener)
+        .await
+        .context("starting the cluster")?;
+    let cluster = membership.cluster.clone();
+    let metadata: Arc<dyn keel_catalog::Metadata> = cluster.clone();
+    {
         let store = store.clone();
-        Arc::new(
-            tokio::task::spawn_blocking(move || keel_catalog::LocalCatalog::open(store)).await??,
-        )
-    };
+        let data = config.data.clone();
+        cluster.set_reporter(Box::new(move || node_report(&store, &data)));
+    }
+
     let volumes = {
         let store = store.clone();
         let metadata = metadata.clone();
@@ -131,35 +212,54 @@ async fn serve(config: Config) -> anyhow::Result<()> {
                 .await??,
         )
     };
-    let initial_key = {
+    // Keys are cluster-wide: only the node that formed the cluster makes the first one (or
+    // any node told which one to have).
+    let initial_key = if config.cluster.witness {
+        None
+    } else {
         let s3 = s3.clone();
+        let formed = membership.formed;
         tokio::task::spawn_blocking(move || {
-            s3.ensure_initial_key(
-                std::env::var("KEEL_ACCESS_KEY_ID").ok(),
-                std::env::var("KEEL_SECRET_ACCESS_KEY").ok(),
-            )
+            let id = std::env::var("KEEL_ACCESS_KEY_ID").ok();
+            let secret = std::env::var("KEEL_SECRET_ACCESS_KEY").ok();
+            if formed || (id.is_some() && secret.is_some()) {
+                s3.ensure_initial_key(id, secret)
+            } else {
+                Ok(None)
+            }
         })
         .await??
     };
     let token = admin_token(&config.data[0])?;
 
-    let s3_listener = bind("s3", config.s3).await?;
-    let nbd_listener = bind("nbd", config.nbd).await?;
     let admin_listener = bind("admin", config.admin).await?;
-    let s3_addr = s3_listener.local_addr()?;
-    let nbd_addr = nbd_listener.local_addr()?;
-    let admin_addr = admin_listener.local_addr()?;
+    let (s3_listener, nbd_listener) = if config.cluster.witness {
+        (None, None)
+    } else {
+        (
+            Some(bind("s3", config.s3).await?),
+            Some(bind("nbd", config.nbd).await?),
+        )
+    };
+    if let Some(listener) = &s3_listener {
+        shown.s3 = listener.local_addr()?;
+    }
+    if let Some(listener) = &nbd_listener {
+        shown.nbd = listener.local_addr()?;
+    }
+    shown.admin = admin_listener.local_addr()?;
+    cluster.set_client_addresses(
+        Some(shown.admin.to_string()),
+        s3_listener.as_ref().map(|_| shown.s3.to_string()),
+        nbd_listener.as_ref().map(|_| shown.nbd.to_string()),
+    );
 
     // Handlers go in before the banner says "ready": a SIGTERM right after it must shut down
     // cleanly, not take the default action.
     let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
 
-    let mut shown = config.clone();
-    shown.s3 = s3_addr;
-    shown.nbd = nbd_addr;
-    shown.admin = admin_addr;
-    print_banner(&shown, initial_key.as_ref());
+    print_banner(&shown, initial_key.as_ref(), &membership);
 
     let (stop, stopped) = watch::channel(false);
     let shutdown = |mut receiver: watch::Receiver<bool>| async move {
@@ -170,6 +270,8 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         store: store.clone(),
         volumes: volumes.clone(),
         s3: s3.clone(),
+        cluster: cluster.clone(),
+        faults: membership.faults.clone(),
         token,
         jobs: Jobs::default(),
         config: shown,
@@ -177,14 +279,29 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     });
     let admin = axum::serve(admin_listener, crate::admin::router(state))
         .with_graceful_shutdown(shutdown(stopped.clone()));
-    let nbd = keel_nbd::serve(
-        nbd_listener,
-        Arc::new(VolumeExports {
-            volumes: volumes.clone(),
-        }),
-        shutdown(stopped.clone()),
-    );
-    let s3_server = keel_s3::serve(s3_listener, (*s3).clone(), shutdown(stopped.clone()));
+    let nbd = async {
+        match nbd_listener {
+            Some(listener) => {
+                keel_nbd::serve(
+                    listener,
+                    Arc::new(VolumeExports {
+                        volumes: volumes.clone(),
+                    }),
+                    shutdown(stopped.clone()),
+                )
+                .await
+            }
+            None => Ok(()),
+        }
+    };
+    let s3_server = async {
+        match s3_listener {
+            Some(listener) => {
+                keel_s3::serve(listener, (*s3).clone(), shutdown(stopped.clone())).await
+            }
+            None => Ok(()),
+        }
+    };
 
     let signals = async move {
         tokio::select! {
@@ -201,8 +318,10 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     nbd_result.context("NBD server")?;
     s3_result.context("S3 server")?;
     signal_result.context("signal handling")?;
+    volumes.shutdown();
     drop(volumes);
     drop(s3);
+    membership.shutdown().await;
     tokio::task::spawn_blocking(move || store.flush())
         .await?
         .context("final flush")?;
@@ -210,7 +329,27 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn print_banner(config: &Config, initial_key: Option<&(String, String)>) {
+/// This node's report to the cluster leader: free space per data directory, poisoned store.
+fn node_report(store: &keel_store::Store, data: &[PathBuf]) -> keel_cluster::NodeReport {
+    keel_cluster::NodeReport {
+        device_free_bytes: data
+            .iter()
+            .map(|dir| {
+                keel_store::fsinfo::filesystem_info(dir)
+                    .map(|info| info.available_bytes)
+                    .unwrap_or(0)
+            })
+            .collect(),
+        poisoned: store.stats().map(|stats| stats.poisoned).unwrap_or(true),
+        ..keel_cluster::NodeReport::default()
+    }
+}
+
+fn print_banner(
+    config: &Config,
+    initial_key: Option<&(String, String)>,
+    membership: &crate::cluster_net::Membership,
+) {
     let describe = |dir: &PathBuf| {
         let fs = keel_store::fsinfo::filesystem_info(dir)
             .map(|i| i.filesystem)
@@ -226,6 +365,29 @@ fn print_banner(config: &Config, initial_key: Option<&(String, String)>) {
     }
     if config.ephemeral {
         println!("  WARNING: --ephemeral: data may be on a volatile filesystem");
+    }
+    let identity = membership.cluster.identity();
+    println!(
+        "  node   {} (id {}{}) in cluster {}",
+        config.cluster.node_name(),
+        identity.node_id,
+        if config.cluster.witness {
+            ", witness"
+        } else {
+            ""
+        },
+        hex::encode(identity.cluster_id)
+    );
+    println!(
+        "  cluster {}  (node-to-node; others join with: keel server --join {} --join-token-file {})",
+        membership.listen,
+        config.cluster_advertise(),
+        config.token_path().display()
+    );
+    if config.cluster.witness {
+        println!("  admin  http://{}  (witness: no S3 or NBD)", config.admin);
+        println!("ready");
+        return;
     }
     println!("  s3     http://{}", config.s3);
     println!("  nbd    nbd://{}/VOLUME", config.nbd);
