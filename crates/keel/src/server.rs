@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
-use keel_namespace::volume::{VolumeHandle, VolumeManager};
+use keel_namespace::volume::{VolumeIo, VolumeManager};
 use keel_nbd::{Export, Exports, NbdError};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -450,7 +450,7 @@ impl Exports for VolumeExports {
 }
 
 struct VolumeExport {
-    handle: Arc<VolumeHandle>,
+    handle: Arc<dyn VolumeIo>,
 }
 
 impl Export for VolumeExport {

@@ -27,8 +27,9 @@ use keel_store::{Compression, Progress, Store};
 use keel_volume::{hex, new_unique_id, unix_seconds_now, Engine};
 
 pub use keel_volume::{
-    GcReport, ReceiveReport, SendStream, VolumeError, VolumeHandle, VolumeResult, BLOCK_SIZE_BYTES,
-    CLONE_DEPTH_MAX, NAME_MAX_BYTES, SNAPSHOTS_PER_VOLUME_MAX, VOLUME_SIZE_MAX_BYTES,
+    GcReport, ReceiveReport, SendStream, VolumeError, VolumeHandle, VolumeIo, VolumeResult,
+    BLOCK_SIZE_BYTES, CLONE_DEPTH_MAX, NAME_MAX_BYTES, SNAPSHOTS_PER_VOLUME_MAX,
+    VOLUME_SIZE_MAX_BYTES,
 };
 
 /// What to create.
@@ -346,17 +347,20 @@ impl VolumeManager {
     /// `allow_shrink`; blocks past the new end are gone from the volume (snapshots keep theirs)
     /// and read as zeroes if it grows again.
     pub fn resize(&self, name: &str, size_bytes: u64, allow_shrink: bool) -> VolumeResult<()> {
-        let shrinking = self.entry(name)?.record.size_bytes > size_bytes;
-        self.propose(
-            name,
-            Command::VolumeResize {
-                name: name.to_string(),
-                size_bytes,
-                allow_shrink,
-            },
-        )?;
-        if shrinking {
-            self.collect_if_hosted(name)?;
+        let entry = self.entry(name)?;
+        let command = Command::VolumeResize {
+            name: name.to_string(),
+            size_bytes,
+            allow_shrink,
+        };
+        if entry.record.size_bytes > size_bytes && self.engine.get(entry.record.id).is_some() {
+            self.engine.collect_after(
+                entry.record.id,
+                || self.propose(name, command),
+                &mut |_| {},
+            )?;
+        } else {
+            self.propose(name, command)?;
         }
         Ok(())
     }
@@ -385,10 +389,12 @@ impl VolumeManager {
     /// erases in the background). Refused while clones of its snapshots exist, a stream is
     /// received into it, or a stream or export on this node reads one of its snapshots.
     pub fn delete(&self, name: &str, progress: &mut dyn FnMut(Progress)) -> VolumeResult<()> {
-        let volume_id = {
+        let entry = self.entry(name)?;
+        let volume_id = entry.record.id;
+        let propose = || {
+            // The in-use check and the proposal under one lock.
             let _local = lock(&self.local);
-            let entry = self.entry(name)?;
-            if let Some(shared) = self.engine.get(entry.record.id) {
+            if let Some(shared) = self.engine.get(volume_id) {
                 if shared.snapshot_in_use(None) {
                     return Err(VolumeError::InUse {
                         volume: name.to_string(),
@@ -401,10 +407,14 @@ impl VolumeManager {
                 Command::VolumeDelete {
                     name: name.to_string(),
                 },
-            )?;
-            entry.record.id
+            )
+            .map(|_| ())
         };
-        self.engine.erase_now(volume_id, progress)
+        if self.engine.get(volume_id).is_some() {
+            self.engine.erase_after(volume_id, propose, progress)
+        } else {
+            propose()
+        }
     }
 
     /// Freezes the volume's current contents as a snapshot, instantly (nothing is copied).
@@ -456,55 +466,59 @@ impl VolumeManager {
         snapshot: &str,
         progress: &mut dyn FnMut(Progress),
     ) -> VolumeResult<GcReport> {
-        let volume_id = {
-            let _local = lock(&self.local);
-            let entry = self.entry(volume)?;
-            let generation = entry
-                .snapshot_by_name(snapshot)
-                .ok_or_else(|| VolumeError::SnapshotNotFound {
-                    volume: volume.to_string(),
-                    snapshot: snapshot.to_string(),
-                })?
-                .generation;
-            if let Some(shared) = self.engine.get(entry.record.id) {
-                if shared.snapshot_in_use(Some(generation)) {
-                    return Err(VolumeError::InUse {
-                        volume: volume.to_string(),
-                        detail: format!(
-                            "snapshot {snapshot:?} is being sent, received onto or exported"
-                        ),
-                    });
-                }
-            }
-            self.propose(
-                volume,
-                Command::SnapshotDelete {
-                    volume: volume.to_string(),
-                    snapshot: snapshot.to_string(),
-                },
-            )?;
-            entry.record.id
+        let volume_id = self.entry(volume)?.record.id;
+        let command = Command::SnapshotDelete {
+            volume: volume.to_string(),
+            snapshot: snapshot.to_string(),
         };
-        self.engine.collect_now(volume_id, progress)
+        let ((), report) = self.engine.collect_after(
+            volume_id,
+            || {
+                // The in-use check and the proposal under one lock: no stream or export on this
+                // node can start reading the snapshot in between.
+                let _local = lock(&self.local);
+                let entry = self.entry(volume)?;
+                let generation = entry
+                    .snapshot_by_name(snapshot)
+                    .ok_or_else(|| VolumeError::SnapshotNotFound {
+                        volume: volume.to_string(),
+                        snapshot: snapshot.to_string(),
+                    })?
+                    .generation;
+                if let Some(shared) = self.engine.get(entry.record.id) {
+                    if shared.snapshot_in_use(Some(generation)) {
+                        return Err(VolumeError::InUse {
+                            volume: volume.to_string(),
+                            detail: format!(
+                                "snapshot {snapshot:?} is being sent, received onto or exported"
+                            ),
+                        });
+                    }
+                }
+                self.propose(volume, command).map(|_| ())
+            },
+            progress,
+        )?;
+        Ok(report)
     }
 
     /// Makes the volume's contents (and size) those of the snapshot again. Later snapshots
     /// stay; the discarded current contents are freed.
     pub fn rollback(&self, volume: &str, snapshot: &str) -> VolumeResult<()> {
-        self.propose(
-            volume,
-            Command::VolumeRollback {
-                volume: volume.to_string(),
-                snapshot: snapshot.to_string(),
-            },
-        )?;
-        self.collect_if_hosted(volume)?;
-        Ok(())
-    }
-
-    fn collect_if_hosted(&self, volume: &str) -> VolumeResult<()> {
         let entry = self.entry(volume)?;
-        self.engine.collect_now(entry.record.id, &mut |_| {})?;
+        let command = Command::VolumeRollback {
+            volume: volume.to_string(),
+            snapshot: snapshot.to_string(),
+        };
+        if self.engine.get(entry.record.id).is_some() {
+            self.engine.collect_after(
+                entry.record.id,
+                || self.propose(volume, command),
+                &mut |_| {},
+            )?;
+        } else {
+            self.propose(volume, command)?;
+        }
         Ok(())
     }
 
@@ -531,26 +545,30 @@ impl VolumeManager {
 
     /// A handle for block I/O on the volume's current contents (shared by any number of
     /// threads and connections).
-    pub fn open_volume(&self, name: &str) -> VolumeResult<Arc<VolumeHandle>> {
+    pub fn open_volume(&self, name: &str) -> VolumeResult<Arc<dyn VolumeIo>> {
         let entry = self.entry(name)?;
         self.hosted(&entry)?;
-        self.engine
+        let handle = self
+            .engine
             .open(entry.record.id)
             .ok_or_else(|| VolumeError::NotFound {
                 name: name.to_string(),
-            })
+            })?;
+        Ok(handle)
     }
 
     /// A read-only handle on a snapshot; the snapshot cannot be deleted while it is open.
-    pub fn open_snapshot(&self, volume: &str, snapshot: &str) -> VolumeResult<Arc<VolumeHandle>> {
+    pub fn open_snapshot(&self, volume: &str, snapshot: &str) -> VolumeResult<Arc<dyn VolumeIo>> {
         let _local = lock(&self.local);
         let entry = self.entry(volume)?;
         self.hosted(&entry)?;
-        self.engine
+        let handle = self
+            .engine
             .open_snapshot(entry.record.id, snapshot)?
             .ok_or_else(|| VolumeError::NotFound {
                 name: volume.to_string(),
-            })
+            })?;
+        Ok(handle)
     }
 
     /// Deletes the volume's extents that no view needs any more (rollback leftovers, data

@@ -25,7 +25,7 @@ fn offset(block: u64) -> u64 {
     (BALLAST_BLOCKS + block) * BLOCK
 }
 
-fn read_active(handle: &keel_namespace::volume::VolumeHandle, blocks: u64) -> Vec<u8> {
+fn read_active(handle: &dyn keel_namespace::volume::VolumeIo, blocks: u64) -> Vec<u8> {
     let mut bytes = vec![0u8; (blocks * BLOCK) as usize];
     handle.read(offset(0), &mut bytes).unwrap();
     bytes
@@ -147,7 +147,7 @@ fn snapshots_and_collector_under_concurrent_writes() {
 
     for (name, lower, upper) in &kept {
         let frozen = manager.open_snapshot("busy", name).unwrap();
-        let bytes = read_active(&frozen, blocks);
+        let bytes = read_active(frozen.as_ref(), blocks);
         for block in 0..blocks {
             let data = &bytes[(block * BLOCK) as usize..((block + 1) * BLOCK) as usize];
             let seq = seq_in(data, block);
@@ -158,7 +158,7 @@ fn snapshots_and_collector_under_concurrent_writes() {
             );
         }
     }
-    let bytes = read_active(&handle, blocks);
+    let bytes = read_active(handle.as_ref(), blocks);
     for block in 0..blocks {
         let data = &bytes[(block * BLOCK) as usize..((block + 1) * BLOCK) as usize];
         assert_eq!(

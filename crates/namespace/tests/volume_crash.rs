@@ -16,7 +16,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use keel_namespace::volume::{VolumeHandle, VolumeSpec};
+use keel_namespace::volume::{VolumeIo, VolumeSpec};
 use volume_support::*;
 
 const BLOCKS: u64 = 256;
@@ -54,7 +54,7 @@ fn seq_of(data: &[u8], block: u64) -> Option<u64> {
     Some(seq)
 }
 
-fn image_seqs(handle: &VolumeHandle) -> Vec<Option<u64>> {
+fn image_seqs(handle: &dyn VolumeIo) -> Vec<Option<u64>> {
     let bytes = read_all(handle);
     bytes
         .chunks(BLOCK as usize)
@@ -179,7 +179,7 @@ fn crash_keeps_flushed_prefix() {
 
         let manager = open_manager(&data);
         let handle = manager.open_volume("crash").unwrap();
-        let seqs = image_seqs(&handle);
+        let seqs = image_seqs(handle.as_ref());
         let last = seqs.iter().flatten().copied().max();
         assert!(
             last >= acknowledged_max,
@@ -196,7 +196,7 @@ fn crash_keeps_flushed_prefix() {
         for snapshot in &info.snapshots {
             let taken_after: u64 = snapshot.name.trim_start_matches("at-").parse().unwrap();
             let frozen = manager.open_snapshot("crash", &snapshot.name).unwrap();
-            for (block, seq) in image_seqs(&frozen).iter().enumerate() {
+            for (block, seq) in image_seqs(frozen.as_ref()).iter().enumerate() {
                 assert_eq!(
                     *seq,
                     expected_after(Some(taken_after), block as u64),

@@ -25,6 +25,7 @@ mod limiter;
 mod record;
 mod scan;
 mod stream;
+mod volume_io;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io;
@@ -48,6 +49,7 @@ pub use limiter::{Clock, SystemClock};
 pub use record::{hex, new_unique_id, unix_seconds_now};
 pub use scan::Usage;
 pub use stream::{receive, ReceiveReport, SendStream};
+pub use volume_io::VolumeIo;
 
 /// Everything that can go wrong with a volume, with the volume it happened to.
 #[derive(Debug, thiserror::Error)]
@@ -370,6 +372,15 @@ struct Work {
     collect: BTreeSet<u64>,
     /// The erase running now and how far it got.
     running_erase: Option<(u64, Progress)>,
+    /// The collection the worker runs now, and the last one it finished (with its report), so a
+    /// caller that asked for the same collection gets its result instead of a second pass.
+    running_collect: Option<u64>,
+    finished_collect: Option<(u64, GcReport)>,
+    /// Volumes whose next collection the caller runs itself right after its proposal applies
+    /// (see [`Engine::collect_after`]): the catalog event does not queue one.
+    collect_by_caller: BTreeSet<u64>,
+    /// Volumes the caller erases itself right after its deletion applies ([`Engine::erase_after`]).
+    erase_by_caller: BTreeSet<u64>,
     stopping: bool,
 }
 
@@ -490,17 +501,89 @@ impl Engine {
         }
     }
 
-    /// Collects a hosted volume's garbage now (and drops a queued collection of it).
+    /// Runs `change` (a proposal that makes garbage of `volume_id`, e.g. a snapshot deletion),
+    /// then collects that garbage here and now, instead of in the background.
+    pub fn collect_after<T>(
+        &self,
+        volume_id: u64,
+        change: impl FnOnce() -> VolumeResult<T>,
+        progress: &mut dyn FnMut(Progress),
+    ) -> VolumeResult<(T, GcReport)> {
+        lock(&self.work).collect_by_caller.insert(volume_id);
+        let changed = change();
+        lock(&self.work).collect_by_caller.remove(&volume_id);
+        let value = changed?;
+        let report = self.collect_now(volume_id, progress)?;
+        Ok((value, report))
+    }
+
+    /// Collects a hosted volume's garbage now: takes over a queued collection of it, or waits
+    /// for the one the worker is running and answers its report.
     pub fn collect_now(
         &self,
         volume_id: u64,
         progress: &mut dyn FnMut(Progress),
     ) -> VolumeResult<GcReport> {
-        lock(&self.work).collect.remove(&volume_id);
+        let mut work = lock(&self.work);
+        work.collect.remove(&volume_id);
+        if work.running_collect == Some(volume_id) {
+            while work.running_collect == Some(volume_id) {
+                work = self
+                    .work_changed
+                    .wait(work)
+                    .unwrap_or_else(|poisoned| poisoned.into_inner());
+            }
+            if let Some((finished, report)) = work.finished_collect {
+                if finished == volume_id {
+                    return Ok(report);
+                }
+            }
+        }
+        drop(work);
+        self.collect(volume_id, progress)
+    }
+
+    fn collect(
+        &self,
+        volume_id: u64,
+        progress: &mut dyn FnMut(Progress),
+    ) -> VolumeResult<GcReport> {
         match self.get(volume_id) {
             Some(shared) => scan::collect_garbage(&self.store, &shared, progress),
             None => Ok(GcReport::default()),
         }
+    }
+
+    /// Runs `change` (the proposal that marks `volume_id` deleted), then erases the volume's
+    /// blocks here and now with progress, instead of in the background.
+    pub fn erase_after<T>(
+        &self,
+        volume_id: u64,
+        change: impl FnOnce() -> VolumeResult<T>,
+        progress: &mut dyn FnMut(Progress),
+    ) -> VolumeResult<T> {
+        lock(&self.work).erase_by_caller.insert(volume_id);
+        let changed = change();
+        let mut work = lock(&self.work);
+        work.erase_by_caller.remove(&volume_id);
+        let value = match changed {
+            Ok(value) => value,
+            Err(error) => {
+                // The deletion may have applied after all (a timeout): leave it to the worker.
+                if self
+                    .get(volume_id)
+                    .is_some_and(|shared| shared.deleted.load(Ordering::SeqCst))
+                {
+                    work.erase.insert(volume_id);
+                    self.work_changed.notify_all();
+                }
+                return Err(error);
+            }
+        };
+        work.erase.insert(volume_id);
+        drop(work);
+        self.erase_now(volume_id, progress)?;
+        Ok(value)
     }
 
     /// Erases a volume whose record is `Deleting` now, reporting progress; if the worker is
@@ -585,7 +668,9 @@ impl Engine {
                 if entry.record.status == VolumeStatus::Deleting {
                     drop(volumes);
                     self.enqueue(|work| {
-                        work.erase.insert(volume_id);
+                        if !work.erase_by_caller.contains(&volume_id) {
+                            work.erase.insert(volume_id);
+                        }
                     });
                 }
             }
@@ -648,7 +733,9 @@ impl Observer for Engine {
                 Event::VolumeGarbage { volume_id } => {
                     if self.get(*volume_id).is_some() {
                         self.enqueue(|work| {
-                            work.collect.insert(*volume_id);
+                            if !work.collect_by_caller.contains(volume_id) {
+                                work.collect.insert(*volume_id);
+                            }
                         });
                     }
                 }
@@ -684,6 +771,7 @@ fn next_job(engine: &Engine) -> Option<Job> {
             return Some(Job::EraseOrphan(id));
         }
         if let Some(id) = work.collect.pop_first() {
+            work.running_collect = Some(id);
             return Some(Job::Collect(id));
         }
         work = engine
@@ -711,7 +799,14 @@ fn worker_loop(engine: std::sync::Weak<Engine>) {
             Job::EraseOrphan(id) => {
                 scan::delete_all_blocks(&strong.store, id, &format!("#{id}"), 0, &mut |_| {})
             }
-            Job::Collect(id) => strong.collect_now(id, &mut |_| {}).map(|_| ()),
+            Job::Collect(id) => {
+                let result = strong.collect(id, &mut |_| {});
+                let mut work = lock(&strong.work);
+                work.running_collect = None;
+                work.finished_collect = result.as_ref().ok().map(|report| (id, *report));
+                strong.work_changed.notify_all();
+                result.map(|_| ())
+            }
         };
         if let Err(error) = result {
             tracing::warn!(%error, "volume background work failed; it is retried at the next start");

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use keel_namespace::volume::{VolumeHandle, VolumeManager};
+use keel_namespace::volume::{VolumeIo, VolumeManager};
 use keel_store::{Store, StoreConfig};
 
 pub const BLOCK: u64 = 4096;
@@ -50,7 +50,7 @@ pub fn pattern(seed: u64, length: usize) -> Vec<u8> {
         .collect()
 }
 
-pub fn read_all(handle: &VolumeHandle) -> Vec<u8> {
+pub fn read_all(handle: &dyn VolumeIo) -> Vec<u8> {
     let mut bytes = vec![0u8; handle.size_bytes() as usize];
     handle.read(0, &mut bytes).unwrap();
     bytes
