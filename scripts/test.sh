@@ -35,7 +35,7 @@ rust_status=$?
 step "end-to-end tests"
 export KEEL_BIN="$PWD/target/release/keel"
 mkdir -p /var/tmp/keel-e2e
-python3 -m pytest -q -p no:cacheprovider tests/ --ignore=tests/cluster "$@"
+python3 -m pytest -q -p no:cacheprovider tests/ "$@"
 e2e_status=$?
 set -e
 

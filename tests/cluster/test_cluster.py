@@ -178,10 +178,13 @@ def test_a_restarted_node_catches_up_by_snapshot(cluster, workdir):
     nodes = [cluster.add(extra_args=args) for _ in range(3)]
     wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
     away = nodes[2]
+    left_at = away.status()["last_applied_index"]
     away.stop()
     for i in range(80):
         code, answer = create_volume(nodes[0], f"s{i}")
         assert code == 200, answer
+    wait_until("the others purged the entries it missed",
+               lambda: all((n.status()["last_purged_index"] or 0) > left_at for n in nodes[:2]))
     away.start()
     wait_until("caught up", lambda: len(volume_names(away)) == 80, timeout=60)
     assert "installed a metadata snapshot" in away.log()

@@ -24,6 +24,7 @@ mod log_store;
 pub mod membership;
 pub mod messages;
 mod network;
+pub mod rpc_transport;
 mod state_machine;
 pub mod transport;
 mod types;
@@ -216,6 +217,8 @@ fn instance_id(store: &Store) -> Result<[u8; 16], ClusterError> {
 pub struct ClusterHandler {
     cluster: OnceLock<Weak<Cluster>>,
     node_id: AtomicU64,
+    /// Told this node's id as soon as it has one (the transport's identity follows it).
+    on_node_id: Option<Box<dyn Fn(NodeId) + Send + Sync>>,
 }
 
 impl ClusterHandler {
@@ -223,7 +226,25 @@ impl ClusterHandler {
         Arc::new(ClusterHandler {
             cluster: OnceLock::new(),
             node_id: AtomicU64::new(0),
+            on_node_id: None,
         })
+    }
+
+    /// A handler that calls `on_node_id` when this node learns its id (at once after a join,
+    /// before Raft starts, so the leader's first messages find the right identity).
+    pub fn with_node_id_hook(on_node_id: Box<dyn Fn(NodeId) + Send + Sync>) -> Arc<ClusterHandler> {
+        Arc::new(ClusterHandler {
+            cluster: OnceLock::new(),
+            node_id: AtomicU64::new(0),
+            on_node_id: Some(on_node_id),
+        })
+    }
+
+    fn set_node_id(&self, node: NodeId) {
+        self.node_id.store(node, Ordering::SeqCst);
+        if let Some(hook) = &self.on_node_id {
+            hook(node);
+        }
     }
 
     /// The node id calls made from this node carry (0 until it has one).
@@ -383,7 +404,7 @@ impl Cluster {
                 .await
                 .map_err(store_error)??;
         }
-        handler.node_id.store(identity.node_id, Ordering::SeqCst);
+        handler.set_node_id(identity.node_id);
 
         let state = {
             let store = store.clone();
@@ -430,8 +451,38 @@ impl Cluster {
         if fresh || cluster.needs_initialize().await? {
             cluster.initialize(instance).await?;
         }
+        if existing.is_none() && !fresh {
+            // Joined: serve only once the log reached this node's own record (so everything
+            // decided before the join — keys, buckets, volumes — is visible here).
+            cluster.wait_for_own_record().await?;
+        }
         cluster.spawn_background();
         Ok(cluster)
+    }
+
+    async fn wait_for_own_record(&self) -> Result<(), ClusterError> {
+        let deadline = tokio::time::Instant::now() + self.config.timing.propose_timeout * 3;
+        let mut applied = self.state_machine.applied_index();
+        loop {
+            if self
+                .catalog
+                .read()
+                .nodes
+                .contains_key(&self.identity.node_id)
+            {
+                return Ok(());
+            }
+            if tokio::time::timeout_at(deadline, applied.changed())
+                .await
+                .is_err()
+            {
+                return Err(ClusterError::Join {
+                    seed: self.config.join.clone().unwrap_or_default(),
+                    detail: "joined, but the leader's log did not reach this node in time"
+                        .to_string(),
+                });
+            }
+        }
     }
 
     /// A first node whose Raft log is still empty (it crashed between writing its identity and
@@ -1081,9 +1132,15 @@ impl Cluster {
                 record: record.clone(),
             })
             .collect();
+        // A leader cut off from its quorum is no leader for health purposes: it cannot commit.
+        let effective_leader = if self.leads_with_quorum() == Some(false) {
+            None
+        } else {
+            leader
+        };
         let health = membership::health(
             &self.config,
-            leader,
+            effective_leader,
             &nodes,
             liveness.is_some(),
             voters.len(),
@@ -1094,6 +1151,7 @@ impl Cluster {
             leader,
             term: metrics.current_term,
             last_applied_index: metrics.last_applied.map(|id| id.index()),
+            last_purged_index: metrics.purged.map(|id| id.index()),
             nodes,
             health,
         }
@@ -1194,6 +1252,8 @@ pub struct ClusterStatus {
     pub leader: Option<NodeId>,
     pub term: u64,
     pub last_applied_index: Option<u64>,
+    /// Raft entries up to this index are gone from this node's log (in its last snapshot).
+    pub last_purged_index: Option<u64>,
     pub nodes: Vec<NodeStatus>,
     pub health: Vec<HealthCheck>,
 }

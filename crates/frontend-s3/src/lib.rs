@@ -104,7 +104,16 @@ impl S3Frontend {
                         self.objects.delete_key(&id)?;
                         self.import_key("initial", &id, &secret)?;
                     }
-                    None => self.import_key("initial", &id, &secret)?,
+                    None => match self.import_key("initial", &id, &secret) {
+                        // Another node of the cluster stored it meanwhile: fine if it is the
+                        // same key (the refusal was applied here, so the catalog has it now).
+                        Err(FrontendError::Object(ObjectError::AccessKeyExists(_)))
+                            if self
+                                .objects
+                                .key(&id)
+                                .is_some_and(|existing| existing.secret_access_key == secret) => {}
+                        other => other?,
+                    },
                 }
                 Ok(None)
             }

@@ -92,16 +92,16 @@ fn write_token(path: &Path, token: &JoinToken) -> anyhow::Result<()> {
 /// Fault injection of the node-to-node transport (`--debug-faults`).
 #[derive(Clone)]
 pub struct FaultControl {
-    blocked: Arc<std::sync::Mutex<Vec<u64>>>,
+    faults: keel_rpc::Faults,
 }
 
 impl FaultControl {
     /// Drops all traffic with exactly these nodes (empty: none).
     pub fn block_only(&self, nodes: &[u64]) {
-        *self
-            .blocked
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner()) = nodes.to_vec();
+        self.faults.clear();
+        for &node in nodes {
+            self.faults.block(node);
+        }
     }
 }
 
@@ -198,19 +198,42 @@ pub async fn start_cluster(
     }
 
     let listen = listener.local_addr()?;
-    let handler = ClusterHandler::new();
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let rpc = Bridge::new(token.clone(), handler.clone(), config.cluster.debug_faults);
+    let identity = keel_rpc::LocalIdentity::new(keel_rpc::Identity {
+        cluster_id: token.cluster_id,
+        node_id: member.map(|identity| identity.node_id).unwrap_or(0),
+        secret: keel_rpc::ClusterSecret::from_bytes(token.secret),
+    });
+    let handler = {
+        let identity = identity.clone();
+        ClusterHandler::with_node_id_hook(Box::new(move |node| identity.set_node_id(node)))
+    };
+    let faults = keel_rpc::Faults::new();
+    let rpc_config = keel_rpc::RpcConfig::default();
+    let peers = keel_rpc::Peers::new(identity.clone(), rpc_config.clone(), faults.clone());
     let server = {
-        let rpc = rpc.clone();
+        let identity = identity.clone();
+        let faults = faults.clone();
+        let handler: Arc<dyn keel_rpc::Handler> = Arc::new(
+            keel_cluster::rpc_transport::RpcHandler::new(handler.clone()),
+        );
         tokio::spawn(async move {
             let mut stopped = stopped;
-            rpc.serve(listener, async move {
-                let _ = stopped.wait_for(|stop| *stop).await;
-            })
+            keel_rpc::serve(
+                listener,
+                identity,
+                handler,
+                rpc_config,
+                faults,
+                async move {
+                    let _ = stopped.wait_for(|stop| *stop).await;
+                },
+            )
             .await;
         })
     };
+    let transport: Arc<dyn keel_cluster::Transport> =
+        Arc::new(keel_cluster::rpc_transport::RpcTransport::new(peers));
     let cluster_config = ClusterConfig {
         name: config.cluster.node_name(),
         role: if config.cluster.witness {
@@ -235,8 +258,7 @@ pub async fn start_cluster(
         voters: config.cluster.voters,
         timing: config.cluster.timing(),
     };
-    let cluster = Cluster::start(store, cluster_config, rpc.transport(), &handler).await?;
-    rpc.set_node_id(cluster.node_id());
+    let cluster = Cluster::start(store, cluster_config, transport, &handler).await?;
     if formed || member.is_none() {
         write_token(&path, &token)?;
     }
@@ -244,71 +266,13 @@ pub async fn start_cluster(
         cluster,
         formed,
         listen,
-        faults: rpc.faults(),
+        faults: config
+            .cluster
+            .debug_faults
+            .then_some(FaultControl { faults }),
         server,
         stop,
     })
-}
-
-/// Stand-in for the node-to-node transport until `keel-rpc` lands: accepts nothing and reaches
-/// nobody, which is all a one-node cluster needs.
-#[derive(Clone)]
-struct Bridge {
-    faults: Option<FaultControl>,
-}
-
-impl Bridge {
-    fn new(_token: JoinToken, _handler: Arc<ClusterHandler>, debug_faults: bool) -> Bridge {
-        Bridge {
-            faults: debug_faults.then(|| FaultControl {
-                blocked: Arc::new(std::sync::Mutex::new(Vec::new())),
-            }),
-        }
-    }
-
-    async fn serve(&self, listener: TcpListener, stop: impl std::future::Future<Output = ()>) {
-        tokio::pin!(stop);
-        loop {
-            tokio::select! {
-                _ = &mut stop => return,
-                accepted = listener.accept() => {
-                    if let Ok((socket, peer)) = accepted {
-                        tracing::warn!(%peer, "node-to-node transport not built in yet; closing");
-                        drop(socket);
-                    }
-                }
-            }
-        }
-    }
-
-    fn transport(&self) -> Arc<dyn keel_cluster::Transport> {
-        Arc::new(Unreachable)
-    }
-
-    fn set_node_id(&self, _node: u64) {}
-
-    fn faults(&self) -> Option<FaultControl> {
-        self.faults.clone()
-    }
-}
-
-struct Unreachable;
-
-impl keel_cluster::Transport for Unreachable {
-    fn call(
-        &self,
-        peer: keel_cluster::Peer,
-        _method: u16,
-        _payload: Vec<u8>,
-        _timeout: std::time::Duration,
-    ) -> keel_cluster::BoxFuture<Result<Vec<u8>, keel_cluster::TransportError>> {
-        Box::pin(async move {
-            Err(keel_cluster::TransportError::Unreachable {
-                peer: peer.address().to_string(),
-                detail: "the node-to-node transport is not built in yet".to_string(),
-            })
-        })
-    }
 }
 
 #[cfg(test)]

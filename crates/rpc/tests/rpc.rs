@@ -1,0 +1,614 @@
+//! The transport over real loopback sockets. Each test names what it proves.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use keel_rpc::{
+    frame, BoxFuture, Caller, ClusterSecret, Faults, Handler, Identity, LocalIdentity, Peers,
+    RemoteError, RpcConfig, RpcError, Target,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const CLUSTER: [u8; 16] = [1; 16];
+const SECRET: [u8; 32] = [2; 32];
+
+/// Echoes payloads; method 2 sleeps the number of milliseconds in the payload first; method 3
+/// answers an error; method 4 reports the caller; method 5 counts completions after a sleep.
+struct Echo {
+    completed: Arc<AtomicUsize>,
+    callers: Mutex<Vec<Caller>>,
+}
+
+impl Handler for Echo {
+    fn call(
+        &self,
+        caller: Caller,
+        method: u16,
+        payload: Vec<u8>,
+    ) -> BoxFuture<Result<Vec<u8>, RemoteError>> {
+        self.callers.lock().unwrap().push(caller);
+        let completed = self.completed.clone();
+        Box::pin(async move {
+            match method {
+                2 => {
+                    let millis = u64::from_le_bytes(payload[..8].try_into().unwrap());
+                    tokio::time::sleep(Duration::from_millis(millis)).await;
+                    Ok(payload)
+                }
+                3 => Err(RemoteError {
+                    code: 9,
+                    message: "refused on purpose".to_string(),
+                }),
+                4 => Ok(format!("{caller:?}").into_bytes()),
+                5 => {
+                    tokio::time::sleep(Duration::from_millis(600)).await;
+                    completed.fetch_add(1, Ordering::SeqCst);
+                    Ok(Vec::new())
+                }
+                _ => Ok(payload),
+            }
+        })
+    }
+}
+
+fn identity(node: u64, secret: [u8; 32], cluster: [u8; 16]) -> Arc<LocalIdentity> {
+    LocalIdentity::new(Identity {
+        cluster_id: cluster,
+        node_id: node,
+        secret: ClusterSecret::from_bytes(secret),
+    })
+}
+
+struct Server {
+    address: String,
+    handler: Arc<Echo>,
+    faults: Faults,
+    stop: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+async fn server_at(listener: TcpListener, node: u64) -> Server {
+    let address = listener.local_addr().unwrap().to_string();
+    let handler = Arc::new(Echo {
+        completed: Arc::new(AtomicUsize::new(0)),
+        callers: Mutex::new(Vec::new()),
+    });
+    let faults = Faults::new();
+    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    let task = {
+        let handler: Arc<dyn Handler> = handler.clone();
+        let faults = faults.clone();
+        tokio::spawn(async move {
+            keel_rpc::serve(
+                listener,
+                identity(node, SECRET, CLUSTER),
+                handler,
+                RpcConfig {
+                    payload_max_bytes: 4 << 20,
+                    ..RpcConfig::default()
+                },
+                faults,
+                async move {
+                    let _ = stopped.wait_for(|stop| *stop).await;
+                },
+            )
+            .await;
+        })
+    };
+    Server {
+        address,
+        handler,
+        faults,
+        stop,
+        task,
+    }
+}
+
+async fn server(node: u64) -> Server {
+    server_at(TcpListener::bind("127.0.0.1:0").await.unwrap(), node).await
+}
+
+fn client(node: u64) -> Arc<Peers> {
+    Peers::new(
+        identity(node, SECRET, CLUSTER),
+        RpcConfig {
+            payload_max_bytes: 4 << 20,
+            ..RpcConfig::default()
+        },
+        Faults::new(),
+    )
+}
+
+fn node(id: u64, server: &Server) -> Target {
+    Target::Node {
+        id,
+        address: server.address.clone(),
+    }
+}
+
+const SECOND: Duration = Duration::from_secs(1);
+
+// Proves calls round-trip, many run at once on one connection and are answered out of order
+// (the slow one does not hold up the fast ones), errors come back as Remote, and the handler
+// learns who called.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_multiplex_and_answer_out_of_order() {
+    let server = server(3).await;
+    let peers = client(5);
+    assert_eq!(
+        peers
+            .call(node(3, &server), 1, b"ping".to_vec(), SECOND)
+            .await
+            .unwrap(),
+        b"ping"
+    );
+    let started = tokio::time::Instant::now();
+    let mut calls = Vec::new();
+    for index in 0..64u64 {
+        let peers = peers.clone();
+        let target = node(3, &server);
+        calls.push(tokio::spawn(async move {
+            let millis: u64 = if index == 0 { 800 } else { 10 };
+            let answer = peers
+                .call(target, 2, millis.to_le_bytes().to_vec(), 5 * SECOND)
+                .await
+                .unwrap();
+            (index, answer, tokio::time::Instant::now())
+        }));
+    }
+    let mut finished = Vec::new();
+    for call in calls {
+        finished.push(call.await.unwrap());
+    }
+    let slow_done = finished[0].2;
+    assert!(
+        finished[1..].iter().all(|(_, _, at)| *at < slow_done),
+        "out of order"
+    );
+    assert!(started.elapsed() < Duration::from_secs(3));
+    let refused = peers.call(node(3, &server), 3, Vec::new(), SECOND).await;
+    match refused {
+        Err(RpcError::Remote { error, .. }) => assert_eq!(error.code, 9),
+        other => panic!("{other:?}"),
+    }
+    let caller = peers
+        .call(node(3, &server), 4, Vec::new(), SECOND)
+        .await
+        .unwrap();
+    assert_eq!(String::from_utf8(caller).unwrap(), "Member(5)");
+    let joining = client(0);
+    let caller = joining
+        .call(
+            Target::AnyAt {
+                address: server.address.clone(),
+            },
+            4,
+            Vec::new(),
+            SECOND,
+        )
+        .await
+        .unwrap();
+    assert_eq!(String::from_utf8(caller).unwrap(), "Unassigned");
+}
+
+// Proves payloads up to the limit pass and larger ones are refused before sending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payload_limit() {
+    let server = server(3).await;
+    let peers = client(5);
+    let big = vec![0xA5u8; 4 << 20];
+    assert_eq!(
+        peers
+            .call(node(3, &server), 1, big.clone(), 10 * SECOND)
+            .await
+            .unwrap(),
+        big
+    );
+    let too_big = vec![0u8; (4 << 20) + 1];
+    let refused = peers.call(node(3, &server), 1, too_big, SECOND).await;
+    assert!(
+        matches!(refused, Err(RpcError::FrameTooLarge { .. })),
+        "{refused:?}"
+    );
+}
+
+// Proves a wrong secret, another cluster id and a wrong node id are refused (never sent), and
+// that the server goes on serving others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn authentication_refusals() {
+    let server = server(3).await;
+    let wrong_secret = Peers::new(
+        identity(5, [9; 32], CLUSTER),
+        RpcConfig::default(),
+        Faults::new(),
+    );
+    let refused = wrong_secret
+        .call(node(3, &server), 1, b"x".to_vec(), SECOND)
+        .await;
+    match &refused {
+        Err(error @ RpcError::Auth { detail, .. }) => {
+            assert!(error.never_sent());
+            assert!(detail.contains("secret"), "{detail}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let other_cluster = Peers::new(
+        identity(5, SECRET, [7; 16]),
+        RpcConfig::default(),
+        Faults::new(),
+    );
+    let refused = other_cluster
+        .call(node(3, &server), 1, b"x".to_vec(), SECOND)
+        .await;
+    assert!(
+        matches!(&refused, Err(RpcError::Auth { detail, .. }) if detail.contains("another cluster")),
+        "{refused:?}"
+    );
+    let peers = client(5);
+    let wrong_node = peers.call(node(4, &server), 1, b"x".to_vec(), SECOND).await;
+    assert!(
+        matches!(
+            wrong_node,
+            Err(RpcError::WrongPeer {
+                expected: 4,
+                found: 3,
+                ..
+            })
+        ),
+        "{wrong_node:?}"
+    );
+    assert_eq!(
+        peers
+            .call(node(3, &server), 1, b"ok".to_vec(), SECOND)
+            .await
+            .unwrap(),
+        b"ok"
+    );
+}
+
+/// A raw authenticated connection (the test plays the client by hand).
+async fn raw_session(server: &Server) -> (TcpStream, keel_rpc::handshake::Session) {
+    let mut stream = TcpStream::connect(&server.address).await.unwrap();
+    let session = keel_rpc::handshake::client(
+        &mut stream,
+        &Identity {
+            cluster_id: CLUSTER,
+            node_id: 8,
+            secret: ClusterSecret::from_bytes(SECRET),
+        },
+    )
+    .await
+    .unwrap();
+    (stream, session)
+}
+
+fn request(key: &[u8; 32], counter: u64, request_id: u64, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    frame::encode_frame(
+        &mut out,
+        key,
+        counter,
+        &frame::Header {
+            kind: frame::Kind::Request,
+            method: 1,
+            request_id,
+            deadline_ms: 1000,
+            length: payload.len() as u32,
+        },
+        payload,
+    );
+    out
+}
+
+async fn closed_by_server(stream: &mut TcpStream) -> bool {
+    let mut buffer = [0u8; 4096];
+    loop {
+        match tokio::time::timeout(Duration::from_secs(3), stream.read(&mut buffer)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return true,
+            Ok(Ok(_)) => continue,
+            Err(_) => return false,
+        }
+    }
+}
+
+// Proves garbage before the handshake, a bit-flipped frame, a replayed frame and a truncated
+// frame each close that connection only; the server keeps answering others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_closes_only_that_connection() {
+    let server = server(3).await;
+    let peers = client(5);
+
+    let mut garbage = TcpStream::connect(&server.address).await.unwrap();
+    garbage
+        .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    garbage.write_all(&[0xFFu8; 4096]).await.unwrap();
+    assert!(closed_by_server(&mut garbage).await, "garbage handshake");
+
+    let (mut stream, session) = raw_session(&server).await;
+    let good = request(&session.client_to_server, 0, 1, b"fine");
+    stream.write_all(&good).await.unwrap();
+    let mut flipped = request(&session.client_to_server, 1, 2, b"flipped");
+    let last = flipped.len() - 1;
+    flipped[last] ^= 0x01;
+    stream.write_all(&flipped).await.unwrap();
+    assert!(closed_by_server(&mut stream).await, "bit flip");
+
+    let (mut stream, session) = raw_session(&server).await;
+    let first = request(&session.client_to_server, 0, 1, b"once");
+    stream.write_all(&first).await.unwrap();
+    stream.write_all(&first).await.unwrap();
+    assert!(closed_by_server(&mut stream).await, "replay");
+
+    let (mut stream, session) = raw_session(&server).await;
+    let whole = request(&session.client_to_server, 0, 1, &[7u8; 1000]);
+    stream.write_all(&whole[..whole.len() / 2]).await.unwrap();
+    stream.shutdown().await.unwrap();
+    assert!(closed_by_server(&mut stream).await, "truncated");
+
+    let (mut stream, session) = raw_session(&server).await;
+    let mut oversized = frame::Header {
+        kind: frame::Kind::Request,
+        method: 1,
+        request_id: 1,
+        deadline_ms: 0,
+        length: u32::MAX,
+    }
+    .encode()
+    .to_vec();
+    oversized.extend_from_slice(&[0u8; 16]);
+    let _ = session;
+    stream.write_all(&oversized).await.unwrap();
+    assert!(
+        closed_by_server(&mut stream).await,
+        "a length over the limit"
+    );
+
+    assert_eq!(
+        peers
+            .call(node(3, &server), 1, b"still".to_vec(), SECOND)
+            .await
+            .unwrap(),
+        b"still"
+    );
+}
+
+// Proves a call slower than its timeout fails with Timeout, and the server drops the work once
+// the caller's budget is spent (the handler never completes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadlines_travel_to_the_server() {
+    let server = server(3).await;
+    let peers = client(5);
+    let slow = peers
+        .call(node(3, &server), 5, Vec::new(), Duration::from_millis(200))
+        .await;
+    assert!(matches!(slow, Err(RpcError::Timeout { .. })), "{slow:?}");
+    assert!(!slow.unwrap_err().never_sent());
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(
+        server.handler.completed.load(Ordering::SeqCst),
+        0,
+        "the handler was cancelled"
+    );
+}
+
+// Proves a peer that stops reading makes callers time out (bounded queue) instead of growing
+// memory without end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_peer_fills_the_bounded_queue() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let accepted = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let _session = keel_rpc::handshake::server(
+            &mut stream,
+            &Identity {
+                cluster_id: CLUSTER,
+                node_id: 3,
+                secret: ClusterSecret::from_bytes(SECRET),
+            },
+        )
+        .await
+        .unwrap();
+        // Never read again: hold the socket open.
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        drop(stream);
+    });
+    let peers = Peers::new(
+        identity(5, SECRET, CLUSTER),
+        RpcConfig {
+            queue_frames_max: 8,
+            ..RpcConfig::default()
+        },
+        Faults::new(),
+    );
+    let payload = vec![0u8; 1 << 20];
+    let mut outcomes = Vec::new();
+    for _ in 0..40 {
+        let outcome = peers
+            .call(
+                Target::Node {
+                    id: 3,
+                    address: address.clone(),
+                },
+                1,
+                payload.clone(),
+                Duration::from_millis(100),
+            )
+            .await;
+        outcomes.push(outcome);
+    }
+    assert!(outcomes.iter().all(|outcome| outcome.is_err()));
+    assert!(
+        outcomes
+            .iter()
+            .any(|outcome| matches!(outcome, Err(RpcError::Unreachable { detail, .. }) if detail.contains("queue full"))),
+        "the queue filled and refused new frames"
+    );
+    accepted.abort();
+}
+
+// Proves the client redials after the server restarts on the same address, and backs off
+// against a peer that keeps refusing (a bounded number of dials in a fixed time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnect_and_backoff() {
+    let first = server(3).await;
+    let address = first.address.clone();
+    let peers = client(5);
+    assert!(peers
+        .call(node(3, &first), 1, b"a".to_vec(), SECOND)
+        .await
+        .is_ok());
+    first.stop.send_replace(true);
+    first.task.await.unwrap();
+    let lost = peers
+        .call(
+            Target::Node {
+                id: 3,
+                address: address.clone(),
+            },
+            1,
+            b"b".to_vec(),
+            SECOND,
+        )
+        .await;
+    assert!(lost.is_err());
+    // Rebind the same address: the next call (after the backoff) reaches the new server.
+    let listener = loop {
+        match TcpListener::bind(&address).await {
+            Ok(listener) => break listener,
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    };
+    let second = server_at(listener, 3).await;
+    let mut answered = false;
+    for _ in 0..100 {
+        if peers
+            .call(node(3, &second), 1, b"c".to_vec(), SECOND)
+            .await
+            .is_ok()
+        {
+            answered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(answered, "reconnected");
+
+    // A listener that accepts and drops every connection: count the dials over 2 seconds.
+    let refuser = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let refuser_address = refuser.local_addr().unwrap().to_string();
+    let dials = Arc::new(AtomicUsize::new(0));
+    let counter = dials.clone();
+    let accept_task = tokio::spawn(async move {
+        loop {
+            if let Ok((stream, _)) = refuser.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
+                drop(stream);
+            }
+        }
+    });
+    let until = tokio::time::Instant::now() + Duration::from_secs(2);
+    let mut attempts = 0;
+    while tokio::time::Instant::now() < until {
+        let _ = peers
+            .call(
+                Target::AnyAt {
+                    address: refuser_address.clone(),
+                },
+                1,
+                Vec::new(),
+                Duration::from_millis(200),
+            )
+            .await;
+        attempts += 1;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    accept_task.abort();
+    let dialed = dials.load(Ordering::SeqCst);
+    assert!(attempts > 50, "the caller kept calling ({attempts})");
+    assert!(dialed <= 8, "{dialed} dials in 2 s: no backoff");
+}
+
+// Proves the fault proxy: a blocked node's calls go unanswered and calls to it time out; after
+// clearing, traffic flows again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_proxy_partitions_and_heals() {
+    let server = server(3).await;
+    let peers = client(5);
+    assert!(peers
+        .call(node(3, &server), 1, b"a".to_vec(), SECOND)
+        .await
+        .is_ok());
+    server.faults.block(5);
+    let unanswered = peers
+        .call(
+            node(3, &server),
+            1,
+            b"b".to_vec(),
+            Duration::from_millis(300),
+        )
+        .await;
+    assert!(
+        matches!(unanswered, Err(RpcError::Timeout { .. })),
+        "{unanswered:?}"
+    );
+    server.faults.clear();
+    peers.faults().block(3);
+    let blocked = peers
+        .call(
+            node(3, &server),
+            1,
+            b"c".to_vec(),
+            Duration::from_millis(300),
+        )
+        .await;
+    assert!(
+        matches!(blocked, Err(RpcError::Timeout { .. })),
+        "{blocked:?}"
+    );
+    peers.faults().clear();
+    assert!(peers
+        .call(node(3, &server), 1, b"d".to_vec(), SECOND)
+        .await
+        .is_ok());
+}
+
+mod decoder {
+    use keel_rpc::frame::{decode_frame, encode_frame, Header, Kind};
+    use proptest::prelude::*;
+
+    proptest! {
+        // Proves the decoder never panics on arbitrary bytes.
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+            let _ = decode_frame(&bytes, &[3; 32], 0, 1 << 20);
+        }
+
+        // Proves any mutation of a valid frame (a changed byte, a truncation) is refused or
+        // incomplete, never accepted.
+        #[test]
+        fn mutated_frames_are_refused(
+            payload in prop::collection::vec(any::<u8>(), 0..200),
+            position in any::<prop::sample::Index>(),
+            flip in 1u8..=255,
+            cut in any::<prop::sample::Index>(),
+        ) {
+            let mut frame = Vec::new();
+            encode_frame(&mut frame, &[3; 32], 5, &Header {
+                kind: Kind::Response, method: 0, request_id: 9, deadline_ms: 0,
+                length: payload.len() as u32,
+            }, &payload);
+            let mut mutated = frame.clone();
+            let at = position.index(mutated.len());
+            mutated[at] ^= flip;
+            prop_assert!(!matches!(decode_frame(&mutated, &[3; 32], 5, 1 << 20), Ok(Some(_))));
+            let truncated = &frame[..cut.index(frame.len())];
+            prop_assert!(!matches!(decode_frame(truncated, &[3; 32], 5, 1 << 20), Ok(Some(_))));
+        }
+    }
+}
