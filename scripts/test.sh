@@ -24,6 +24,7 @@ cargo build --release --workspace --all-targets --locked
 
 step "format and lint gates"
 cargo fmt --all -- --check
+(cd sim && cargo fmt -- --check)
 cargo clippy --release --workspace --all-targets --locked -- -D warnings
 
 # Both suites run even when the first fails, so one run reports every failure.
@@ -31,6 +32,14 @@ set +e
 step "rust tests"
 cargo test --release --workspace --locked --no-fail-fast
 rust_status=$?
+
+# The deterministic cluster simulation: its own workspace and target dir (it builds
+# keel-cluster with the `simulation` feature and tokio with --cfg tokio_unstable). A slice of
+# seeds here; the long mode is `cd sim && cargo run --release --bin keel-sim -- --minutes N`.
+step "cluster simulation (a slice of seeds)"
+(cd sim && cargo test --release --locked)
+sim_status=$?
+if [ "$sim_status" != 0 ]; then rust_status=$sim_status; fi
 
 step "end-to-end tests"
 export KEEL_BIN="$PWD/target/release/keel"

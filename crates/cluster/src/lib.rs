@@ -32,7 +32,7 @@ mod types;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use keel_catalog::{
     Catalog, CatalogState, Command, Metadata, MetadataError, NodeAddresses, NodeId, NodeRecord,
@@ -124,6 +124,8 @@ pub struct ClusterConfig {
     /// Voters the leader keeps when enough healthy members exist: 1, 3 or 5.
     pub voters: usize,
     pub timing: Timing,
+    /// Every time read and sleep of the cluster goes through it (a simulation's clock in tests).
+    pub clock: Arc<dyn keel_clock::Clock>,
 }
 
 /// Who this node is, stored at `l/identity` (local, never replicated).
@@ -149,13 +151,6 @@ pub enum ClusterError {
 
 fn store_error(error: impl std::fmt::Display) -> ClusterError {
     ClusterError::Store(error.to_string())
-}
-
-pub fn now_unix_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|elapsed| elapsed.as_millis() as i64)
-        .unwrap_or(0)
 }
 
 fn random_bytes<const N: usize>() -> [u8; N] {
@@ -356,15 +351,15 @@ impl Cluster {
             .map_err(|error| ClusterError::Config(error.to_string()))?;
         let existing = {
             let store = store.clone();
-            tokio::task::spawn_blocking(move || read_identity(&store))
+            log_store::blocking(move || read_identity(&store).map_err(std::io::Error::other))
                 .await
-                .map_err(store_error)??
+                .map_err(store_error)?
         };
         let instance = {
             let store = store.clone();
-            tokio::task::spawn_blocking(move || instance_id(&store))
+            log_store::blocking(move || instance_id(&store).map_err(std::io::Error::other))
                 .await
-                .map_err(store_error)??
+                .map_err(store_error)?
         };
         let (identity, fresh) = match (existing, &config.join) {
             (Some(identity), join) => {
@@ -400,19 +395,22 @@ impl Cluster {
         }
         if existing.is_none() {
             let store = store.clone();
-            tokio::task::spawn_blocking(move || write_identity(&store, &identity))
-                .await
-                .map_err(store_error)??;
+            log_store::blocking(move || {
+                write_identity(&store, &identity).map_err(std::io::Error::other)
+            })
+            .await
+            .map_err(store_error)?;
         }
         handler.set_node_id(identity.node_id);
 
         let state = {
             let store = store.clone();
             let node_id = identity.node_id;
-            tokio::task::spawn_blocking(move || CatalogState::load(&store, node_id))
-                .await
-                .map_err(store_error)?
-                .map_err(store_error)?
+            log_store::blocking(move || {
+                CatalogState::load(&store, node_id).map_err(std::io::Error::other)
+            })
+            .await
+            .map_err(store_error)?
         };
         let catalog = Catalog::new(state);
         let state_machine =
@@ -505,7 +503,7 @@ impl Cluster {
             let node = self.node_spec(instance);
             self.propose_async(Command::Bootstrap {
                 cluster_id: self.identity.cluster_id,
-                created_unix_ms: now_unix_ms(),
+                created_unix_ms: self.config.clock.wall_unix_ms(),
                 node,
             })
             .await?;
@@ -622,7 +620,7 @@ impl Cluster {
                 });
             }
             tracing::info!(%failure, "join attempt failed; retrying");
-            tokio::time::sleep(pause).await;
+            config.clock.sleep(pause).await;
             pause = (pause * 2).min(Duration::from_secs(2));
         }
     }
@@ -732,6 +730,7 @@ impl Cluster {
         };
         let kind = proposal.command.kind();
         let timing = &self.config.timing;
+        let timing_clock = self.config.clock.clone();
         let deadline = tokio::time::Instant::now() + timing.propose_timeout;
         let mut pause = Duration::from_millis(20);
         let mut maybe_sent = false;
@@ -822,7 +821,7 @@ impl Cluster {
                     }
                 },
             }
-            tokio::time::sleep(pause).await;
+            timing_clock.sleep(pause).await;
             pause = (pause * 2).min(Duration::from_millis(500));
         }
     }
@@ -905,7 +904,7 @@ impl Cluster {
             None => match self
                 .propose_async(Command::NodeAdd {
                     node: request.node.clone(),
-                    joined_unix_ms: now_unix_ms(),
+                    joined_unix_ms: self.config.clock.wall_unix_ms(),
                 })
                 .await
             {
@@ -1027,9 +1026,9 @@ impl Cluster {
     }
 
     fn record_report(&self, report: NodeReport) {
-        let now = std::time::Instant::now();
+        let now = self.config.clock.now();
         let mut liveness = lock(&self.liveness);
-        let skew = report.sent_unix_ms - now_unix_ms();
+        let skew = report.sent_unix_ms - self.config.clock.wall_unix_ms();
         liveness.skew_ms.insert(report.node_id, skew);
         liveness.last_report.insert(report.node_id, now);
         liveness.reports.insert(report.node_id, report);
@@ -1037,7 +1036,7 @@ impl Cluster {
 
     /// What this node (as leader) knows of each node's reports.
     fn liveness_view(&self) -> Vec<NodeLiveness> {
-        let now = std::time::Instant::now();
+        let now = self.config.clock.now();
         let liveness = lock(&self.liveness);
         liveness
             .reports
@@ -1080,7 +1079,7 @@ impl Cluster {
             None => NodeReport::default(),
         };
         report.node_id = self.identity.node_id;
-        report.sent_unix_ms = now_unix_ms();
+        report.sent_unix_ms = self.config.clock.wall_unix_ms();
         report.version = env!("CARGO_PKG_VERSION").to_string();
         report
     }
@@ -1284,6 +1283,7 @@ async fn report_loop(cluster: Weak<Cluster>) {
             return;
         };
         let interval = strong.config.timing.report_interval;
+        let strong_clock = strong.config.clock.clone();
         if !strong.record_is_current() && strong.leader().is_some() {
             let command = Command::NodeUpdate {
                 id: strong.identity.node_id,
@@ -1315,7 +1315,8 @@ async fn report_loop(cluster: Weak<Cluster>) {
         let mut stopping = strong.stopping.subscribe();
         drop(strong);
         tokio::select! {
-            _ = tokio::time::sleep(interval) => {}
+            biased;
+            _ = strong_clock.sleep(interval) => {}
             _ = stopping.wait_for(|stop| *stop) => return,
         }
     }
@@ -1328,6 +1329,7 @@ async fn leader_loop(cluster: Weak<Cluster>) {
             return;
         };
         let interval = strong.config.timing.membership_interval;
+        let strong_clock = strong.config.clock.clone();
         if strong.is_leader() {
             strong.judge_liveness().await;
             if let Err(error) = strong.reconcile_voters().await {
@@ -1339,7 +1341,8 @@ async fn leader_loop(cluster: Weak<Cluster>) {
         let mut stopping = strong.stopping.subscribe();
         drop(strong);
         tokio::select! {
-            _ = tokio::time::sleep(interval) => {}
+            biased;
+            _ = strong_clock.sleep(interval) => {}
             _ = stopping.wait_for(|stop| *stop) => return,
         }
     }
@@ -1348,7 +1351,7 @@ async fn leader_loop(cluster: Weak<Cluster>) {
 impl Cluster {
     /// Records through Raft which nodes are up, suspect or down.
     async fn judge_liveness(&self) {
-        let now = std::time::Instant::now();
+        let now = self.config.clock.now();
         let verdicts: Vec<(NodeId, NodeState)> = {
             let mut liveness = lock(&self.liveness);
             let since = *liveness.leading_since.get_or_insert(now);
@@ -1393,7 +1396,7 @@ impl Cluster {
                 .propose_async(Command::NodeSetState {
                     id: node,
                     state,
-                    at_unix_ms: now_unix_ms(),
+                    at_unix_ms: self.config.clock.wall_unix_ms(),
                 })
                 .await
             {

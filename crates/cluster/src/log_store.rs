@@ -69,12 +69,22 @@ pub(crate) fn decode<T: for<'de> serde::Deserialize<'de>>(
 }
 
 /// Runs blocking store work off the async runtime's workers.
+#[cfg(not(feature = "simulation"))]
 pub(crate) async fn blocking<T: Send + 'static>(
     work: impl FnOnce() -> io::Result<T> + Send + 'static,
 ) -> io::Result<T> {
     tokio::task::spawn_blocking(work)
         .await
         .map_err(|error| io_error("store task", error))?
+}
+
+/// In the simulation store work runs inline: a blocking-pool thread finishing in real time
+/// would make the order of events depend on the machine, not on the seed.
+#[cfg(feature = "simulation")]
+pub(crate) async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> io::Result<T> + Send + 'static,
+) -> io::Result<T> {
+    work()
 }
 
 /// The log store. Cheap to clone (it is a store handle).

@@ -151,6 +151,7 @@ impl RaftNetworkV2<TypeConfig> for NetworkClient {
             option.hard_ttl(),
         );
         tokio::select! {
+            biased;
             closed = cancel => Err(StreamingError::Closed(closed)),
             answer = send => answer.map_err(streaming),
         }

@@ -110,6 +110,23 @@ pub struct LocalNetwork {
     endpoints: Arc<RwLock<HashMap<String, Endpoint>>>,
     /// Pairs of node ids that cannot reach each other.
     cut: Arc<Mutex<BTreeSet<(NodeId, NodeId)>>>,
+    chaos: Arc<Mutex<Option<Chaos>>>,
+}
+
+/// Message loss and delay (hence reordering), from a seeded generator: the same seed and the
+/// same sequence of calls give the same fates.
+struct Chaos {
+    rng: rand::rngs::StdRng,
+    /// Calls lost out of a million (half lose the request, half the answer).
+    loss_per_million: u32,
+    delay_max: Duration,
+}
+
+/// What happens to one call.
+enum Fate {
+    Delivered { delay: Duration },
+    RequestLost,
+    AnswerLost { delay: Duration },
 }
 
 impl LocalNetwork {
@@ -143,6 +160,49 @@ impl LocalNetwork {
             for &b in all.iter().filter(|b| !side.contains(b)) {
                 cut.insert((a.min(b), a.max(b)));
             }
+        }
+    }
+
+    /// Loses `loss_per_million` of calls and delays each by up to `delay_max`, seeded.
+    pub fn set_chaos(&self, seed: u64, loss_per_million: u32, delay_max: Duration) {
+        *self
+            .chaos
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(Chaos {
+            rng: rand::SeedableRng::seed_from_u64(seed),
+            loss_per_million,
+            delay_max,
+        });
+    }
+
+    /// No more loss or delay.
+    pub fn calm(&self) {
+        *self
+            .chaos
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
+    }
+
+    fn fate(&self) -> Fate {
+        use rand::Rng;
+        let mut chaos = self
+            .chaos
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let Some(chaos) = chaos.as_mut() else {
+            return Fate::Delivered {
+                delay: Duration::ZERO,
+            };
+        };
+        let delay_ms = chaos.delay_max.as_millis() as u64;
+        let delay = Duration::from_millis(chaos.rng.gen_range(0..=delay_ms));
+        let roll = chaos.rng.gen_range(0..1_000_000u32);
+        if roll < chaos.loss_per_million / 2 {
+            Fate::RequestLost
+        } else if roll < chaos.loss_per_million {
+            Fate::AnswerLost { delay }
+        } else {
+            Fate::Delivered { delay }
         }
     }
 
@@ -221,8 +281,28 @@ impl Transport for LocalTransport {
             } else {
                 Caller::Member(from)
             };
+            let (delay, answer_lost) = match network.fate() {
+                Fate::Delivered { delay } => (delay, false),
+                Fate::RequestLost => {
+                    tokio::time::sleep(timeout).await;
+                    return Err(TransportError::Timeout {
+                        peer: address,
+                        timeout,
+                    });
+                }
+                Fate::AnswerLost { delay } => (delay, true),
+            };
+            if !delay.is_zero() {
+                tokio::time::sleep(delay.min(timeout)).await;
+            }
             let answer =
                 tokio::time::timeout(timeout, handler.handle(caller, method, payload)).await;
+            if answer_lost {
+                return Err(TransportError::Lost {
+                    peer: address,
+                    detail: "the answer was lost (simulated)".to_string(),
+                });
+            }
             // The answer crosses the partition too.
             if network.is_cut(from, target) {
                 return Err(TransportError::Lost {

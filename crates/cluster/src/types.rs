@@ -28,6 +28,7 @@ impl fmt::Display for RaftNode {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CommandResult(pub Result<Outcome, CatalogError>);
 
+#[cfg(not(feature = "simulation"))]
 openraft::declare_raft_types!(
     /// Keel's metadata Raft group.
     pub TypeConfig:
@@ -35,6 +36,18 @@ openraft::declare_raft_types!(
         R = CommandResult,
         NodeId = u64,
         Node = RaftNode,
+);
+
+#[cfg(feature = "simulation")]
+openraft::declare_raft_types!(
+    /// Keel's metadata Raft group, with openraft's randomness from a seeded generator (the
+    /// deterministic simulation in `sim/`).
+    pub TypeConfig:
+        D = Proposal,
+        R = CommandResult,
+        NodeId = u64,
+        Node = RaftNode,
+        AsyncRuntime = openraft_rt::deterministic_rng::DeterministicRng<openraft::TokioRuntime>,
 );
 
 pub type Raft = openraft::Raft<TypeConfig, StateMachine>;

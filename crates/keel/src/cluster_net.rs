@@ -257,6 +257,7 @@ pub async fn start_cluster(
         cluster_id: Some(token.cluster_id),
         voters: config.cluster.voters,
         timing: config.cluster.timing(),
+        clock: Arc::new(keel_clock::SystemClock),
     };
     let cluster = Cluster::start(store, cluster_config, transport, &handler).await?;
     if formed || member.is_none() {

@@ -95,6 +95,7 @@ pub async fn start(network: &LocalNetwork, dir: PathBuf, name: &str, options: Op
         cluster_id: None,
         voters: options.voters,
         timing: options.timing,
+        clock: std::sync::Arc::new(keel_clock::SystemClock),
     };
     let cluster = Cluster::start(store.clone(), config, transport, &handler)
         .await
