@@ -1,7 +1,7 @@
 //! The Raft state machine: the catalog. Applying an entry is [`Catalog::apply`] — the command's
-//! record changes, the applied log id and the proposal's dedup record in one atomic, synced
-//! store write — so after any crash the applied id and the records agree, and openraft
-//! re-applies exactly the entries after it.
+//! record changes, the applied log id and the proposal's dedup record in one atomic store write
+//! (buffered: the entry itself is durable in the log) — so after any crash the applied id and
+//! the records agree, and openraft re-applies exactly the entries after the applied id.
 //!
 //! Exactly once: every proposal carries a random id. The outcome of each id applied in the last
 //! [`DEDUP_WINDOW_ENTRIES`] entries is kept (`r/dedup/<id>`); a proposal retried after a lost
@@ -235,9 +235,13 @@ impl StateMachine {
                     );
                     ops
                 };
+                // Buffered: the entry is already durable in the log (synced before it could
+                // commit), and the records and applied id land in one atomic write, so a crash
+                // that loses this write only makes openraft apply the entry again. What must be
+                // durable when a change returns (a snapshot's data) is flushed by whoever asked.
                 let outcome = self
                     .catalog
-                    .apply(&self.store, &proposal.command, &extra, Durability::Sync)
+                    .apply(&self.store, &proposal.command, &extra, Durability::Buffered)
                     .map_err(|error| io_error("applying a command", error))?;
                 if let Some(error) = lock(&encode_failure).take() {
                     return Err(error);

@@ -433,6 +433,12 @@ impl VolumeManager {
                 detail: format!("creating a snapshot answered {outcome:?}"),
             });
         };
+        // Every write acknowledged before the snapshot is in it; make them durable before
+        // saying the snapshot exists (the catalog applies records without a sync of its own).
+        self.engine.store().flush().map_err(VolumeError::store(
+            volume,
+            "flushing before a snapshot returns",
+        ))?;
         let entry = self.entry(volume)?;
         let frozen =
             entry
