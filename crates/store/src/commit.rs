@@ -18,7 +18,6 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use crate::error::{StoreError, StoreResult};
 use crate::format::{self, Compression, ExtentHeader};
-use crate::fsinfo;
 use crate::index::{Index, IndexUpdate, Location, Persist, Tail};
 use crate::segment::{hex, Segment, Segments};
 use crate::{Durability, StoreConfig, StoreStats, WriteAck, WriteOp};
@@ -209,9 +208,26 @@ pub(crate) struct Engine {
 
 impl Engine {
     pub fn open(config: StoreConfig) -> StoreResult<Engine> {
-        let segments = Segments::open(&config.data_dirs, config.ephemeral)?;
+        let segments = Segments::open(config.disk.clone(), &config.data_dirs, config.ephemeral)?;
         segments.remove_preparations()?;
-        let (index, tail) = Index::open(&segments.devices[0].dir.join(INDEX_FILE))?;
+        let index_dir = &segments.devices[0].dir;
+        let index_path = index_dir.join(INDEX_FILE);
+        let index_exists = segments
+            .disk
+            .file_len(&index_path)
+            .map_err(|e| StoreError::io(&index_path, e))?
+            .is_some();
+        if !index_exists && !segments.ids().is_empty() {
+            // Replaying from the first segment would skip compaction copies and resurrect keys
+            // whose tombstones compaction removed: refuse rather than lose data.
+            return Err(StoreError::IndexMissing { path: index_path });
+        }
+        let (index, tail) = Index::open(segments.disk.as_ref(), &index_path)?;
+        if !index_exists {
+            // The new index's directory entry must be durable before any segment is: a log
+            // without its index is refused at open.
+            crate::segment::sync_dir(segments.disk.as_ref(), index_dir)?;
+        }
         let writer = recover(&segments, &index, tail, config.segment_size_max_bytes)?;
         Ok(Engine {
             config,
@@ -373,7 +389,7 @@ impl Engine {
                 .segments
                 .devices
                 .iter()
-                .filter_map(|d| fsinfo::available_bytes(&d.dir).ok())
+                .filter_map(|d| self.segments.disk.available_bytes(&d.dir).ok())
                 .min()
                 .unwrap_or(0),
             Err(_) => 0,
@@ -381,11 +397,32 @@ impl Engine {
         result
     }
 
+    /// Whether the extents `ops` replace or delete take at least the log bytes their new
+    /// extents take. Only asked on a full disk, so the index lookups cost nothing otherwise.
+    fn frees_at_least_what_it_adds(&self, ops: &[Op]) -> bool {
+        let mut adds = 0u64;
+        let mut frees = 0u64;
+        for op in ops {
+            if op.kind == format::KIND_PUT {
+                adds += op.record_len() as u64;
+            }
+            match self.index.get(&op.key) {
+                Ok(Some(location)) => frees += u64::from(location.record_len),
+                Ok(None) => {}
+                Err(_) => return false,
+            }
+        }
+        frees >= adds
+    }
+
     fn space_check(&self, needed: u64) -> StoreResult<()> {
         let reserve_bytes = self.config.reserve_bytes.max(INDEX_HEADROOM_BYTES);
         for device in &self.segments.devices {
-            let available =
-                fsinfo::available_bytes(&device.dir).map_err(|e| StoreError::io(&device.dir, e))?;
+            let available = self
+                .segments
+                .disk
+                .available_bytes(&device.dir)
+                .map_err(|e| StoreError::io(&device.dir, e))?;
             if available < needed.saturating_add(reserve_bytes) {
                 return Err(StoreError::NoSpace {
                     path: device.dir.clone(),
@@ -434,6 +471,13 @@ impl Engine {
                     }
                 }
             });
+            if verdict.is_err() && self.frees_at_least_what_it_adds(&pending.ops) {
+                // Space must always be reclaimable: a batch that frees more than it adds (a
+                // delete that rewrites a record or a reference count on its way) may use the
+                // reserve.
+                admitted.push(None);
+                continue;
+            }
             admitted.push(
                 verdict
                     .clone()
@@ -484,6 +528,13 @@ impl Engine {
         let mut seq = writer.next_seq;
         let mut need_sync = false;
         let mut checkpoint: Option<Vec<u64>> = None;
+        // The batch's first extent says whether the log before it was durable (see
+        // `format::FLAG_AFTER_SYNC`).
+        let mut after_sync = if writer.synced {
+            format::FLAG_AFTER_SYNC
+        } else {
+            0
+        };
         for (pending, refused) in batch.iter().zip(&admitted) {
             if refused.is_some() {
                 acks.push(0);
@@ -501,6 +552,7 @@ impl Engine {
                     Some(old_seq) => (old_seq, group_end | format::FLAG_RELOCATED),
                     None => (seq, group_end),
                 };
+                let flags = flags | std::mem::take(&mut after_sync);
                 format::encode_extent(
                     &mut buffer,
                     op.kind,
@@ -819,7 +871,10 @@ impl Engine {
                     self.repaired_extents.fetch_add(1, Ordering::Relaxed);
                     tracing::info!(key = %hex(key), device, "repaired extent from mirror copy");
                 }
-                Err(error) => tracing::error!(%error, device, "could not repair extent"),
+                // The repair syncs the same file the group commit syncs, and Linux reports a
+                // writeback error once per file: swallowing it here would let the next log sync
+                // return success for writes that never reached the disk.
+                Err(error) => self.poison("mirror repair fdatasync", &error),
             }
         }
         Ok(Some((repaired, value)))
@@ -957,6 +1012,14 @@ fn recover(
             tail.segment
         )));
     }
+    // Replay must see what the devices hold. After a failed writeback (a poisoned store that was
+    // reopened without a reboot) Linux keeps the lost pages cached and clean: reading through the
+    // cache would replay, index and acknowledge bytes the disk does not have.
+    for id in ids.iter().copied().filter(|id| *id >= tail.segment) {
+        if let Some(segment) = segments.get(id) {
+            segment.drop_cache()?;
+        }
+    }
     let mut next_seq = tail.next_seq;
     let mut updates: Vec<IndexUpdate> = Vec::new();
     let mut group: Vec<IndexUpdate> = Vec::new();
@@ -1028,8 +1091,11 @@ fn recover(
         }
     }
     // Cut the log at the end of the last whole group: everything after it was never
-    // acknowledged (a torn batch), and leaving it could let a later append look valid.
+    // acknowledged (a torn batch), and leaving it could let a later append look valid. Unless
+    // what follows proves the log went on after a sync: then this is media corruption in the
+    // middle of the log, and cutting would drop acknowledged writes.
     let (end_segment, end_offset) = end;
+    check_end_is_torn_tail(segments, &ids, end_segment, end_offset)?;
     let mut dropped_bytes = 0u64;
     for id in ids.iter().copied().filter(|id| *id >= end_segment) {
         let Some(segment) = segments.get(id) else {
@@ -1091,6 +1157,87 @@ fn recover(
         space_available_bytes: 0,
         appended_since_space_check_bytes: 0,
     })
+}
+
+/// Refuses to cut the log at `(end_segment, end_offset)` when anything after it was written
+/// after a sync that covered the cut point: a valid extent flagged [`format::FLAG_AFTER_SYNC`]
+/// later in the same segment, or any valid extent in a later segment (a segment is synced before
+/// the next one is started). Unflagged extents after the cut may be sectors of a torn, unsynced
+/// batch that reached the disk out of order, and are dropped with it.
+fn check_end_is_torn_tail(
+    segments: &Segments,
+    ids: &[u64],
+    end_segment: u64,
+    end_offset: u64,
+) -> StoreResult<()> {
+    let bad = |detail: String| StoreError::LogCorrupt {
+        segment: end_segment,
+        offset: end_offset,
+        detail,
+    };
+    for id in ids.iter().copied().filter(|id| *id >= end_segment) {
+        let Some(segment) = segments.get(id) else {
+            continue;
+        };
+        let (from, need_flag) = if id == end_segment {
+            (end_offset + 1, true)
+        } else {
+            (format::SEGMENT_HEADER_LEN as u64, false)
+        };
+        if let Some((offset, seq)) = find_valid_extent(&segment, from, need_flag)? {
+            return Err(bad(format!(
+                "a valid extent (seq {seq}) written after a sync follows at segment {id} \
+                 offset {offset}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The first offset at or after `from` (on any device) where a whole extent verifies, with its
+/// seq; only extents flagged [`format::FLAG_AFTER_SYNC`] when `need_flag`.
+fn find_valid_extent(
+    segment: &Segment,
+    from: u64,
+    need_flag: bool,
+) -> StoreResult<Option<(u64, u64)>> {
+    const CHUNK_BYTES: u64 = 1 << 20;
+    let overlap = format::EXTENT_MAGIC.len() as u64;
+    for device in 0..segment.files.len() {
+        let len = segment.len(device)?;
+        let mut start = from;
+        while start < len {
+            let chunk = segment.read_at(device, start, (len - start).min(CHUNK_BYTES) as usize)?;
+            let mut at = 0;
+            while let Some(found) = chunk[at..]
+                .windows(format::EXTENT_MAGIC.len())
+                .position(|w| w == format::EXTENT_MAGIC)
+            {
+                let offset = start + (at + found) as u64;
+                at += found + 1;
+                let header = segment.read_at(device, offset, format::EXTENT_HEADER_LEN)?;
+                let Ok(header) = format::decode_header(&header) else {
+                    continue;
+                };
+                if need_flag && header.flags & format::FLAG_AFTER_SYNC == 0 {
+                    continue;
+                }
+                let record_len = header.record_len() as u64;
+                if offset + record_len > len {
+                    continue;
+                }
+                let record = segment.read_at(device, offset, record_len as usize)?;
+                if format::decode_extent(&record).is_ok() {
+                    return Ok(Some((offset, header.seq)));
+                }
+            }
+            if start + (chunk.len() as u64) >= len {
+                break;
+            }
+            start += (chunk.len() as u64).saturating_sub(overlap).max(1);
+        }
+    }
+    Ok(None)
 }
 
 /// Whether every device holds only zero bytes in `[from, to)`.

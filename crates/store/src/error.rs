@@ -41,6 +41,25 @@ pub enum StoreError {
         detail: String,
     },
 
+    #[error(
+        "the log is damaged in the middle, not at its end: segment {segment} offset {offset} does \
+         not verify on any device ({detail}), but writes acknowledged after it follow; Keel will not \
+         cut acknowledged data. Restore the device from its mirror or a backup, or copy the data \
+         directory aside and ask for help"
+    )]
+    LogCorrupt {
+        segment: u64,
+        offset: u64,
+        detail: String,
+    },
+
+    #[error(
+        "the index {path} is missing while the log holds data; replaying the log without it \
+         would lose compacted data and bring deleted keys back, so the store refuses to open. \
+         Restore the file from a backup of this data directory"
+    )]
+    IndexMissing { path: PathBuf },
+
     #[error("index error: {0}")]
     Index(String),
 

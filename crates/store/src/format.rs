@@ -30,6 +30,10 @@ pub const FLAG_CONTENT_HASH: u8 = 1 << 1;
 /// Written by compaction: a copy of an older extent keeping that extent's sequence number.
 /// Recovery applies it only if the key still maps to that sequence number.
 pub const FLAG_RELOCATED: u8 = 1 << 2;
+/// The first extent of a batch written after an `fdatasync` returned: everything before it in
+/// the log was durable when it was written. Recovery uses it to tell a torn tail (unsynced bytes
+/// lost at a power cut) from media corruption in the middle of the log.
+pub const FLAG_AFTER_SYNC: u8 = 1 << 3;
 
 /// Per-extent compression. Chosen by the caller per namespace (bucket, volume); an extent whose
 /// compressed form is not smaller than its raw form is stored raw.

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuar
 
 use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
 
+use crate::disk::{Disk, IndexBackend, OpenMode};
 use crate::error::{StoreError, StoreResult};
 
 const EXTENTS: TableDefinition<&[u8], &[u8]> = TableDefinition::new("extents");
@@ -311,14 +312,21 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Index {
-    pub fn open(path: &Path) -> StoreResult<(Index, Option<Tail>)> {
-        Index::open_with(path, PENDING_ENTRIES_MAX)
+    pub fn open(disk: &dyn Disk, path: &Path) -> StoreResult<(Index, Option<Tail>)> {
+        Index::open_with(disk, path, PENDING_ENTRIES_MAX)
     }
 
-    fn open_with(path: &Path, pending_entries_max: usize) -> StoreResult<(Index, Option<Tail>)> {
+    fn open_with(
+        disk: &dyn Disk,
+        path: &Path,
+        pending_entries_max: usize,
+    ) -> StoreResult<(Index, Option<Tail>)> {
+        let file = disk
+            .open(path, OpenMode::Create)
+            .map_err(|e| StoreError::io(path, e))?;
         let db = redb::Builder::new()
             .set_cache_size(INDEX_CACHE_SIZE_MAX_BYTES)
-            .create(path)?;
+            .create_with_backend(IndexBackend(file))?;
         let txn = db.begin_write()?;
         {
             txn.open_table(EXTENTS)?;
@@ -757,7 +765,7 @@ mod tests {
             std::fs::create_dir_all(&dir).unwrap();
             let path = dir.join(format!("{}.redb", std::process::id()));
             let _ = std::fs::remove_file(&path);
-            let (index, _) = Index::open_with(&path, pending_max).unwrap();
+            let (index, _) = Index::open_with(&crate::disk::RealDisk, &path, pending_max).unwrap();
             let mut model: BTreeMap<Vec<u8>, Location> = BTreeMap::new();
             let mut seq = 0u64;
             for (round, ops) in ops.chunks(chunk).enumerate() {

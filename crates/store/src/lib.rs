@@ -18,12 +18,14 @@
 
 mod commit;
 mod compact;
+pub mod disk;
 mod error;
 pub mod format;
 pub mod fsinfo;
 mod index;
 mod scrub;
 mod segment;
+pub mod simdisk;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -143,6 +145,9 @@ pub struct StoreConfig {
     /// The index is made durable (checkpointed) after this much new log. Bounds replay time at
     /// open and the memory redb holds for non-durable commits. Default 64 MiB.
     pub checkpoint_interval_bytes: u64,
+    /// The filesystem under the store: the real one, or a simulated disk in tests
+    /// ([`simdisk::SimDisk`]) that loses unsynced writes at a power cut and fails chosen syncs.
+    pub disk: Arc<dyn disk::Disk>,
 }
 
 impl StoreConfig {
@@ -154,6 +159,7 @@ impl StoreConfig {
             batch_size_max_bytes: 16 << 20,
             reserve_bytes: 256 << 20,
             checkpoint_interval_bytes: 64 << 20,
+            disk: Arc::new(disk::RealDisk),
         }
     }
 }

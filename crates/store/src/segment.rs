@@ -7,32 +7,27 @@
 //! longer needs it; each data directory is locked (flock) by exactly one process.
 
 use std::collections::BTreeMap;
-use std::fs::{File, OpenOptions};
-use std::io::{self, Write};
-use std::os::unix::fs::FileExt;
-use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
+use crate::disk::{DirLock, Disk, DiskFile, OpenMode};
 use crate::error::{StoreError, StoreResult};
 use crate::format;
-use crate::fsinfo;
 
 const STORE_ID_FILE: &str = "store-id";
-const LOCK_FILE: &str = "lock";
 const SEGMENTS_DIR: &str = "segments";
 
 pub(crate) struct Device {
     pub dir: PathBuf,
     pub segments_dir: PathBuf,
-    /// Held open for its flock; dropped with the store.
-    _lock: File,
+    /// Held for the store's life; released when dropped.
+    _lock: Box<dyn DirLock>,
 }
 
 pub(crate) struct Segment {
     pub id: u64,
     /// One file per device, same order as `Segments::devices`.
-    pub files: Vec<File>,
+    pub files: Vec<Arc<dyn DiskFile>>,
     pub paths: Vec<PathBuf>,
 }
 
@@ -57,10 +52,15 @@ impl Segment {
 
     pub fn read_at(&self, device: usize, offset: u64, len: usize) -> StoreResult<Vec<u8>> {
         let mut buf = vec![0u8; len];
-        let read = read_up_to(&self.files[device], &mut buf, offset)
+        let read = crate::disk::read_up_to(self.files[device].as_ref(), &mut buf, offset)
             .map_err(|e| StoreError::io(&self.paths[device], e))?;
         buf.truncate(read);
         Ok(buf)
+    }
+
+    /// Drops every copy's cached pages, so replay reads what the devices hold.
+    pub fn drop_cache(&self) -> StoreResult<()> {
+        self.on_every_device(|file, path| file.drop_cache().map_err(|e| StoreError::io(path, e)))
     }
 
     /// Rewrites one device's copy of a range with verified bytes and syncs it.
@@ -74,17 +74,16 @@ impl Segment {
 
     pub fn len(&self, device: usize) -> StoreResult<u64> {
         self.files[device]
-            .metadata()
-            .map(|m| m.len())
+            .len()
             .map_err(|e| StoreError::io(&self.paths[device], e))
     }
 
     fn on_every_device(
         &self,
-        op: impl Fn(&File, &Path) -> StoreResult<()> + Sync,
+        op: impl Fn(&dyn DiskFile, &Path) -> StoreResult<()> + Sync,
     ) -> StoreResult<()> {
         if self.files.len() == 1 {
-            return op(&self.files[0], &self.paths[0]);
+            return op(self.files[0].as_ref(), &self.paths[0]);
         }
         std::thread::scope(|scope| {
             let handles: Vec<_> = self
@@ -94,10 +93,10 @@ impl Segment {
                 .skip(1)
                 .map(|(file, path)| {
                     let op = &op;
-                    scope.spawn(move || op(file, path))
+                    scope.spawn(move || op(file.as_ref(), path))
                 })
                 .collect();
-            let first = op(&self.files[0], &self.paths[0]);
+            let first = op(self.files[0].as_ref(), &self.paths[0]);
             let mut result = first;
             for handle in handles {
                 let other = handle.join().unwrap_or_else(|_| {
@@ -112,21 +111,8 @@ impl Segment {
     }
 }
 
-/// Reads as many bytes as the file has at `offset`, up to `buf.len()`.
-pub(crate) fn read_up_to(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-    let mut done = 0;
-    while done < buf.len() {
-        match file.read_at(&mut buf[done..], offset + done as u64) {
-            Ok(0) => break,
-            Ok(n) => done += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(done)
-}
-
 pub(crate) struct Segments {
+    pub disk: Arc<dyn Disk>,
     pub devices: Vec<Device>,
     pub store_id: [u8; 16],
     map: RwLock<BTreeMap<u64, Arc<Segment>>>,
@@ -151,6 +137,7 @@ const ZERO_FILL_CHUNK_BYTES: usize = 1 << 20;
 /// ext4: ~120 us instead of ~200 us per 4 KiB sync). Zeros read as "no extent", so recovery
 /// stops at the first unwritten byte as it does at the end of a file.
 pub(crate) struct Preparation {
+    disk: Arc<dyn Disk>,
     id: u64,
     size_bytes: u64,
     store_id: [u8; 16],
@@ -164,7 +151,7 @@ impl Preparation {
         let result = self.write_all();
         if result.is_err() {
             for path in &self.paths {
-                let _ = std::fs::remove_file(path);
+                let _ = self.disk.remove_file(path);
             }
         }
         result
@@ -174,12 +161,9 @@ impl Preparation {
         let header = format::encode_segment_header(self.id, &self.store_id);
         let zeros = vec![0u8; ZERO_FILL_CHUNK_BYTES];
         for path in &self.paths {
-            let file = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .open(path)
+            let file = self
+                .disk
+                .open(path, OpenMode::Truncate)
                 .map_err(|e| StoreError::io(path, e))?;
             file.write_all_at(&header, 0)
                 .map_err(|e| StoreError::io(path, e))?;
@@ -190,43 +174,37 @@ impl Preparation {
                     .map_err(|e| StoreError::io(path, e))?;
                 offset += len as u64;
             }
-            file.sync_all().map_err(|e| StoreError::io(path, e))?;
+            file.sync_data().map_err(|e| StoreError::io(path, e))?;
         }
         Ok(())
     }
 }
 
-pub(crate) fn sync_dir(dir: &Path) -> StoreResult<()> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| StoreError::io(dir, e))
+pub(crate) fn sync_dir(disk: &dyn Disk, dir: &Path) -> StoreResult<()> {
+    disk.sync_dir(dir).map_err(|e| StoreError::io(dir, e))
 }
 
-fn lock_dir(dir: &Path) -> StoreResult<File> {
-    let path = dir.join(LOCK_FILE);
-    let file = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(|e| StoreError::io(&path, e))?;
-    // SAFETY: flock on a file descriptor we own.
-    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if rc != 0 {
-        return Err(StoreError::Locked {
-            path: dir.to_path_buf(),
-        });
-    }
-    Ok(file)
-}
-
-fn read_store_id(dir: &Path) -> StoreResult<Option<[u8; 16]>> {
-    let path = dir.join(STORE_ID_FILE);
-    let text = match std::fs::read_to_string(&path) {
-        Ok(text) => text,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(StoreError::io(&path, e)),
+/// A whole small file, or `None` if it does not exist.
+pub(crate) fn read_file(disk: &dyn Disk, path: &Path) -> StoreResult<Option<Vec<u8>>> {
+    let Some(len) = disk.file_len(path).map_err(|e| StoreError::io(path, e))? else {
+        return Ok(None);
     };
+    let file = disk
+        .open(path, OpenMode::Existing)
+        .map_err(|e| StoreError::io(path, e))?;
+    let mut bytes = vec![0u8; len as usize];
+    let read = crate::disk::read_up_to(file.as_ref(), &mut bytes, 0)
+        .map_err(|e| StoreError::io(path, e))?;
+    bytes.truncate(read);
+    Ok(Some(bytes))
+}
+
+fn read_store_id(disk: &dyn Disk, dir: &Path) -> StoreResult<Option<[u8; 16]>> {
+    let path = dir.join(STORE_ID_FILE);
+    let Some(bytes) = read_file(disk, &path)? else {
+        return Ok(None);
+    };
+    let text = String::from_utf8_lossy(&bytes);
     let bytes = hex_decode(text.trim())
         .filter(|b| b.len() == 16)
         .ok_or_else(|| StoreError::Mismatch(format!("{} is not a store id", path.display())))?;
@@ -249,16 +227,24 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Writes a small file atomically and durably: temp file, fsync, rename, directory fsync.
-pub(crate) fn write_file_durably(dir: &Path, name: &str, contents: &[u8]) -> StoreResult<()> {
+/// Writes a small file atomically and durably: temp file, sync, rename, directory sync.
+pub(crate) fn write_file_durably(
+    disk: &dyn Disk,
+    dir: &Path,
+    name: &str,
+    contents: &[u8],
+) -> StoreResult<()> {
     let tmp = dir.join(format!("{name}.tmp"));
     let path = dir.join(name);
-    let mut file = File::create(&tmp).map_err(|e| StoreError::io(&tmp, e))?;
-    file.write_all(contents)
-        .and_then(|_| file.sync_all())
+    let file = disk
+        .open(&tmp, OpenMode::Truncate)
         .map_err(|e| StoreError::io(&tmp, e))?;
-    std::fs::rename(&tmp, &path).map_err(|e| StoreError::io(&path, e))?;
-    sync_dir(dir)
+    file.write_all_at(contents, 0)
+        .and_then(|_| file.sync_data())
+        .map_err(|e| StoreError::io(&tmp, e))?;
+    disk.rename(&tmp, &path)
+        .map_err(|e| StoreError::io(&path, e))?;
+    sync_dir(disk, dir)
 }
 
 fn new_store_id() -> [u8; 16] {
@@ -275,7 +261,7 @@ fn new_store_id() -> [u8; 16] {
 }
 
 impl Segments {
-    pub fn open(dirs: &[PathBuf], ephemeral: bool) -> StoreResult<Segments> {
+    pub fn open(disk: Arc<dyn Disk>, dirs: &[PathBuf], ephemeral: bool) -> StoreResult<Segments> {
         if dirs.is_empty() || dirs.len() > 2 {
             return Err(StoreError::Invalid(format!(
                 "a store needs one data directory, or two for a mirror; got {}",
@@ -285,22 +271,28 @@ impl Segments {
         let mut devices = Vec::new();
         let mut ids = Vec::new();
         for dir in dirs {
-            std::fs::create_dir_all(dir).map_err(|e| StoreError::io(dir, e))?;
-            let memory = fsinfo::memory_backed(dir).map_err(|e| StoreError::io(dir, e))?;
+            disk.create_dir_all(dir)
+                .map_err(|e| StoreError::io(dir, e))?;
+            let memory = disk
+                .memory_backed(dir)
+                .map_err(|e| StoreError::io(dir, e))?;
             if let (Some(filesystem), false) = (memory, ephemeral) {
                 return Err(StoreError::VolatileFilesystem {
                     path: dir.clone(),
                     filesystem,
                 });
             }
-            let lock = lock_dir(dir)?;
+            let lock = disk
+                .lock_dir(dir)
+                .map_err(|e| StoreError::io(dir, e))?
+                .ok_or_else(|| StoreError::Locked { path: dir.clone() })?;
             let segments_dir = dir.join(SEGMENTS_DIR);
-            if !segments_dir.exists() {
-                std::fs::create_dir_all(&segments_dir)
+            if disk.list_dir(&segments_dir).is_err() {
+                disk.create_dir_all(&segments_dir)
                     .map_err(|e| StoreError::io(&segments_dir, e))?;
-                sync_dir(dir)?;
+                sync_dir(disk.as_ref(), dir)?;
             }
-            ids.push(read_store_id(dir)?);
+            ids.push(read_store_id(disk.as_ref(), dir)?);
             devices.push(Device {
                 dir: dir.clone(),
                 segments_dir,
@@ -311,7 +303,12 @@ impl Segments {
             (_, true) => {
                 let id = new_store_id();
                 for device in &devices {
-                    write_file_durably(&device.dir, STORE_ID_FILE, hex(&id).as_bytes())?;
+                    write_file_durably(
+                        disk.as_ref(),
+                        &device.dir,
+                        STORE_ID_FILE,
+                        hex(&id).as_bytes(),
+                    )?;
                 }
                 id
             }
@@ -339,6 +336,7 @@ impl Segments {
             (None, false) => unreachable!("some id is present when not all are None"),
         };
         let segments = Segments {
+            disk,
             devices,
             store_id,
             map: RwLock::new(BTreeMap::new()),
@@ -351,10 +349,11 @@ impl Segments {
     fn load_existing(&self) -> StoreResult<()> {
         let first = &self.devices[0].segments_dir;
         let mut ids = Vec::new();
-        for entry in std::fs::read_dir(first).map_err(|e| StoreError::io(first, e))? {
-            let entry = entry.map_err(|e| StoreError::io(first, e))?;
-            let name = entry.file_name();
-            let name = name.to_string_lossy();
+        for name in self
+            .disk
+            .list_dir(first)
+            .map_err(|e| StoreError::io(first, e))?
+        {
             if let Some(stem) = name.strip_suffix(".seg") {
                 if let Ok(id) = u64::from_str_radix(stem, 16) {
                     ids.push(id);
@@ -368,10 +367,9 @@ impl Segments {
             let mut paths = Vec::new();
             for device in &self.devices {
                 let path = device.segments_dir.join(segment_file_name(id));
-                let file = OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .open(&path)
+                let file = self
+                    .disk
+                    .open(&path, OpenMode::Existing)
                     .map_err(|e| StoreError::io(&path, e))?;
                 files.push(file);
                 paths.push(path);
@@ -393,15 +391,20 @@ impl Segments {
     pub fn create(&self, id: u64) -> StoreResult<Arc<Segment>> {
         let header = format::encode_segment_header(id, &self.store_id);
         let mut files = Vec::new();
-        let mut paths = Vec::new();
+        let mut paths: Vec<PathBuf> = Vec::new();
         for device in &self.devices {
             let path = device.segments_dir.join(segment_file_name(id));
-            let file = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create_new(true)
-                .open(&path)
-                .map_err(|e| StoreError::io(&path, e))?;
+            let file = match self.disk.open(&path, OpenMode::CreateNew) {
+                Ok(file) => file,
+                Err(error) => {
+                    // Not created on every device: undo the ones that were, so no half pair
+                    // blocks later rolls (or the next open).
+                    for created in &paths {
+                        let _ = self.disk.remove_file(created);
+                    }
+                    return Err(StoreError::io(&path, error));
+                }
+            };
             files.push(file);
             paths.push(path);
         }
@@ -412,8 +415,9 @@ impl Segments {
             .and_then(|_| self.sync_segment_dirs());
         if let Err(error) = written {
             for path in &segment.paths {
-                let _ = std::fs::remove_file(path);
+                let _ = self.disk.remove_file(path);
             }
+            let _ = self.sync_segment_dirs();
             return Err(error);
         }
         self.map
@@ -427,6 +431,7 @@ impl Segments {
     /// thread.
     pub fn preparation(&self, id: u64, size_bytes: u64) -> Preparation {
         Preparation {
+            disk: self.disk.clone(),
             id,
             size_bytes,
             store_id: self.store_id,
@@ -441,8 +446,9 @@ impl Segments {
     /// Whether a finished preparation of segment `id` left full-size files on every device.
     pub fn preparation_complete(&self, id: u64, size_bytes: u64) -> bool {
         self.devices.iter().all(|device| {
-            std::fs::metadata(device.segments_dir.join(prepared_file_name(id)))
-                .is_ok_and(|meta| meta.len() == size_bytes)
+            self.disk
+                .file_len(&device.segments_dir.join(prepared_file_name(id)))
+                .is_ok_and(|len| len == Some(size_bytes))
         })
     }
 
@@ -453,22 +459,23 @@ impl Segments {
         let mut paths = Vec::new();
         for device in &self.devices {
             let prepared = device.segments_dir.join(prepared_file_name(id));
-            match std::fs::metadata(&prepared) {
-                Ok(meta) if meta.len() == size_bytes => {}
+            match self.disk.file_len(&prepared) {
+                Ok(Some(len)) if len == size_bytes => {}
                 _ => return Ok(None),
             }
             let path = device.segments_dir.join(segment_file_name(id));
-            if path.exists() {
+            if matches!(self.disk.file_len(&path), Ok(Some(_))) {
                 return Err(StoreError::Invalid(format!(
                     "{} exists before its prepared file was activated",
                     path.display()
                 )));
             }
-            std::fs::rename(&prepared, &path).map_err(|e| StoreError::io(&path, e))?;
-            let file = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&path)
+            self.disk
+                .rename(&prepared, &path)
+                .map_err(|e| StoreError::io(&path, e))?;
+            let file = self
+                .disk
+                .open(&path, OpenMode::Existing)
                 .map_err(|e| StoreError::io(&path, e))?;
             files.push(file);
             paths.push(path);
@@ -486,15 +493,16 @@ impl Segments {
     pub fn remove_preparations(&self) -> StoreResult<()> {
         for device in &self.devices {
             let dir = &device.segments_dir;
-            for entry in std::fs::read_dir(dir).map_err(|e| StoreError::io(dir, e))? {
-                let entry = entry.map_err(|e| StoreError::io(dir, e))?;
-                if entry
-                    .file_name()
-                    .to_string_lossy()
-                    .ends_with(PREPARED_SUFFIX)
-                {
-                    std::fs::remove_file(entry.path())
-                        .map_err(|e| StoreError::io(entry.path(), e))?;
+            for name in self
+                .disk
+                .list_dir(dir)
+                .map_err(|e| StoreError::io(dir, e))?
+            {
+                if name.ends_with(PREPARED_SUFFIX) {
+                    let path = dir.join(&name);
+                    self.disk
+                        .remove_file(&path)
+                        .map_err(|e| StoreError::io(&path, e))?;
                 }
             }
         }
@@ -503,7 +511,7 @@ impl Segments {
 
     pub fn sync_segment_dirs(&self) -> StoreResult<()> {
         for device in &self.devices {
-            sync_dir(&device.segments_dir)?;
+            sync_dir(self.disk.as_ref(), &device.segments_dir)?;
         }
         Ok(())
     }
@@ -524,7 +532,9 @@ impl Segments {
         let segment = self.map.write().map_err(|_| poisoned_lock())?.remove(&id);
         if let Some(segment) = segment {
             for path in &segment.paths {
-                std::fs::remove_file(path).map_err(|e| StoreError::io(path, e))?;
+                self.disk
+                    .remove_file(path)
+                    .map_err(|e| StoreError::io(path, e))?;
             }
             self.sync_segment_dirs()?;
         }
