@@ -9,7 +9,7 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use futures::Stream;
-use keel_namespace::object::{ChunkRef, Content, Manifest, ObjectError, Objects};
+use keel_namespace::object::{ChunkRef, Content, Manifest, ObjectError, Objects, PinSet};
 
 /// Chunks read ahead of what the client consumed (bounds a GET's memory to this many chunks).
 pub const READ_AHEAD_CHUNKS: usize = 4;
@@ -86,6 +86,9 @@ pub struct ObjectBody {
     end: u64,
     in_flight: VecDeque<(usize, ChunkRead)>,
     inline: Option<Bytes>,
+    /// The object's chunks, pinned until the body is dropped: an overwrite or delete during a
+    /// long read cannot free them under it.
+    _pins: PinSet,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -94,7 +97,13 @@ pub struct BodyError(String);
 
 impl ObjectBody {
     /// The bytes `[start, end)` of `manifest` (the caller checked the range against the size).
-    pub fn new(objects: Arc<Objects>, manifest: &Manifest, start: u64, end: u64) -> ObjectBody {
+    pub fn new(
+        objects: Arc<Objects>,
+        manifest: &Manifest,
+        pins: PinSet,
+        start: u64,
+        end: u64,
+    ) -> ObjectBody {
         match &manifest.content {
             Content::Inline(data) => {
                 let slice = data
@@ -110,6 +119,7 @@ impl ObjectBody {
                     end,
                     in_flight: VecDeque::new(),
                     inline: Some(slice),
+                    _pins: pins,
                 }
             }
             Content::Chunks(chunks) => {
@@ -130,6 +140,7 @@ impl ObjectBody {
                     end,
                     in_flight: VecDeque::new(),
                     inline: None,
+                    _pins: pins,
                 }
             }
         }

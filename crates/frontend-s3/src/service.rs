@@ -10,7 +10,7 @@ use keel_namespace::object::list::{ListRequest, ListResult, ListStart, LIST_ENTR
 use keel_namespace::object::multipart::PARTS_MAX;
 use keel_namespace::object::{
     now_unix_ms, validate_object_key, Checksums, Content, Manifest, ObjectError, Objects,
-    PartRecord, PutCondition, StoredHeaders, UploadRecord,
+    PartRecord, PinSet, PutCondition, StoredHeaders, UploadRecord,
 };
 use s3s::dto::*;
 use s3s::{s3_error, S3Error, S3ErrorCode, S3Request, S3Response, S3Result, S3};
@@ -354,6 +354,13 @@ impl KeelS3 {
         blocking(move || objects.list_objects(&bucket, &request)).await
     }
 
+    /// The manifest with its chunks pinned for as long as the returned set lives (a read).
+    async fn pinned_manifest(&self, bucket: &str, key: &str) -> S3Result<(Manifest, PinSet)> {
+        let objects = self.objects.clone();
+        let (bucket, key) = (bucket.to_string(), key.to_string());
+        blocking(move || objects.get_manifest_pinned(&bucket, &key)).await
+    }
+
     async fn manifest(&self, bucket: &str, key: &str) -> S3Result<Manifest> {
         let objects = self.objects.clone();
         let (bucket, key) = (bucket.to_string(), key.to_string());
@@ -577,7 +584,7 @@ impl S3 for KeelS3 {
         req: S3Request<GetObjectInput>,
     ) -> S3Result<S3Response<GetObjectOutput>> {
         let input = req.input;
-        let manifest = self.manifest(&input.bucket, &input.key).await?;
+        let (manifest, pins) = self.pinned_manifest(&input.bucket, &input.key).await?;
         let conditions = conditions(
             input.if_match.as_ref(),
             input.if_none_match.as_ref(),
@@ -587,7 +594,7 @@ impl S3 for KeelS3 {
         check_conditions(&manifest, &conditions, false)?;
         let (start, end, content_range) =
             resolve_range(&manifest, input.range.as_ref(), input.part_number)?;
-        let mut body = ObjectBody::new(self.objects.clone(), &manifest, start, end);
+        let mut body = ObjectBody::new(self.objects.clone(), &manifest, pins, start, end);
         // Read the first piece before answering, so a corrupt or missing first chunk is a clean
         // 500 rather than a truncated 200.
         let first = match body.next().await {
@@ -1128,7 +1135,8 @@ impl S3 for KeelS3 {
             );
             blocking(move || objects.get_upload(&bucket, &key, &upload_id)).await?;
         }
-        let source = self.manifest(&source_bucket, &source_key).await?;
+        // The source's chunks stay pinned while they are read and re-cut into the part's chunks.
+        let (source, source_pins) = self.pinned_manifest(&source_bucket, &source_key).await?;
         let conditions = conditions(
             input.copy_source_if_match.as_ref(),
             input.copy_source_if_none_match.as_ref(),
@@ -1148,22 +1156,11 @@ impl S3 for KeelS3 {
                 }
             },
         };
-        // The source's chunks stay pinned while they are read and re-cut into the part's chunks.
-        let source_pins = {
-            let objects = self.objects.clone();
-            let source = source.clone();
-            blocking(move || {
-                let mut pins = objects.pin_set();
-                objects.pin_manifest(&source, &mut pins)?;
-                Ok(pins)
-            })
-            .await?
-        };
         let compression = self
             .objects
             .bucket_compression(&input.bucket)
             .map_err(s3_error)?;
-        let body = ObjectBody::new(self.objects.clone(), &source, start, end);
+        let body = ObjectBody::new(self.objects.clone(), &source, source_pins, start, end);
         let ingested = ingest(
             self.objects.clone(),
             compression,
@@ -1195,7 +1192,6 @@ impl S3 for KeelS3 {
             result
         })
         .await?;
-        drop(source_pins);
         Ok(S3Response::new(UploadPartCopyOutput {
             copy_part_result: Some(CopyPartResult {
                 e_tag: Some(etag(&part.etag)),

@@ -275,7 +275,7 @@ impl Objects {
         metadata: Arc<dyn Metadata>,
         chunks: Arc<dyn ChunkStore>,
     ) -> Result<Arc<Objects>, ObjectError> {
-        Ok(Arc::new(Objects {
+        let objects = Arc::new(Objects {
             store,
             metadata,
             chunks,
@@ -284,7 +284,43 @@ impl Objects {
             chunk_stripes: Stripes::new(),
             pins: Arc::new(PinTable::default()),
             admin: Mutex::new(()),
-        }))
+        });
+        let owner = Arc::downgrade(&objects);
+        objects.pins.set_reaper(Box::new(move |hashes| {
+            if let Some(objects) = owner.upgrade() {
+                objects.free_unreferenced(hashes);
+            }
+        }));
+        Ok(objects)
+    }
+
+    /// Deletes those of `hashes` that no record references and nobody pins: the chunks of a
+    /// failed upload (a body error, a size cutoff, a checksum mismatch, a failed condition) are
+    /// freed when it gives up, so failing uploads cannot fill the disk. A failure leaves the
+    /// chunk to garbage collection.
+    fn free_unreferenced(&self, hashes: &[[u8; 32]]) {
+        for hash in hashes {
+            let _stripe = self.chunk_stripes.lock(vec![Stripes::index_of_chunk(hash)]);
+            if self.pins.is_pinned(hash) {
+                continue;
+            }
+            let unreferenced = self
+                .store
+                .contains(&records::refcount_key(hash))
+                .map(|referenced| !referenced);
+            let result = match unreferenced {
+                Ok(true) => match self.chunks.has_chunk(hash) {
+                    Ok(true) => self.chunks.delete_chunk(hash),
+                    Ok(false) => Ok(()),
+                    Err(error) => Err(error),
+                },
+                Ok(false) => Ok(()),
+                Err(error) => Err(store_error("reading a chunk refcount", error)),
+            };
+            if let Err(error) = result {
+                tracing::warn!(chunk = %hex::encode(hash), %error, "freeing an unreferenced chunk failed");
+            }
+        }
     }
 
     pub fn store(&self) -> &Store {
@@ -790,6 +826,31 @@ impl Objects {
                 bucket: bucket.to_string(),
                 key: key.to_string(),
             })
+    }
+
+    /// The manifest of `key` in `bucket` with its chunks pinned until the returned set is
+    /// dropped: a reader streaming the object keeps its bytes even if the object is overwritten
+    /// or deleted meanwhile. Read and pinned under the key's lock, so no overwrite can free a
+    /// chunk between the two.
+    pub fn get_manifest_pinned(
+        &self,
+        bucket: &str,
+        key: &str,
+    ) -> Result<(Manifest, PinSet), ObjectError> {
+        if self.entry(bucket).is_err() {
+            return Err(ObjectError::NoSuchBucket(bucket.to_string()));
+        }
+        let record_key = records::object_key(bucket, key);
+        let _locks = self.lock_keys(&[&record_key]);
+        let manifest =
+            self.read_manifest_at(&record_key)?
+                .ok_or_else(|| ObjectError::NoSuchKey {
+                    bucket: bucket.to_string(),
+                    key: key.to_string(),
+                })?;
+        let mut pins = self.pin_set();
+        self.pin_manifest(&manifest, &mut pins)?;
+        Ok((manifest, pins))
     }
 
     /// Deletes `key`; returns whether it existed (S3 answers 204 either way).

@@ -176,10 +176,16 @@ impl Default for Stripes {
     }
 }
 
-/// Chunks pinned by uploads in progress: count per hash.
+/// Called with the hashes a [`PinSet`] unpinned when it was dropped.
+pub type Reaper = Box<dyn Fn(&[[u8; 32]]) + Send + Sync>;
+
+/// Chunks pinned by uploads and reads in progress: count per hash.
 #[derive(Default)]
 pub struct PinTable {
     pins: Mutex<HashMap<[u8; 32], u32>>,
+    /// Frees, at once, the chunks a dropped pin set leaves unreferenced (a failed upload's, or
+    /// those of an object deleted during a read) instead of leaving them to garbage collection.
+    reaper: std::sync::OnceLock<Reaper>,
 }
 
 impl PinTable {
@@ -206,10 +212,16 @@ impl PinTable {
     pub fn is_pinned(&self, hash: &[u8; 32]) -> bool {
         self.map().contains_key(hash)
     }
+
+    /// Installs the reaper (once, by the object layer that owns the table).
+    pub fn set_reaper(&self, reaper: Reaper) {
+        let _ = self.reaper.set(reaper);
+    }
 }
 
-/// The chunks one upload pinned; unpinned when dropped (after the commit, or when the upload
-/// failed — then any chunk it wrote and nobody references is freed by garbage collection).
+/// The chunks one upload or read pinned; unpinned when dropped (after the commit or the read,
+/// or when the upload failed — then any chunk it wrote that nobody references is freed at once
+/// by the table's reaper).
 pub struct PinSet {
     table: Arc<PinTable>,
     hashes: Vec<[u8; 32]>,
@@ -245,6 +257,11 @@ impl Drop for PinSet {
     fn drop(&mut self) {
         for hash in &self.hashes {
             self.table.unpin(hash);
+        }
+        if let Some(reaper) = self.table.reaper.get() {
+            if !self.hashes.is_empty() {
+                reaper(&self.hashes);
+            }
         }
     }
 }

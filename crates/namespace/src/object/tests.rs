@@ -488,12 +488,16 @@ fn garbage_collection_frees_only_orphans() {
         "kept",
         &pattern(CHUNK_SIZE_BYTES + 1, 5),
     );
-    let orphan = {
-        let mut pins = objects.pin_set();
-        objects
-            .write_chunk(Compression::Zstd, pattern(1000, 6), &mut pins)
-            .unwrap()
+    // What a crash between a chunk write and its manifest leaves: a chunk nobody references
+    // (a failed upload that is still running frees its own chunks when it gives up).
+    let orphan_data = pattern(1000, 6);
+    let orphan = ChunkRef {
+        hash: *blake3::hash(&orphan_data).as_bytes(),
+        length_bytes: orphan_data.len() as u32,
     };
+    LocalChunkStore::new(objects.store().clone())
+        .put_chunk(&orphan.hash, orphan_data, Compression::Zstd)
+        .unwrap();
     let mut pins = objects.pin_set();
     let pinned = objects
         .write_chunk(Compression::Zstd, pattern(2000, 7), &mut pins)
@@ -641,4 +645,53 @@ fn inline_bytes_encoding_is_postcard_seq_of_u8() {
     assert_eq!(&ours[1..], &plain[..]);
     let back: Content = postcard::from_bytes(&ours).unwrap();
     assert_eq!(back, Content::Inline(data));
+}
+
+// Proves a failed upload frees its chunks when it gives up (issue 10, defect 7): chunks written
+// under a pin set that is dropped without a commit are deleted at once, unless a committed
+// object references them too.
+#[test]
+fn a_failed_upload_frees_its_chunks_at_once() {
+    let (_dir, objects) = with_bucket("failed-upload");
+    let shared = pattern(CHUNK_SIZE_BYTES, 3);
+    let kept = put(&objects, "bucket", "kept", &shared);
+    let kept_hash = kept.content.chunk_refs()[0].hash;
+    let mut pins = objects.pin_set();
+    let own = objects
+        .write_chunk(Compression::Zstd, pattern(CHUNK_SIZE_BYTES, 4), &mut pins)
+        .unwrap();
+    let deduplicated = objects
+        .write_chunk(Compression::Zstd, shared.clone(), &mut pins)
+        .unwrap();
+    assert_eq!(deduplicated.hash, kept_hash);
+    assert!(objects.store().contains(&chunk_key(&own.hash)).unwrap());
+    drop(pins); // the upload failed: no manifest was committed
+    assert!(
+        !objects.store().contains(&chunk_key(&own.hash)).unwrap(),
+        "the failed upload's own chunk is freed without waiting for garbage collection"
+    );
+    assert!(objects.store().contains(&chunk_key(&kept_hash)).unwrap());
+    assert_eq!(read(&objects, "bucket", "kept"), shared);
+}
+
+// Proves a reader's pins keep an object's chunks through an overwrite and a delete (issue 10,
+// defect 6), and that they are freed when the read ends.
+#[test]
+fn a_pinned_read_keeps_chunks_through_overwrite_and_delete() {
+    let (_dir, objects) = with_bucket("pinned-read");
+    let data = pattern(3 * CHUNK_SIZE_BYTES, 5);
+    put(&objects, "bucket", "obj", &data);
+    let (manifest, pins) = objects.get_manifest_pinned("bucket", "obj").unwrap();
+    put(&objects, "bucket", "obj", &pattern(CHUNK_SIZE_BYTES, 6));
+    objects.delete_object("bucket", "obj").unwrap();
+    let chunks = manifest.content.chunk_refs();
+    let read_back: Vec<u8> = chunks
+        .iter()
+        .flat_map(|c| objects.read_chunk(c).unwrap())
+        .collect();
+    assert_eq!(read_back, data);
+    drop(pins);
+    for chunk in chunks {
+        assert!(!objects.store().contains(&chunk_key(&chunk.hash)).unwrap());
+    }
 }
