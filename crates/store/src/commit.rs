@@ -724,9 +724,10 @@ impl Engine {
         {
             return;
         }
-        let preparation = self
-            .segments
-            .preparation(id, self.config.segment_size_max_bytes);
+        let reserve_bytes = self.config.reserve_bytes.max(INDEX_HEADROOM_BYTES);
+        let preparation =
+            self.segments
+                .preparation(id, self.config.segment_size_max_bytes, reserve_bytes);
         match std::thread::Builder::new()
             .name("keel-segment-prep".into())
             .spawn(move || preparation.run())

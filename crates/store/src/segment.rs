@@ -142,12 +142,29 @@ pub(crate) struct Preparation {
     size_bytes: u64,
     store_id: [u8; 16],
     paths: Vec<PathBuf>,
+    /// Free space that must remain on every device after the file is filled.
+    reserve_bytes: u64,
 }
 
 impl Preparation {
     /// Writes the files. On failure (a full disk, say) they are removed and the caller falls
-    /// back to a plain, growing segment.
+    /// back to a plain, growing segment. Nothing is written when filling the files would eat
+    /// into the reserve: the zeros are an optimisation, never worth the space deletes need.
     pub fn run(self) -> StoreResult<()> {
+        for path in &self.paths {
+            let dir = path.parent().unwrap_or(path);
+            let available = self
+                .disk
+                .available_bytes(dir)
+                .map_err(|e| StoreError::io(dir, e))?;
+            if available < self.size_bytes.saturating_add(self.reserve_bytes) {
+                return Err(StoreError::NoSpace {
+                    path: dir.to_path_buf(),
+                    available_bytes: available,
+                    reserve_bytes: self.reserve_bytes,
+                });
+            }
+        }
         let result = self.write_all();
         if result.is_err() {
             for path in &self.paths {
@@ -429,11 +446,12 @@ impl Segments {
 
     /// What a background preparation of segment `id` needs, owned, so it can run on its own
     /// thread.
-    pub fn preparation(&self, id: u64, size_bytes: u64) -> Preparation {
+    pub fn preparation(&self, id: u64, size_bytes: u64, reserve_bytes: u64) -> Preparation {
         Preparation {
             disk: self.disk.clone(),
             id,
             size_bytes,
+            reserve_bytes,
             store_id: self.store_id,
             paths: self
                 .devices

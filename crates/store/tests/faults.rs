@@ -379,3 +379,67 @@ fn seeded_power_cuts_keep_every_durable_write() {
     }
     println!("power cuts checked: {checked}");
 }
+
+/// Issue 10, defect 8: preparing the next segment zero-fills it to full size; on a nearly full
+/// disk that must not eat the reserve that deletes and compaction need.
+#[test]
+fn segment_preparation_never_eats_the_reserve() {
+    let disk = SimDisk::new(29);
+    disk.set_capacity(Some(40 << 20));
+    let mut config = config(&disk, &["/sim/a"]);
+    config.segment_size_max_bytes = 8 << 20;
+    config.reserve_bytes = 16 << 20;
+    let store = Store::open(config).unwrap();
+    let mut n = 0;
+    loop {
+        match store.write(vec![put(n, 0, 256 << 10)], Durability::Sync) {
+            Ok(_) => n += 1,
+            Err(error) => {
+                assert!(error.is_no_space(), "{error}");
+                break;
+            }
+        }
+        assert!(n < 1000, "the disk never filled");
+    }
+    // Let a background preparation, if one started, finish.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    use keel_store::disk::Disk;
+    let available = disk.available_bytes(Path::new("/sim/a")).unwrap();
+    assert!(
+        available >= 16 << 20,
+        "free space {available} fell below the 16 MiB reserve"
+    );
+}
+
+/// Issue 10, defect 8: a mirror segment created on one device but not the other must be undone,
+/// or every later roll (and the next open) trips over the half pair.
+#[test]
+fn a_half_created_mirror_segment_is_undone() {
+    let disk = SimDisk::new(31);
+    let dirs = ["/sim/a", "/sim/b"];
+    let store = open(&disk, &dirs);
+    // The next two file creations on device b fail: the background preparation of segment 2
+    // (the log then falls back to creating the segment at the roll), and that creation, which
+    // leaves segment 2 made on device a only.
+    disk.inject(FaultOp::Create, "/sim/b/segments/", libc::EIO, 0, 2);
+    let mut acknowledged = Vec::new();
+    let mut failures = 0;
+    for n in 0..200 {
+        match store.write(vec![put(n, 0, 16 << 10)], Durability::Sync) {
+            Ok(_) => acknowledged.push(n),
+            Err(_) => failures += 1,
+        }
+    }
+    let fired = disk.fired();
+    assert_eq!(fired.len(), 2, "both faults fired: {fired:?}");
+    assert!(fired[1].1.to_string_lossy().ends_with(".seg"), "{fired:?}");
+    assert!(
+        failures <= 1,
+        "only the write that hit the fault may fail: {failures}"
+    );
+    drop(store);
+    let store = Store::open(config(&disk, &dirs)).expect("the next open finds whole pairs");
+    for n in acknowledged {
+        assert_eq!(store.get(&key(n)).unwrap(), Some(value(n, 0, 16 << 10)));
+    }
+}
