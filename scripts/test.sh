@@ -33,6 +33,13 @@ step "rust tests"
 cargo test --release --workspace --locked --no-fail-fast
 rust_status=$?
 
+# The store and namespace again in a debug build, so overflow checks and debug_assert!s run on
+# the code that holds the data.
+step "store and namespace tests (debug build)"
+cargo test --workspace --locked --no-fail-fast -p keel-store -p keel-namespace
+debug_status=$?
+if [ "$debug_status" != 0 ]; then rust_status=$debug_status; fi
+
 # The deterministic cluster simulation: its own workspace and target dir (it builds
 # keel-cluster with the `simulation` feature and tokio with --cfg tokio_unstable). A slice of
 # seeds here; the long mode is `cd sim && cargo run --release --bin keel-sim -- --minutes N`.

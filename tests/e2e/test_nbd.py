@@ -90,7 +90,12 @@ def test_snapshot_clone_rollback(server):
     qemu_io(server.nbd_uri("db"), "read -P 0x11 0 2M", "read -P 0 8M 4096")
     listing = server.cli("snapshot", "list", "db").stdout
     assert "db@s1" in listing
-    server.cli("snapshot", "delete", "db@s1", check=False)  # a clone depends on it: refused or allowed, never breaks the clone
+    # A clone depends on the snapshot: deleting it is refused (docs/volumes.md), and the snapshot
+    # and the clone stay whole.
+    refused = server.cli("snapshot", "delete", "db@s1", check=False)
+    assert refused.returncode != 0, refused.stdout
+    assert "clone" in (refused.stderr + refused.stdout).lower(), refused.stderr
+    assert "db@s1" in server.cli("snapshot", "list", "db").stdout
     qemu_io(server.nbd_uri("db-clone"), "read -P 0x11 0 1M", "read -P 0x33 1M 4096")
 
 

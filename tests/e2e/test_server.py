@@ -55,7 +55,8 @@ def test_doctor_reports_tmpfs_and_real_disks(workdir):
     assert not report["volatile_filesystem"] and report["fdatasync_appends"] == 20
     assert report["fdatasync_us_p50"] > 0
     human = subprocess.run([KEEL_BIN, "doctor", str(workdir), "--appends", "5"], capture_output=True, text=True, check=True).stdout
-    assert "fdatasync 4 KiB" in human and "write cache" in human or "device" in human
+    assert "fdatasync 4 KiB" in human, human
+    assert "write cache" in human or "device" in human, human
 
 
 def test_default_server_uses_keel_data(workdir):

@@ -77,9 +77,10 @@ pub trait Export: Send + Sync + 'static {
     /// rewritten. Doing nothing is a valid implementation.
     fn trim(&self, offset: u64, length_bytes: u64) -> io::Result<()>;
 
-    /// Makes the range read back as zeroes. `may_trim == false` (the client sent
-    /// NBD_CMD_FLAG_NO_HOLE) asks that the range stay allocated, so later writes cannot fail for
-    /// lack of space. Durable on return if `fua`.
+    /// Makes the range read back as zeroes. `may_trim == false` means the client sent
+    /// NBD_CMD_FLAG_NO_HOLE (keep the range allocated); an export may honour it or, like Keel's
+    /// log-structured volumes where every write allocates anyway, ignore it. Durable on return
+    /// if `fua`.
     fn write_zeroes(
         &self,
         offset: u64,

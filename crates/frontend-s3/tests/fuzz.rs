@@ -58,9 +58,30 @@ fn manifest_strategy() -> impl Strategy<Value = Manifest> {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 512, .. ProptestConfig::default() })]
 
-    // Bucket names: accepted names obey S3's rules; validation never panics.
+    // Bucket names built to S3's rules (dot-separated labels of letters, digits and inner
+    // hyphens, 3..=63 bytes, not an IP address) are accepted; one character outside the
+    // alphabet, or a length outside 3..=63, makes any of them refused.
     #[test]
-    fn bucket_name_validation(name in ".{0,70}") {
+    fn bucket_names_built_by_the_rules_are_accepted(
+        labels in proptest::collection::vec("[a-z0-9]([a-z0-9-]{0,8}[a-z0-9])?", 1..6),
+        bad in "[A-Z_ /!@#%]",
+        position in any::<usize>(),
+    ) {
+        let name = labels.join(".");
+        prop_assume!((3..=63).contains(&name.len()));
+        prop_assume!(name.parse::<std::net::Ipv4Addr>().is_err());
+        prop_assume!(!name.starts_with("xn--"));
+        prop_assert!(validate_bucket_name(&name).is_ok(), "{} refused", name);
+        let at = position % (name.len() + 1);
+        let broken = format!("{}{}{}", &name[..at], bad, &name[at..]);
+        prop_assert!(validate_bucket_name(&broken).is_err(), "{} accepted", broken);
+        let long = format!("{name}{}", "a".repeat(64 - name.len()));
+        prop_assert!(validate_bucket_name(&long).is_err(), "{} accepted", long);
+    }
+
+    // Any string: validation never panics, and what it accepts obeys the rules.
+    #[test]
+    fn bucket_name_validation_of_anything(name in ".{0,70}") {
         if validate_bucket_name(&name).is_ok() {
             prop_assert!((3..=63).contains(&name.len()));
             prop_assert!(name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'.' || b == b'-'));
@@ -82,22 +103,29 @@ proptest! {
         prop_assert_eq!(records::decode_manifest(&bytes).unwrap(), manifest);
     }
 
-    // Arbitrary bytes and mutated manifests never panic the decoder; what decodes is consistent.
+    // Arbitrary bytes, mutated and truncated manifests never panic the decoder; whatever
+    // decodes re-encodes to bytes that decode to the same manifest; a strict prefix of an
+    // encoding never decodes to the original.
     #[test]
     fn manifest_decode_garbage(
         manifest in manifest_strategy(),
         flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..4),
         garbage in proptest::collection::vec(any::<u8>(), 0..200),
+        cut in any::<usize>(),
     ) {
         let _ = records::decode_manifest(&garbage);
-        let mut bytes = records::encode(&manifest);
+        let encoded = records::encode(&manifest);
+        let mut bytes = encoded.clone();
         for (position, value) in flips {
             let index = position % bytes.len();
             bytes[index] ^= value;
         }
         if let Ok(decoded) = records::decode_manifest(&bytes) {
-            prop_assert!(decoded.check().is_ok());
+            let again = records::decode_manifest(&records::encode(&decoded)).unwrap();
+            prop_assert_eq!(again, decoded);
         }
+        let prefix = &encoded[..cut % encoded.len()];
+        prop_assert_ne!(records::decode_manifest(prefix).ok(), Some(manifest));
     }
 
     // Continuation tokens round-trip; any client string decodes or is refused without panic.
@@ -140,39 +168,60 @@ proptest! {
         }
     }
 
-    // Conditional requests follow RFC 7232's precedence for any combination of headers.
+    // Conditional requests follow RFC 7232 section 6, checked by its consequences rather than a
+    // second copy of the algorithm: a failed If-Match fails whatever else is sent; If-Match
+    // (present) makes If-Unmodified-Since irrelevant, and If-None-Match makes
+    // If-Modified-Since irrelevant; with no headers the request proceeds.
     #[test]
     fn conditional_evaluation(
         etag in "[a-f0-9]{4}",
-        if_match in proptest::option::of(proptest::option::of("[a-f0-9]{4}")),
+        other in "[a-f0-9]{4}",
         if_none_match in proptest::option::of(proptest::option::of("[a-f0-9]{4}")),
         modified_s in 0i64..1000,
         if_modified_since in proptest::option::of(0i64..1000),
         if_unmodified_since in proptest::option::of(0i64..1000),
     ) {
-        let conditions = Conditions {
-            if_match: if_match.clone(),
-            if_none_match: if_none_match.clone(),
-            if_modified_since_unix_s: if_modified_since,
-            if_unmodified_since_unix_s: if_unmodified_since,
+        prop_assume!(other != etag);
+        let modified_ms = modified_s * 1000 + 999;
+        let eval = |if_match: Option<Option<String>>,
+                    if_none_match: Option<Option<String>>,
+                    if_modified_since_unix_s: Option<i64>,
+                    if_unmodified_since_unix_s: Option<i64>| {
+            evaluate(
+                &Conditions { if_match, if_none_match, if_modified_since_unix_s, if_unmodified_since_unix_s },
+                &etag,
+                modified_ms,
+            )
         };
-        let result = evaluate(&conditions, &etag, modified_s * 1000 + 999);
-        let matches = |c: &Option<String>| c.as_ref().is_none_or(|v| v == &etag);
-        let failed = match &if_match {
-            Some(c) => !matches(c),
-            None => if_unmodified_since.is_some_and(|t| modified_s > t),
-        };
-        let not_modified = match &if_none_match {
-            Some(c) => matches(c),
-            None => if_modified_since.is_some_and(|t| modified_s <= t),
-        };
-        let expected = if failed {
+        prop_assert_eq!(eval(None, None, None, None), Precondition::Proceed);
+        prop_assert_eq!(
+            eval(Some(Some(other.clone())), if_none_match.clone(), if_modified_since, if_unmodified_since),
             Precondition::Failed
-        } else if not_modified {
-            Precondition::NotModified
-        } else {
-            Precondition::Proceed
-        };
-        prop_assert_eq!(result, expected);
+        );
+        for if_match in [Some(Some(etag.clone())), Some(None)] {
+            prop_assert_eq!(
+                eval(if_match.clone(), if_none_match.clone(), if_modified_since, if_unmodified_since),
+                eval(if_match.clone(), if_none_match.clone(), if_modified_since, None)
+            );
+        }
+        if if_none_match.is_some() {
+            prop_assert_eq!(
+                eval(None, if_none_match.clone(), if_modified_since, None),
+                eval(None, if_none_match.clone(), None, None)
+            );
+        }
+        prop_assert_eq!(eval(None, Some(Some(etag.clone())), None, None), Precondition::NotModified);
+        prop_assert_eq!(eval(None, Some(None), None, None), Precondition::NotModified);
+        prop_assert_eq!(eval(None, Some(Some(other.clone())), None, None), Precondition::Proceed);
+        prop_assert_eq!(
+            eval(None, None, None, Some(modified_s - 1)),
+            Precondition::Failed,
+            "modified after If-Unmodified-Since"
+        );
+        prop_assert_eq!(eval(None, None, None, Some(modified_s)), Precondition::Proceed);
+        prop_assert_eq!(eval(None, None, Some(modified_s), None), Precondition::NotModified);
+        prop_assert_eq!(eval(None, None, Some(modified_s - 1), None), Precondition::Proceed);
+        // Quoted etags compare as their value.
+        prop_assert_eq!(eval(Some(Some(format!("\"{etag}\""))), None, None, None), Precondition::Proceed);
     }
 }

@@ -139,12 +139,13 @@ impl ClusterSettings {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StoreTuning {
-    /// Segment file size. Default 256 MiB. Larger means fewer files; compaction works per segment.
+    /// Segment file size. Default 128 MiB. Larger means fewer files; compaction works per segment.
     pub segment_size_max_bytes: u64,
     /// Payload bytes one group commit may carry. Default 16 MiB.
     pub batch_size_max_bytes: usize,
     /// Free space kept back per device; writes that add data fail with "no space" below it so
-    /// deletes and compaction still work on a full disk. Default 64 MiB.
+    /// deletes and compaction still work on a full disk. Default 256 MiB (never less than 16 MiB,
+    /// kept for the index).
     pub reserve_bytes: u64,
     /// New log between durable index checkpoints. Bounds replay time after a crash. Default
     /// 64 MiB. Has no effect on the durability of acknowledged writes (the log carries them).
