@@ -22,7 +22,7 @@ mod transmission;
 
 pub use error::NbdError;
 pub use export::{Export, Exports};
-pub use server::{serve, serve_stream};
+pub use server::{serve, serve_stream, serve_with};
 pub use socket::Socket;
 
 /// Largest read or write a client may request (2^25, the size the protocol says a server should
@@ -45,6 +45,28 @@ pub const WRITE_DISCARD_MAX_BYTES: u32 = 2 * REQUEST_PAYLOAD_MAX_BYTES;
 
 /// Connections served at once by [`serve`].
 pub const CONNECTIONS_MAX: usize = 128;
+
+/// When every connection slot is taken, a new client may take the slot of the connection that
+/// has been idle (sent no byte) the longest, once that idle time passed this. A kernel client
+/// may sit idle for hours and keeps its slot while slots are free; a peer holding slots it does
+/// not use cannot lock real clients out.
+pub const IDLE_EVICT_AFTER: Duration = Duration::from_secs(60);
+
+/// Limits of [`serve_with`]; [`serve`] uses [`Limits::default`].
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub connections_max: usize,
+    pub idle_evict_after: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            connections_max: CONNECTIONS_MAX,
+            idle_evict_after: IDLE_EVICT_AFTER,
+        }
+    }
+}
 
 /// Options one session may send before the server gives up on it (a real client sends fewer than
 /// ten).

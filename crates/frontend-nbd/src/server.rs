@@ -2,8 +2,9 @@
 //! phase (which starts more threads as the client's queue deepens). A connection's failure (protocol violation, I/O error, even a panic) ends only that
 //! connection and is logged; the server keeps accepting.
 //!
-//! Invariants: at most [`CONNECTIONS_MAX`] connections are served at once (more are accepted and
-//! closed at once, so clients fail fast instead of hanging in the backlog); a handshake lasts at
+//! Invariants: at most [`crate::CONNECTIONS_MAX`] connections are served at once (more are
+//! accepted and closed at once, so clients fail fast instead of hanging in the backlog, unless a
+//! connection idle for [`crate::IDLE_EVICT_AFTER`] gives its slot up); a handshake lasts at
 //! most [`HANDSHAKE_TIMEOUT`]; on shutdown no new connection is accepted and open ones get
 //! [`SHUTDOWN_DRAIN_TIMEOUT`] to answer what is in flight before their sockets are closed.
 
@@ -24,8 +25,7 @@ use crate::handshake::{negotiate, Outcome, Wire};
 use crate::socket::{Socket, SocketReader};
 use crate::transmission::transmit;
 use crate::{
-    ACCEPT_ERROR_BACKOFF, CONNECTIONS_MAX, HANDSHAKE_TIMEOUT, REQUEST_BUFFER_BYTES,
-    SHUTDOWN_DRAIN_TIMEOUT,
+    Limits, ACCEPT_ERROR_BACKOFF, HANDSHAKE_TIMEOUT, REQUEST_BUFFER_BYTES, SHUTDOWN_DRAIN_TIMEOUT,
 };
 
 /// Serves NBD on `listener` until `shutdown` resolves (its output is ignored, so
@@ -43,8 +43,21 @@ pub async fn serve<F>(
 where
     F: Future,
 {
+    serve_with(listener, exports, shutdown, Limits::default()).await
+}
+
+/// [`serve`] with other [`Limits`].
+pub async fn serve_with<F>(
+    listener: TcpListener,
+    exports: Arc<dyn Exports>,
+    shutdown: F,
+    limits: Limits,
+) -> io::Result<()>
+where
+    F: Future,
+{
     let sessions = Arc::new(Sessions::default());
-    let slots = Arc::new(Semaphore::new(CONNECTIONS_MAX));
+    let slots = Arc::new(Semaphore::new(limits.connections_max));
     // One task per connection thread, resolving when the thread is done.
     let mut connections = JoinSet::new();
     tokio::pin!(shutdown);
@@ -53,8 +66,19 @@ where
             _ = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
-                    let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
-                        tracing::warn!(%peer, limit = CONNECTIONS_MAX, "too many NBD connections; closing");
+                    let slot = match Arc::clone(&slots).try_acquire_owned() {
+                        Ok(slot) => Some(slot),
+                        // Full: take the slot of a connection idle for long, if there is one.
+                        Err(_) if sessions.evict_idlest(limits.idle_evict_after) => {
+                            tokio::time::timeout(EVICTION_WAIT, Arc::clone(&slots).acquire_owned())
+                                .await
+                                .ok()
+                                .and_then(Result::ok)
+                        }
+                        Err(_) => None,
+                    };
+                    let Some(slot) = slot else {
+                        tracing::warn!(%peer, limit = limits.connections_max, "too many NBD connections; closing");
                         drop(stream);
                         continue;
                     };
@@ -79,8 +103,8 @@ where
                         .name("nbd-conn".into())
                         .spawn(move || {
                             let socket: Arc<dyn Socket> = Arc::new(stream);
-                            if let Some(id) = sessions.register(&socket) {
-                                let ended = run_session(socket, &exports, HANDSHAKE_TIMEOUT);
+                            if let Some((id, activity)) = sessions.register(&socket) {
+                                let ended = run_session(socket, &exports, HANDSHAKE_TIMEOUT, Some(activity));
                                 sessions.remove(id);
                                 log_end(peer, ended);
                             }
@@ -132,18 +156,24 @@ pub fn serve_stream<S: Socket>(
     exports: Arc<dyn Exports>,
     handshake_timeout: Duration,
 ) -> Result<(), NbdError> {
-    run_session(Arc::new(stream), &exports, handshake_timeout)
+    run_session(Arc::new(stream), &exports, handshake_timeout, None)
 }
 
 fn run_session(
     socket: Arc<dyn Socket>,
     exports: &Arc<dyn Exports>,
     handshake_timeout: Duration,
+    activity: Option<Arc<Activity>>,
 ) -> Result<(), NbdError> {
     // One buffered reader for both phases: bytes a client pipelines right after NBD_OPT_GO stay
     // in the buffer for the transmission phase.
-    let mut reader =
-        BufReader::with_capacity(REQUEST_BUFFER_BYTES, SocketReader(Arc::clone(&socket)));
+    let mut reader = BufReader::with_capacity(
+        REQUEST_BUFFER_BYTES,
+        SocketReader {
+            socket: Arc::clone(&socket),
+            activity,
+        },
+    );
     let mut wire = Wire {
         reader: &mut reader,
         socket: &*socket,
@@ -155,6 +185,7 @@ fn run_session(
         Outcome::Transmission(selected) => {
             tracing::debug!(export = %selected.name, "NBD client entered transmission");
             // In transmission there is no idle timeout: a kernel client may sit idle for hours.
+            // An idle connection only gives its slot up to a new client when all are taken.
             socket
                 .set_read_timeout(None)
                 .and_then(|()| socket.set_write_timeout(None))
@@ -174,7 +205,34 @@ struct Sessions {
 struct SessionsState {
     stopping: bool,
     next_id: u64,
-    sockets: HashMap<u64, Arc<dyn Socket>>,
+    sockets: HashMap<u64, (Arc<dyn Socket>, Arc<Activity>)>,
+}
+
+/// Time a new client waits for the slot of an evicted idle connection to free up.
+const EVICTION_WAIT: Duration = Duration::from_secs(2);
+
+/// When a session last received bytes.
+pub(crate) struct Activity {
+    last: Mutex<Instant>,
+}
+
+impl Activity {
+    fn new() -> Activity {
+        Activity {
+            last: Mutex::new(Instant::now()),
+        }
+    }
+
+    pub(crate) fn touch(&self) {
+        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+    }
+
+    fn idle(&self) -> Duration {
+        self.last
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .elapsed()
+    }
 }
 
 impl Sessions {
@@ -185,15 +243,39 @@ impl Sessions {
     }
 
     /// Adds a session; `None` if the server is already stopping (the session must not start).
-    fn register(&self, socket: &Arc<dyn Socket>) -> Option<u64> {
+    fn register(&self, socket: &Arc<dyn Socket>) -> Option<(u64, Arc<Activity>)> {
         let mut state = self.lock();
         if state.stopping {
             return None;
         }
         let id = state.next_id;
         state.next_id += 1;
-        state.sockets.insert(id, Arc::clone(socket));
-        Some(id)
+        let activity = Arc::new(Activity::new());
+        state
+            .sockets
+            .insert(id, (Arc::clone(socket), Arc::clone(&activity)));
+        Some((id, activity))
+    }
+
+    /// Closes the session idle the longest if it has been idle at least `after`; whether one was.
+    fn evict_idlest(&self, after: Duration) -> bool {
+        let state = self.lock();
+        let idlest = state
+            .sockets
+            .values()
+            .map(|(socket, activity)| (activity.idle(), socket))
+            .max_by_key(|(idle, _)| *idle);
+        match idlest {
+            Some((idle, socket)) if idle >= after => {
+                tracing::info!(
+                    idle_s = idle.as_secs(),
+                    "every NBD connection slot is taken: closing the connection idle the longest"
+                );
+                let _ = socket.shutdown(Shutdown::Both);
+                true
+            }
+            _ => false,
+        }
     }
 
     fn remove(&self, id: u64) {
@@ -204,7 +286,7 @@ impl Sessions {
     fn stop(&self, how: Shutdown) {
         let mut state = self.lock();
         state.stopping = true;
-        for socket in state.sockets.values() {
+        for (socket, _) in state.sockets.values() {
             let _ = socket.shutdown(how);
         }
     }

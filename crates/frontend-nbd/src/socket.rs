@@ -53,12 +53,21 @@ macro_rules! impl_socket {
 impl_socket!(TcpStream);
 impl_socket!(UnixStream);
 
-/// `Read` over a shared socket (for a `BufReader`).
-pub(crate) struct SocketReader(pub Arc<dyn Socket>);
+/// `Read` over a shared socket (for a `BufReader`), noting when bytes last arrived.
+pub(crate) struct SocketReader {
+    pub socket: Arc<dyn Socket>,
+    pub activity: Option<Arc<crate::server::Activity>>,
+}
 
 impl Read for SocketReader {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.0.read(buf)
+        let read = self.socket.read(buf)?;
+        if read > 0 {
+            if let Some(activity) = &self.activity {
+                activity.touch();
+            }
+        }
+        Ok(read)
     }
 }
 

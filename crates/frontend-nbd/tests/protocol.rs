@@ -960,3 +960,56 @@ async fn silent_clients_time_out_in_the_handshake() {
         .unwrap()
         .unwrap();
 }
+
+// Proves a peer holding every connection slot cannot lock clients out (issue 10, defect 8):
+// with all slots taken a new client is refused while the holders are active, and takes the slot
+// of the connection idle the longest once that one has been idle long enough.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_give_their_slot_to_new_clients_when_full() {
+    let exports = Arc::new(MemoryExports::new());
+    exports.insert("mem", MEM_SIZE_BYTES);
+    let limits = keel_nbd::Limits {
+        connections_max: 2,
+        idle_evict_after: Duration::from_millis(500),
+    };
+    let server = Server::start_with(Arc::clone(&exports) as Arc<dyn Exports>, limits).await;
+    let mut first = Client::connect_go(server.address).await;
+    let mut second = Client::connect_go(server.address).await;
+    // Both slots busy and fresh: a third client is turned away.
+    let mut refused = tokio::net::TcpStream::connect(server.address)
+        .await
+        .unwrap();
+    let mut byte = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(10), refused.read(&mut byte))
+        .await
+        .expect("refused in time");
+    assert!(
+        matches!(read, Ok(0) | Err(_)),
+        "a third client is refused while both are fresh"
+    );
+    // The second stays active; the first goes idle past the limit.
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        second
+            .send(&Client::request_bytes(0, CMD_FLUSH, 1, 0, 0, &[]))
+            .await;
+        let (error, _, _) = second.simple_reply(0).await;
+        assert_eq!(error, 0);
+    }
+    let mut newcomer = Client::connect_go(server.address).await;
+    newcomer
+        .send(&Client::request_bytes(0, CMD_FLUSH, 2, 0, 0, &[]))
+        .await;
+    assert_eq!(newcomer.simple_reply(0).await.0, 0);
+    first.expect_closed().await;
+    second
+        .send(&Client::request_bytes(0, CMD_FLUSH, 3, 0, 0, &[]))
+        .await;
+    assert_eq!(
+        second.simple_reply(0).await.0,
+        0,
+        "the active connection kept its slot"
+    );
+    drop((first, second, newcomer));
+    server.stop().await;
+}

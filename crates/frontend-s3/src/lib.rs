@@ -18,6 +18,7 @@ pub mod keys;
 pub mod read;
 pub mod service;
 pub mod token;
+mod unread;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -259,7 +260,7 @@ pub async fn serve(
     frontend: S3Frontend,
     shutdown: impl Future<Output = ()> + Send,
 ) -> std::io::Result<()> {
-    let service = frontend.service();
+    let service = unread::CloseOnUnreadBody(frontend.service());
     // Free chunks orphaned by a crash or an abandoned upload, once per start, in the background
     // (safe beside live uploads: they pin what they rely on).
     let objects = frontend.objects.clone();

@@ -30,12 +30,18 @@ pub struct Server {
 impl Server {
     /// Serves `exports` on an ephemeral loopback port.
     pub async fn start(exports: Arc<dyn Exports>) -> Server {
+        Server::start_with(exports, keel_nbd::Limits::default()).await
+    }
+
+    /// Serves `exports` with other limits.
+    pub async fn start_with(exports: Arc<dyn Exports>, limits: keel_nbd::Limits) -> Server {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(keel_nbd::serve(listener, exports, async move {
+        let shutdown = async move {
             let _ = stopped.await;
-        }));
+        };
+        let task = tokio::spawn(keel_nbd::serve_with(listener, exports, shutdown, limits));
         Server {
             address,
             stop: Some(stop),

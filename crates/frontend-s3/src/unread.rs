@@ -1,0 +1,81 @@
+//! Keeps kept-alive connections in step when an answer is sent before the request body was
+//! read. S3 refuses many requests from their headers alone (a missing upload, a bad signature,
+//! a failed condition); the client may still be sending the body (or, having sent
+//! `Expect: 100-continue`, may send it after all). If the connection were then reused, the
+//! unread body bytes would be parsed as the start of the next request — a request whose method
+//! or path no longer matches what the client signed, answered with a spurious
+//! `SignatureDoesNotMatch`. So an answer given before its request's body ended closes the
+//! connection (`Connection: close`), as HTTP/1.1 allows.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use http::header::{HeaderValue, CONNECTION};
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use s3s::service::S3Service;
+use s3s::{HttpError, HttpResponse};
+
+/// The S3 service, with connections closed after answers that left a body unread.
+#[derive(Clone)]
+pub struct CloseOnUnreadBody(pub S3Service);
+
+impl hyper::service::Service<http::Request<Incoming>> for CloseOnUnreadBody {
+    type Response = HttpResponse;
+    type Error = HttpError;
+    type Future = BoxFuture<'static, Result<HttpResponse, HttpError>>;
+
+    fn call(&self, request: http::Request<Incoming>) -> Self::Future {
+        let (parts, body) = request.into_parts();
+        let ended = Arc::new(AtomicBool::new(body.is_end_stream()));
+        let tracked = Tracked {
+            inner: body,
+            ended: ended.clone(),
+        };
+        let request = http::Request::from_parts(parts, s3s::Body::http_body_unsync(tracked));
+        let service = self.0.clone();
+        Box::pin(async move {
+            let mut response = service.call(request).await?;
+            if !ended.load(Ordering::Acquire) {
+                response
+                    .headers_mut()
+                    .insert(CONNECTION, HeaderValue::from_static("close"));
+            }
+            Ok(response)
+        })
+    }
+}
+
+/// A request body that records when it has been read to its end.
+struct Tracked {
+    inner: Incoming,
+    ended: Arc<AtomicBool>,
+}
+
+impl Body for Tracked {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(polled, Poll::Ready(None)) || self.inner.is_end_stream() {
+            self.ended.store(true, Ordering::Release);
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
