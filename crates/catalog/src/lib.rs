@@ -264,7 +264,7 @@ impl Catalog {
         };
         ops.extend(extra(&outcome));
         if !ops.is_empty() {
-            store.write(ops, durability)?;
+            store.write_metadata(ops, durability)?;
         }
         if let Ok(plan) = plan {
             self.state
@@ -288,7 +288,7 @@ impl Catalog {
         let mut ops = state.replace_ops(store)?;
         ops.extend(extra);
         store
-            .write(ops, Durability::Sync)
+            .write_metadata(ops, Durability::Sync)
             .map_err(|source| CatalogError::Store {
                 operation: "installing a catalog snapshot".to_string(),
                 detail: source.to_string(),

@@ -100,7 +100,7 @@ impl LogStore {
 
     fn write(&self, ops: Vec<WriteOp>) -> io::Result<()> {
         self.store
-            .write(ops, Durability::Sync)
+            .write_metadata(ops, Durability::Sync)
             .map(|_| ())
             .map_err(|error| io_error("writing", error))
     }

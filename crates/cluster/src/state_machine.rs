@@ -278,7 +278,7 @@ impl StateMachine {
         // Buffered: if it is lost in a crash, the entry is applied again, and applying a blank,
         // membership or repeated entry twice changes nothing.
         self.store
-            .write(vec![Self::applied_op(applied)?], Durability::Buffered)
+            .write_metadata(vec![Self::applied_op(applied)?], Durability::Buffered)
             .map(|_| ())
             .map_err(|error| io_error("recording the applied id", error))
     }
@@ -354,7 +354,7 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachine {
         let stored = blocking(move || {
             let stored = this.build()?;
             this.store
-                .write(vec![Self::snapshot_op(&stored)?], Durability::Sync)
+                .write_metadata(vec![Self::snapshot_op(&stored)?], Durability::Sync)
                 .map_err(|error| io_error("storing a snapshot", error))?;
             Ok(stored)
         })

@@ -257,6 +257,19 @@ impl Engine {
         self.submit(prepared, durability, false, None)
     }
 
+    /// [`Engine::write`] for metadata that may use the space reserve.
+    pub fn write_metadata(
+        &self,
+        ops: Vec<WriteOp>,
+        durability: Durability,
+    ) -> StoreResult<WriteAck> {
+        let prepared = ops
+            .into_iter()
+            .map(Op::prepare)
+            .collect::<StoreResult<Vec<Op>>>()?;
+        self.submit(prepared, durability, true, None)
+    }
+
     pub fn flush(&self) -> StoreResult<()> {
         self.submit(Vec::new(), Durability::Sync, true, None)
             .map(|_| ())

@@ -225,6 +225,18 @@ impl Store {
         self.engine.write(ops, durability)
     }
 
+    /// [`Store::write`] that may use the space reserve: for the cluster's metadata (the Raft
+    /// log and vote, the state machine, catalog records), which is small and bounded, and
+    /// without which nothing — not even a delete that would free space — can happen on a full
+    /// disk.
+    pub fn write_metadata(
+        &self,
+        ops: Vec<WriteOp>,
+        durability: Durability,
+    ) -> StoreResult<WriteAck> {
+        self.engine.write_metadata(ops, durability)
+    }
+
     /// Makes every write that returned before this call durable.
     pub fn flush(&self) -> StoreResult<()> {
         self.engine.flush()
