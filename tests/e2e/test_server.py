@@ -139,9 +139,14 @@ def test_scrub_repairs_a_damaged_mirror(make_server, workdir):
     srv.cli("volume", "create", "m", "--size", "16M")
     qemu_io(srv.nbd_uri("m"), "write -P 0x6d 0 4M", "flush")
     srv.stop()
-    segment = sorted((a / "segments").glob("*.seg"))[-1]
+    # The segment holding the most written bytes (the newest may be a prepared, all-zero one),
+    # damaged only where it was written.
+    segments = sorted((a / "segments").glob("*.seg"))
+    segment = max(segments, key=lambda p: len(p.read_bytes().rstrip(b"\0")))
     data = bytearray(segment.read_bytes())
-    for offset in range(10_000, len(data), 200_000):
+    written = len(bytes(data).rstrip(b"\0"))
+    assert written > 3_000_000, (segment, written)
+    for offset in range(10_000, written, 200_000):
         data[offset] ^= 0x5A
     segment.write_bytes(bytes(data))
     srv.start()
@@ -151,3 +156,50 @@ def test_scrub_repairs_a_damaged_mirror(make_server, workdir):
     again = json.loads(srv.cli("store", "scrub").stdout)
     # Every live extent verified; flips that landed in dead extents or padding are not data.
     assert again["repaired_copies"] == 0 and again["unrecoverable_extents"] == 0
+
+
+def test_lost_index_is_refused_then_rebuilt_from_the_log(make_server, workdir):
+    """A data directory whose index.redb is gone is refused at start with the command that fixes
+    it; `keel store rebuild-index` rebuilds it from the log, after compaction moved data and
+    dropped segments, and every volume byte and every deletion is as before."""
+    from test_nbd import qemu_io
+
+    data = workdir / "data"
+    srv = make_server([data], extra_args=["--config", str(small_segments(workdir))])
+    srv.cli("volume", "create", "keep", "--size", "16M")
+    srv.cli("volume", "create", "gone", "--size", "16M")
+    qemu_io(srv.nbd_uri("keep"), "write -P 0x4b 0 4M", "flush")
+    qemu_io(srv.nbd_uri("gone"), "write -P 0x47 0 4M", "flush")
+    # Overwrite most of "keep" so compaction has dead extents to reclaim, then delete "gone".
+    qemu_io(srv.nbd_uri("keep"), "write -P 0x4c 0 3M", "flush")
+    srv.cli("volume", "delete", "gone")
+    compacted = json.loads(srv.cli("store", "compact", "--dead-ratio", "0.3").stdout)
+    assert compacted["segments_compacted"] > 0, compacted
+    srv.stop()
+
+    (data / "index.redb").unlink()
+    refused = subprocess.run(
+        [KEEL_BIN, "server", "--data", str(data), "--s3", "127.0.0.1:0", "--nbd", "127.0.0.1:0",
+         "--admin", "127.0.0.1:0", "--cluster", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=60, env=srv.env,
+    )
+    assert refused.returncode != 0
+    assert "keel store rebuild-index" in refused.stderr, refused.stderr
+
+    rebuilt = subprocess.run([KEEL_BIN, "store", "rebuild-index", "--data", str(data)],
+                             capture_output=True, text=True, timeout=300)
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert "rebuilt the index" in rebuilt.stdout
+
+    srv.start()
+    listing = srv.cli("volume", "list").stdout
+    assert "keep" in listing and "gone" not in listing, listing
+    qemu_io(srv.nbd_uri("keep"), "read -P 0x4c 0 3M", "read -P 0x4b 3M 1M", "read -P 0 4M 4M")
+    scrub = json.loads(srv.cli("store", "scrub").stdout)
+    assert scrub["unrecoverable_extents"] == 0, scrub
+
+
+def small_segments(workdir):
+    config = workdir / "small-segments.toml"
+    config.write_text("[store]\nsegment_size_max_bytes = 1048576\nreserve_bytes = 16777216\n")
+    return config

@@ -896,6 +896,27 @@ pub fn node(connection: &Connection, command: NodeCommand) -> anyhow::Result<()>
     Ok(())
 }
 
+/// `keel store rebuild-index`: offline, with the server stopped (the data directory lock
+/// refuses otherwise).
+pub fn rebuild_index(data: &[std::path::PathBuf]) -> anyhow::Result<()> {
+    let config = keel_store::StoreConfig::new(data.to_vec());
+    let started = std::time::Instant::now();
+    let report = keel_store::Store::rebuild_index(&config, &mut |progress| {
+        eprintln!("  segment {} of {}", progress.done, progress.total);
+    })
+    .with_context(|| format!("rebuilding the index of {}", data[0].display()))?;
+    println!(
+        "rebuilt the index from {} segments ({} extents read) in {:.1} s: {} live keys, {} \
+         deleted keys held by tombstones",
+        report.segments,
+        report.extents_read,
+        started.elapsed().as_secs_f64(),
+        report.live_keys,
+        report.tombstones
+    );
+    Ok(())
+}
+
 /// `keel cluster force-primary`: offline, on the survivor's stopped data directory.
 pub fn force_primary(data: &std::path::Path, confirmed: bool) -> anyhow::Result<()> {
     if !confirmed {

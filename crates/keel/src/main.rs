@@ -65,12 +65,12 @@ enum Command {
         #[command(subcommand)]
         command: cli::KeyCommand,
     },
-    /// Store maintenance: scrub and compaction.
+    /// Store maintenance: scrub and compaction; offline, rebuilding a lost index.
     Store {
         #[command(flatten)]
         connection: cli::Connection,
         #[command(subcommand)]
-        command: cli::StoreCommand,
+        command: StoreAction,
     },
     /// The cluster: status, join token, and the force-primary repair.
     Cluster {
@@ -104,6 +104,19 @@ enum ClusterAction {
         /// Confirms you accept losing metadata the lost nodes committed.
         #[arg(long = "yes-i-accept-losing-metadata")]
         confirmed: bool,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum StoreAction {
+    #[command(flatten)]
+    Online(cli::StoreCommand),
+    /// Server stopped: rebuild a lost or damaged index.redb from the whole log. Reads every
+    /// segment; the old index, if any, is kept as index.redb.replaced.
+    RebuildIndex {
+        /// Every data directory of the store, in the order the server is given them.
+        #[arg(long, required = true)]
+        data: Vec<std::path::PathBuf>,
     },
 }
 
@@ -147,7 +160,10 @@ fn main() {
         Command::Store {
             connection,
             command,
-        } => cli::store(&connection, command),
+        } => match command {
+            StoreAction::Online(command) => cli::store(&connection, command),
+            StoreAction::RebuildIndex { data } => cli::rebuild_index(&data),
+        },
         Command::Cluster {
             connection,
             command,

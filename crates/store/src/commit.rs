@@ -83,6 +83,22 @@ impl Op {
         })
     }
 
+    /// A compaction copy of a tombstone with sequence number `seq`. It changes nothing in a
+    /// live index (the delete was applied long ago); it exists so that a rebuild of the index
+    /// from the whole log still sees the delete after compaction removed the original, while an
+    /// older put of the key may remain in an older segment.
+    pub(crate) fn relocated_delete(key: Vec<u8>, seq: u64) -> Op {
+        Op {
+            kind: format::KIND_DELETE,
+            key,
+            stored: Vec::new(),
+            compression: Compression::None,
+            raw_len: 0,
+            content_hash: None,
+            relocated_seq: Some(seq),
+        }
+    }
+
     /// A compaction copy of `value`, applied only if `key` still maps to `seq`.
     pub(crate) fn relocation(
         key: Vec<u8>,
@@ -577,7 +593,9 @@ impl Engine {
                     op.raw_len,
                     op.content_hash.as_ref(),
                 );
-                if op.kind == format::KIND_DELETE {
+                if op.kind == format::KIND_DELETE && op.relocated_seq.is_some() {
+                    // A carried tombstone: nothing to change in the live index.
+                } else if op.kind == format::KIND_DELETE {
                     updates.push(IndexUpdate::Delete {
                         key: op.key.clone(),
                     });
@@ -1071,7 +1089,12 @@ fn recover(
                 stored_len: header.stored_len as u32,
                 seq: header.seq,
             };
-            group.push(if header.kind == format::KIND_DELETE {
+            let relocated = header.flags & format::FLAG_RELOCATED != 0;
+            group.push(if header.kind == format::KIND_DELETE && relocated {
+                // A carried tombstone changes nothing in a replayed index either (see
+                // `Op::relocated_delete`); it still counts toward its group.
+                IndexUpdate::Nothing
+            } else if header.kind == format::KIND_DELETE {
                 IndexUpdate::Delete { key }
             } else {
                 IndexUpdate::Put {
@@ -1252,6 +1275,156 @@ fn find_valid_extent(
         }
     }
     Ok(None)
+}
+
+/// Called with each record's offset, header and key.
+pub(crate) type RecordVisitor<'a> = dyn FnMut(u64, &ExtentHeader, Vec<u8>) -> StoreResult<()> + 'a;
+
+/// Every whole extent of `segment` in log order (verified, repaired from the mirror where a
+/// copy is bad), handed to `visit` with its offset. A segment that is not the log's last must
+/// verify to its end (or to zeros); `last` lets a torn tail end the scan.
+pub(crate) fn scan_segment(
+    segment: &Segment,
+    last: bool,
+    visit: &mut RecordVisitor<'_>,
+) -> StoreResult<()> {
+    let file_len = segment.len(0)?;
+    let mut offset = format::SEGMENT_HEADER_LEN as u64;
+    while offset < file_len {
+        let Some((header, key)) = read_replay_record(segment, offset, file_len)? else {
+            if last || tail_is_zero(segment, offset, file_len)? {
+                return Ok(());
+            }
+            return Err(StoreError::LogCorrupt {
+                segment: segment.id,
+                offset,
+                detail: "a record of a closed segment does not verify on any device".into(),
+            });
+        };
+        let record_len = header.record_len() as u64;
+        visit(offset, &header, key)?;
+        offset += record_len;
+    }
+    Ok(())
+}
+
+/// What [`rebuild_index`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RebuildReport {
+    pub segments: u64,
+    pub extents_read: u64,
+    pub live_keys: u64,
+    /// Deletes (original or carried by compaction) that hid an older put.
+    pub tombstones: u64,
+}
+
+/// Builds a new index from the whole log (the store must not be open). Each key ends at its
+/// newest record by sequence number — a put, or a delete that hides every older put even when
+/// compaction moved one of them to a later segment. An existing index file is kept as
+/// `index.redb.replaced`.
+pub(crate) fn rebuild_index(
+    config: &StoreConfig,
+    progress: &mut dyn FnMut(crate::Progress),
+) -> StoreResult<RebuildReport> {
+    let segments = Segments::open(config.disk.clone(), &config.data_dirs, config.ephemeral)?;
+    segments.remove_preparations()?;
+    let disk = segments.disk.clone();
+    let dir = segments.devices[0].dir.clone();
+    let path = dir.join(INDEX_FILE);
+    if disk
+        .file_len(&path)
+        .map_err(|e| StoreError::io(&path, e))?
+        .is_some()
+    {
+        let aside = dir.join(format!("{INDEX_FILE}.replaced"));
+        disk.rename(&path, &aside)
+            .map_err(|e| StoreError::io(&aside, e))?;
+    }
+    let (index, _) = Index::open(disk.as_ref(), &path)?;
+    crate::segment::sync_dir(disk.as_ref(), &dir)?;
+    let ids = segments.ids();
+    let mut report = RebuildReport::default();
+    let mut tombstones: std::collections::HashMap<Vec<u8>, u64> = std::collections::HashMap::new();
+    let mut next_seq = 1u64;
+    let mut end = (
+        ids.first().copied().unwrap_or(1),
+        format::SEGMENT_HEADER_LEN as u64,
+    );
+    for (position, id) in ids.iter().copied().enumerate() {
+        let Some(segment) = segments.get(id) else {
+            continue;
+        };
+        let last = position + 1 == ids.len();
+        let mut group: Vec<(u64, ExtentHeader, Vec<u8>)> = Vec::new();
+        scan_segment(&segment, last, &mut |offset, header, key| {
+            report.extents_read += 1;
+            let group_end = header.flags & format::FLAG_GROUP_END != 0;
+            group.push((offset, header.clone(), key));
+            if !group_end {
+                return Ok(());
+            }
+            for (offset, header, key) in group.drain(..) {
+                let relocated = header.flags & format::FLAG_RELOCATED != 0;
+                if !relocated {
+                    next_seq = next_seq.max(header.seq + 1);
+                }
+                let current = index.get(&key)?.map(|location| location.seq);
+                let newest = current.max(tombstones.get(&key).copied());
+                if newest.is_some_and(|newest| newest >= header.seq) {
+                    continue;
+                }
+                let record_len = header.record_len() as u64;
+                let tail = Tail {
+                    segment: id,
+                    offset: offset + record_len,
+                    next_seq,
+                };
+                let update = if header.kind == format::KIND_DELETE {
+                    tombstones.insert(key.clone(), header.seq);
+                    IndexUpdate::Delete { key }
+                } else {
+                    tombstones.remove(&key);
+                    IndexUpdate::Put {
+                        key,
+                        location: Location {
+                            segment: id,
+                            offset,
+                            record_len: record_len as u32,
+                            raw_len: header.raw_len as u32,
+                            stored_len: header.stored_len as u32,
+                            seq: header.seq,
+                        },
+                        relocated: false,
+                    }
+                };
+                index.apply(&[update], tail, Persist::Later, &[])?;
+            }
+            end = (id, offset + header.record_len() as u64);
+            Ok(())
+        })?;
+        if !group.is_empty() {
+            // A torn group at the log's end: never acknowledged; the next open cuts it.
+            break;
+        }
+        report.segments += 1;
+        progress(crate::Progress {
+            done: report.segments,
+            total: ids.len() as u64,
+        });
+    }
+    let tail = Tail {
+        segment: end.0,
+        offset: end.1,
+        next_seq,
+    };
+    index.apply(&[], tail, Persist::Durable, &[])?;
+    report.live_keys = index
+        .segment_stats()?
+        .values()
+        .map(|stats| stats.live_extents)
+        .sum();
+    report.tombstones = tombstones.len() as u64;
+    Ok(report)
 }
 
 /// Whether every device holds only zero bytes in `[from, to)`.

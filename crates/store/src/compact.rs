@@ -10,7 +10,7 @@
 
 use std::collections::BTreeSet;
 
-use crate::commit::{Engine, Op};
+use crate::commit::{scan_segment, Engine, Op};
 use crate::error::StoreResult;
 use crate::format;
 use crate::Progress;
@@ -26,6 +26,8 @@ pub struct CompactReport {
     pub segments_compacted: u64,
     pub extents_moved: u64,
     pub bytes_reclaimed: u64,
+    /// Tombstones copied forward (see `compact_group`).
+    pub tombstones_carried: u64,
 }
 
 pub(crate) fn compact(
@@ -134,6 +136,35 @@ fn compact_group(
                 engine.relocate(std::mem::take(&mut batch))?;
                 batch_bytes = 0;
             }
+        }
+    }
+    // Tombstones are carried forward while an older segment might still hold a put they hide,
+    // so that rebuilding the index from the whole log (`Store::rebuild_index`) never brings a
+    // deleted key back. A key put again since needs no tombstone.
+    let oldest = engine.segments.ids().first().copied().unwrap_or(0);
+    for id in group.iter().copied().filter(|id| *id > oldest) {
+        let Some(segment) = engine.segments.get(id) else {
+            continue;
+        };
+        scan_segment(&segment, false, &mut |_, header, key| {
+            if header.kind != format::KIND_DELETE {
+                return Ok(());
+            }
+            if engine
+                .index
+                .get(&key)?
+                .is_some_and(|location| location.seq > header.seq)
+            {
+                return Ok(());
+            }
+            batch_bytes += key.len() + format::EXTENT_HEADER_LEN;
+            batch.push(Op::relocated_delete(key, header.seq));
+            report.tombstones_carried += 1;
+            Ok(())
+        })?;
+        if batch_bytes >= RELOCATE_BATCH_MAX_BYTES {
+            engine.relocate(std::mem::take(&mut batch))?;
+            batch_bytes = 0;
         }
     }
     if !batch.is_empty() {

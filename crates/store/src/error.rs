@@ -54,9 +54,9 @@ pub enum StoreError {
     },
 
     #[error(
-        "the index {path} is missing while the log holds data; replaying the log without it \
-         would lose compacted data and bring deleted keys back, so the store refuses to open. \
-         Restore the file from a backup of this data directory"
+        "the index {path} is missing while the log holds data; the store will not guess. With \
+         the server stopped, run `keel store rebuild-index --data DIR` (every --data of the \
+         store) to rebuild it from the whole log"
     )]
     IndexMissing { path: PathBuf },
 

@@ -204,6 +204,8 @@ pub(crate) enum IndexUpdate {
     Delete {
         key: Vec<u8>,
     },
+    /// A record that changes no entry (a carried tombstone).
+    Nothing,
 }
 
 /// Index entries applied but not yet written to redb: a key's newest location, or `None` when
@@ -379,6 +381,7 @@ impl Index {
             for update in updates {
                 let key = match update {
                     IndexUpdate::Put { key, .. } | IndexUpdate::Delete { key } => key,
+                    IndexUpdate::Nothing => continue,
                 };
                 let current = match shared.locations.get(key.as_slice()) {
                     Some(location) => Some(location),
@@ -421,6 +424,7 @@ impl Index {
                         }
                         None
                     }
+                    IndexUpdate::Nothing => continue,
                 };
                 if let Some(old) = current {
                     active.stats.entry(old.segment).or_default().1.add(&old, 1);

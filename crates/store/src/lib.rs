@@ -30,6 +30,7 @@ pub mod simdisk;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+pub use commit::RebuildReport;
 pub use compact::CompactReport;
 pub use error::{StoreError, StoreResult};
 pub use format::Compression;
@@ -294,5 +295,14 @@ impl Store {
 
     pub fn config(&self) -> &StoreConfig {
         self.engine.config()
+    }
+
+    /// Builds a new index for the (closed) store from its whole log, when `index.redb` is lost
+    /// or damaged; the old file, if any, is kept as `index.redb.replaced`. Reads every segment.
+    pub fn rebuild_index(
+        config: &StoreConfig,
+        progress: &mut dyn FnMut(Progress),
+    ) -> StoreResult<RebuildReport> {
+        commit::rebuild_index(config, progress)
     }
 }
