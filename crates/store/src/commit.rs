@@ -226,23 +226,38 @@ impl Engine {
     pub fn open(config: StoreConfig) -> StoreResult<Engine> {
         let segments = Segments::open(config.disk.clone(), &config.data_dirs, config.ephemeral)?;
         segments.remove_preparations()?;
-        let index_dir = &segments.devices[0].dir;
+        let index_dir = segments.devices[0].dir.clone();
         let index_path = index_dir.join(INDEX_FILE);
-        let index_exists = segments
-            .disk
-            .file_len(&index_path)
-            .map_err(|e| StoreError::io(&index_path, e))?
-            .is_some();
+        let copy_path = segments.devices.get(1).map(|d| d.dir.join(INDEX_FILE));
+        let disk = segments.disk.clone();
+        let exists = |path: &std::path::Path| -> StoreResult<bool> {
+            Ok(disk
+                .file_len(path)
+                .map_err(|e| StoreError::io(path, e))?
+                .is_some())
+        };
+        let mut index_exists = exists(&index_path)?;
         if !index_exists && !segments.ids().is_empty() {
-            // Replaying from the first segment would skip compaction copies and resurrect keys
-            // whose tombstones compaction removed: refuse rather than lose data.
-            return Err(StoreError::IndexMissing { path: index_path });
+            match &copy_path {
+                // The mirror keeps a copy: restore the index from it.
+                Some(copy) if exists(copy)? => {
+                    tracing::warn!(path = %index_path.display(), "the index is missing; restoring it from its copy on the mirror");
+                    copy_file(disk.as_ref(), copy, &index_path)?;
+                    crate::segment::sync_dir(disk.as_ref(), &index_dir)?;
+                    index_exists = true;
+                }
+                // Replaying from the first segment would skip compaction copies and resurrect
+                // keys whose tombstones compaction removed: refuse rather than lose data.
+                _ => return Err(StoreError::IndexMissing { path: index_path }),
+            }
         }
-        let (index, tail) = Index::open(segments.disk.as_ref(), &index_path)?;
+        let (index, tail) = Index::open(disk.as_ref(), &index_path, copy_path.as_deref())?;
         if !index_exists {
-            // The new index's directory entry must be durable before any segment is: a log
-            // without its index is refused at open.
-            crate::segment::sync_dir(segments.disk.as_ref(), index_dir)?;
+            // The new index's directory entry (and its copy's) must be durable before any
+            // segment is: a log without its index is refused at open.
+            for device in &segments.devices {
+                crate::segment::sync_dir(disk.as_ref(), &device.dir)?;
+            }
         }
         let writer = recover(&segments, &index, tail, config.segment_size_max_bytes)?;
         Ok(Engine {
@@ -1196,6 +1211,36 @@ fn recover(
     })
 }
 
+/// Copies a file durably (the index from its copy on the mirror), 1 MiB at a time.
+fn copy_file(
+    disk: &dyn crate::disk::Disk,
+    from: &std::path::Path,
+    to: &std::path::Path,
+) -> StoreResult<()> {
+    use crate::disk::OpenMode;
+    let source = disk
+        .open(from, OpenMode::Existing)
+        .map_err(|e| StoreError::io(from, e))?;
+    let target = disk
+        .open(to, OpenMode::Truncate)
+        .map_err(|e| StoreError::io(to, e))?;
+    let len = source.len().map_err(|e| StoreError::io(from, e))?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut offset = 0u64;
+    while offset < len {
+        let read = crate::disk::read_up_to(source.as_ref(), &mut buf, offset)
+            .map_err(|e| StoreError::io(from, e))?;
+        if read == 0 {
+            break;
+        }
+        target
+            .write_all_at(&buf[..read], offset)
+            .map_err(|e| StoreError::io(to, e))?;
+        offset += read as u64;
+    }
+    target.sync_data().map_err(|e| StoreError::io(to, e))
+}
+
 /// Refuses to cut the log at `(end_segment, end_offset)` when anything after it was written
 /// after a sync that covered the cut point: a valid extent flagged [`format::FLAG_AFTER_SYNC`]
 /// later in the same segment, or any valid extent in a later segment (a segment is synced before
@@ -1340,8 +1385,24 @@ pub(crate) fn rebuild_index(
         disk.rename(&path, &aside)
             .map_err(|e| StoreError::io(&aside, e))?;
     }
-    let (index, _) = Index::open(disk.as_ref(), &path)?;
-    crate::segment::sync_dir(disk.as_ref(), &dir)?;
+    // The copy on the mirror is stale from now on: set it aside too (the next open writes a
+    // new one from the rebuilt index).
+    let copy_path = segments.devices.get(1).map(|d| d.dir.join(INDEX_FILE));
+    if let Some(copy) = &copy_path {
+        if disk
+            .file_len(copy)
+            .map_err(|e| StoreError::io(copy, e))?
+            .is_some()
+        {
+            let aside = copy.with_file_name(format!("{INDEX_FILE}.replaced"));
+            disk.rename(copy, &aside)
+                .map_err(|e| StoreError::io(&aside, e))?;
+        }
+    }
+    let (index, _) = Index::open(disk.as_ref(), &path, None)?;
+    for device in &segments.devices {
+        crate::segment::sync_dir(disk.as_ref(), &device.dir)?;
+    }
     let ids = segments.ids();
     let mut report = RebuildReport::default();
     let mut tombstones: std::collections::HashMap<Vec<u8>, u64> = std::collections::HashMap::new();

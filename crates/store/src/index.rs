@@ -262,6 +262,8 @@ pub(crate) struct Index {
 
 struct Shared {
     db: Database,
+    /// The same index on the mirror device, written with every set after `db`.
+    copy: Option<Database>,
     /// Applied updates gather in `overlay.active`; once there are [`PENDING_ENTRIES_MAX`] of
     /// them they become `overlay.writing` and a background thread writes them to redb in one
     /// transaction, while new updates gather again. A durable checkpoint writes everything in
@@ -314,40 +316,40 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Index {
-    pub fn open(disk: &dyn Disk, path: &Path) -> StoreResult<(Index, Option<Tail>)> {
-        Index::open_with(disk, path, PENDING_ENTRIES_MAX)
+    /// Opens the index at `path`, and its copy at `copy` (on the mirror device) when there is
+    /// one. A copy that is missing or does not match the index (a crash between their writes,
+    /// a replaced device) is rewritten from the index first.
+    pub fn open(
+        disk: &dyn Disk,
+        path: &Path,
+        copy: Option<&Path>,
+    ) -> StoreResult<(Index, Option<Tail>)> {
+        Index::open_with(disk, path, copy, PENDING_ENTRIES_MAX)
     }
 
     fn open_with(
         disk: &dyn Disk,
         path: &Path,
+        copy: Option<&Path>,
         pending_entries_max: usize,
     ) -> StoreResult<(Index, Option<Tail>)> {
-        let file = disk
-            .open(path, OpenMode::Create)
-            .map_err(|e| StoreError::io(path, e))?;
-        let db = redb::Builder::new()
-            .set_cache_size(INDEX_CACHE_SIZE_MAX_BYTES)
-            .create_with_backend(IndexBackend(file))?;
-        let txn = db.begin_write()?;
-        {
-            txn.open_table(EXTENTS)?;
-            txn.open_table(SEGMENT_STATS)?;
-            txn.open_table(STATE)?;
-        }
-        txn.commit()?;
-        let (tail, written) = {
-            let txn = db.begin_read()?;
-            let table = txn.open_table(STATE)?;
-            let tail = table
-                .get(TAIL)?
-                .map(|v| Tail::decode(v.value()))
-                .transpose()?;
-            (tail, written_number(&table)?)
+        let db = open_db(disk, path)?;
+        let (tail, written) = read_state(&db)?;
+        let copy = match copy {
+            Some(copy_path) => {
+                let copy = open_db(disk, copy_path)?;
+                if read_state(&copy)? != (tail, written) {
+                    tracing::info!(path = %copy_path.display(), "rewriting the index copy on the mirror");
+                    mirror_all(&db, &copy)?;
+                }
+                Some(copy)
+            }
+            None => None,
         };
         let index = Index {
             shared: Arc::new(Shared {
                 db,
+                copy,
                 overlay: RwLock::new(Overlay::default()),
                 pending_entries_max,
                 locations: quick_cache::sync::Cache::new(LOCATION_CACHE_ENTRIES),
@@ -652,7 +654,12 @@ impl Shared {
     /// Writes one set of pending entries to redb in one transaction, then forgets it. Readers
     /// keep seeing the set in the overlay until redb holds it.
     fn write_set(&self, set: &Pending, durable: bool) -> Result<(), String> {
-        let written = self.write_to_redb(set, durable).map_err(|e| e.to_string());
+        let written = write_to_redb(&self.db, set, durable)
+            .and_then(|()| match &self.copy {
+                Some(copy) => write_to_redb(copy, set, durable),
+                None => Ok(()),
+            })
+            .map_err(|e| e.to_string());
         match &written {
             Ok(()) => write_lock(&self.overlay).writing = None,
             // The set stays in the overlay, so reads stay right; the next apply fails.
@@ -663,9 +670,11 @@ impl Shared {
         }
         written
     }
+}
 
-    fn write_to_redb(&self, set: &Pending, durable: bool) -> StoreResult<()> {
-        let mut txn = self.db.begin_write()?;
+fn write_to_redb(db: &Database, set: &Pending, durable: bool) -> StoreResult<()> {
+    {
+        let mut txn = db.begin_write()?;
         txn.set_durability(if durable {
             Durability::Immediate
         } else {
@@ -702,8 +711,66 @@ impl Shared {
             state.insert(WRITTEN, set.write_number.to_le_bytes().as_slice())?;
         }
         txn.commit()?;
-        Ok(())
     }
+    Ok(())
+}
+
+/// Opens (or creates) an index database with its tables.
+fn open_db(disk: &dyn Disk, path: &Path) -> StoreResult<Database> {
+    let file = disk
+        .open(path, OpenMode::Create)
+        .map_err(|e| StoreError::io(path, e))?;
+    let db = redb::Builder::new()
+        .set_cache_size(INDEX_CACHE_SIZE_MAX_BYTES)
+        .create_with_backend(IndexBackend(file))?;
+    let txn = db.begin_write()?;
+    {
+        txn.open_table(EXTENTS)?;
+        txn.open_table(SEGMENT_STATS)?;
+        txn.open_table(STATE)?;
+    }
+    txn.commit()?;
+    Ok(db)
+}
+
+/// The tail and write number an index database holds.
+fn read_state(db: &Database) -> StoreResult<(Option<Tail>, u64)> {
+    let txn = db.begin_read()?;
+    let table = txn.open_table(STATE)?;
+    let tail = table
+        .get(TAIL)?
+        .map(|v| Tail::decode(v.value()))
+        .transpose()?;
+    Ok((tail, written_number(&table)?))
+}
+
+/// Makes `to` hold exactly what `from` holds, durably, in one transaction.
+fn mirror_all(from: &Database, to: &Database) -> StoreResult<()> {
+    let read = from.begin_read()?;
+    let mut txn = to.begin_write()?;
+    txn.set_durability(Durability::Immediate)?;
+    {
+        txn.delete_table(EXTENTS)?;
+        txn.delete_table(SEGMENT_STATS)?;
+        txn.delete_table(STATE)?;
+        let mut extents = txn.open_table(EXTENTS)?;
+        for entry in read.open_table(EXTENTS)?.iter()? {
+            let (key, value) = entry?;
+            extents.insert(key.value(), value.value())?;
+        }
+        let mut stats = txn.open_table(SEGMENT_STATS)?;
+        for entry in read.open_table(SEGMENT_STATS)?.iter()? {
+            let (key, value) = entry?;
+            stats.insert(key.value(), value.value())?;
+        }
+        let mut state = txn.open_table(STATE)?;
+        for entry in read.open_table(STATE)?.iter()? {
+            let (key, value) = entry?;
+            state.insert(key.value(), value.value())?;
+        }
+    }
+    txn.commit()?;
+    Ok(())
 }
 
 fn written_number<T: ReadableTable<&'static str, &'static [u8]>>(table: &T) -> StoreResult<u64> {
@@ -769,7 +836,7 @@ mod tests {
             std::fs::create_dir_all(&dir).unwrap();
             let path = dir.join(format!("{}.redb", std::process::id()));
             let _ = std::fs::remove_file(&path);
-            let (index, _) = Index::open_with(&crate::disk::RealDisk, &path, pending_max).unwrap();
+            let (index, _) = Index::open_with(&crate::disk::RealDisk, &path, None, pending_max).unwrap();
             let mut model: BTreeMap<Vec<u8>, Location> = BTreeMap::new();
             let mut seq = 0u64;
             for (round, ops) in ops.chunks(chunk).enumerate() {

@@ -506,3 +506,73 @@ fn rebuild_index_from_the_whole_log_after_compaction() {
         .write(vec![put(999, 0, 64)], Durability::Sync)
         .unwrap();
 }
+
+/// Issue 10, defect 1: with a mirror, the index has a copy on the second device; a lost index
+/// is restored from it at open (after a clean close and after a crash), with nothing lost.
+#[test]
+fn a_lost_index_is_restored_from_its_copy_on_the_mirror() {
+    use keel_store::disk::Disk;
+    let disk = SimDisk::new(41);
+    let dirs = ["/sim/a", "/sim/b"];
+    let store = open(&disk, &dirs);
+    // Two versions of each key over several segments, then compaction: the copy must follow
+    // relocations and deleted segments, not just the first writes.
+    for n in 0..50 {
+        store
+            .write(vec![put(n, 0, 32 << 10)], Durability::Sync)
+            .unwrap();
+    }
+    // Overwrite most of the first segment, so compaction moves the rest of it.
+    for n in 0..15 {
+        store
+            .write(vec![put(n, 1, 32 << 10)], Durability::Sync)
+            .unwrap();
+    }
+    store
+        .write(vec![WriteOp::Delete { key: key(7) }], Durability::Sync)
+        .unwrap();
+    let compacted = store.compact(0.3, &mut |_| {}).unwrap();
+    assert!(
+        compacted.segments_compacted > 0 && compacted.extents_moved > 0,
+        "{compacted:?}"
+    );
+    drop(store);
+    assert!(
+        disk.len_of(Path::new("/sim/b/index.redb")).is_some(),
+        "the copy exists"
+    );
+    disk.remove_file(Path::new("/sim/a/index.redb")).unwrap();
+    let store = Store::open(config(&disk, &dirs)).expect("restored from the copy");
+    for n in (0..50).filter(|n| *n != 7) {
+        assert_eq!(
+            store.get(&key(n)).unwrap(),
+            Some(value(n, u64::from(n < 15), 32 << 10))
+        );
+    }
+    assert_eq!(store.get(&key(7)).unwrap(), None);
+    // A crash (no clean close), then the index is lost: the copy and the log still hold all.
+    for n in 50..80 {
+        store
+            .write(vec![put(n, 0, 2048)], Durability::Sync)
+            .unwrap();
+    }
+    let crashed = disk.process_restart();
+    drop(store);
+    crashed.remove_file(Path::new("/sim/a/index.redb")).unwrap();
+    let store = Store::open(config(&crashed, &dirs)).expect("restored after a crash");
+    for n in (0..50).filter(|n| *n != 7) {
+        assert_eq!(
+            store.get(&key(n)).unwrap(),
+            Some(value(n, u64::from(n < 15), 32 << 10)),
+            "key {n}"
+        );
+    }
+    for n in 50..80 {
+        assert_eq!(
+            store.get(&key(n)).unwrap(),
+            Some(value(n, 0, 2048)),
+            "key {n}"
+        );
+    }
+    assert_eq!(store.get(&key(7)).unwrap(), None);
+}
