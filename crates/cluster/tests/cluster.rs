@@ -144,7 +144,20 @@ async fn form_three(network: &LocalNetwork, test: &str) -> Vec<TestNode> {
         );
     }
     let ids: std::collections::BTreeSet<_> = nodes.iter().map(|n| n.cluster.node_id()).collect();
-    wait_for("three voters", SETTLE, || voters(&nodes[0]) == ids).await;
+    // Formed means every node has the final, uniform membership and the same log, not only the
+    // leader: while the change from one voter to three is in joint consensus, the old
+    // configuration ({a}) must agree too, and a test that cut `a` off then would see no leader
+    // elected, as Raft requires.
+    wait_for("three voters everywhere", SETTLE, || {
+        let last = nodes[0].cluster.metrics().last_log_index;
+        nodes.iter().all(|n| {
+            let metrics = n.cluster.metrics();
+            voters(n) == ids
+                && metrics.membership_config.get_joint_config().len() == 1
+                && metrics.last_log_index == last
+        })
+    })
+    .await;
     nodes
 }
 
@@ -239,11 +252,26 @@ async fn a_minority_refuses_writes_and_heals_into_one_history() {
         }
         other => panic!("a minority write must fail, got {other:?}"),
     }
-    majority[0]
-        .cluster
-        .propose_async(volume_command("majority", FIRST_NODE_ID))
-        .await
-        .unwrap();
+    // The majority elects a leader of its own first (the old one is on the other side).
+    let deadline = tokio::time::Instant::now() + SETTLE;
+    loop {
+        match majority[0]
+            .cluster
+            .propose_async(volume_command("majority", FIRST_NODE_ID))
+            .await
+        {
+            Ok(_) => break,
+            // No leader known yet: nothing was proposed, so trying again cannot apply twice.
+            Err(MetadataError::Unavailable { detail }) if detail.contains("no leader") => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the majority never elected a leader: {detail}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(other) => panic!("the majority refused a write: {other:?}"),
+        }
+    }
     network.heal();
     wait_for("one history", SETTLE, || {
         let names: Vec<_> = nodes.iter().map(volume_names).collect();

@@ -120,6 +120,26 @@ impl TestNode {
         drop(self.cluster);
         drop(self.handler);
         drop(self.store);
+        // Tasks the runtime has not yet dropped may hold the store a little longer (a loaded
+        // machine); the directory is "crashed" once its lock is free.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            match keel_store::Store::open(keel_store::StoreConfig::new(vec![self.dir.clone()])) {
+                Err(keel_store::StoreError::Locked { .. }) => {
+                    assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "{} stayed locked after the crash",
+                        self.dir.display()
+                    );
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Ok(store) => {
+                    drop(store);
+                    break;
+                }
+                Err(other) => panic!("reopening {} failed: {other}", self.dir.display()),
+            }
+        }
         (self.dir, self.name, self.role)
     }
 }
