@@ -36,7 +36,7 @@ rust_status=$?
 # The store and namespace again in a debug build, so overflow checks and debug_assert!s run on
 # the code that holds the data.
 step "store and namespace tests (debug build)"
-cargo test --workspace --locked --no-fail-fast -p keel-store -p keel-namespace
+cargo test --locked --no-fail-fast -p keel-store -p keel-namespace
 debug_status=$?
 if [ "$debug_status" != 0 ]; then rust_status=$debug_status; fi
 
