@@ -24,13 +24,26 @@ START_TIMEOUT_SECONDS = 60
 
 
 def free_port(host):
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free on `host` now, below Linux's ephemeral range (32768+) so that outgoing
+    connections of other processes do not take it before the node listens on it."""
+    import random
+    for _ in range(200):
+        port = random.randint(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port on {host}")
 
 
 def fs_type(path):
     return subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True, check=True).stdout.strip()
+
+
+class PortTaken(Exception):
+    """The node could not listen: another process took a port picked for it."""
 
 
 class Node:
@@ -44,16 +57,20 @@ class Node:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.witness = witness
         self.extra_args = list(extra_args)
-        self.cluster_port = free_port(self.host)
-        self.admin_port = free_port(self.host)
-        self.s3_port = free_port(self.host)
-        self.nbd_port = free_port(self.host)
+        self.pick_ports()
+        self.started = False
         self.proc = None
         self.banner = []
         self.env = dict(os.environ)
         self.env.setdefault("KEEL_ACCESS_KEY_ID", "GKCLUSTERTEST00001")
         self.env.setdefault("KEEL_SECRET_ACCESS_KEY", "cluster-test-secret-0123456789abcdef")
         self.env.setdefault("KEEL_LOG", "info")
+
+    def pick_ports(self):
+        self.cluster_port = free_port(self.host)
+        self.admin_port = free_port(self.host)
+        self.s3_port = free_port(self.host)
+        self.nbd_port = free_port(self.host)
 
     @property
     def cluster(self):
@@ -68,6 +85,21 @@ class Node:
         return self.dir / "cluster-token"
 
     def start(self, join=None, token=None, expect_failure=False):
+        # A port found free can still be taken before the node binds it; on its first start
+        # (nobody knows its addresses yet) the node then simply gets other ports.
+        for _ in range(3):
+            try:
+                started = self.start_once(join, token, expect_failure)
+            except PortTaken:
+                if self.started:
+                    raise
+                self.pick_ports()
+                continue
+            self.started = self.started or not expect_failure
+            return started
+        raise RuntimeError(f"{self.name}: its ports were taken three times")
+
+    def start_once(self, join, token, expect_failure):
         args = [KEEL_BIN, "server", "--data", str(self.dir), "--name", self.name,
                 "--cluster", self.cluster, "--admin", self.admin, "--debug-faults"]
         if not self.witness:
@@ -82,6 +114,7 @@ class Node:
                 args += ["--join-token", token]
         args += self.extra_args
         self.log_path = self.dir.parent / f"{self.name}.log"
+        log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, env=self.env, text=True)
         deadline = time.time() + START_TIMEOUT_SECONDS
@@ -90,6 +123,9 @@ class Node:
             line = self.proc.stdout.readline()
             if not line:
                 code = self.proc.wait()
+                if b"Address already in use" in self.log_path.read_bytes()[log_start:]:
+                    self.proc = None
+                    raise PortTaken()
                 if expect_failure:
                     self.proc = None
                     return code
