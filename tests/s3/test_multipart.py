@@ -45,6 +45,16 @@ def test_multipart_complete_list_and_read(s3, bucket):
     second = s3.get_object(Bucket=bucket, Key="mp", PartNumber=2)
     assert second["Body"].read() == parts_data[1]
     assert second["PartsCount"] == 3
+    # A part beyond the object's (and > 1 on a single-part object) is 400 InvalidPartNumber, as
+    # on AWS (issue 13), not 416.
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.get_object(Bucket=bucket, Key="mp", PartNumber=4)
+    assert http_status(e) == 400 and error_code(e) == "InvalidPartNumber", e.value.response
+    s3.put_object(Bucket=bucket, Key="single", Body=b"one part")
+    assert s3.get_object(Bucket=bucket, Key="single", PartNumber=1)["Body"].read() == b"one part"
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.head_object(Bucket=bucket, Key="single", PartNumber=2)
+    assert http_status(e) == 400
     assert not s3.list_multipart_uploads(Bucket=bucket).get("Uploads")
 
 

@@ -136,6 +136,8 @@ def test_conditional_requests(s3, bucket):
         with pytest.raises(botocore.exceptions.ClientError) as e:
             method(Bucket=bucket, Key="c", IfNoneMatch=etag)
         assert http_status(e) == 304
+        # A 304 carries the ETag the client compares against (issue 13).
+        assert e.value.response["ResponseMetadata"]["HTTPHeaders"].get("etag") == etag
         with pytest.raises(botocore.exceptions.ClientError) as e:
             method(Bucket=bucket, Key="c", IfModifiedSince=future)
         assert http_status(e) == 304

@@ -243,7 +243,14 @@ fn check_conditions(
     match evaluate(conditions, &manifest.etag, manifest.modified_unix_ms) {
         Precondition::Proceed => Ok(()),
         Precondition::NotModified if !not_modified_is_failure => {
-            Err(S3Error::new(S3ErrorCode::NotModified))
+            // A 304 carries the validator the client compares against (RFC 7232 4.1).
+            let mut error = S3Error::new(S3ErrorCode::NotModified);
+            let mut headers = http::HeaderMap::new();
+            if let Ok(value) = http::HeaderValue::from_str(&format!("\"{}\"", manifest.etag)) {
+                headers.insert(http::header::ETAG, value);
+            }
+            error.set_headers(headers);
+            Err(error)
         }
         _ => Err(s3_error!(
             PreconditionFailed,
@@ -269,10 +276,14 @@ fn resolve_range(
             .ok()
             .filter(|p| (1..=sizes.len()).contains(p));
         let Some(index) = index else {
-            return Err(s3_error!(
-                InvalidRange,
-                "The requested part number is not satisfiable"
-            ));
+            // AWS: 400 InvalidPartNumber (a part beyond the object's, or > 1 on a single-part
+            // object), not 416.
+            let mut error = S3Error::with_message(
+                S3ErrorCode::Custom("InvalidPartNumber".into()),
+                "The requested partnumber is not satisfiable",
+            );
+            error.set_status_code(http::StatusCode::BAD_REQUEST);
+            return Err(error);
         };
         let start: u64 = sizes[..index - 1].iter().sum();
         let end = start + sizes[index - 1];
