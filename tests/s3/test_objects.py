@@ -10,7 +10,7 @@ import zlib
 import botocore
 import pytest
 
-from conftest import error_code, http_status
+from conftest import error_code, http_status, make_client
 
 
 def test_put_get_head_delete_with_headers(s3, bucket):
@@ -204,7 +204,7 @@ def b64(digest):
 
 
 @pytest.mark.parametrize("algorithm", ["CRC32", "CRC32C", "SHA256", "SHA1"])
-def test_checksums_stored_and_returned(s3, bucket, algorithm):
+def test_checksums_stored_and_returned(server, s3, bucket, algorithm):
     # Proves the checksum a client sends is verified, stored and returned (HEAD and GET with
     # ChecksumMode=ENABLED).
     data = os.urandom(2 * 1024 * 1024 + 17)
@@ -219,6 +219,14 @@ def test_checksums_stored_and_returned(s3, bucket, algorithm):
         assert head[field] == b64(hashlib.sha256(data).digest())
     got = s3.get_object(Bucket=bucket, Key="ck", ChecksumMode="ENABLED")
     assert got["Body"].read() == data
+    assert got[field] == put[field]
+    # Without x-amz-checksum-mode: ENABLED, AWS sends no checksum headers (issue 13). A client
+    # that does not add the mode on its own shows it.
+    plain = make_client(server.endpoint, response_checksum_validation="when_required")
+    assert field not in plain.head_object(Bucket=bucket, Key="ck")
+    unasked = plain.get_object(Bucket=bucket, Key="ck")
+    assert field not in unasked
+    assert unasked["Body"].read() == data
 
 
 def test_wrong_checksum_refused(s3, bucket):

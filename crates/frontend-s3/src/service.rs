@@ -316,6 +316,12 @@ type ChecksumFields = (
     Option<String>,
 );
 
+/// Whether a GET/HEAD asked for the stored checksums (`x-amz-checksum-mode: ENABLED`); AWS
+/// returns them only then.
+fn checksums_wanted(mode: Option<&ChecksumMode>) -> bool {
+    mode.is_some_and(|mode| mode.as_str() == ChecksumMode::ENABLED)
+}
+
 fn checksum_fields(checksums: &Checksums) -> ChecksumFields {
     (
         checksums.crc32.clone(),
@@ -619,8 +625,9 @@ impl S3 for KeelS3 {
             None => None,
         };
         let stream = futures::stream::iter(first.map(Ok)).chain(body);
-        // Checksums describe the whole object: not sent with a range.
-        let checksums = if content_range.is_none() {
+        // Checksums describe the whole object: not sent with a range, and only when asked for.
+        let checksums = if content_range.is_none() && checksums_wanted(input.checksum_mode.as_ref())
+        {
             checksum_fields(&manifest.checksums)
         } else {
             Default::default()
@@ -650,12 +657,17 @@ impl S3 for KeelS3 {
         check_conditions(&manifest, &conditions, false)?;
         let (start, end, content_range) =
             resolve_range(&manifest, input.range.as_ref(), input.part_number)?;
+        let checksums = if checksums_wanted(input.checksum_mode.as_ref()) {
+            checksum_fields(&manifest.checksums)
+        } else {
+            Default::default()
+        };
         Ok(S3Response::new(stored_object_output!(
             HeadObjectOutput,
             &manifest,
             end - start,
             content_range,
-            checksum_fields(&manifest.checksums),
+            checksums,
         )))
     }
 
