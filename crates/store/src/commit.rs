@@ -71,15 +71,7 @@ impl Op {
                 compression,
                 content_hash,
             } => Op::put(key, value, compression, content_hash, None),
-            WriteOp::Delete { key } => Op {
-                kind: format::KIND_DELETE,
-                key,
-                stored: Vec::new(),
-                compression: Compression::None,
-                raw_len: 0,
-                content_hash: None,
-                relocated_seq: None,
-            },
+            WriteOp::Delete { key } => Op::delete(key, None),
         })
     }
 
@@ -88,6 +80,10 @@ impl Op {
     /// from the whole log still sees the delete after compaction removed the original, while an
     /// older put of the key may remain in an older segment.
     pub(crate) fn relocated_delete(key: Vec<u8>, seq: u64) -> Op {
+        Op::delete(key, Some(seq))
+    }
+
+    fn delete(key: Vec<u8>, relocated_seq: Option<u64>) -> Op {
         Op {
             kind: format::KIND_DELETE,
             key,
@@ -95,7 +91,7 @@ impl Op {
             compression: Compression::None,
             raw_len: 0,
             content_hash: None,
-            relocated_seq: Some(seq),
+            relocated_seq,
         }
     }
 
@@ -281,11 +277,7 @@ impl Engine {
     }
 
     pub fn write(&self, ops: Vec<WriteOp>, durability: Durability) -> StoreResult<WriteAck> {
-        let prepared = ops
-            .into_iter()
-            .map(Op::prepare)
-            .collect::<StoreResult<Vec<Op>>>()?;
-        self.submit(prepared, durability, false, None)
+        self.write_ops(ops, durability, false)
     }
 
     /// [`Engine::write`] for metadata that may use the space reserve.
@@ -294,11 +286,20 @@ impl Engine {
         ops: Vec<WriteOp>,
         durability: Durability,
     ) -> StoreResult<WriteAck> {
+        self.write_ops(ops, durability, true)
+    }
+
+    fn write_ops(
+        &self,
+        ops: Vec<WriteOp>,
+        durability: Durability,
+        may_use_reserve: bool,
+    ) -> StoreResult<WriteAck> {
         let prepared = ops
             .into_iter()
             .map(Op::prepare)
             .collect::<StoreResult<Vec<Op>>>()?;
-        self.submit(prepared, durability, true, None)
+        self.submit(prepared, durability, may_use_reserve, None)
     }
 
     pub fn flush(&self) -> StoreResult<()> {
@@ -446,9 +447,14 @@ impl Engine {
     fn frees_at_least_what_it_adds(&self, ops: &[Op]) -> bool {
         let mut adds = 0u64;
         let mut frees = 0u64;
+        let mut seen = std::collections::HashSet::new();
         for op in ops {
             if op.kind == format::KIND_PUT {
                 adds += op.record_len() as u64;
+            }
+            // A key written twice in one batch frees its old extent once.
+            if !seen.insert(op.key.as_slice()) {
+                continue;
             }
             match self.index.get(&op.key) {
                 Ok(Some(location)) => frees += u64::from(location.record_len),
@@ -1147,7 +1153,16 @@ fn recover(
     // what follows proves the log went on after a sync: then this is media corruption in the
     // middle of the log, and cutting would drop acknowledged writes.
     let (end_segment, end_offset) = end;
-    check_end_is_torn_tail(segments, &ids, end_segment, end_offset)?;
+    // A prepared segment's unwritten tail is zeros and stays (appends overwrite it). Read once:
+    // on a clean open it is the only part of the end segment after the log.
+    let end_tail_zero = match segments.get(end_segment) {
+        Some(segment) => {
+            let len = segment.len(0)?;
+            len <= end_offset || tail_is_zero(&segment, end_offset, len)?
+        }
+        None => true,
+    };
+    check_end_is_torn_tail(segments, &ids, end_segment, end_offset, end_tail_zero)?;
     let mut dropped_bytes = 0u64;
     for id in ids.iter().copied().filter(|id| *id >= end_segment) {
         let Some(segment) = segments.get(id) else {
@@ -1155,8 +1170,7 @@ fn recover(
         };
         if id == end_segment {
             let len = segment.len(0)?;
-            // A prepared segment's unwritten tail is zeros and stays (appends overwrite it).
-            if len > end_offset && !tail_is_zero(&segment, end_offset, len)? {
+            if !end_tail_zero {
                 dropped_bytes += len - end_offset;
                 segment.truncate(end_offset)?;
             }
@@ -1251,13 +1265,20 @@ fn check_end_is_torn_tail(
     ids: &[u64],
     end_segment: u64,
     end_offset: u64,
+    end_tail_zero: bool,
 ) -> StoreResult<()> {
     let bad = |detail: String| StoreError::LogCorrupt {
         segment: end_segment,
         offset: end_offset,
         detail,
     };
-    for id in ids.iter().copied().filter(|id| *id >= end_segment) {
+    // Zeros after the end hold no extent: only later segments remain to look at.
+    let first = if end_tail_zero {
+        end_segment + 1
+    } else {
+        end_segment
+    };
+    for id in ids.iter().copied().filter(|id| *id >= first) {
         let Some(segment) = segments.get(id) else {
             continue;
         };

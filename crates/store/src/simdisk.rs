@@ -296,19 +296,7 @@ impl SimDisk {
                 },
             );
         }
-        let rng = state.random();
-        SimDisk {
-            state: Arc::new(Mutex::new(State {
-                files,
-                dirs,
-                next_file: state.next_file,
-                locks: HashSet::new(),
-                capacity_bytes: state.capacity_bytes,
-                faults: state.faults.clone(),
-                fired: Vec::new(),
-                rng,
-            })),
-        }
+        successor(&mut state, files, dirs)
     }
 
     /// The disk as a restarted process sees it without power loss: current bytes are what the
@@ -322,19 +310,28 @@ impl SimDisk {
             .map(|(id, file)| (*id, file.clone()))
             .collect();
         let dirs = state.dirs.clone();
-        let rng = state.random();
-        SimDisk {
-            state: Arc::new(Mutex::new(State {
-                files,
-                dirs,
-                next_file: state.next_file,
-                locks: HashSet::new(),
-                capacity_bytes: state.capacity_bytes,
-                faults: state.faults.clone(),
-                fired: Vec::new(),
-                rng,
-            })),
-        }
+        successor(&mut state, files, dirs)
+    }
+}
+
+/// A new disk holding `files` and `dirs`, with `state`'s capacity and faults, no locks held.
+fn successor(
+    state: &mut State,
+    files: HashMap<u64, FileState>,
+    dirs: BTreeMap<PathBuf, DirState>,
+) -> SimDisk {
+    let rng = state.random();
+    SimDisk {
+        state: Arc::new(Mutex::new(State {
+            files,
+            dirs,
+            next_file: state.next_file,
+            locks: HashSet::new(),
+            capacity_bytes: state.capacity_bytes,
+            faults: state.faults.clone(),
+            fired: Vec::new(),
+            rng,
+        })),
     }
 }
 
