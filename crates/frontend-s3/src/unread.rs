@@ -36,7 +36,7 @@ impl hyper::service::Service<http::Request<Incoming>> for CloseOnUnreadBody {
             inner: body,
             ended: ended.clone(),
         };
-        let request = http::Request::from_parts(parts, s3s::Body::http_body_unsync(tracked));
+        let request = http::Request::from_parts(parts, s3s::Body::http_body(tracked));
         let service = self.0.clone();
         Box::pin(async move {
             let mut response = service.call(request).await?;
