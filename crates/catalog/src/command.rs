@@ -181,6 +181,18 @@ pub enum Command {
         bucket: String,
         compression_code: u8,
     },
+
+    // ---- replication (appended: the log encodes variants by position) ----
+    /// Records a replicated volume's new primary and in-sync set, in epoch `epoch + 1`; refused
+    /// unless the volume is still in `epoch` (a compare-and-set: two nodes racing to change
+    /// the same epoch cannot both win). The primary must be in the set, the set among the
+    /// replicas, and a new primary must come from the old in-sync set.
+    VolumeSetReplication {
+        volume_id: u64,
+        epoch: u64,
+        primary: NodeId,
+        in_sync: Vec<NodeId>,
+    },
 }
 
 impl Command {
@@ -194,6 +206,7 @@ impl Command {
             Command::NodeSetDraining { .. } => "node-set-draining",
             Command::NodeRemove { .. } => "node-remove",
             Command::VolumeCreate { .. } => "volume-create",
+            Command::VolumeSetReplication { .. } => "volume-set-replication",
             Command::VolumeClone { .. } => "volume-clone",
             Command::VolumeDelete { .. } => "volume-delete",
             Command::VolumeForget { .. } => "volume-forget",

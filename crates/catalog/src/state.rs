@@ -519,6 +519,12 @@ impl CatalogState {
                     })
                     .change(Change::PutVolume(record)))
             }
+            Command::VolumeSetReplication {
+                volume_id,
+                epoch,
+                primary,
+                in_sync,
+            } => self.plan_set_replication(*volume_id, *epoch, *primary, in_sync),
             Command::SnapshotCreate {
                 volume,
                 snapshot,
@@ -944,6 +950,56 @@ impl CatalogState {
             .event(Event::VolumeChanged { volume_id: id }))
     }
 
+    fn plan_set_replication(
+        &self,
+        volume_id: u64,
+        epoch: u64,
+        primary: NodeId,
+        in_sync: &[NodeId],
+    ) -> Result<Plan, CatalogError> {
+        let entry = self
+            .volumes
+            .get(&volume_id)
+            .ok_or_else(|| not_found(&format!("#{volume_id}")))?;
+        let mut record = entry.record.clone();
+        let invalid = |detail: String| CatalogError::Invalid {
+            subject: format!("volume {:?}", record.name),
+            detail,
+        };
+        let current = &record.replication;
+        if current.epoch != epoch {
+            return Err(invalid(format!(
+                "its replication moved to epoch {} (this change was made against epoch {epoch})",
+                current.epoch
+            )));
+        }
+        if !in_sync.contains(&primary) {
+            return Err(invalid(format!(
+                "the primary (node {primary}) must be in the in-sync set"
+            )));
+        }
+        if let Some(stranger) = in_sync.iter().find(|node| !current.replicas.contains(node)) {
+            return Err(invalid(format!("node {stranger} holds no replica")));
+        }
+        if primary != current.primary && !current.in_sync.contains(&primary) {
+            return Err(invalid(format!(
+                "node {primary} is not in sync and cannot become primary"
+            )));
+        }
+        let mut members: Vec<NodeId> = Vec::with_capacity(in_sync.len());
+        for node in in_sync {
+            if !members.contains(node) {
+                members.push(*node);
+            }
+        }
+        record.replication.epoch = epoch + 1;
+        record.replication.primary = primary;
+        record.replication.in_sync = members;
+        Ok(Plan::new(Outcome::Done)
+            .event(Event::VolumeChanged { volume_id })
+            .change(Change::PutVolume(record)))
+    }
+
     /// Replicas must be distinct live storage nodes; the first is the primary.
     fn check_placement(
         &self,
@@ -974,7 +1030,8 @@ impl CatalogState {
             .map_err(|_| invalid(format!("{} replicas is too many", replicas.len())))?;
         Ok(Replication {
             factor,
-            in_sync_min: 1,
+            // R=3 keeps writing with one replica lost, never with two.
+            in_sync_min: if factor >= 3 { 2 } else { 1 },
             replicas: replicas.to_vec(),
             epoch: 1,
             primary,

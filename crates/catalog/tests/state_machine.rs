@@ -42,7 +42,7 @@ fn command() -> impl Strategy<Value = Command> {
     let bucket = prop::sample::select(&BUCKETS[..]).prop_map(str::to_string);
     let key = prop::sample::select(&KEYS[..]).prop_map(str::to_string);
     prop_oneof![
-        (volume.clone(), 1u64..64, 1u64..3).prop_map(|(name, blocks, node)| {
+        (volume.clone(), 1u64..64, 1u64..3, any::<bool>()).prop_map(|(name, blocks, node, two)| {
             Command::VolumeCreate {
                 settings: VolumeSettings {
                     name,
@@ -53,10 +53,28 @@ fn command() -> impl Strategy<Value = Command> {
                 },
                 uuid: [1; 16],
                 created_unix_seconds: 5,
-                replicas: vec![node],
+                replicas: if two {
+                    vec![node, 3 - node]
+                } else {
+                    vec![node]
+                },
                 status: VolumeStatus::Ready,
             }
         }),
+        (
+            0u64..6,
+            1u64..4,
+            1u64..3,
+            prop::collection::vec(1u64..3, 0..3)
+        )
+            .prop_map(|(volume_id, epoch, primary, in_sync)| {
+                Command::VolumeSetReplication {
+                    volume_id,
+                    epoch,
+                    primary,
+                    in_sync,
+                }
+            }),
         volume
             .clone()
             .prop_map(|name| Command::VolumeDelete { name }),
@@ -148,6 +166,13 @@ fn check_invariants(state: &CatalogState) {
             );
         }
         assert!(record.id < state.next_volume_id);
+        let replication = &record.replication;
+        assert!(replication.in_sync.contains(&replication.primary));
+        assert!(replication
+            .in_sync
+            .iter()
+            .all(|node| replication.replicas.contains(node)));
+        assert!(replication.epoch >= 1);
         assert_eq!(record.generation, record.view[0].generation_max);
         assert!(record.generation < record.generation_next);
         for snapshot in entry.snapshots.values() {
@@ -218,6 +243,61 @@ proptest! {
         prop_assert_eq!(&CatalogState::load(&target, 1).unwrap(), &memory);
         let _ = refusals;
     }
+}
+
+// Proves a replication change is a compare-and-set on the epoch, and that a node that is not
+// in sync can never be named primary.
+#[test]
+fn replication_changes_compare_the_epoch() {
+    let dir = store_dir("replication");
+    let catalog = LocalCatalog::open(open(&dir)).unwrap();
+    catalog.propose(second_node()).unwrap();
+    catalog
+        .propose(Command::VolumeCreate {
+            settings: VolumeSettings {
+                name: "r2".to_string(),
+                size_bytes: 1 << 20,
+                compression: "none".to_string(),
+                iops_max: None,
+                bandwidth_max_mib_per_second: None,
+            },
+            uuid: [1; 16],
+            created_unix_seconds: 5,
+            replicas: vec![1, 2],
+            status: VolumeStatus::Ready,
+        })
+        .unwrap();
+    let id = catalog.catalog().read().volume("r2").unwrap().record.id;
+    let set = |epoch, primary, in_sync: Vec<u64>| Command::VolumeSetReplication {
+        volume_id: id,
+        epoch,
+        primary,
+        in_sync,
+    };
+    // Node 1 drops node 2 from the in-sync set: epoch 1 → 2.
+    catalog.propose(set(1, 1, vec![1])).unwrap();
+    // Node 2 tries to take over against the epoch it last saw: refused (moved on).
+    let stale = catalog.propose(set(1, 2, vec![2])).unwrap_err();
+    assert!(stale.to_string().contains("epoch 2"), "{stale}");
+    // Against the current epoch it is still refused: it is not in sync.
+    let behind = catalog.propose(set(2, 2, vec![2])).unwrap_err();
+    assert!(behind.to_string().contains("not in sync"), "{behind}");
+    // The primary must be in the set.
+    assert!(catalog.propose(set(2, 1, vec![2])).is_err());
+    // Node 2 caught up: back in the set, epoch 3; then it may become primary.
+    catalog.propose(set(2, 1, vec![1, 2])).unwrap();
+    catalog.propose(set(3, 2, vec![2])).unwrap();
+    let replication = catalog
+        .catalog()
+        .read()
+        .volume("r2")
+        .unwrap()
+        .record
+        .replication
+        .clone();
+    assert_eq!((replication.epoch, replication.primary), (4, 2));
+    assert_eq!(replication.in_sync, vec![2]);
+    assert_eq!(replication.in_sync_min, 1);
 }
 
 /// Some unrelated catalog records the restore must remove.

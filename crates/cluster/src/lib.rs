@@ -57,7 +57,7 @@ use messages::{
     JoinRequest, JoinResponse, Proposal, Proposed, CODE_BAD_REQUEST, CODE_FAILED, CODE_NOT_LEADER,
     CODE_NOT_READY, CODE_REFUSED, METHOD_HEARTBEAT, METHOD_JOIN, METHOD_PROPOSE,
     METHOD_RAFT_APPEND, METHOD_RAFT_SNAPSHOT, METHOD_RAFT_TRANSFER_LEADER, METHOD_RAFT_VOTE,
-    METHOD_STATUS,
+    METHOD_SILENCE, METHOD_STATUS,
 };
 
 const IDENTITY_SUFFIX: &[u8] = b"l/identity";
@@ -301,6 +301,9 @@ pub struct Cluster {
     /// Client-facing addresses, known once the server bound its listeners (after start).
     addresses: Mutex<NodeAddresses>,
     reporter: OnceLock<Reporter>,
+    /// When this node last sent a report that the leader acknowledged (the leader itself: its
+    /// last round with a quorum). Its lease runs from there ([`Cluster::holds_lease`]).
+    lease_from: Mutex<Option<std::time::Instant>>,
     stopping: watch::Sender<bool>,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
@@ -440,6 +443,7 @@ impl Cluster {
             transport,
             runtime: tokio::runtime::Handle::current(),
             liveness: Mutex::new(Liveness::default()),
+            lease_from: Mutex::new(None),
             addresses: Mutex::new(addresses),
             reporter: OnceLock::new(),
             stopping: watch::channel(false).0,
@@ -1022,8 +1026,70 @@ impl Cluster {
                 encode_answer(&())
             }
             METHOD_STATUS => encode_answer(&self.liveness_view()),
+            METHOD_SILENCE => {
+                let node: NodeId = decode_request(&payload).map_err(bad_request)?;
+                match self.local_silence(node) {
+                    Some(silence) => encode_answer(&(silence.as_millis() as u64)),
+                    None => Err(RemoteFailure {
+                        code: CODE_NOT_LEADER,
+                        message: "not the leader (or leading for too short a time)".to_string(),
+                    }),
+                }
+            }
             other => Err(bad_request(format!("unknown method {other}"))),
         }
+    }
+
+    /// Whether this node heard from the leader (or, as leader, from a quorum) within `lease`:
+    /// a node that holds a lease may serve as a volume's primary; the leader gives a primary's
+    /// volume to another node only after it has been silent for longer ([`Cluster::silent_for`]).
+    pub fn holds_lease(&self, lease: Duration) -> bool {
+        let now = self.config.clock.now();
+        lock(&self.lease_from).is_some_and(|from| now.saturating_duration_since(from) < lease)
+    }
+
+    /// As leader with a quorum: how long no report came from `node`, at most how long this
+    /// node has led (a new leader knows nothing older).
+    fn local_silence(&self, node: NodeId) -> Option<Duration> {
+        if self.leads_with_quorum() != Some(true) {
+            return None;
+        }
+        let now = self.config.clock.now();
+        let liveness = lock(&self.liveness);
+        let since = liveness.leading_since?;
+        let last = liveness
+            .last_report
+            .get(&node)
+            .map_or(since, |at| (*at).max(since));
+        Some(now.saturating_duration_since(last))
+    }
+
+    /// How long the leader has heard nothing from `node` (asked of the leader).
+    pub async fn silent_for(&self, node: NodeId) -> Result<Duration, MetadataError> {
+        if let Some(silence) = self.local_silence(node) {
+            return Ok(silence);
+        }
+        let unavailable = |detail: String| MetadataError::Unavailable { detail };
+        let leader = self
+            .leader()
+            .ok_or_else(|| unavailable("no leader".to_string()))?;
+        if leader == self.identity.node_id {
+            return Err(unavailable("this leader has no quorum yet".to_string()));
+        }
+        let payload =
+            postcard::to_allocvec(&node).map_err(|error| unavailable(error.to_string()))?;
+        let answer = self
+            .call_node(
+                leader,
+                METHOD_SILENCE,
+                payload,
+                self.config.timing.call_timeout,
+            )
+            .await
+            .map_err(|error| unavailable(error.to_string()))?;
+        let millis: u64 =
+            postcard::from_bytes(&answer).map_err(|error| unavailable(error.to_string()))?;
+        Ok(Duration::from_millis(millis))
     }
 
     fn record_report(&self, report: NodeReport) {
@@ -1298,16 +1364,21 @@ async fn report_loop(cluster: Weak<Cluster>) {
             }
         }
         let report = strong.own_report();
+        let sent = strong_clock.now();
         if strong.is_leader() {
             strong.record_report(report);
+            if strong.leads_with_quorum() == Some(true) {
+                *lock(&strong.lease_from) = Some(sent);
+            }
         } else if let Some(leader) = strong.leader() {
             match postcard::to_allocvec(&report) {
                 Ok(payload) => {
-                    if let Err(error) = strong
+                    match strong
                         .call_node(leader, METHOD_HEARTBEAT, payload, interval * 2)
                         .await
                     {
-                        tracing::debug!(%error, "could not report to the leader");
+                        Ok(_) => *lock(&strong.lease_from) = Some(sent),
+                        Err(error) => tracing::debug!(%error, "could not report to the leader"),
                     }
                 }
                 Err(error) => tracing::warn!(%error, "could not encode this node's report"),

@@ -14,6 +14,10 @@ pub const METHOD_JOIN: u16 = 10;
 pub const METHOD_PROPOSE: u16 = 11;
 pub const METHOD_HEARTBEAT: u16 = 12;
 pub const METHOD_STATUS: u16 = 13;
+/// How long the leader has heard nothing from a node (a failover waits out its lease).
+pub const METHOD_SILENCE: u16 = 14;
+/// Methods from this number up belong to the layers above the cluster (replication).
+pub const METHOD_FIRST_ABOVE: u16 = 256;
 
 /// Error codes in a [`crate::transport::RemoteFailure`].
 pub const CODE_NOT_READY: u16 = 1;

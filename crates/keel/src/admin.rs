@@ -33,6 +33,7 @@ pub struct AppState {
     pub volumes: Arc<VolumeManager>,
     pub s3: Arc<keel_s3::S3Frontend>,
     pub cluster: Arc<keel_cluster::Cluster>,
+    pub replication: Arc<keel_replication::Replication>,
     /// The transport's fault injection, when `--debug-faults` enabled it.
     pub faults: Option<crate::cluster_net::FaultControl>,
     pub token: String,
@@ -392,6 +393,8 @@ pub struct CreateVolume {
     pub compression: Option<String>,
     pub iops_max: Option<u64>,
     pub bandwidth_max_mib_per_second: Option<u64>,
+    /// Replicas (R), on distinct nodes; 1 when absent.
+    pub replicas: Option<u8>,
 }
 
 pub fn parse_compression(name: Option<&str>) -> ApiResult<Compression> {
@@ -417,7 +420,34 @@ async fn create_volume(
     spec.compression = parse_compression(request.compression.as_deref())?;
     spec.iops_max = request.iops_max;
     spec.bandwidth_max_mib_per_second = request.bandwidth_max_mib_per_second;
+    spec.replicas = request.replicas.unwrap_or(1);
     blocking(move || Ok(Json(volume_json(&state.volumes.create(&spec)?)))).await
+}
+
+/// A volume's replication as Raft records it, and as this node serves it when it is the
+/// primary (replicas catching up, bytes shipped to them).
+fn replication_json(state: &AppState, volume_id: u64) -> serde_json::Value {
+    let record = state
+        .cluster
+        .catalog()
+        .read()
+        .volumes
+        .get(&volume_id)
+        .map(|entry| entry.record.replication.clone());
+    let Some(replication) = record else {
+        return serde_json::Value::Null;
+    };
+    let served = state.replication.primary_status(volume_id);
+    serde_json::json!({
+        "factor": replication.factor,
+        "in_sync_min": replication.in_sync_min,
+        "replicas": replication.replicas,
+        "epoch": replication.epoch,
+        "primary": replication.primary,
+        "in_sync": replication.in_sync,
+        "served_here": served,
+        "received_bytes": state.replication.counters().received_bytes(),
+    })
 }
 
 async fn volume_info(
@@ -430,8 +460,9 @@ async fn volume_info(
         volume.used_bytes = Some(info.used_bytes);
         volume.stored_bytes = Some(info.stored_bytes);
         let snapshots: Vec<SnapshotJson> = info.snapshots.iter().map(snapshot_json).collect();
+        let replication = replication_json(&state, info.summary.id);
         Ok(Json(
-            serde_json::json!({ "volume": volume, "snapshots": snapshots }),
+            serde_json::json!({ "volume": volume, "snapshots": snapshots, "replication": replication }),
         ))
     })
     .await

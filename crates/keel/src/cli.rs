@@ -227,6 +227,10 @@ pub enum VolumeCommand {
         /// Limit: MiB per second (reads plus writes).
         #[arg(long)]
         mbps: Option<u64>,
+        /// Replicas (1, 2 or 3) on distinct nodes, kept in sync: a FLUSH returns once every
+        /// in-sync replica has the data durable.
+        #[arg(long, default_value_t = 1)]
+        replicas: u8,
     },
     /// List volumes.
     List {
@@ -256,11 +260,13 @@ pub fn volume(connection: &Connection, command: VolumeCommand) -> anyhow::Result
             compression,
             iops,
             mbps,
+            replicas,
         } => {
             let created: Value = client.post(
                 "/api/v1/volumes",
                 json!({ "name": name, "size_bytes": parse_size(&size)?, "compression": compression,
-                        "iops_max": iops, "bandwidth_max_mib_per_second": mbps }),
+                        "iops_max": iops, "bandwidth_max_mib_per_second": mbps,
+                        "replicas": replicas }),
             )?;
             println!(
                 "created volume {} ({})",

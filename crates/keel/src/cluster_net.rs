@@ -10,7 +10,7 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use anyhow::{bail, Context};
 use keel_catalog::{DeviceRecord, NodeAddresses, NodeRole};
@@ -105,9 +105,42 @@ impl FaultControl {
     }
 }
 
+/// Routes node-to-node calls: the cluster's methods to the cluster, the layers above it
+/// (replication) to the handler set once they are open.
+struct Dispatch {
+    cluster: Arc<dyn keel_rpc::Handler>,
+    above: Arc<OnceLock<Arc<dyn keel_rpc::Handler>>>,
+}
+
+impl keel_rpc::Handler for Dispatch {
+    fn call(
+        &self,
+        caller: keel_rpc::Caller,
+        method: u16,
+        payload: Vec<u8>,
+    ) -> keel_rpc::BoxFuture<Result<Vec<u8>, keel_rpc::RemoteError>> {
+        if method < keel_cluster::messages::METHOD_FIRST_ABOVE {
+            return self.cluster.call(caller, method, payload);
+        }
+        match self.above.get() {
+            Some(handler) => handler.call(caller, method, payload),
+            None => Box::pin(async {
+                Err(keel_rpc::RemoteError {
+                    code: keel_cluster::messages::CODE_NOT_READY,
+                    message: "this node is still starting".to_string(),
+                })
+            }),
+        }
+    }
+}
+
 /// This node's place in the cluster, and what serves it.
 pub struct Membership {
     pub cluster: Arc<Cluster>,
+    /// The client side of node-to-node calls (replication uses it too).
+    pub peers: Arc<keel_rpc::Peers>,
+    /// Where the replication engine's handler goes once it is open.
+    pub above: Arc<OnceLock<Arc<dyn keel_rpc::Handler>>>,
     /// This start formed a new cluster.
     pub formed: bool,
     pub listen: SocketAddr,
@@ -211,12 +244,16 @@ pub async fn start_cluster(
     let faults = keel_rpc::Faults::new();
     let rpc_config = keel_rpc::RpcConfig::default();
     let peers = keel_rpc::Peers::new(identity.clone(), rpc_config.clone(), faults.clone());
+    let above: Arc<OnceLock<Arc<dyn keel_rpc::Handler>>> = Arc::new(OnceLock::new());
     let server = {
         let identity = identity.clone();
         let faults = faults.clone();
-        let handler: Arc<dyn keel_rpc::Handler> = Arc::new(
-            keel_cluster::rpc_transport::RpcHandler::new(handler.clone()),
-        );
+        let handler: Arc<dyn keel_rpc::Handler> = Arc::new(Dispatch {
+            cluster: Arc::new(keel_cluster::rpc_transport::RpcHandler::new(
+                handler.clone(),
+            )),
+            above: above.clone(),
+        });
         tokio::spawn(async move {
             let mut stopped = stopped;
             keel_rpc::serve(
@@ -232,8 +269,9 @@ pub async fn start_cluster(
             .await;
         })
     };
-    let transport: Arc<dyn keel_cluster::Transport> =
-        Arc::new(keel_cluster::rpc_transport::RpcTransport::new(peers));
+    let transport: Arc<dyn keel_cluster::Transport> = Arc::new(
+        keel_cluster::rpc_transport::RpcTransport::new(peers.clone()),
+    );
     let cluster_config = ClusterConfig {
         name: config.cluster.node_name(),
         role: if config.cluster.witness {
@@ -265,6 +303,8 @@ pub async fn start_cluster(
     }
     Ok(Membership {
         cluster,
+        peers,
+        above,
         formed,
         listen,
         faults: config

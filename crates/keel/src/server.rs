@@ -204,6 +204,18 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         let metadata = metadata.clone();
         Arc::new(tokio::task::spawn_blocking(move || VolumeManager::open(store, metadata)).await??)
     };
+    let replication = keel_replication::Replication::new(
+        cluster.clone(),
+        membership.peers.clone(),
+        Arc::new(LocalVolumes {
+            volumes: volumes.clone(),
+        }),
+        tokio::runtime::Handle::current(),
+    );
+    {
+        let handler: Arc<dyn keel_rpc::Handler> = replication.clone();
+        let _ = membership.above.set(handler);
+    }
     let s3 = {
         let store = store.clone();
         let metadata = metadata.clone();
@@ -271,6 +283,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         volumes: volumes.clone(),
         s3: s3.clone(),
         cluster: cluster.clone(),
+        replication: replication.clone(),
         faults: membership.faults.clone(),
         token,
         jobs: Jobs::default(),
@@ -286,6 +299,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
                     listener,
                     Arc::new(VolumeExports {
                         volumes: volumes.clone(),
+                        replication: replication.clone(),
                     }),
                     shutdown(stopped.clone()),
                 )
@@ -421,6 +435,18 @@ fn print_banner(
 /// Volumes as NBD exports: `NAME` is the volume, `NAME@SNAPSHOT` a read-only snapshot.
 struct VolumeExports {
     volumes: Arc<VolumeManager>,
+    replication: Arc<keel_replication::Replication>,
+}
+
+/// This node's own copies of volumes, for the replication engine.
+struct LocalVolumes {
+    volumes: Arc<VolumeManager>,
+}
+
+impl keel_replication::LocalVolumes for LocalVolumes {
+    fn open_local(&self, name: &str) -> keel_namespace::volume::VolumeResult<Arc<dyn VolumeIo>> {
+        self.volumes.open_volume(name)
+    }
 }
 
 impl Exports for VolumeExports {
@@ -431,7 +457,7 @@ impl Exports for VolumeExports {
     fn open(&self, name: &str) -> Result<Arc<dyn Export>, NbdError> {
         let opened = match name.split_once('@') {
             Some((volume, snapshot)) => self.volumes.open_snapshot(volume, snapshot),
-            None => self.volumes.open_volume(name),
+            None => self.replication.open(name),
         };
         match opened {
             Ok(handle) => Ok(Arc::new(VolumeExport { handle })),

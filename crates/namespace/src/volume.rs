@@ -43,6 +43,8 @@ pub struct VolumeSpec {
     pub iops_max: Option<u64>,
     /// Bytes read plus written per second, in MiB; None: unlimited.
     pub bandwidth_max_mib_per_second: Option<u64>,
+    /// Replicas (R): this node and R - 1 other storage nodes that are up and not draining.
+    pub replicas: u8,
 }
 
 impl VolumeSpec {
@@ -53,6 +55,7 @@ impl VolumeSpec {
             compression: Compression::None,
             iops_max: None,
             bandwidth_max_mib_per_second: None,
+            replicas: 1,
         }
     }
 }
@@ -279,6 +282,45 @@ impl VolumeManager {
         }
     }
 
+    /// Where a new volume's `count` replicas go: this node first (the client attaches here),
+    /// then the other storage nodes that are up and not draining, in id order.
+    fn place(&self, volume: &str, count: u8) -> VolumeResult<Vec<NodeId>> {
+        let local = self.metadata.local_node();
+        let wanted = usize::from(count.max(1));
+        if wanted > 3 {
+            return Err(VolumeError::Invalid {
+                volume: volume.to_string(),
+                detail: format!("{count} replicas: Keel keeps 1, 2 or 3"),
+            });
+        }
+        let mut replicas = vec![local];
+        let state = self.metadata.catalog().read();
+        replicas.extend(
+            state
+                .nodes
+                .values()
+                .filter(|node| {
+                    node.id != local
+                        && !node.removed
+                        && !node.draining
+                        && node.role == keel_catalog::NodeRole::Storage
+                        && node.state == keel_catalog::NodeState::Up
+                })
+                .map(|node| node.id)
+                .take(wanted - 1),
+        );
+        if replicas.len() < wanted {
+            return Err(VolumeError::Invalid {
+                volume: volume.to_string(),
+                detail: format!(
+                    "{wanted} replicas need {wanted} storage nodes that are up; the cluster has {}",
+                    replicas.len()
+                ),
+            });
+        }
+        Ok(replicas)
+    }
+
     /// Creates an empty (all-zero, thin) volume, hosted on this node.
     pub fn create(&self, spec: &VolumeSpec) -> VolumeResult<VolumeSummary> {
         let settings = VolumeSettings {
@@ -294,7 +336,7 @@ impl VolumeManager {
                 settings,
                 uuid: new_unique_id(spec.name.as_bytes()),
                 created_unix_seconds: unix_seconds_now(),
-                replicas: vec![self.metadata.local_node()],
+                replicas: self.place(&spec.name, spec.replicas)?,
                 status: VolumeStatus::Ready,
             },
         )?;

@@ -1,16 +1,377 @@
 //! keel-replication: synchronous replication of volumes across nodes.
 //!
-//! This crate starts with the protocol's core as a pure state machine ([`protocol`]): what a
-//! data node does with each message about one replicated volume, with no I/O, clock or network.
-//! The I/O engine (streaming writes over `keel-rpc`, fdatasync through the local volume engine,
-//! Raft proposals through `keel-cluster`) drives these same transitions; `tests/model.rs` checks
-//! them exhaustively with stateright against crashes, lost and reordered messages.
-//!
 //! The contract (`docs/volumes.md`, replication): a FLUSH is acknowledged only when every write
 //! acknowledged before it is durable on every member of the volume's in-sync replica set (ISR),
-//! which Raft records per volume as `{epoch, primary, isr}`; a member that stops answering is
-//! removed from the ISR through Raft (epoch + 1) before a FLUSH completes without it; replicas
-//! refuse messages of an older epoch, so a primary that lost its place cannot get a FLUSH
-//! acknowledged.
+//! which Raft records per volume as `{epoch, primary, in_sync}`; a member that stops answering
+//! is removed from the ISR through Raft (epoch + 1) before a FLUSH completes without it;
+//! replicas refuse writes from a node that is not the primary of their current epoch, so a
+//! primary that lost its place cannot get a FLUSH acknowledged.
+//!
+//! - [`protocol`]: the protocol's core as a pure state machine, checked exhaustively with
+//!   stateright in `tests/model.rs` against crashes, lost and reordered messages.
+//! - [`Replication`]: the engine. A client attaching to a replicated volume on a node that
+//!   holds a replica makes that node the volume's primary ([`Replication::open`]); the
+//!   primary ([`primary`]) streams the volume's own writes (offset, data) to the replicas
+//!   over `keel-rpc`; the replica side ([`replica`]) applies them in order to its local
+//!   volume. Nothing below this crate knows about other nodes.
 
+pub mod primary;
 pub mod protocol;
+pub mod replica;
+pub mod wire;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use keel_catalog::{Command, Metadata, MetadataError, NodeId};
+use keel_volume::{VolumeError, VolumeIo, VolumeResult};
+
+use crate::primary::{Failure, Primary, PrimaryStatus};
+use crate::replica::Replicas;
+use crate::wire::{CODE_BAD_REQUEST, METHOD_HASHES, METHOD_REPLICATE};
+
+/// A primary serves only while it heard from the Raft leader within this.
+pub const LEASE: Duration = Duration::from_secs(2);
+/// Another node takes a volume over only after the leader heard nothing from its primary for
+/// this long: the lease plus a margin for clock-rate drift and a report in flight.
+pub const TAKE_OVER_SILENCE: Duration = Duration::from_millis(2500);
+/// The unit a resync compares and ships.
+pub const RESYNC_CHUNK_BYTES: u64 = 1 << 20;
+/// How long attaching waits for enough replicas to be in sync to accept writes.
+const ATTACH_WAIT_FOR_IN_SYNC: Duration = Duration::from_secs(60);
+
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Opens this node's own copy of a volume (the local volume engine).
+pub trait LocalVolumes: Send + Sync + 'static {
+    fn open_local(&self, name: &str) -> VolumeResult<Arc<dyn VolumeIo>>;
+}
+
+/// Bytes this node sent and received as replication traffic (tests and `volume info`).
+#[derive(Default)]
+pub struct Counters {
+    received_bytes: AtomicU64,
+}
+
+impl Counters {
+    pub(crate) fn received(&self, bytes: u64) {
+        self.received_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    pub fn received_bytes(&self) -> u64 {
+        self.received_bytes.load(Ordering::Relaxed)
+    }
+}
+
+/// What the primary side and the replica side share.
+pub(crate) struct Shared {
+    pub metadata: Arc<dyn Metadata>,
+    pub cluster: Arc<keel_cluster::Cluster>,
+    pub peers: Arc<keel_rpc::Peers>,
+    pub local: Arc<dyn LocalVolumes>,
+    pub local_node: NodeId,
+    pub runtime: tokio::runtime::Handle,
+    pub replicas: Replicas,
+    pub counters: Counters,
+}
+
+impl Shared {
+    pub(crate) fn clock(&self) -> Arc<dyn keel_clock::Clock> {
+        self.cluster.config().clock.clone()
+    }
+
+    pub(crate) fn clock_now(&self) -> Instant {
+        self.cluster.config().clock.now()
+    }
+
+    pub(crate) fn holds_lease(&self) -> bool {
+        self.cluster.holds_lease(LEASE)
+    }
+
+    fn node_address(&self, node: NodeId, client: bool) -> Option<String> {
+        let state = self.metadata.catalog().read();
+        let record = state.nodes.get(&node)?;
+        Some(if client {
+            record
+                .addresses
+                .nbd
+                .clone()
+                .unwrap_or_else(|| record.addresses.cluster.clone())
+        } else {
+            record.addresses.cluster.clone()
+        })
+    }
+
+    pub(crate) async fn call(
+        &self,
+        node: NodeId,
+        method: u16,
+        payload: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<Vec<u8>, Failure> {
+        let Some(address) = self.node_address(node, false) else {
+            return Err(Failure {
+                code: None,
+                message: format!("node {node} has no known address"),
+            });
+        };
+        self.peers
+            .call(
+                keel_rpc::Target::Node { id: node, address },
+                method,
+                payload,
+                timeout,
+            )
+            .await
+            .map_err(|error| match error {
+                keel_rpc::RpcError::Remote { error, .. } => Failure {
+                    code: Some(error.code),
+                    message: error.message,
+                },
+                other => Failure {
+                    code: None,
+                    message: other.to_string(),
+                },
+            })
+    }
+}
+
+/// This node's replication engine: the primaries it serves and the replicas it holds.
+pub struct Replication {
+    shared: Arc<Shared>,
+    primaries: Mutex<HashMap<u64, Arc<Primary>>>,
+    /// Serializes attaches (one take-over of a volume at a time).
+    attaching: Mutex<()>,
+}
+
+fn unavailable(volume: &str, detail: String) -> VolumeError {
+    VolumeError::Unavailable {
+        volume: volume.to_string(),
+        detail,
+    }
+}
+
+impl Replication {
+    pub fn new(
+        cluster: Arc<keel_cluster::Cluster>,
+        peers: Arc<keel_rpc::Peers>,
+        local: Arc<dyn LocalVolumes>,
+        runtime: tokio::runtime::Handle,
+    ) -> Arc<Replication> {
+        let metadata: Arc<dyn Metadata> = cluster.clone();
+        let local_node = metadata.local_node();
+        Arc::new(Replication {
+            shared: Arc::new(Shared {
+                metadata,
+                cluster,
+                peers,
+                local,
+                local_node,
+                runtime,
+                replicas: Replicas::default(),
+                counters: Counters::default(),
+            }),
+            primaries: Mutex::new(HashMap::new()),
+            attaching: Mutex::new(()),
+        })
+    }
+
+    pub fn counters(&self) -> &Counters {
+        &self.shared.counters
+    }
+
+    /// The state of a replicated volume this node serves as primary.
+    pub fn primary_status(&self, volume_id: u64) -> Option<PrimaryStatus> {
+        lock(&self.primaries)
+            .get(&volume_id)
+            .filter(|primary| !primary.is_closed())
+            .map(|primary| primary.status())
+    }
+
+    /// A handle for block I/O on a volume, for a client attaching here (blocking: it may ask
+    /// Raft to make this node the volume's primary, and it waits for the replicas to catch
+    /// up). A volume with one replica is the local volume itself.
+    ///
+    /// This node becomes the primary if it holds a replica in the in-sync set and either is
+    /// the primary already, or the leader has not heard from the primary for longer than its
+    /// lease ([`TAKE_OVER_SILENCE`]). Taking over bumps the epoch with this node alone in
+    /// sync (fencing every older stream); the other replicas catch up and rejoin.
+    pub fn open(&self, name: &str) -> VolumeResult<Arc<dyn VolumeIo>> {
+        let local_node = self.shared.local_node;
+        let record = self
+            .shared
+            .metadata
+            .catalog()
+            .read()
+            .volume(name)
+            .map(|entry| entry.record.clone())
+            .ok_or_else(|| VolumeError::NotFound {
+                name: name.to_string(),
+            })?;
+        let replication = record.replication.clone();
+        if replication.replicas.len() <= 1 {
+            return self.shared.local.open_local(name);
+        }
+        let primary_address = || {
+            self.shared
+                .node_address(replication.primary, true)
+                .unwrap_or_else(|| "unknown".to_string())
+        };
+        if !replication.hosts(local_node) {
+            return Err(VolumeError::Elsewhere {
+                volume: name.to_string(),
+                node: replication.primary,
+                address: primary_address(),
+            });
+        }
+        let _attaching = lock(&self.attaching);
+        if let Some(primary) = lock(&self.primaries).get(&record.id) {
+            if !primary.is_closed() {
+                return Ok(primary.clone());
+            }
+        }
+        let local = self.shared.local.open_local(name)?;
+        if replication.primary != local_node {
+            if !replication.in_sync.contains(&local_node) {
+                return Err(unavailable(
+                    name,
+                    format!(
+                        "this node's replica is not in sync; attach through the primary, node \
+                         {} at {}",
+                        replication.primary,
+                        primary_address()
+                    ),
+                ));
+            }
+            let silence = self
+                .shared
+                .runtime
+                .block_on(self.shared.cluster.silent_for(replication.primary))
+                .map_err(|error| unavailable(name, error.to_string()))?;
+            if silence < TAKE_OVER_SILENCE {
+                return Err(unavailable(
+                    name,
+                    format!(
+                        "its primary, node {} at {}, was heard from {} ms ago: attach there (a \
+                         node takes a volume over only after its primary has been silent for {} ms)",
+                        replication.primary,
+                        primary_address(),
+                        silence.as_millis(),
+                        TAKE_OVER_SILENCE.as_millis()
+                    ),
+                ));
+            }
+        }
+        if !self.shared.holds_lease() {
+            return Err(unavailable(
+                name,
+                "this node is not in touch with the cluster's leader".to_string(),
+            ));
+        }
+        // Under the replica slot: no batch of an older stream is being applied while this
+        // node takes over, and none is accepted after (the catalog names this node).
+        let slot = self.shared.replicas.slot(record.id);
+        let mut slot = lock(&slot);
+        Replicas::forget(&mut slot);
+        self.shared
+            .metadata
+            .propose(Command::VolumeSetReplication {
+                volume_id: record.id,
+                epoch: replication.epoch,
+                primary: local_node,
+                in_sync: vec![local_node],
+            })
+            .map_err(|error| match error {
+                MetadataError::Refused(refusal) => unavailable(
+                    name,
+                    format!("another node changed its replication meanwhile: {refusal}"),
+                ),
+                other => unavailable(name, other.to_string()),
+            })?;
+        drop(slot);
+        tracing::info!(
+            volume = name,
+            epoch = replication.epoch + 1,
+            "serving as the volume's primary"
+        );
+        let mut taken = replication.clone();
+        taken.epoch += 1;
+        taken.primary = local_node;
+        taken.in_sync = vec![local_node];
+        let primary = Primary::start(
+            self.shared.clone(),
+            record.id,
+            name.to_string(),
+            local,
+            &taken,
+        );
+        lock(&self.primaries).insert(record.id, primary.clone());
+        // Writes need `in_sync_min` replicas: give the others a moment to catch up.
+        let deadline = self.shared.clock_now() + ATTACH_WAIT_FOR_IN_SYNC;
+        while primary.status().in_sync.len() < usize::from(replication.in_sync_min)
+            && self.shared.clock_now() < deadline
+            && !primary.is_closed()
+        {
+            self.shared
+                .clock()
+                .sleep_blocking(Duration::from_millis(20));
+        }
+        Ok(primary)
+    }
+
+    fn serve(
+        shared: Arc<Shared>,
+        caller: keel_rpc::Caller,
+        method: u16,
+        payload: Vec<u8>,
+    ) -> Result<Vec<u8>, keel_rpc::RemoteError> {
+        let remote = |code: u16, message: String| keel_rpc::RemoteError { code, message };
+        let keel_rpc::Caller::Member(sender) = caller else {
+            return Err(remote(CODE_BAD_REQUEST, "not a member".to_string()));
+        };
+        let refused = |refusal: replica::Refusal| remote(refusal.code, refusal.message);
+        let encode = |bytes: Result<Vec<u8>, postcard::Error>| {
+            bytes.map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))
+        };
+        match method {
+            METHOD_REPLICATE => {
+                let batch = postcard::from_bytes(&payload)
+                    .map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))?;
+                let ack = replica::apply(&shared, sender, batch).map_err(refused)?;
+                encode(postcard::to_allocvec(&ack))
+            }
+            METHOD_HASHES => {
+                let request = postcard::from_bytes(&payload)
+                    .map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))?;
+                let answer = replica::hashes(&shared, sender, request).map_err(refused)?;
+                encode(postcard::to_allocvec(&answer))
+            }
+            other => Err(remote(CODE_BAD_REQUEST, format!("unknown method {other}"))),
+        }
+    }
+}
+
+impl keel_rpc::Handler for Replication {
+    fn call(
+        &self,
+        caller: keel_rpc::Caller,
+        method: u16,
+        payload: Vec<u8>,
+    ) -> keel_rpc::BoxFuture<Result<Vec<u8>, keel_rpc::RemoteError>> {
+        let shared = self.shared.clone();
+        Box::pin(async move {
+            tokio::task::spawn_blocking(move || Replication::serve(shared, caller, method, payload))
+                .await
+                .map_err(|error| keel_rpc::RemoteError {
+                    code: wire::CODE_FAILED,
+                    message: error.to_string(),
+                })?
+        })
+    }
+}

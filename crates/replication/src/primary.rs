@@ -1,0 +1,840 @@
+//! The primary side: a replicated volume as a [`VolumeIo`]. Each write is applied locally and
+//! queued, in order, to a stream per replica; a FLUSH is acknowledged when the local store and
+//! every counted replica (the in-sync set, and a replica about to join it) have made it durable.
+//! A replica that fails is taken out of the in-sync set through Raft before a FLUSH completes
+//! without it; a replica outside the set catches up ([`resync`]) and is put back through Raft.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use keel_catalog::{Command, NodeId};
+use keel_volume::{VolumeError, VolumeIo, VolumeResult};
+
+use crate::wire::{
+    self, Batch, BatchAck, HashAnswer, HashRequest, Op, BLOCK_HASH_BYTES, CODE_BEHIND, CODE_FENCED,
+    METHOD_HASHES, METHOD_REPLICATE,
+};
+use crate::{lock, Shared, RESYNC_CHUNK_BYTES};
+
+/// Bytes queued for one replica before writers wait for it (bounded memory).
+const QUEUE_BYTES_MAX: usize = 64 << 20;
+/// Most bytes of writes in one batch.
+const BATCH_BYTES_MAX: usize = 4 << 20;
+/// A batch not answered within this is a failed replica (it is then taken out of the
+/// in-sync set). Covers a replica's fdatasync on a busy shared disk.
+const BATCH_TIMEOUT: Duration = Duration::from_secs(2);
+/// How often a replica outside the in-sync set is retried.
+const RESYNC_RETRY: Duration = Duration::from_secs(1);
+/// How long a FLUSH waits in one round before it checks the lease and the epoch again.
+const WAIT_ROUND: Duration = Duration::from_millis(100);
+
+/// One item of a replica's stream: a change (a write, or resync data), or a flush of the
+/// history through a position.
+enum Item {
+    Op(Op),
+    Flush { upto: u64 },
+}
+
+impl Item {
+    fn bytes(&self) -> usize {
+        match self {
+            Item::Op(Op::Write { data, .. }) => data.len(),
+            _ => 64,
+        }
+    }
+}
+
+/// The primary's view of one other replica.
+struct Peer {
+    queue: VecDeque<Item>,
+    queued_bytes: usize,
+    /// Writes are queued for it (it is in sync, or catching up).
+    streaming: bool,
+    /// FLUSHes wait for it (it is in sync, or about to be put back).
+    counted: bool,
+    /// Its stream failed; it waits for a resync.
+    failed: bool,
+    /// Highest history position it confirmed durable in the current stream.
+    durable_upto: u64,
+    stream: u64,
+    next_index: u64,
+    sender_running: bool,
+    resync_running: bool,
+    wake: Arc<tokio::sync::Notify>,
+}
+
+impl Peer {
+    fn new() -> Peer {
+        Peer {
+            queue: VecDeque::new(),
+            queued_bytes: 0,
+            streaming: false,
+            counted: false,
+            failed: false,
+            durable_upto: 0,
+            stream: 0,
+            next_index: 0,
+            sender_running: false,
+            resync_running: false,
+            wake: Arc::new(tokio::sync::Notify::new()),
+        }
+    }
+
+    fn push(&mut self, item: Item) {
+        self.queued_bytes += item.bytes();
+        self.queue.push_back(item);
+        self.wake.notify_one();
+    }
+}
+
+struct State {
+    epoch: u64,
+    in_sync: BTreeSet<NodeId>,
+    in_sync_min: usize,
+    /// The next write's position in the volume's history.
+    next_seq: u64,
+    peers: BTreeMap<NodeId, Peer>,
+    /// Set once this node may no longer act as primary (fenced, or the volume moved on).
+    closed: Option<String>,
+    /// Bytes shipped to catch replicas up (resync), for `volume info` and tests.
+    resync_bytes: u64,
+}
+
+/// A replicated volume served by this node as its primary.
+pub struct Primary {
+    volume_id: u64,
+    name: String,
+    local: Arc<dyn VolumeIo>,
+    shared: Arc<Shared>,
+    /// Serializes ordering: a write takes its position, is applied locally and is queued to
+    /// every stream under this lock, so every replica applies overlapping writes in the order
+    /// the primary did.
+    order: Mutex<()>,
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+/// What `volume info` shows of a replicated volume served here.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PrimaryStatus {
+    pub epoch: u64,
+    pub in_sync: Vec<NodeId>,
+    pub catching_up: Vec<NodeId>,
+    pub resync_bytes: u64,
+    pub closed: Option<String>,
+}
+
+fn unavailable(name: &str, detail: String) -> VolumeError {
+    VolumeError::Unavailable {
+        volume: name.to_string(),
+        detail,
+    }
+}
+
+impl Primary {
+    /// Starts serving a volume this node just took over: `taken` is its replication record
+    /// as Raft now holds it (this node primary and alone in sync); the other replicas start
+    /// catching up at once.
+    pub(crate) fn start(
+        shared: Arc<Shared>,
+        volume_id: u64,
+        name: String,
+        local: Arc<dyn VolumeIo>,
+        taken: &keel_catalog::Replication,
+    ) -> Arc<Primary> {
+        let primary = taken.primary;
+        let peers = taken
+            .replicas
+            .iter()
+            .filter(|node| **node != primary)
+            .map(|node| (*node, Peer::new()))
+            .collect();
+        let this = Arc::new(Primary {
+            volume_id,
+            name,
+            local,
+            shared,
+            order: Mutex::new(()),
+            state: Mutex::new(State {
+                epoch: taken.epoch,
+                in_sync: taken.in_sync.iter().copied().collect(),
+                in_sync_min: usize::from(taken.in_sync_min),
+                next_seq: 1,
+                peers,
+                closed: None,
+                resync_bytes: 0,
+            }),
+            changed: Condvar::new(),
+        });
+        let others: Vec<NodeId> = lock(&this.state).peers.keys().copied().collect();
+        for peer in others {
+            this.spawn_resync(peer);
+        }
+        this
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        lock(&self.state)
+    }
+
+    pub fn status(&self) -> PrimaryStatus {
+        let state = self.state();
+        PrimaryStatus {
+            epoch: state.epoch,
+            in_sync: state.in_sync.iter().copied().collect(),
+            catching_up: state
+                .peers
+                .iter()
+                .filter(|(node, peer)| peer.streaming && !state.in_sync.contains(node))
+                .map(|(node, _)| *node)
+                .collect(),
+            resync_bytes: state.resync_bytes,
+            closed: state.closed.clone(),
+        }
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.state().closed.is_some()
+    }
+
+    /// Stops serving: every later I/O fails with `why`.
+    pub(crate) fn close(&self, why: String) {
+        let mut state = self.state();
+        if state.closed.is_none() {
+            tracing::warn!(volume = %self.name, reason = %why, "no longer the primary");
+            state.closed = Some(why);
+        }
+        for peer in state.peers.values() {
+            peer.wake.notify_one();
+        }
+        drop(state);
+        self.changed.notify_all();
+    }
+
+    /// Whether this node may act as primary now: not closed, the catalog still names it in
+    /// this epoch's line, and it holds its lease.
+    fn check_serving(&self, state: &State) -> VolumeResult<()> {
+        if let Some(why) = &state.closed {
+            return Err(unavailable(&self.name, why.clone()));
+        }
+        let moved = {
+            let catalog = self.shared.metadata.catalog().read();
+            match catalog.volumes.get(&self.volume_id) {
+                None => Some("the volume was deleted".to_string()),
+                Some(entry) if entry.record.replication.primary != self.shared.local_node => {
+                    Some(format!(
+                        "node {} took the volume over in epoch {}",
+                        entry.record.replication.primary, entry.record.replication.epoch
+                    ))
+                }
+                Some(_) => None,
+            }
+        };
+        if let Some(why) = moved {
+            return Err(unavailable(&self.name, why));
+        }
+        if !self.shared.holds_lease() {
+            return Err(unavailable(
+                &self.name,
+                "this node has lost touch with the cluster's leader (its lease ran out); it \
+                 serves the volume again once it is back in touch"
+                    .to_string(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_writable(&self, state: &State) -> VolumeResult<()> {
+        self.check_serving(state)?;
+        if state.in_sync.len() < state.in_sync_min {
+            return Err(unavailable(
+                &self.name,
+                format!(
+                    "only {} replica(s) in sync, fewer than the minimum of {}: writes are \
+                     refused until a replica catches up (keel volume info shows progress)",
+                    state.in_sync.len(),
+                    state.in_sync_min
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Waits (without the order lock) until every streaming replica has room in its queue.
+    fn wait_for_room(&self) -> VolumeResult<()> {
+        let mut state = self.state();
+        loop {
+            self.check_serving(&state)?;
+            let full = state
+                .peers
+                .values()
+                .any(|peer| peer.streaming && peer.queued_bytes >= QUEUE_BYTES_MAX);
+            if !full {
+                return Ok(());
+            }
+            state = self
+                .changed
+                .wait_timeout(state, WAIT_ROUND)
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .0;
+        }
+    }
+
+    /// Orders one change: applies it locally and queues it to every streaming replica.
+    fn ordered(&self, op: Op, apply: impl FnOnce() -> VolumeResult<()>) -> VolumeResult<()> {
+        self.wait_for_room()?;
+        let _order = lock(&self.order);
+        self.check_writable(&self.state())?;
+        apply()?;
+        let mut state = self.state();
+        state.next_seq += 1;
+        for peer in state.peers.values_mut().filter(|peer| peer.streaming) {
+            peer.push(Item::Op(op.clone()));
+        }
+        Ok(())
+    }
+
+    fn wait_durable(&self, upto: u64) -> VolumeResult<()> {
+        let mut state = self.state();
+        loop {
+            self.check_serving(&state)?;
+            let pending = state
+                .peers
+                .values()
+                .any(|peer| peer.counted && peer.durable_upto < upto);
+            if !pending {
+                if state.in_sync.len() < state.in_sync_min {
+                    return Err(unavailable(
+                        &self.name,
+                        format!(
+                            "a replica was lost: only {} in sync, fewer than the minimum of {}",
+                            state.in_sync.len(),
+                            state.in_sync_min
+                        ),
+                    ));
+                }
+                return Ok(());
+            }
+            state = self
+                .changed
+                .wait_timeout(state, WAIT_ROUND)
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .0;
+        }
+    }
+
+    fn spawn_sender(self: &Arc<Self>, node: NodeId, state: &mut State) {
+        let Some(peer) = state.peers.get_mut(&node) else {
+            return;
+        };
+        if peer.sender_running {
+            return;
+        }
+        peer.sender_running = true;
+        let this = self.clone();
+        self.shared.runtime.spawn(async move {
+            this.send_loop(node).await;
+        });
+    }
+
+    /// Sends one replica's stream, a batch at a time, until it fails or the primary closes.
+    async fn send_loop(self: Arc<Self>, node: NodeId) {
+        loop {
+            let wake = {
+                let mut state = self.state();
+                let closed = state.closed.is_some();
+                let Some(peer) = state.peers.get_mut(&node) else {
+                    return;
+                };
+                if closed || !peer.streaming {
+                    peer.sender_running = false;
+                    return;
+                }
+                peer.wake.clone()
+            };
+            let notified = wake.notified();
+            let Some((batch, flush_upto, sent_bytes)) = self.take_batch(node) else {
+                notified.await;
+                continue;
+            };
+            let outcome = self.send_batch(node, &batch).await;
+            let mut state = self.state();
+            let epoch = state.epoch;
+            let Some(peer) = state.peers.get_mut(&node) else {
+                return;
+            };
+            peer.queued_bytes = peer.queued_bytes.saturating_sub(sent_bytes);
+            match outcome {
+                Ok(_) => {
+                    if let Some(upto) = flush_upto {
+                        peer.durable_upto = peer.durable_upto.max(upto);
+                    }
+                    drop(state);
+                    self.changed.notify_all();
+                }
+                Err(failure) if failure.code == Some(CODE_FENCED) => {
+                    drop(state);
+                    self.close(format!("a replica fenced this node: {}", failure.message));
+                    return;
+                }
+                Err(failure) => {
+                    tracing::warn!(volume = %self.name, node, epoch, error = %failure.message, "a replica failed; taking it out of the in-sync set");
+                    peer.failed = true;
+                    peer.streaming = false;
+                    peer.sender_running = false;
+                    peer.queue.clear();
+                    peer.queued_bytes = 0;
+                    drop(state);
+                    self.changed.notify_all();
+                    let this = self.clone();
+                    self.shared.runtime.spawn(async move {
+                        this.drop_replica(node).await;
+                    });
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Takes the next batch of a replica's queue: writes up to a size, ending at a flush.
+    fn take_batch(&self, node: NodeId) -> Option<(Batch, Option<u64>, usize)> {
+        let mut state = self.state();
+        let epoch = state.epoch;
+        let peer = state.peers.get_mut(&node)?;
+        if peer.queue.is_empty() {
+            return None;
+        }
+        let mut ops = Vec::new();
+        let mut bytes = 0usize;
+        let mut flush_upto = None;
+        while let Some(item) = peer.queue.front() {
+            if !ops.is_empty() && bytes + item.bytes() > BATCH_BYTES_MAX {
+                break;
+            }
+            let Some(item) = peer.queue.pop_front() else {
+                break;
+            };
+            bytes += item.bytes();
+            match item {
+                Item::Op(op) => ops.push(op),
+                Item::Flush { upto } => {
+                    flush_upto = Some(upto);
+                    break;
+                }
+            }
+        }
+        let batch = Batch {
+            volume_id: self.volume_id,
+            epoch,
+            stream: peer.stream,
+            index: peer.next_index,
+            ops,
+            flush: flush_upto.is_some(),
+        };
+        peer.next_index += 1;
+        Some((batch, flush_upto, bytes))
+    }
+
+    async fn send_batch(&self, node: NodeId, batch: &Batch) -> Result<BatchAck, Failure> {
+        let payload = postcard::to_allocvec(batch).map_err(|error| Failure {
+            code: None,
+            message: error.to_string(),
+        })?;
+        // A replica whose catalog lags a moment behind answers "behind": ask again.
+        let mut attempts = 0;
+        loop {
+            let answer = self
+                .shared
+                .call(node, METHOD_REPLICATE, payload.clone(), BATCH_TIMEOUT)
+                .await;
+            match answer {
+                Err(failure) if failure.code == Some(CODE_BEHIND) && attempts < 5 => {
+                    attempts += 1;
+                }
+                Err(failure) => return Err(failure),
+                Ok(bytes) => {
+                    return postcard::from_bytes(&bytes).map_err(|error| Failure {
+                        code: None,
+                        message: error.to_string(),
+                    })
+                }
+            }
+        }
+    }
+
+    /// Records through Raft that this node's in-sync set is now `in_sync` (epoch + 1).
+    async fn propose_in_sync(&self, in_sync: BTreeSet<NodeId>) -> Result<(), String> {
+        let epoch = self.state().epoch;
+        let command = Command::VolumeSetReplication {
+            volume_id: self.volume_id,
+            epoch,
+            primary: self.shared.local_node,
+            in_sync: in_sync.iter().copied().collect(),
+        };
+        let metadata = self.shared.metadata.clone();
+        let outcome = tokio::task::spawn_blocking(move || metadata.propose(command))
+            .await
+            .map_err(|error| error.to_string())?;
+        match outcome {
+            Ok(_) => {
+                let mut state = self.state();
+                state.epoch = epoch + 1;
+                state.in_sync = in_sync;
+                Ok(())
+            }
+            Err(keel_catalog::MetadataError::Refused(refusal)) => {
+                self.close(format!("the in-sync set could not be changed: {refusal}"));
+                Err(refusal.to_string())
+            }
+            Err(other) => Err(other.to_string()),
+        }
+    }
+
+    /// Takes a failed replica out of the in-sync set (FLUSHes wait until Raft recorded it),
+    /// then starts catching it up.
+    async fn drop_replica(self: Arc<Self>, node: NodeId) {
+        loop {
+            let (in_sync, member) = {
+                let state = self.state();
+                if state.closed.is_some() {
+                    return;
+                }
+                let mut in_sync = state.in_sync.clone();
+                let member = in_sync.remove(&node);
+                (in_sync, member)
+            };
+            if !member {
+                break;
+            }
+            match self.propose_in_sync(in_sync).await {
+                Ok(()) => {
+                    tracing::warn!(volume = %self.name, node, "replica taken out of the in-sync set");
+                    break;
+                }
+                Err(error) => {
+                    if self.is_closed() {
+                        return;
+                    }
+                    tracing::warn!(volume = %self.name, node, %error, "could not record the in-sync set yet; FLUSHes wait");
+                    self.shared.clock().sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+        {
+            let mut state = self.state();
+            if let Some(peer) = state.peers.get_mut(&node) {
+                peer.counted = false;
+            }
+        }
+        self.changed.notify_all();
+        self.spawn_resync(node);
+    }
+
+    fn spawn_resync(self: &Arc<Self>, node: NodeId) {
+        {
+            let mut state = self.state();
+            let Some(peer) = state.peers.get_mut(&node) else {
+                return;
+            };
+            if peer.resync_running {
+                return;
+            }
+            peer.resync_running = true;
+        }
+        let this = self.clone();
+        self.shared.runtime.spawn(async move {
+            loop {
+                match this.resync(node).await {
+                    Ok(()) => break,
+                    Err(error) => {
+                        if this.is_closed() {
+                            break;
+                        }
+                        tracing::info!(volume = %this.name, node, %error, "catching a replica up failed; retrying");
+                        this.shared.clock().sleep(RESYNC_RETRY).await;
+                    }
+                }
+            }
+            if let Some(peer) = this.state().peers.get_mut(&node) {
+                peer.resync_running = false;
+            }
+        });
+    }
+
+    /// Catches a replica up and puts it back in the in-sync set: a new stream carries every
+    /// write from now on; meanwhile each chunk of the volume is compared by block hashes and
+    /// the blocks that differ are queued on the same stream (so a later write to a block
+    /// always lands after its copy); then the replica flushes, counts for FLUSHes, and Raft
+    /// records it in sync.
+    async fn resync(self: &Arc<Self>, node: NodeId) -> Result<(), String> {
+        {
+            let mut state = self.state();
+            if state.closed.is_some() {
+                return Ok(());
+            }
+            let stream = rand::random::<u64>();
+            let Some(peer) = state.peers.get_mut(&node) else {
+                return Ok(());
+            };
+            peer.queue.clear();
+            peer.queued_bytes = 0;
+            peer.streaming = true;
+            peer.counted = false;
+            peer.failed = false;
+            peer.durable_upto = 0;
+            peer.stream = stream;
+            peer.next_index = 0;
+            let mut state_ref = state;
+            self.spawn_sender(node, &mut state_ref);
+        }
+        let size = self.local.size_bytes();
+        let block = u64::from(self.local.block_size_bytes());
+        let mut offset = 0u64;
+        let mut shipped = 0u64;
+        while offset < size {
+            let length = RESYNC_CHUNK_BYTES.min(size - offset);
+            let theirs = self.remote_hashes(node, offset, length).await?;
+            // Room first (never wait for the queue with the order lock held).
+            loop {
+                {
+                    let state = self.state();
+                    let peer = state.peers.get(&node).ok_or("replica gone")?;
+                    if state.closed.is_some() {
+                        return Ok(());
+                    }
+                    if peer.failed || !peer.streaming {
+                        return Err("the replica's stream failed during the resync".to_string());
+                    }
+                    if peer.queued_bytes < QUEUE_BYTES_MAX / 2 {
+                        break;
+                    }
+                }
+                self.shared.clock().sleep(Duration::from_millis(5)).await;
+            }
+            let this = self.clone();
+            let copied = tokio::task::spawn_blocking(move || {
+                this.queue_differences(node, offset, length, block, &theirs)
+            })
+            .await
+            .map_err(|error| error.to_string())??;
+            shipped += copied;
+            offset += length;
+        }
+        // Everything is queued: the replica becomes counted, flushes, and joins.
+        let upto = {
+            let _order = lock(&self.order);
+            let mut state = self.state();
+            let upto = state.next_seq - 1;
+            let peer = state.peers.get_mut(&node).ok_or("replica gone")?;
+            if peer.failed {
+                return Err("the replica's stream failed during the resync".to_string());
+            }
+            peer.counted = true;
+            peer.push(Item::Flush { upto });
+            upto
+        };
+        let deadline = self.shared.clock().now() + Duration::from_secs(30);
+        loop {
+            {
+                let state = self.state();
+                let peer = state.peers.get(&node).ok_or("replica gone")?;
+                if peer.failed {
+                    return Err("the replica failed before it was in sync".to_string());
+                }
+                if peer.durable_upto >= upto {
+                    break;
+                }
+            }
+            if self.shared.clock().now() > deadline {
+                if let Some(peer) = self.state().peers.get_mut(&node) {
+                    peer.counted = false;
+                }
+                return Err("the replica did not confirm its flush".to_string());
+            }
+            self.shared.clock().sleep(Duration::from_millis(2)).await;
+        }
+        let mut in_sync = self.state().in_sync.clone();
+        in_sync.insert(node);
+        if let Err(error) = self.propose_in_sync(in_sync).await {
+            if let Some(peer) = self.state().peers.get_mut(&node) {
+                peer.counted = false;
+            }
+            return Err(error);
+        }
+        self.changed.notify_all();
+        tracing::info!(volume = %self.name, node, shipped_bytes = shipped, "replica back in sync");
+        Ok(())
+    }
+
+    async fn remote_hashes(
+        &self,
+        node: NodeId,
+        offset: u64,
+        length: u64,
+    ) -> Result<Vec<u8>, String> {
+        let request = HashRequest {
+            volume_id: self.volume_id,
+            epoch: self.state().epoch,
+            offset,
+            length,
+        };
+        let payload = postcard::to_allocvec(&request).map_err(|error| error.to_string())?;
+        let answer = self
+            .shared
+            .call(node, METHOD_HASHES, payload, Duration::from_secs(10))
+            .await
+            .map_err(|failure| {
+                if failure.code == Some(CODE_FENCED) {
+                    self.close(format!("a replica fenced this node: {}", failure.message));
+                }
+                failure.message
+            })?;
+        let answer: HashAnswer =
+            postcard::from_bytes(&answer).map_err(|error| error.to_string())?;
+        Ok(answer.hashes)
+    }
+
+    /// Under the order lock: reads the chunk as it is now and queues the blocks whose hash
+    /// differs from the replica's. Returns the bytes queued.
+    fn queue_differences(
+        &self,
+        node: NodeId,
+        offset: u64,
+        length: u64,
+        block: u64,
+        theirs: &[u8],
+    ) -> Result<u64, String> {
+        let _order = lock(&self.order);
+        let mut ours = vec![0u8; length as usize];
+        self.local
+            .read(offset, &mut ours)
+            .map_err(|error| error.to_string())?;
+        let blocks = (length / block) as usize;
+        if theirs.len() != blocks * BLOCK_HASH_BYTES {
+            return Err(format!(
+                "the replica sent {} bytes of hashes for {blocks} blocks",
+                theirs.len()
+            ));
+        }
+        let mut state = self.state();
+        let peer = state.peers.get_mut(&node).ok_or("replica gone")?;
+        let mut queued = 0u64;
+        let mut run: Option<(usize, usize)> = None;
+        let flush_run = |run: (usize, usize), peer: &mut Peer| {
+            let (first, end) = run;
+            let start = first * block as usize;
+            let stop = end * block as usize;
+            peer.push(Item::Op(Op::Write {
+                offset: offset + start as u64,
+                data: ours[start..stop].to_vec(),
+            }));
+            (stop - start) as u64
+        };
+        for index in 0..blocks {
+            let mine =
+                wire::block_hash(&ours[index * block as usize..(index + 1) * block as usize]);
+            let differs =
+                mine[..] != theirs[index * BLOCK_HASH_BYTES..(index + 1) * BLOCK_HASH_BYTES];
+            run = match (run, differs) {
+                (Some((first, _)), true) => Some((first, index + 1)),
+                (None, true) => Some((index, index + 1)),
+                (Some(open), false) => {
+                    queued += flush_run(open, peer);
+                    None
+                }
+                (None, false) => None,
+            };
+        }
+        if let Some(open) = run {
+            queued += flush_run(open, peer);
+        }
+        state.resync_bytes += queued;
+        Ok(queued)
+    }
+}
+
+/// A failed call to a replica.
+pub(crate) struct Failure {
+    pub code: Option<u16>,
+    pub message: String,
+}
+
+impl VolumeIo for Primary {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn size_bytes(&self) -> u64 {
+        self.local.size_bytes()
+    }
+
+    fn block_size_bytes(&self) -> u32 {
+        self.local.block_size_bytes()
+    }
+
+    fn read_only(&self) -> bool {
+        false
+    }
+
+    fn read(&self, offset: u64, buf: &mut [u8]) -> VolumeResult<()> {
+        self.check_serving(&self.state())?;
+        self.local.read(offset, buf)
+    }
+
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> VolumeResult<()> {
+        self.ordered(
+            Op::Write {
+                offset,
+                data: data.to_vec(),
+            },
+            || self.local.write(offset, data, false),
+        )?;
+        if fua {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn flush(&self) -> VolumeResult<()> {
+        let upto = {
+            let _order = lock(&self.order);
+            let mut state = self.state();
+            self.check_serving(&state)?;
+            let upto = state.next_seq - 1;
+            for peer in state.peers.values_mut().filter(|peer| peer.streaming) {
+                peer.push(Item::Flush { upto });
+            }
+            upto
+        };
+        self.local.flush()?;
+        self.wait_durable(upto)
+    }
+
+    fn trim(&self, offset: u64, length: u64) -> VolumeResult<()> {
+        self.ordered(Op::Trim { offset, length }, || {
+            self.local.trim(offset, length)
+        })
+    }
+
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        may_trim: bool,
+    ) -> VolumeResult<()> {
+        self.ordered(
+            Op::Zeroes {
+                offset,
+                length,
+                may_trim,
+            },
+            || self.local.write_zeroes(offset, length, false, may_trim),
+        )?;
+        if fua {
+            self.flush()?;
+        }
+        Ok(())
+    }
+}
