@@ -83,12 +83,15 @@ def test_r2_volume_survives_losing_a_replica_and_resyncs_what_changed(cluster):
     stalled = time.time() - started
     info = replication(first, "r2")
     assert info["in_sync"] == [1], info
+    status = first.cli("status").stdout
+    assert "HEALTH_WARN" in status and "KEEL_VOLUME_DEGRADED" in status, status
     # Written while the replica was away: these blocks, and nothing else, must travel.
     absent_bytes = 64 * BLOCK
     shipped_before = info["served_here"]["resync_bytes"]
 
     second.start()
     wait_until("the replica back in sync", lambda: sorted(replication(first, "r2")["in_sync"]) == [1, 2], timeout=60)
+    assert "KEEL_VOLUME_DEGRADED" not in first.cli("status").stdout
     shipped = replication(first, "r2")["served_here"]["resync_bytes"] - shipped_before
     assert 0 < shipped <= 1.1 * absent_bytes, (shipped, absent_bytes)
     for index in range(320, 384):

@@ -228,6 +228,48 @@ pub struct StoreStatus {
     pub available_bytes: u64,
 }
 
+/// Replicated volumes with fewer replicas in sync than wanted: (code, severity, message,
+/// action) per volume.
+fn volume_redundancy(state: &AppState) -> Vec<(&'static str, &'static str, String, String)> {
+    let catalog = state.cluster.catalog().read();
+    let mut findings = Vec::new();
+    for entry in catalog.volumes.values() {
+        let record = &entry.record;
+        let replication = &record.replication;
+        let in_sync = replication.in_sync.len();
+        if record.status != keel_catalog::VolumeStatus::Ready
+            || in_sync >= usize::from(replication.factor)
+        {
+            continue;
+        }
+        let (code, severity) = if in_sync < usize::from(replication.in_sync_min) {
+            ("KEEL_VOLUME_BELOW_MIN_IN_SYNC", "error")
+        } else {
+            ("KEEL_VOLUME_DEGRADED", "warn")
+        };
+        let behind: Vec<String> = replication
+            .replicas
+            .iter()
+            .filter(|node| !replication.in_sync.contains(node))
+            .map(|node| node.to_string())
+            .collect();
+        findings.push((
+            code,
+            severity,
+            format!(
+                "volume {:?} has {in_sync} of {} replicas in sync (minimum {}); behind: node {}",
+                record.name,
+                replication.factor,
+                replication.in_sync_min,
+                behind.join(", node ")
+            ),
+            "bring the node back: its replica catches up on its own (keel volume info shows              progress)"
+                .to_string(),
+        ));
+    }
+    findings
+}
+
 pub fn status_report(
     state: &AppState,
     cluster: keel_cluster::ClusterStatus,
@@ -241,6 +283,10 @@ pub fn status_report(
             "{}: {} ({})",
             check.code, check.message, check.action
         ));
+    }
+    for (code, severity, message, action) in volume_redundancy(state) {
+        level = level.max(if severity == "error" { 2 } else { 1 });
+        reasons.push(format!("{code}: {message} ({action})"));
     }
     if stats.poisoned {
         level = 2;

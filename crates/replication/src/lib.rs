@@ -232,7 +232,12 @@ impl Replication {
         }
         let _attaching = lock(&self.attaching);
         if let Some(primary) = lock(&self.primaries).get(&record.id) {
-            if !primary.is_closed() {
+            if replication.primary != local_node {
+                primary.close(format!(
+                    "node {} took the volume over in epoch {}",
+                    replication.primary, replication.epoch
+                ));
+            } else if !primary.is_closed() {
                 return Ok(primary.clone());
             }
         }

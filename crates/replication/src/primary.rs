@@ -26,6 +26,10 @@ const BATCH_BYTES_MAX: usize = 4 << 20;
 const BATCH_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often a replica outside the in-sync set is retried.
 const RESYNC_RETRY: Duration = Duration::from_secs(1);
+/// How long a sender waits for more writes (or a FLUSH) before it sends what it has.
+const LINGER: Duration = Duration::from_millis(1);
+/// Queued bytes that are sent at once, without lingering.
+const LINGER_BYTES_MAX: usize = 256 << 10;
 /// How long a FLUSH waits in one round before it checks the lease and the epoch again.
 const WAIT_ROUND: Duration = Duration::from_millis(100);
 
@@ -43,6 +47,20 @@ impl Item {
             _ => 64,
         }
     }
+}
+
+/// A change of the in-sync set this primary proposes.
+#[derive(Clone, Copy)]
+enum InSyncChange {
+    Drop(NodeId),
+    Add(NodeId),
+}
+
+/// Whether a replica's queue should be sent now.
+enum Readiness {
+    Empty,
+    Linger,
+    Now,
 }
 
 /// The primary's view of one other replica.
@@ -113,6 +131,8 @@ pub struct Primary {
     order: Mutex<()>,
     state: Mutex<State>,
     changed: Condvar,
+    /// One in-sync-set proposal at a time (each is a compare-and-set on the epoch).
+    proposing: tokio::sync::Mutex<()>,
 }
 
 /// What `volume info` shows of a replicated volume served here.
@@ -166,6 +186,7 @@ impl Primary {
                 resync_bytes: 0,
             }),
             changed: Condvar::new(),
+            proposing: tokio::sync::Mutex::new(()),
         });
         let others: Vec<NodeId> = lock(&this.state).peers.keys().copied().collect();
         for peer in others {
@@ -340,6 +361,7 @@ impl Primary {
 
     /// Sends one replica's stream, a batch at a time, until it fails or the primary closes.
     async fn send_loop(self: Arc<Self>, node: NodeId) {
+        let mut lingered = false;
         loop {
             let wake = {
                 let mut state = self.state();
@@ -354,8 +376,24 @@ impl Primary {
                 peer.wake.clone()
             };
             let notified = wake.notified();
+            match self.readiness(node) {
+                Readiness::Empty => {
+                    notified.await;
+                    continue;
+                }
+                // Writes without a FLUSH behind them: wait a moment for more (a QD1 client's
+                // FLUSH follows its write within microseconds), so they travel together.
+                Readiness::Linger if !lingered => {
+                    lingered = true;
+                    tokio::select! {
+                        _ = notified => {}
+                        _ = self.shared.clock().sleep(LINGER) => {}
+                    }
+                    continue;
+                }
+                _ => lingered = false,
+            }
             let Some((batch, flush_upto, sent_bytes)) = self.take_batch(node) else {
-                notified.await;
                 continue;
             };
             let outcome = self.send_batch(node, &batch).await;
@@ -367,7 +405,8 @@ impl Primary {
             peer.queued_bytes = peer.queued_bytes.saturating_sub(sent_bytes);
             match outcome {
                 Ok(_) => {
-                    if let Some(upto) = flush_upto {
+                    // An answer of a stream a resync has since replaced confirms nothing.
+                    if let (Some(upto), true) = (flush_upto, peer.stream == batch.stream) {
                         peer.durable_upto = peer.durable_upto.max(upto);
                     }
                     drop(state);
@@ -394,6 +433,25 @@ impl Primary {
                     return;
                 }
             }
+        }
+    }
+
+    fn readiness(&self, node: NodeId) -> Readiness {
+        let state = self.state();
+        let Some(peer) = state.peers.get(&node) else {
+            return Readiness::Empty;
+        };
+        if peer.queue.is_empty() {
+            Readiness::Empty
+        } else if peer.queued_bytes >= LINGER_BYTES_MAX
+            || peer
+                .queue
+                .iter()
+                .any(|item| matches!(item, Item::Flush { .. }))
+        {
+            Readiness::Now
+        } else {
+            Readiness::Linger
         }
     }
 
@@ -464,8 +522,17 @@ impl Primary {
     }
 
     /// Records through Raft that this node's in-sync set is now `in_sync` (epoch + 1).
-    async fn propose_in_sync(&self, in_sync: BTreeSet<NodeId>) -> Result<(), String> {
-        let epoch = self.state().epoch;
+    async fn propose_in_sync(&self, change: InSyncChange) -> Result<(), String> {
+        let _proposing = self.proposing.lock().await;
+        let (epoch, in_sync) = {
+            let state = self.state();
+            let mut in_sync = state.in_sync.clone();
+            match change {
+                InSyncChange::Drop(node) => in_sync.remove(&node),
+                InSyncChange::Add(node) => in_sync.insert(node),
+            };
+            (state.epoch, in_sync)
+        };
         let command = Command::VolumeSetReplication {
             volume_id: self.volume_id,
             epoch,
@@ -495,19 +562,17 @@ impl Primary {
     /// then starts catching it up.
     async fn drop_replica(self: Arc<Self>, node: NodeId) {
         loop {
-            let (in_sync, member) = {
+            let member = {
                 let state = self.state();
                 if state.closed.is_some() {
                     return;
                 }
-                let mut in_sync = state.in_sync.clone();
-                let member = in_sync.remove(&node);
-                (in_sync, member)
+                state.in_sync.contains(&node)
             };
             if !member {
                 break;
             }
-            match self.propose_in_sync(in_sync).await {
+            match self.propose_in_sync(InSyncChange::Drop(node)).await {
                 Ok(()) => {
                     tracing::warn!(volume = %self.name, node, "replica taken out of the in-sync set");
                     break;
@@ -544,6 +609,7 @@ impl Primary {
         }
         let this = self.clone();
         self.shared.runtime.spawn(async move {
+            let mut failures = 0u64;
             loop {
                 match this.resync(node).await {
                     Ok(()) => break,
@@ -551,7 +617,11 @@ impl Primary {
                         if this.is_closed() {
                             break;
                         }
-                        tracing::info!(volume = %this.name, node, %error, "catching a replica up failed; retrying");
+                        // Said once, then every minute: a node that is down fails every try.
+                        if failures % 60 == 0 {
+                            tracing::info!(volume = %this.name, node, %error, failures, "catching a replica up failed; retrying every second");
+                        }
+                        failures += 1;
                         this.shared.clock().sleep(RESYNC_RETRY).await;
                     }
                 }
@@ -654,9 +724,7 @@ impl Primary {
             }
             self.shared.clock().sleep(Duration::from_millis(2)).await;
         }
-        let mut in_sync = self.state().in_sync.clone();
-        in_sync.insert(node);
-        if let Err(error) = self.propose_in_sync(in_sync).await {
+        if let Err(error) = self.propose_in_sync(InSyncChange::Add(node)).await {
             if let Some(peer) = self.state().peers.get_mut(&node) {
                 peer.counted = false;
             }

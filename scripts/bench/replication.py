@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""Replicated volume benchmarks (issue 11): R=1 vs R=2 vs R=3 through NBD with fio's nbd
+engine, on one loopback cluster (three storage nodes; volumes attached on node 1).
+
+    python3 scripts/bench/replication.py [--rounds 5] [--seconds 10] [--json out.json]
+
+Workloads (the profiles of scripts/bench/volume.py): sync QD1 (4 KiB sequential writes, each
+followed by a FLUSH) and randrw QD64 (4 KiB random, 75% reads). Every round runs every R in turn, in an order
+that rotates between rounds; medians are quoted with the ratio to R=1.
+
+All nodes share this machine's one disk (and its two cores): every replica's fdatasync lands on
+the same device, so R=2 costs more here than on separate machines. Data under /var/tmp."""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "cluster"))
+from keelcluster import Cluster, wait_until  # noqa: E402
+
+WORK = Path(os.environ.get("KEEL_BENCH_DIR", "/var/tmp/keel-bench-replication"))
+SIZE = 256 << 20
+
+# The same profiles as scripts/bench/volume.py (the single-node reference).
+WORKLOADS = {
+    "sync-qd1": ["--rw=write", "--bs=4k", "--iodepth=1", "--fsync=1"],
+    "randrw-qd64": ["--rw=randrw", "--rwmixread=75", "--bs=4k", "--iodepth=64", "--randrepeat=1"],
+}
+
+
+def fio(node, volume, workload, seconds):
+    args = ["fio", "--name=bench", "--ioengine=nbd", f"--uri=nbd://{node.host}:{node.nbd_port}/{volume}",
+            f"--size={SIZE}", "--time_based", f"--runtime={seconds}", "--output-format=json"] + WORKLOADS[workload]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=seconds + 120)
+    if result.returncode != 0:
+        raise RuntimeError(f"fio failed: {result.stdout[-2000:]}{result.stderr[-2000:]}")
+    job = json.loads(result.stdout[result.stdout.index("{"):])["jobs"][0]
+    write = job["write"]
+    return {
+        "iops": job["read"]["iops"] + write["iops"],
+        "write_p50_us": write["clat_ns"]["percentile"].get("50.000000", 0) / 1000,
+        "write_p99_us": write["clat_ns"]["percentile"].get("99.000000", 0) / 1000,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=int, default=10)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    shutil.rmtree(WORK, ignore_errors=True)
+    WORK.mkdir(parents=True)
+    cluster = Cluster(WORK)
+    results = {r: {w: [] for w in WORKLOADS} for r in (1, 2, 3)}
+    try:
+        first = cluster.add()
+        cluster.add()
+        cluster.add()
+        wait_until("three voters", lambda: cluster.voters() == {1, 2, 3}, timeout=60)
+        for replicas in (1, 2, 3):
+            code, answer = first.api("POST", "/api/v1/volumes",
+                                     {"name": f"r{replicas}", "size_bytes": SIZE, "replicas": replicas})
+            assert code == 200, answer
+            # Fill the volume so reads hit data and every R starts from the same state.
+            subprocess.run(["fio", "--name=fill", "--ioengine=nbd", f"--uri=nbd://{first.host}:{first.nbd_port}/r{replicas}",
+                            f"--size={SIZE}", "--rw=write", "--bs=1m", "--iodepth=8", "--end_fsync=1"],
+                           capture_output=True, check=True, timeout=900)
+        order = [1, 2, 3]
+        for round_index in range(args.rounds):
+            for workload in WORKLOADS:
+                for replicas in order:
+                    measured = fio(first, f"r{replicas}", workload, args.seconds)
+                    results[replicas][workload].append(measured)
+                    print(f"round {round_index + 1} {workload} R={replicas}: {measured['iops']:.0f} IOPS "
+                          f"write p50 {measured['write_p50_us']:.0f} µs p99 {measured['write_p99_us']:.0f} µs",
+                          flush=True)
+            order = order[1:] + order[:1]
+    finally:
+        cluster.stop()
+
+    summary = {}
+    print("\nmedians (all nodes share one disk):")
+    for workload in WORKLOADS:
+        base = statistics.median(m["iops"] for m in results[1][workload])
+        for replicas in (1, 2, 3):
+            runs = results[replicas][workload]
+            iops = statistics.median(m["iops"] for m in runs)
+            p50 = statistics.median(m["write_p50_us"] for m in runs)
+            summary[f"{workload} R={replicas}"] = {"iops": iops, "ratio_to_r1": iops / base,
+                                                    "write_p50_us": p50, "runs": runs}
+            print(f"  {workload:12} R={replicas}: {iops:8.0f} IOPS  ({iops / base:.2f}× R=1)  write p50 {p50:.0f} µs")
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
