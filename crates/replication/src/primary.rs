@@ -618,7 +618,7 @@ impl Primary {
                             break;
                         }
                         // Said once, then every minute: a node that is down fails every try.
-                        if failures % 60 == 0 {
+                        if failures.is_multiple_of(60) {
                             tracing::info!(volume = %this.name, node, %error, failures, "catching a replica up failed; retrying every second");
                         }
                         failures += 1;
