@@ -7,8 +7,10 @@ long mode runs more)."""
 
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -196,3 +198,152 @@ def test_a_partitioned_primary_is_fenced(cluster):
         pass
     assert other.read(3 * BLOCK, BLOCK) != block("stale", 3)
     assert replication(second, "fence")["primary"] == 2
+
+
+class Mount:
+    """nbdfuse → loop device → ext4 → mount of one NBD export; torn down in reverse order
+    (also after the server behind it died)."""
+
+    def __init__(self, workdir, name):
+        self.fuse_dir = workdir / f"fuse-{name}"
+        self.mnt = workdir / f"mnt-{name}"
+        self.fuse = None
+        self.loop = None
+
+    def attach(self, uri, mkfs):
+        for tool, package in (("nbdfuse", "libnbd-bin"), ("mkfs.ext4", "e2fsprogs"), ("losetup", "mount")):
+            if shutil.which(tool) is None:
+                raise AssertionError(f"{tool} is not installed (Debian package {package})")
+        self.fuse_dir.mkdir(exist_ok=True)
+        self.mnt.mkdir(exist_ok=True)
+        self.fuse = subprocess.Popen(["nbdfuse", str(self.fuse_dir), uri], stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=open(self.fuse_dir.parent / "nbdfuse.log", "ab"))
+        wait_until("nbdfuse exposing the export", lambda: (self.fuse_dir / "nbd").exists(), timeout=30)
+        self.loop = subprocess.run(["losetup", "-f", "--show", str(self.fuse_dir / "nbd")],
+                                   capture_output=True, text=True, check=True).stdout.strip()
+        if mkfs:
+            subprocess.run(["mkfs.ext4", "-q", "-F", self.loop], check=True)
+        subprocess.run(["mount", self.loop, str(self.mnt)], check=True)
+        return self.mnt
+
+    def detach(self):
+        subprocess.run(["umount", "-l", str(self.mnt)], capture_output=True, timeout=60)
+        if self.loop:
+            subprocess.run(["losetup", "-d", self.loop], capture_output=True, timeout=60)
+        if self.fuse:
+            self.fuse.terminate()
+            try:
+                self.fuse.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.fuse.kill()
+                self.fuse.wait(timeout=30)
+        subprocess.run(["umount", "-l", str(self.fuse_dir)], capture_output=True, timeout=60)
+        self.fuse = self.loop = None
+
+
+def postgres_bindir():
+    versions = sorted(p for p in os.listdir("/usr/lib/postgresql") if p.isdigit()) if os.path.isdir("/usr/lib/postgresql") else []
+    if not versions:
+        raise AssertionError("PostgreSQL is not installed (Debian package postgresql)")
+    return f"/usr/lib/postgresql/{versions[-1]}/bin"
+
+
+def as_postgres(args, check=True, **kwargs):
+    return subprocess.run(["runuser", "-u", "postgres", "--", *args], check=check, capture_output=True, text=True, **kwargs)
+
+
+def test_postgres_on_r2_survives_losing_the_replica_then_the_primary(cluster, workdir):
+    """Postgres on ext4 on an R=2 volume (nbdfuse + loop through the primary). pgbench runs
+    while the replica's node is killed -9: pgbench finishes without an error. Then a client
+    commits numbered rows one by one while the primary's node is killed -9; the volume is
+    attached through the other node, Postgres recovers there, every row whose COMMIT returned
+    is present, and pg_amcheck finds no corruption."""
+    bindir = postgres_bindir()
+    first, second = two_nodes_and_witness(cluster)
+    code, created = first.api("POST", "/api/v1/volumes", {"name": "pg", "size_bytes": 2 << 30, "replicas": 2})
+    assert code == 200, created
+    mounts = [Mount(workdir, "first")]
+    postgres = {"pid": None, "pgdata": None}
+    port = "54331"
+    try:
+        mnt = mounts[-1].attach(f"nbd://{first.host}:{first.nbd_port}/pg", mkfs=True)
+        wait_until("both replicas in sync", lambda: sorted(replication(first, "pg")["in_sync"]) == [1, 2], timeout=60)
+        pgdata = mnt / "pgdata"
+        postgres["pgdata"] = pgdata
+        pgdata.mkdir()
+        shutil.chown(pgdata, "postgres", "postgres")
+        # A short socket directory (a socket path has at most 107 bytes); no data goes there.
+        run = Path(tempfile.mkdtemp(prefix="keel-pg-"))
+        shutil.chown(run, "postgres", "postgres")
+        conn = ["-h", str(run), "-p", port]
+
+        def start_postgres():
+            as_postgres([f"{bindir}/pg_ctl", "-D", str(pgdata), "-w", "-l", str(pgdata / "pg.log"), "-o",
+                         f"-p {port} -k {run} -c listen_addresses='' -c synchronous_commit=on -c fsync=on",
+                         "start"], timeout=180)
+            postgres["pid"] = int((pgdata / "postmaster.pid").read_text().split()[0])
+
+        as_postgres([f"{bindir}/initdb", "-D", str(pgdata), "--no-instructions", "-A", "trust"], timeout=300)
+        start_postgres()
+        as_postgres(["pgbench", *conn, "-i", "-s", "5", "postgres"], timeout=600)
+        bench = subprocess.Popen(["runuser", "-u", "postgres", "--", "pgbench", *conn, "-c", "4", "-j", "2",
+                                  "-T", "15", "postgres"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        time.sleep(5)
+        second.kill9()
+        output, _ = bench.communicate(timeout=300)
+        assert bench.returncode == 0, output
+        print("pgbench on R=2 with the replica killed mid-run:",
+              [line for line in output.splitlines() if line.startswith("tps")], "(nodes share one disk)")
+        assert replication(first, "pg")["in_sync"] == [1]
+        second.start()
+        wait_until("the replica back in sync", lambda: sorted(replication(first, "pg")["in_sync"]) == [1, 2], timeout=120)
+
+        as_postgres(["psql", *conn, "-d", "postgres", "-c", "CREATE TABLE committed (n integer PRIMARY KEY)"])
+        committed = []
+        writer = subprocess.Popen(
+            ["runuser", "-u", "postgres", "--", "psql", *conn, "-d", "postgres", "-X", "-q", "-v", "ON_ERROR_STOP=1"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # Each INSERT commits on its own; psql echoes the number only after the COMMIT returned.
+        killed = False
+        for n in range(1, 100000):
+            try:
+                writer.stdin.write(f"INSERT INTO committed VALUES ({n});\n\\echo {n}\n")
+                writer.stdin.flush()
+                line = writer.stdout.readline().strip()
+            except (BrokenPipeError, OSError):
+                break
+            if line != str(n):
+                break
+            committed.append(n)
+            if n == 300:
+                first.kill9()
+                killed = True
+        assert killed and len(committed) >= 300, committed[-5:]
+        writer.kill()
+        writer.wait()
+        os.kill(postgres["pid"], 9)
+        postgres["pid"] = None
+        subprocess.run(["pkill", "-9", "-f", f"postgres -D {pgdata}"], capture_output=True)
+        mounts[-1].detach()
+
+        attach(second, "pg", timeout=60).close()
+        mounts.append(Mount(workdir, "second"))
+        mnt = mounts[-1].attach(f"nbd://{second.host}:{second.nbd_port}/pg", mkfs=False)
+        pgdata = mnt / "pgdata"
+        postgres["pgdata"] = pgdata
+        (pgdata / "postmaster.pid").unlink(missing_ok=True)
+        start_postgres()
+        rows = as_postgres(["psql", *conn, "-d", "postgres", "-At", "-c", "SELECT n FROM committed"]).stdout.split()
+        present = {int(row) for row in rows}
+        lost = [n for n in committed if n not in present]
+        assert not lost, f"{len(lost)} committed rows lost, first {lost[:10]}"
+        as_postgres(["psql", *conn, "-d", "postgres", "-c", "CREATE EXTENSION IF NOT EXISTS amcheck"])
+        as_postgres([f"{bindir}/pg_amcheck", *conn, "-d", "postgres", "--heapallindexed"], timeout=300)
+        print(f"{len(committed)} committed rows, all present after the primary's node was killed "
+              f"(nodes share one disk)")
+    finally:
+        if postgres["pid"] is not None:
+            as_postgres([f"{bindir}/pg_ctl", "-D", str(postgres["pgdata"]), "-w", "-m", "immediate", "stop"],
+                        check=False, timeout=120)
+        for mount in reversed(mounts):
+            mount.detach()
