@@ -41,8 +41,11 @@ def fio(node, volume, workload, seconds):
         raise RuntimeError(f"fio failed: {result.stdout[-2000:]}{result.stderr[-2000:]}")
     job = json.loads(result.stdout[result.stdout.index("{"):])["jobs"][0]
     write = job["write"]
+    sync = job.get("sync", {}).get("lat_ns", {}).get("percentile", {})
     return {
         "iops": job["read"]["iops"] + write["iops"],
+        # A write and its FLUSH at QD1: what a database's commit waits for.
+        "flush_p50_us": sync.get("50.000000", 0) / 1000,
         "write_p50_us": write["clat_ns"]["percentile"].get("50.000000", 0) / 1000,
         "write_p99_us": write["clat_ns"]["percentile"].get("99.000000", 0) / 1000,
     }
@@ -93,9 +96,11 @@ def main():
             runs = results[replicas][workload]
             iops = statistics.median(m["iops"] for m in runs)
             p50 = statistics.median(m["write_p50_us"] for m in runs)
+            flush = statistics.median(m.get("flush_p50_us", 0) for m in runs)
             summary[f"{workload} R={replicas}"] = {"iops": iops, "ratio_to_r1": iops / base,
-                                                    "write_p50_us": p50, "runs": runs}
-            print(f"  {workload:12} R={replicas}: {iops:8.0f} IOPS  ({iops / base:.2f}× R=1)  write p50 {p50:.0f} µs")
+                                                    "write_p50_us": p50, "flush_p50_us": flush, "runs": runs}
+            print(f"  {workload:12} R={replicas}: {iops:8.0f} IOPS  ({iops / base:.2f}× R=1)  write p50 {p50:.0f} µs"
+                  f"  flush p50 {flush:.0f} µs")
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))
 
