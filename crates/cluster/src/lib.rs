@@ -727,6 +727,22 @@ impl Cluster {
         )
     }
 
+    /// As leader: when a quorum last acknowledged this node's leadership (the time openraft
+    /// recorded for it; now for a single voter). A leader's lease runs from there, so a leader
+    /// cut off from its quorum loses its lease no later than any other node would.
+    fn quorum_acked_at(&self) -> Option<std::time::Instant> {
+        let metrics = self.metrics();
+        if metrics.state != ServerState::Leader {
+            return None;
+        }
+        let now = self.config.clock.now();
+        if metrics.membership_config.voter_ids().count() <= 1 {
+            return Some(now);
+        }
+        let acked = metrics.last_quorum_acked.as_ref()?;
+        now.checked_sub(acked.elapsed())
+    }
+
     /// Proposes a command; returns its outcome once this node applied it.
     pub async fn propose_async(&self, command: Command) -> Result<Outcome, MetadataError> {
         let proposal = Proposal {
@@ -1366,9 +1382,12 @@ async fn report_loop(cluster: Weak<Cluster>) {
         let report = strong.own_report();
         let sent = strong_clock.now();
         if strong.is_leader() {
+            // Noted here too (every report interval), not only at the leader loop's next tick:
+            // a take-over waits out the primary's silence counted from here.
+            lock(&strong.liveness).leading_since.get_or_insert(sent);
             strong.record_report(report);
-            if strong.leads_with_quorum() == Some(true) {
-                *lock(&strong.lease_from) = Some(sent);
+            if let Some(acked) = strong.quorum_acked_at() {
+                *lock(&strong.lease_from) = Some(acked);
             }
         } else if let Some(leader) = strong.leader() {
             match postcard::to_allocvec(&report) {

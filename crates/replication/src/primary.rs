@@ -30,6 +30,8 @@ const RESYNC_RETRY: Duration = Duration::from_secs(1);
 const LINGER: Duration = Duration::from_millis(1);
 /// Queued bytes that are sent at once, without lingering.
 const LINGER_BYTES_MAX: usize = 256 << 10;
+/// How long an I/O waits for this node's lease to come back before it fails.
+const LEASE_WAIT: Duration = Duration::from_secs(3);
 /// How long a FLUSH waits in one round before it checks the lease and the epoch again.
 const WAIT_ROUND: Duration = Duration::from_millis(100);
 
@@ -255,13 +257,25 @@ impl Primary {
         if let Some(why) = moved {
             return Err(unavailable(&self.name, why));
         }
-        if !self.shared.holds_lease() {
-            return Err(unavailable(
-                &self.name,
-                "this node has lost touch with the cluster's leader (its lease ran out); it \
-                 serves the volume again once it is back in touch"
-                    .to_string(),
-            ));
+        Ok(())
+    }
+
+    /// Waits (briefly) until this node holds its lease: a lapse of a report or two on a busy
+    /// machine costs latency, not an error; a node cut off from the leader fails the I/O.
+    /// Nothing is served or acknowledged without a lease.
+    fn lease(&self) -> VolumeResult<()> {
+        let clock = self.shared.clock();
+        let deadline = clock.now() + LEASE_WAIT;
+        while !self.shared.holds_lease() {
+            if clock.now() >= deadline {
+                return Err(unavailable(
+                    &self.name,
+                    "this node has lost touch with the cluster's leader (its lease ran out); it \
+                     serves the volume again once it is back in touch"
+                        .to_string(),
+                ));
+            }
+            clock.sleep_blocking(Duration::from_millis(10));
         }
         Ok(())
     }
@@ -304,6 +318,7 @@ impl Primary {
 
     /// Orders one change: applies it locally and queues it to every streaming replica.
     fn ordered(&self, op: Op, apply: impl FnOnce() -> VolumeResult<()>) -> VolumeResult<()> {
+        self.lease()?;
         self.wait_for_room()?;
         let _order = lock(&self.order);
         self.check_writable(&self.state())?;
@@ -320,6 +335,12 @@ impl Primary {
         let mut state = self.state();
         loop {
             self.check_serving(&state)?;
+            if !self.shared.holds_lease() {
+                drop(state);
+                self.lease()?;
+                state = self.state();
+                continue;
+            }
             let pending = state
                 .peers
                 .values()
@@ -846,6 +867,7 @@ impl VolumeIo for Primary {
     }
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> VolumeResult<()> {
+        self.lease()?;
         self.check_serving(&self.state())?;
         self.local.read(offset, buf)
     }
@@ -865,6 +887,7 @@ impl VolumeIo for Primary {
     }
 
     fn flush(&self) -> VolumeResult<()> {
+        self.lease()?;
         let upto = {
             let _order = lock(&self.order);
             let mut state = self.state();
