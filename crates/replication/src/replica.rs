@@ -65,58 +65,74 @@ impl Replicas {
     }
 }
 
-/// Checks that `sender` may write the volume in `epoch`: it is the primary this node's catalog
-/// names, and the epoch is not newer than the catalog's (then the catalog is behind: wait).
+/// Whether `sender` may write volume `volume_id` in `epoch`, by this node's (`local`) view of
+/// the catalog: it must be the primary the catalog names, in an epoch not newer than the
+/// catalog's (a newer one means this node has not applied it yet: [`CODE_BEHIND`]). Any other
+/// sender is [`CODE_FENCED`]: an older primary, or a node after a take-over it missed.
+/// Returns the volume's name.
+pub fn admit(
+    state: &keel_catalog::CatalogState,
+    local: NodeId,
+    volume_id: u64,
+    epoch: u64,
+    sender: NodeId,
+) -> Result<String, Refusal> {
+    let Some(entry) = state.volumes.get(&volume_id) else {
+        return Err(refusal(
+            CODE_FAILED,
+            format!("volume #{volume_id} is not known here"),
+        ));
+    };
+    let name = &entry.record.name;
+    let replication = &entry.record.replication;
+    if !replication.hosts(local) {
+        return Err(refusal(
+            CODE_FENCED,
+            format!("this node holds no replica of volume {name:?}"),
+        ));
+    }
+    if epoch > replication.epoch {
+        return Err(refusal(
+            CODE_BEHIND,
+            format!("this node has not applied epoch {epoch} of volume {name:?} yet"),
+        ));
+    }
+    if replication.primary != sender {
+        return Err(refusal(
+            CODE_FENCED,
+            format!(
+                "volume {name:?} is in epoch {} with node {} as primary; node {sender} (epoch \
+                 {epoch}) may no longer write it",
+                replication.epoch, replication.primary
+            ),
+        ));
+    }
+    Ok(name.clone())
+}
+
+/// [`admit`], waiting a moment for this node's catalog when it is behind the sender's epoch.
 fn check_sender(
     shared: &Shared,
     volume_id: u64,
     epoch: u64,
     sender: NodeId,
 ) -> Result<String, Refusal> {
-    let deadline = shared.clock_now() + CATALOG_CATCH_UP;
+    let clock = shared.clock();
+    let deadline = clock.now() + CATALOG_CATCH_UP;
     loop {
-        let (name, current, primary, hosts) = {
-            let state = shared.metadata.catalog().read();
-            let Some(entry) = state.volumes.get(&volume_id) else {
-                return Err(refusal(
-                    CODE_FAILED,
-                    format!("volume #{volume_id} is not known here"),
-                ));
-            };
-            let replication = &entry.record.replication;
-            (
-                entry.record.name.clone(),
-                replication.epoch,
-                replication.primary,
-                replication.hosts(shared.local_node),
-            )
-        };
-        if !hosts {
-            return Err(refusal(
-                CODE_FENCED,
-                format!("this node holds no replica of volume {name:?}"),
-            ));
-        }
-        if epoch > current {
-            if shared.clock_now() >= deadline {
-                return Err(refusal(
-                    CODE_BEHIND,
-                    format!("this node has not applied epoch {epoch} of volume {name:?} yet"),
-                ));
+        let verdict = admit(
+            &shared.metadata.catalog().read(),
+            shared.local_node,
+            volume_id,
+            epoch,
+            sender,
+        );
+        match verdict {
+            Err(refusal) if refusal.code == CODE_BEHIND && clock.now() < deadline => {
+                clock.sleep_blocking(Duration::from_millis(5));
             }
-            std::thread::sleep(Duration::from_millis(5));
-            continue;
+            other => return other,
         }
-        if primary != sender {
-            return Err(refusal(
-                CODE_FENCED,
-                format!(
-                    "volume {name:?} is in epoch {current} with node {primary} as primary; node \
-                     {sender} (epoch {epoch}) may no longer write it"
-                ),
-            ));
-        }
-        return Ok(name);
     }
 }
 
@@ -231,4 +247,87 @@ pub(crate) fn hashes(
         hashes.extend_from_slice(&block_hash(chunk));
     }
     Ok(HashAnswer { hashes })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use keel_catalog::{
+        Command, LocalCatalog, Metadata, NodeAddresses, NodeRole, NodeSpec, VolumeSettings,
+        VolumeStatus,
+    };
+
+    // Proves the fencing rule: only the catalog's primary writes, an older epoch's primary is
+    // fenced after a take-over, a newer epoch waits for the catalog, and a node without a
+    // replica refuses.
+    #[test]
+    fn only_the_catalogs_primary_may_write() {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../target/test-data/replication-admit");
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let store =
+            keel_store::Store::open(keel_store::StoreConfig::new(vec![dir.clone()])).unwrap();
+        let catalog = LocalCatalog::open(store).unwrap();
+        for (name, address) in [("two", "127.0.0.2:1"), ("three", "127.0.0.3:1")] {
+            catalog
+                .propose(Command::NodeAdd {
+                    node: NodeSpec {
+                        name: name.to_string(),
+                        instance: [7; 16],
+                        role: NodeRole::Storage,
+                        addresses: NodeAddresses {
+                            cluster: address.to_string(),
+                            ..NodeAddresses::default()
+                        },
+                        labels: Default::default(),
+                        devices: Vec::new(),
+                    },
+                    joined_unix_ms: 1,
+                })
+                .unwrap();
+        }
+        catalog
+            .propose(Command::VolumeCreate {
+                settings: VolumeSettings {
+                    name: "r2".to_string(),
+                    size_bytes: 1 << 20,
+                    compression: "none".to_string(),
+                    iops_max: None,
+                    bandwidth_max_mib_per_second: None,
+                },
+                uuid: [1; 16],
+                created_unix_seconds: 1,
+                replicas: vec![1, 2],
+                status: VolumeStatus::Ready,
+            })
+            .unwrap();
+        let id = catalog.catalog().read().volume("r2").unwrap().record.id;
+        let code = |local, epoch, sender| {
+            admit(&catalog.catalog().read(), local, id, epoch, sender)
+                .err()
+                .map(|refusal| refusal.code)
+        };
+        assert_eq!(code(2, 1, 1), None, "the primary writes its replica");
+        assert_eq!(
+            code(2, 1, 2),
+            Some(CODE_FENCED),
+            "a replica is not a primary"
+        );
+        assert_eq!(code(2, 2, 1), Some(CODE_BEHIND), "a newer epoch waits");
+        assert_eq!(code(3, 1, 1), Some(CODE_FENCED), "node 3 holds no replica");
+        // Node 2 takes over (epoch 2): node 1's stream is fenced, even in node 2's epoch.
+        catalog
+            .propose(Command::VolumeSetReplication {
+                volume_id: id,
+                epoch: 1,
+                primary: 2,
+                in_sync: vec![2],
+            })
+            .unwrap();
+        assert_eq!(code(1, 1, 1), Some(CODE_FENCED));
+        assert_eq!(code(1, 2, 1), Some(CODE_FENCED));
+        assert_eq!(code(1, 2, 2), None);
+    }
 }
