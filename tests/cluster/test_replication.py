@@ -347,3 +347,46 @@ def test_postgres_on_r2_survives_losing_the_replica_then_the_primary(cluster, wo
                         check=False, timeout=120)
         for mount in reversed(mounts):
             mount.detach()
+
+
+def test_a_replica_on_a_node_that_stays_down_is_rebuilt_elsewhere(cluster, workdir):
+    """Three storage nodes, an R=2 volume on nodes 1 and 2. Node 2 is killed and stays down
+    past `replica_move_after_ms`: its replica moves to node 3 through Raft and node 3 is
+    caught up and put in sync. Node 2 returns; draining node 3 moves the replica back to node
+    2 at once. The primary is killed, and the volume attached through node 2 holds every
+    flushed write."""
+    config = workdir / "fast-moves.toml"
+    config.write_text("[cluster]\nsuspect_after_ms = 1000\ndown_after_ms = 2000\nreplica_move_after_ms = 1000\n")
+    nodes = [cluster.add(extra_args=["--config", str(config)]) for _ in range(3)]
+    wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
+    first, second, third = nodes
+    create_r2(first, "moving")
+    client = attach(first, "moving")
+    wait_until("both replicas in sync", lambda: sorted(replication(first, "moving")["in_sync"]) == [1, 2])
+    expected = {}
+    for index in range(128):
+        expected[index] = block("moving", index)
+        client.write(index * BLOCK, expected[index])
+    client.flush()
+
+    second.kill9()
+    wait_until("the replica moved to node 3 and in sync",
+               lambda: (replication(first, "moving")["replicas"] == [1, 3]
+                        and sorted(replication(first, "moving")["in_sync"]) == [1, 3]), timeout=90)
+    for index in range(128, 160):
+        expected[index] = block("after-move", index)
+        client.write(index * BLOCK, expected[index])
+    client.flush()
+
+    second.start()
+    wait_until("node 2 back up", lambda: all(n["record"]["state"] == "Up" for n in first.status()["nodes"]), timeout=60)
+    # Draining node 3 moves its replica at once, here back to node 2.
+    first.cli("node", "drain", "n3")
+    wait_until("the replica moved off the draining node",
+               lambda: (replication(first, "moving")["replicas"] == [1, 2]
+                        and sorted(replication(first, "moving")["in_sync"]) == [1, 2]), timeout=90)
+    first.kill9()
+    other = attach(second, "moving", timeout=60)
+    for index, data in expected.items():
+        assert other.read(index * BLOCK, BLOCK) == data, f"block {index} lost"
+    assert replication(second, "moving")["primary"] == 2

@@ -193,6 +193,15 @@ pub enum Command {
         primary: NodeId,
         in_sync: Vec<NodeId>,
     },
+    /// Moves a replica of a volume from node `from` (down for too long, draining or removed)
+    /// to node `to`, which starts out of sync and is caught up by the primary; epoch + 1,
+    /// refused unless the volume is still in `epoch`. The primary cannot be moved this way.
+    VolumeMoveReplica {
+        volume_id: u64,
+        epoch: u64,
+        from: NodeId,
+        to: NodeId,
+    },
 }
 
 impl Command {
@@ -207,6 +216,7 @@ impl Command {
             Command::NodeRemove { .. } => "node-remove",
             Command::VolumeCreate { .. } => "volume-create",
             Command::VolumeSetReplication { .. } => "volume-set-replication",
+            Command::VolumeMoveReplica { .. } => "volume-move-replica",
             Command::VolumeClone { .. } => "volume-clone",
             Command::VolumeDelete { .. } => "volume-delete",
             Command::VolumeForget { .. } => "volume-forget",

@@ -525,6 +525,12 @@ impl CatalogState {
                 primary,
                 in_sync,
             } => self.plan_set_replication(*volume_id, *epoch, *primary, in_sync),
+            Command::VolumeMoveReplica {
+                volume_id,
+                epoch,
+                from,
+                to,
+            } => self.plan_move_replica(*volume_id, *epoch, *from, *to),
             Command::SnapshotCreate {
                 volume,
                 snapshot,
@@ -995,6 +1001,55 @@ impl CatalogState {
         record.replication.epoch = epoch + 1;
         record.replication.primary = primary;
         record.replication.in_sync = members;
+        Ok(Plan::new(Outcome::Done)
+            .event(Event::VolumeChanged { volume_id })
+            .change(Change::PutVolume(record)))
+    }
+
+    fn plan_move_replica(
+        &self,
+        volume_id: u64,
+        epoch: u64,
+        from: NodeId,
+        to: NodeId,
+    ) -> Result<Plan, CatalogError> {
+        let entry = self
+            .volumes
+            .get(&volume_id)
+            .ok_or_else(|| not_found(&format!("#{volume_id}")))?;
+        let mut record = entry.record.clone();
+        let invalid = |detail: String| CatalogError::Invalid {
+            subject: format!("volume {:?}", record.name),
+            detail,
+        };
+        let replication = &record.replication;
+        if replication.epoch != epoch {
+            return Err(invalid(format!(
+                "its replication moved to epoch {} (this change was made against epoch {epoch})",
+                replication.epoch
+            )));
+        }
+        if from == replication.primary {
+            return Err(invalid(format!(
+                "node {from} is the primary; attach through another replica to move it"
+            )));
+        }
+        let Some(slot) = replication.replicas.iter().position(|node| *node == from) else {
+            return Err(invalid(format!("node {from} holds no replica")));
+        };
+        if replication.replicas.contains(&to) {
+            return Err(invalid(format!("node {to} already holds a replica")));
+        }
+        let target = self.live_node(to)?;
+        if target.role != crate::records::NodeRole::Storage || target.draining {
+            return Err(invalid(format!(
+                "node {} cannot take a replica (a witness, or draining)",
+                target.name
+            )));
+        }
+        record.replication.replicas[slot] = to;
+        record.replication.in_sync.retain(|node| *node != from);
+        record.replication.epoch = epoch + 1;
         Ok(Plan::new(Outcome::Done)
             .event(Event::VolumeChanged { volume_id })
             .change(Change::PutVolume(record)))

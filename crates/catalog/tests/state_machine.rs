@@ -78,6 +78,14 @@ fn command() -> impl Strategy<Value = Command> {
         volume
             .clone()
             .prop_map(|name| Command::VolumeDelete { name }),
+        (0u64..6, 1u64..4, 1u64..4, 1u64..4).prop_map(|(volume_id, epoch, from, to)| {
+            Command::VolumeMoveReplica {
+                volume_id,
+                epoch,
+                from,
+                to,
+            }
+        }),
         (volume.clone(), snapshot.clone()).prop_map(|(volume, snapshot)| {
             Command::SnapshotCreate {
                 volume,
@@ -298,6 +306,45 @@ fn replication_changes_compare_the_epoch() {
     assert_eq!((replication.epoch, replication.primary), (4, 2));
     assert_eq!(replication.in_sync, vec![2]);
     assert_eq!(replication.in_sync_min, 1);
+    // Moving a replica: never the primary, never onto a node holding one, only in the epoch.
+    let moving = |epoch, from, to| Command::VolumeMoveReplica {
+        volume_id: id,
+        epoch,
+        from,
+        to,
+    };
+    assert!(catalog.propose(moving(4, 2, 1)).is_err(), "the primary");
+    assert!(catalog.propose(moving(3, 1, 3)).is_err(), "an old epoch");
+    assert!(catalog.propose(moving(4, 1, 2)).is_err(), "onto a replica");
+    assert!(catalog.propose(moving(4, 1, 9)).is_err(), "onto a stranger");
+    let Command::NodeAdd { mut node, .. } = second_node() else {
+        unreachable!()
+    };
+    node.name = "third".to_string();
+    node.instance = [6; 16];
+    node.addresses.cluster = "127.0.0.3:3902".to_string();
+    catalog
+        .propose(Command::NodeAdd {
+            node,
+            joined_unix_ms: 4,
+        })
+        .unwrap();
+    catalog.propose(moving(4, 1, 3)).unwrap();
+    let replication = catalog
+        .catalog()
+        .read()
+        .volume("r2")
+        .unwrap()
+        .record
+        .replication
+        .clone();
+    assert_eq!(replication.replicas, vec![3, 2]);
+    assert_eq!(
+        replication.in_sync,
+        vec![2],
+        "the new replica starts out of sync"
+    );
+    assert_eq!(replication.epoch, 5);
 }
 
 /// Some unrelated catalog records the restore must remove.

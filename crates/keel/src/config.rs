@@ -74,6 +74,10 @@ pub struct ClusterSettings {
     /// Raft entries between metadata snapshots (and log purges). Default 1000. A node that was
     /// away for longer catches up by snapshot.
     pub snapshot_every_entries: u64,
+    /// A replicated volume's replica on a node that has been `down` this long is rebuilt on
+    /// another storage node (replicas on draining or removed nodes move at once). Default
+    /// 300000 ms (5 minutes): long enough for a reboot, which resyncs only what changed.
+    pub replica_move_after_ms: u64,
     /// Enables `POST /api/v1/debug/faults` (dropping traffic to chosen nodes, for partition
     /// tests). Never on in production. Default false.
     pub debug_faults: bool,
@@ -94,6 +98,7 @@ impl Default for ClusterSettings {
             suspect_after_ms: timing.suspect_after.as_millis() as u64,
             down_after_ms: timing.down_after.as_millis() as u64,
             snapshot_every_entries: timing.snapshot_every_entries,
+            replica_move_after_ms: 300_000,
             debug_faults: false,
         }
     }

@@ -211,6 +211,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             volumes: volumes.clone(),
         }),
         tokio::runtime::Handle::current(),
+        std::time::Duration::from_millis(config.cluster.replica_move_after_ms),
     );
     {
         let handler: Arc<dyn keel_rpc::Handler> = replication.clone();

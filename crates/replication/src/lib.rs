@@ -158,15 +158,18 @@ fn unavailable(volume: &str, detail: String) -> VolumeError {
 }
 
 impl Replication {
+    /// Starts the engine. `move_after`: how long a replica's node may stay down before the
+    /// replica is rebuilt on another node (draining and removed nodes: at once).
     pub fn new(
         cluster: Arc<keel_cluster::Cluster>,
         peers: Arc<keel_rpc::Peers>,
         local: Arc<dyn LocalVolumes>,
         runtime: tokio::runtime::Handle,
+        move_after: Duration,
     ) -> Arc<Replication> {
         let metadata: Arc<dyn Metadata> = cluster.clone();
         let local_node = metadata.local_node();
-        Arc::new(Replication {
+        let replication = Arc::new(Replication {
             shared: Arc::new(Shared {
                 metadata,
                 cluster,
@@ -179,7 +182,12 @@ impl Replication {
             }),
             primaries: Mutex::new(HashMap::new()),
             attaching: Mutex::new(()),
-        })
+        });
+        replication
+            .shared
+            .runtime
+            .spawn(move_loop(Arc::downgrade(&replication), move_after));
+        replication
     }
 
     pub fn counters(&self) -> &Counters {
@@ -359,6 +367,25 @@ impl Replication {
             }
             other => Err(remote(CODE_BAD_REQUEST, format!("unknown method {other}"))),
         }
+    }
+}
+
+/// How often the primaries served here look for replicas to move.
+const MOVE_CHECK_EVERY: Duration = Duration::from_secs(2);
+
+/// Each primary served here moves replicas off nodes that are gone, one at a time.
+async fn move_loop(replication: std::sync::Weak<Replication>, after: Duration) {
+    loop {
+        let Some(strong) = replication.upgrade() else {
+            return;
+        };
+        let clock = strong.shared.clock();
+        let primaries: Vec<Arc<Primary>> = lock(&strong.primaries).values().cloned().collect();
+        drop(strong);
+        for primary in primaries {
+            primary.move_replicas(after).await;
+        }
+        clock.sleep(MOVE_CHECK_EVERY).await;
     }
 }
 

@@ -542,6 +542,94 @@ impl Primary {
         }
     }
 
+    /// Moves a replica off a node that has been down for `after`, is draining or was removed,
+    /// to a storage node that is up and holds none (Raft records it, epoch + 1); the new
+    /// replica is then caught up like any other. One move per call.
+    pub(crate) async fn move_replicas(self: &Arc<Self>, after: Duration) {
+        if self.is_closed() {
+            return;
+        }
+        let local = self.shared.local_node;
+        let now_ms = self.shared.clock().wall_unix_ms();
+        let after_ms = i64::try_from(after.as_millis()).unwrap_or(i64::MAX);
+        let planned = {
+            let catalog = self.shared.metadata.catalog().read();
+            let Some(entry) = catalog.volumes.get(&self.volume_id) else {
+                return;
+            };
+            let replication = &entry.record.replication;
+            if replication.primary != local {
+                return;
+            }
+            let gone = |node: NodeId| {
+                catalog.nodes.get(&node).is_none_or(|record| {
+                    record.removed
+                        || record.draining
+                        || (record.state == keel_catalog::NodeState::Down
+                            && now_ms.saturating_sub(record.state_since_unix_ms) >= after_ms)
+                })
+            };
+            let from = replication
+                .replicas
+                .iter()
+                .copied()
+                .find(|node| *node != local && gone(*node));
+            let to = catalog
+                .nodes
+                .values()
+                .find(|record| {
+                    !record.removed
+                        && !record.draining
+                        && record.role == keel_catalog::NodeRole::Storage
+                        && record.state == keel_catalog::NodeState::Up
+                        && !replication.replicas.contains(&record.id)
+                })
+                .map(|record| record.id);
+            from.zip(to)
+        };
+        let Some((from, to)) = planned else {
+            return;
+        };
+        let _proposing = self.proposing.lock().await;
+        let epoch = self.state().epoch;
+        let command = Command::VolumeMoveReplica {
+            volume_id: self.volume_id,
+            epoch,
+            from,
+            to,
+        };
+        let metadata = self.shared.metadata.clone();
+        let outcome = match tokio::task::spawn_blocking(move || metadata.propose(command)).await {
+            Ok(outcome) => outcome,
+            Err(error) => {
+                tracing::warn!(volume = %self.name, %error, "moving a replica failed");
+                return;
+            }
+        };
+        match outcome {
+            Ok(_) => {
+                let mut state = self.state();
+                state.epoch = epoch + 1;
+                state.in_sync.remove(&from);
+                if let Some(peer) = state.peers.remove(&from) {
+                    peer.wake.notify_one();
+                }
+                state.peers.insert(to, Peer::new());
+                drop(state);
+                self.changed.notify_all();
+                tracing::warn!(volume = %self.name, from, to, "replica moved off a node that is gone; catching the new one up");
+                self.spawn_resync(to);
+            }
+            Err(keel_catalog::MetadataError::Refused(refusal)) => {
+                drop(_proposing);
+                self.close(format!("moving a replica was refused: {refusal}"));
+            }
+            Err(other) => {
+                tracing::info!(volume = %self.name, error = %other, "could not move a replica yet");
+            }
+        }
+    }
+
     /// Records through Raft that this node's in-sync set is now `in_sync` (epoch + 1).
     async fn propose_in_sync(&self, change: InSyncChange) -> Result<(), String> {
         let _proposing = self.proposing.lock().await;

@@ -85,16 +85,16 @@ pub fn admit(
     };
     let name = &entry.record.name;
     let replication = &entry.record.replication;
-    if !replication.hosts(local) {
-        return Err(refusal(
-            CODE_FENCED,
-            format!("this node holds no replica of volume {name:?}"),
-        ));
-    }
     if epoch > replication.epoch {
         return Err(refusal(
             CODE_BEHIND,
             format!("this node has not applied epoch {epoch} of volume {name:?} yet"),
+        ));
+    }
+    if !replication.hosts(local) {
+        return Err(refusal(
+            CODE_FENCED,
+            format!("this node holds no replica of volume {name:?}"),
         ));
     }
     if replication.primary != sender {
@@ -317,6 +317,11 @@ mod tests {
         );
         assert_eq!(code(2, 2, 1), Some(CODE_BEHIND), "a newer epoch waits");
         assert_eq!(code(3, 1, 1), Some(CODE_FENCED), "node 3 holds no replica");
+        assert_eq!(
+            code(3, 2, 1),
+            Some(CODE_BEHIND),
+            "a replica moved to node 3 in an epoch it has not applied yet"
+        );
         // Node 2 takes over (epoch 2): node 1's stream is fenced, even in node 2's epoch.
         catalog
             .propose(Command::VolumeSetReplication {
