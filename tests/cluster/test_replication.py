@@ -390,3 +390,32 @@ def test_a_replica_on_a_node_that_stays_down_is_rebuilt_elsewhere(cluster, workd
     for index, data in expected.items():
         assert other.read(index * BLOCK, BLOCK) == data, f"block {index} lost"
     assert replication(second, "moving")["primary"] == 2
+
+
+def test_snapshots_of_an_r2_volume_cut_the_same_writes_on_both_replicas(cluster):
+    """Writes, a snapshot through the primary, and more writes to the same blocks at once
+    after it, five times: every snapshot read through the other node (its own copy) shows
+    exactly the writes before it, as on the primary."""
+    first, second = two_nodes_and_witness(cluster)
+    create_r2(first, "snaps")
+    client = attach(first, "snaps")
+    wait_until("both replicas in sync", lambda: sorted(replication(first, "snaps")["in_sync"]) == [1, 2])
+    for round_index in range(5):
+        for index in range(64):
+            client.write(index * BLOCK, block(f"before-{round_index}", index))
+        code, answer = first.api("POST", "/api/v1/volumes/snaps/snapshots", {"name": f"s{round_index}"})
+        assert code == 200, answer
+        for index in range(64):
+            client.write(index * BLOCK, block(f"after-{round_index}", index))
+    client.flush()
+    # Through the replica's node: a snapshot is not the primary's to serve.
+    for node in (second, first):
+        for round_index in range(5):
+            snapshot = Client(node.host, node.nbd_port, f"snaps@s{round_index}")
+            for index in range(64):
+                got = snapshot.read(index * BLOCK, BLOCK)
+                assert got == block(f"before-{round_index}", index), \
+                    f"{node.name}: snapshot s{round_index} block {index} is not the write before it"
+            snapshot.close()
+    code, answer = second.api("POST", "/api/v1/volumes/snaps/snapshots", {"name": "elsewhere"})
+    assert code == 421, (code, answer)

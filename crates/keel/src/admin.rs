@@ -527,9 +527,11 @@ async fn resize_volume(
     Json(request): Json<Resize>,
 ) -> ApiResult<Json<serde_json::Value>> {
     blocking(move || {
-        state
-            .volumes
-            .resize(&name, request.size_bytes, request.allow_shrink)?;
+        state.replication.quiesce(&name, || {
+            state
+                .volumes
+                .resize(&name, request.size_bytes, request.allow_shrink)
+        })?;
         Ok(Json(
             serde_json::json!({ "name": name, "size_bytes": request.size_bytes }),
         ))
@@ -585,7 +587,9 @@ async fn create_snapshot(
 ) -> ApiResult<Json<SnapshotJson>> {
     blocking(move || {
         Ok(Json(snapshot_json(
-            &state.volumes.snapshot_create(&name, &request.name)?,
+            &state.replication.quiesce(&name, || {
+                state.volumes.snapshot_create(&name, &request.name)
+            })?,
         )))
     })
     .await
@@ -611,7 +615,9 @@ async fn rollback_snapshot(
     Path((name, snapshot)): Path<(String, String)>,
 ) -> ApiResult<Json<serde_json::Value>> {
     blocking(move || {
-        state.volumes.rollback(&name, &snapshot)?;
+        state
+            .replication
+            .quiesce(&name, || state.volumes.rollback(&name, &snapshot))?;
         Ok(Json(
             serde_json::json!({ "rolled_back": format!("{name}@{snapshot}") }),
         ))

@@ -194,6 +194,47 @@ impl Replication {
         &self.shared.counters
     }
 
+    /// Runs `change` (a snapshot, rollback or resize of `volume`) at one point of the volume's
+    /// write stream on every replica ([`Primary::quiesce`]) when this node serves it as
+    /// primary. A replicated volume whose primary is another node is refused with its address;
+    /// a volume with one replica, or not attached anywhere yet, runs `change` as it is.
+    pub fn quiesce<T>(
+        &self,
+        volume: &str,
+        change: impl FnOnce() -> VolumeResult<T>,
+    ) -> VolumeResult<T> {
+        let Some(record) = self
+            .shared
+            .metadata
+            .catalog()
+            .read()
+            .volume(volume)
+            .map(|entry| entry.record.clone())
+        else {
+            return change();
+        };
+        let served = lock(&self.primaries)
+            .get(&record.id)
+            .filter(|primary| !primary.is_closed())
+            .cloned();
+        match served {
+            Some(primary) => primary.quiesce(change),
+            None if record.replication.replicas.len() > 1
+                && record.replication.primary != self.shared.local_node =>
+            {
+                Err(VolumeError::Elsewhere {
+                    volume: volume.to_string(),
+                    node: record.replication.primary,
+                    address: self
+                        .shared
+                        .node_address(record.replication.primary, true)
+                        .unwrap_or_else(|| "unknown".to_string()),
+                })
+            }
+            None => change(),
+        }
+    }
+
     /// The state of a replicated volume this node serves as primary.
     pub fn primary_status(&self, volume_id: u64) -> Option<PrimaryStatus> {
         lock(&self.primaries)

@@ -32,6 +32,8 @@ const LINGER: Duration = Duration::from_millis(1);
 const LINGER_BYTES_MAX: usize = 256 << 10;
 /// How long an I/O waits for this node's lease to come back before it fails.
 const LEASE_WAIT: Duration = Duration::from_secs(3);
+/// How long a metadata change waits for the replicas to apply the writes before it.
+const QUIESCE_WAIT: Duration = Duration::from_secs(10);
 /// How long a FLUSH waits in one round before it checks the lease and the epoch again.
 const WAIT_ROUND: Duration = Duration::from_millis(100);
 
@@ -79,6 +81,8 @@ struct Peer {
     durable_upto: u64,
     stream: u64,
     next_index: u64,
+    /// Batches carry it: the replica applies them only after its catalog reached it.
+    catalog_index: u64,
     sender_running: bool,
     resync_running: bool,
     wake: Arc<tokio::sync::Notify>,
@@ -95,6 +99,7 @@ impl Peer {
             durable_upto: 0,
             stream: 0,
             next_index: 0,
+            catalog_index: 0,
             sender_running: false,
             resync_running: false,
             wake: Arc::new(tokio::sync::Notify::new()),
@@ -510,6 +515,7 @@ impl Primary {
             index: peer.next_index,
             ops,
             flush: flush_upto.is_some(),
+            catalog_index: peer.catalog_index,
         };
         peer.next_index += 1;
         Some((batch, flush_upto, bytes))
@@ -540,6 +546,54 @@ impl Primary {
                 }
             }
         }
+    }
+
+    /// Runs a change of the volume's metadata (snapshot, rollback, resize) at one point of its
+    /// write stream on every replica: no write is ordered meanwhile; every replica streaming
+    /// has applied every earlier write before `change` runs, and applies later writes only
+    /// after its catalog has the change.
+    pub fn quiesce<T>(&self, change: impl FnOnce() -> VolumeResult<T>) -> VolumeResult<T> {
+        self.lease()?;
+        let _order = lock(&self.order);
+        let upto = {
+            let mut state = self.state();
+            self.check_serving(&state)?;
+            let upto = state.next_seq - 1;
+            for peer in state.peers.values_mut().filter(|peer| peer.streaming) {
+                peer.push(Item::Flush { upto });
+            }
+            upto
+        };
+        let deadline = self.shared.clock().now() + QUIESCE_WAIT;
+        let mut state = self.state();
+        loop {
+            self.check_serving(&state)?;
+            let pending = state
+                .peers
+                .values()
+                .any(|peer| peer.streaming && peer.durable_upto < upto);
+            if !pending {
+                break;
+            }
+            if self.shared.clock().now() >= deadline {
+                return Err(unavailable(
+                    &self.name,
+                    "a replica did not confirm its writes in time; try again".to_string(),
+                ));
+            }
+            state = self
+                .changed
+                .wait_timeout(state, WAIT_ROUND)
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .0;
+        }
+        drop(state);
+        let outcome = change()?;
+        let index = self.shared.cluster.applied_index();
+        for peer in self.state().peers.values_mut() {
+            peer.catalog_index = peer.catalog_index.max(index);
+        }
+        Ok(outcome)
     }
 
     /// Moves a replica off a node that has been down for `after`, is draining or was removed,
@@ -764,6 +818,7 @@ impl Primary {
             peer.durable_upto = 0;
             peer.stream = stream;
             peer.next_index = 0;
+            peer.catalog_index = self.shared.cluster.applied_index();
             let mut state_ref = state;
             self.spawn_sender(node, &mut state_ref);
         }

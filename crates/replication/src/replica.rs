@@ -179,8 +179,26 @@ pub fn apply_ops(volume: &dyn VolumeIo, ops: &[Op], flush: bool) -> keel_volume:
     Ok(bytes)
 }
 
+/// Waits until this node's catalog applied Raft index `index` (what the primary had applied
+/// when it changed the volume's metadata between two writes).
+fn wait_for_catalog(shared: &Shared, index: u64) -> Result<(), Refusal> {
+    let clock = shared.clock();
+    let deadline = clock.now() + CATALOG_CATCH_UP;
+    while shared.cluster.applied_index() < index {
+        if clock.now() >= deadline {
+            return Err(refusal(
+                CODE_BEHIND,
+                format!("this node has not applied metadata index {index} yet"),
+            ));
+        }
+        clock.sleep_blocking(Duration::from_millis(2));
+    }
+    Ok(())
+}
+
 /// Applies one batch of a primary's stream (blocking: store I/O).
 pub(crate) fn apply(shared: &Shared, sender: NodeId, batch: Batch) -> Result<BatchAck, Refusal> {
+    wait_for_catalog(shared, batch.catalog_index)?;
     let slot = shared.replicas.slot(batch.volume_id);
     let mut slot = lock(&slot);
     let name = check_sender(shared, batch.volume_id, batch.epoch, sender)?;

@@ -56,6 +56,10 @@ pub struct Batch {
     pub ops: Vec<Op>,
     /// Make everything applied so far durable before answering.
     pub flush: bool,
+    /// Apply the ops only once this node's catalog applied at least this Raft index: a
+    /// snapshot, rollback or resize the primary made between two writes then falls between
+    /// them here too.
+    pub catalog_index: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -119,6 +123,7 @@ mod tests {
                 },
             ],
             flush: true,
+            catalog_index: 12,
         };
         let bytes = postcard::to_allocvec(&batch).unwrap();
         assert_eq!(postcard::from_bytes::<Batch>(&bytes).unwrap(), batch);
