@@ -87,6 +87,9 @@ def test_r2_volume_survives_losing_a_replica_and_resyncs_what_changed(cluster):
     assert info["in_sync"] == [1], info
     status = first.cli("status").stdout
     assert "HEALTH_WARN" in status and "KEEL_VOLUME_DEGRADED" in status, status
+    # The absent replica is listed as catching up, over the whole volume.
+    wait_until("node 2 listed as catching up", lambda: [
+        (c["node"], c["total_bytes"]) for c in replication(first, "r2")["served_here"]["catching_up"]] == [(2, SIZE)])
     # Written while the replica was away: these blocks, and nothing else, must travel.
     absent_bytes = 64 * BLOCK
     shipped_before = info["served_here"]["resync_bytes"]
@@ -94,6 +97,7 @@ def test_r2_volume_survives_losing_a_replica_and_resyncs_what_changed(cluster):
     second.start()
     wait_until("the replica back in sync", lambda: sorted(replication(first, "r2")["in_sync"]) == [1, 2], timeout=60)
     assert "KEEL_VOLUME_DEGRADED" not in first.cli("status").stdout
+    assert replication(first, "r2")["served_here"]["catching_up"] == []
     shipped = replication(first, "r2")["served_here"]["resync_bytes"] - shipped_before
     assert 0 < shipped <= 1.1 * absent_bytes, (shipped, absent_bytes)
     for index in range(320, 384):

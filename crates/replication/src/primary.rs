@@ -85,6 +85,10 @@ struct Peer {
     catalog_index: u64,
     sender_running: bool,
     resync_running: bool,
+    /// The resync in progress: when it started, and bytes compared of the volume's size.
+    resync_started: Option<std::time::Instant>,
+    resync_compared: u64,
+    resync_total: u64,
     wake: Arc<tokio::sync::Notify>,
 }
 
@@ -102,6 +106,9 @@ impl Peer {
             catalog_index: 0,
             sender_running: false,
             resync_running: false,
+            resync_started: None,
+            resync_compared: 0,
+            resync_total: 0,
             wake: Arc::new(tokio::sync::Notify::new()),
         }
     }
@@ -142,12 +149,22 @@ pub struct Primary {
     proposing: tokio::sync::Mutex<()>,
 }
 
+/// A replica being caught up: how far the comparison got, and when it should be done at the
+/// rate so far.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CatchUp {
+    pub node: NodeId,
+    pub compared_bytes: u64,
+    pub total_bytes: u64,
+    pub eta_seconds: Option<u64>,
+}
+
 /// What `volume info` shows of a replicated volume served here.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct PrimaryStatus {
     pub epoch: u64,
     pub in_sync: Vec<NodeId>,
-    pub catching_up: Vec<NodeId>,
+    pub catching_up: Vec<CatchUp>,
     pub resync_bytes: u64,
     pub closed: Option<String>,
 }
@@ -207,6 +224,7 @@ impl Primary {
     }
 
     pub fn status(&self) -> PrimaryStatus {
+        let now = self.shared.clock().now();
         let state = self.state();
         PrimaryStatus {
             epoch: state.epoch,
@@ -214,8 +232,26 @@ impl Primary {
             catching_up: state
                 .peers
                 .iter()
-                .filter(|(node, peer)| peer.streaming && !state.in_sync.contains(node))
-                .map(|(node, _)| *node)
+                .filter(|(node, _)| !state.in_sync.contains(node))
+                .map(|(node, peer)| {
+                    let elapsed = peer
+                        .resync_started
+                        .map(|started| now.saturating_duration_since(started).as_secs_f64());
+                    let eta_seconds = match elapsed {
+                        Some(elapsed) if peer.resync_compared > 0 => {
+                            let rate = peer.resync_compared as f64 / elapsed.max(0.001);
+                            let left = peer.resync_total.saturating_sub(peer.resync_compared);
+                            Some((left as f64 / rate).ceil() as u64)
+                        }
+                        _ => None,
+                    };
+                    CatchUp {
+                        node: *node,
+                        compared_bytes: peer.resync_compared,
+                        total_bytes: peer.resync_total,
+                        eta_seconds,
+                    }
+                })
                 .collect(),
             resync_bytes: state.resync_bytes,
             closed: state.closed.clone(),
@@ -819,6 +855,9 @@ impl Primary {
             peer.stream = stream;
             peer.next_index = 0;
             peer.catalog_index = self.shared.cluster.applied_index();
+            peer.resync_started = Some(self.shared.clock().now());
+            peer.resync_compared = 0;
+            peer.resync_total = self.local.size_bytes();
             let mut state_ref = state;
             self.spawn_sender(node, &mut state_ref);
         }
@@ -854,6 +893,9 @@ impl Primary {
             .map_err(|error| error.to_string())??;
             shipped += copied;
             offset += length;
+            if let Some(peer) = self.state().peers.get_mut(&node) {
+                peer.resync_compared = offset;
+            }
         }
         // Everything is queued: the replica becomes counted, flushes, and joins.
         let upto = {
