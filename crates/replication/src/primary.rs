@@ -357,8 +357,13 @@ impl Primary {
         }
     }
 
-    /// Orders one change: applies it locally and queues it to every streaming replica.
-    fn ordered(&self, op: Op, apply: impl FnOnce() -> VolumeResult<()>) -> VolumeResult<()> {
+    /// Orders one change: applies it locally and queues it to every streaming replica, built
+    /// once per replica by `op` (a write's data is copied only for the replicas that get it).
+    fn ordered(
+        &self,
+        op: impl Fn() -> Op,
+        apply: impl FnOnce() -> VolumeResult<()>,
+    ) -> VolumeResult<()> {
         self.lease()?;
         self.wait_for_room()?;
         let _order = lock(&self.order);
@@ -367,7 +372,7 @@ impl Primary {
         let mut state = self.state();
         state.next_seq += 1;
         for peer in state.peers.values_mut().filter(|peer| peer.streaming) {
-            peer.push(Item::Op(op.clone()));
+            peer.push(Item::Op(op()));
         }
         Ok(())
     }
@@ -558,16 +563,17 @@ impl Primary {
     }
 
     async fn send_batch(&self, node: NodeId, batch: &Batch) -> Result<BatchAck, Failure> {
-        let payload = postcard::to_allocvec(batch).map_err(|error| Failure {
-            code: None,
-            message: error.to_string(),
-        })?;
-        // A replica whose catalog lags a moment behind answers "behind": ask again.
+        // A replica whose catalog lags a moment behind answers "behind": ask again (encoded
+        // anew then, so the common case sends the one encoding it made).
         let mut attempts = 0;
         loop {
+            let payload = postcard::to_allocvec(batch).map_err(|error| Failure {
+                code: None,
+                message: error.to_string(),
+            })?;
             let answer = self
                 .shared
-                .call(node, METHOD_REPLICATE, payload.clone(), BATCH_TIMEOUT)
+                .call(node, METHOD_REPLICATE, payload, BATCH_TIMEOUT)
                 .await;
             match answer {
                 Err(failure) if failure.code == Some(CODE_BEHIND) && attempts < 5 => {
@@ -1059,7 +1065,7 @@ impl VolumeIo for Primary {
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> VolumeResult<()> {
         self.ordered(
-            Op::Write {
+            || Op::Write {
                 offset,
                 data: data.to_vec(),
             },
@@ -1088,9 +1094,10 @@ impl VolumeIo for Primary {
     }
 
     fn trim(&self, offset: u64, length: u64) -> VolumeResult<()> {
-        self.ordered(Op::Trim { offset, length }, || {
-            self.local.trim(offset, length)
-        })
+        self.ordered(
+            || Op::Trim { offset, length },
+            || self.local.trim(offset, length),
+        )
     }
 
     fn write_zeroes(
@@ -1101,7 +1108,7 @@ impl VolumeIo for Primary {
         may_trim: bool,
     ) -> VolumeResult<()> {
         self.ordered(
-            Op::Zeroes {
+            || Op::Zeroes {
                 offset,
                 length,
                 may_trim,
