@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use keel_catalog::{Command, NodeId};
 use keel_volume::{VolumeError, VolumeIo, VolumeResult};
@@ -86,7 +86,7 @@ struct Peer {
     sender_running: bool,
     resync_running: bool,
     /// The resync in progress: when it started, and bytes compared of the volume's size.
-    resync_started: Option<std::time::Instant>,
+    resync_started: Option<Instant>,
     resync_compared: u64,
     resync_total: u64,
     wake: Arc<tokio::sync::Notify>,
@@ -377,7 +377,25 @@ impl Primary {
         Ok(())
     }
 
-    fn wait_durable(&self, upto: u64) -> VolumeResult<()> {
+    /// Queues a FLUSH of everything ordered so far to every streaming replica (call it under
+    /// the order lock); returns the position it covers.
+    fn queue_flush(state: &mut State) -> u64 {
+        let upto = state.next_seq - 1;
+        for peer in state.peers.values_mut().filter(|peer| peer.streaming) {
+            peer.push(Item::Flush { upto });
+        }
+        upto
+    }
+
+    /// Waits until every replica `waits_for` selects has confirmed position `upto` durable.
+    /// Fails once this node may no longer serve, loses its lease for good, or at `deadline`.
+    /// Returns the state, locked.
+    fn wait_confirmed(
+        &self,
+        upto: u64,
+        waits_for: impl Fn(&Peer) -> bool,
+        deadline: Option<Instant>,
+    ) -> VolumeResult<MutexGuard<'_, State>> {
         let mut state = self.state();
         loop {
             self.check_serving(&state)?;
@@ -390,19 +408,15 @@ impl Primary {
             let pending = state
                 .peers
                 .values()
-                .any(|peer| peer.counted && peer.durable_upto < upto);
+                .any(|peer| waits_for(peer) && peer.durable_upto < upto);
             if !pending {
-                if state.in_sync.len() < state.in_sync_min {
-                    return Err(unavailable(
-                        &self.name,
-                        format!(
-                            "a replica was lost: only {} in sync, fewer than the minimum of {}",
-                            state.in_sync.len(),
-                            state.in_sync_min
-                        ),
-                    ));
-                }
-                return Ok(());
+                return Ok(state);
+            }
+            if deadline.is_some_and(|deadline| self.shared.clock().now() >= deadline) {
+                return Err(unavailable(
+                    &self.name,
+                    "a replica did not confirm its writes in time; try again".to_string(),
+                ));
             }
             state = self
                 .changed
@@ -410,6 +424,23 @@ impl Primary {
                 .unwrap_or_else(|poisoned| poisoned.into_inner())
                 .0;
         }
+    }
+
+    /// A FLUSH's wait: every replica counted for FLUSHes confirmed `upto`, and enough of them
+    /// are still in sync.
+    fn wait_durable(&self, upto: u64) -> VolumeResult<()> {
+        let state = self.wait_confirmed(upto, |peer| peer.counted, None)?;
+        if state.in_sync.len() < state.in_sync_min {
+            return Err(unavailable(
+                &self.name,
+                format!(
+                    "a replica was lost: only {} in sync, fewer than the minimum of {}",
+                    state.in_sync.len(),
+                    state.in_sync_min
+                ),
+            ));
+        }
+        Ok(())
     }
 
     fn spawn_sender(self: &Arc<Self>, node: NodeId, state: &mut State) {
@@ -600,36 +631,10 @@ impl Primary {
         let upto = {
             let mut state = self.state();
             self.check_serving(&state)?;
-            let upto = state.next_seq - 1;
-            for peer in state.peers.values_mut().filter(|peer| peer.streaming) {
-                peer.push(Item::Flush { upto });
-            }
-            upto
+            Self::queue_flush(&mut state)
         };
         let deadline = self.shared.clock().now() + QUIESCE_WAIT;
-        let mut state = self.state();
-        loop {
-            self.check_serving(&state)?;
-            let pending = state
-                .peers
-                .values()
-                .any(|peer| peer.streaming && peer.durable_upto < upto);
-            if !pending {
-                break;
-            }
-            if self.shared.clock().now() >= deadline {
-                return Err(unavailable(
-                    &self.name,
-                    "a replica did not confirm its writes in time; try again".to_string(),
-                ));
-            }
-            state = self
-                .changed
-                .wait_timeout(state, WAIT_ROUND)
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .0;
-        }
-        drop(state);
+        drop(self.wait_confirmed(upto, |peer| peer.streaming, Some(deadline))?);
         let outcome = change()?;
         let index = self.shared.cluster.applied_index();
         for peer in self.state().peers.values_mut() {
@@ -694,16 +699,8 @@ impl Primary {
             from,
             to,
         };
-        let metadata = self.shared.metadata.clone();
-        let outcome = match tokio::task::spawn_blocking(move || metadata.propose(command)).await {
-            Ok(outcome) => outcome,
-            Err(error) => {
-                tracing::warn!(volume = %self.name, %error, "moving a replica failed");
-                return;
-            }
-        };
-        match outcome {
-            Ok(_) => {
+        match self.propose(command).await {
+            Ok(()) => {
                 let mut state = self.state();
                 state.epoch = epoch + 1;
                 state.in_sync.remove(&from);
@@ -716,13 +713,29 @@ impl Primary {
                 tracing::warn!(volume = %self.name, from, to, "replica moved off a node that is gone; catching the new one up");
                 self.spawn_resync(to);
             }
+            Err(error) => {
+                tracing::info!(volume = %self.name, %error, "could not move a replica yet");
+            }
+        }
+    }
+
+    /// Proposes a change of this volume's replication through Raft. A refusal means another
+    /// node changed it meanwhile (each change is a compare-and-set on the epoch): this node
+    /// stops serving the volume.
+    async fn propose(&self, command: Command) -> Result<(), String> {
+        let metadata = self.shared.metadata.clone();
+        let outcome = tokio::task::spawn_blocking(move || metadata.propose(command))
+            .await
+            .map_err(|error| error.to_string())?;
+        match outcome {
+            Ok(_) => Ok(()),
             Err(keel_catalog::MetadataError::Refused(refusal)) => {
-                drop(_proposing);
-                self.close(format!("moving a replica was refused: {refusal}"));
+                self.close(format!(
+                    "a change of its replication was refused: {refusal}"
+                ));
+                Err(refusal.to_string())
             }
-            Err(other) => {
-                tracing::info!(volume = %self.name, error = %other, "could not move a replica yet");
-            }
+            Err(other) => Err(other.to_string()),
         }
     }
 
@@ -744,23 +757,11 @@ impl Primary {
             primary: self.shared.local_node,
             in_sync: in_sync.iter().copied().collect(),
         };
-        let metadata = self.shared.metadata.clone();
-        let outcome = tokio::task::spawn_blocking(move || metadata.propose(command))
-            .await
-            .map_err(|error| error.to_string())?;
-        match outcome {
-            Ok(_) => {
-                let mut state = self.state();
-                state.epoch = epoch + 1;
-                state.in_sync = in_sync;
-                Ok(())
-            }
-            Err(keel_catalog::MetadataError::Refused(refusal)) => {
-                self.close(format!("the in-sync set could not be changed: {refusal}"));
-                Err(refusal.to_string())
-            }
-            Err(other) => Err(other.to_string()),
-        }
+        self.propose(command).await?;
+        let mut state = self.state();
+        state.epoch = epoch + 1;
+        state.in_sync = in_sync;
+        Ok(())
     }
 
     /// Takes a failed replica out of the in-sync set (FLUSHes wait until Raft recorded it),
@@ -1083,11 +1084,7 @@ impl VolumeIo for Primary {
             let _order = lock(&self.order);
             let mut state = self.state();
             self.check_serving(&state)?;
-            let upto = state.next_seq - 1;
-            for peer in state.peers.values_mut().filter(|peer| peer.streaming) {
-                peer.push(Item::Flush { upto });
-            }
-            upto
+            Self::queue_flush(&mut state)
         };
         self.local.flush()?;
         self.wait_durable(upto)
