@@ -956,6 +956,28 @@ impl CatalogState {
             .event(Event::VolumeChanged { volume_id: id }))
     }
 
+    /// A copy of the volume's record, if its replication is still in `epoch`: every change
+    /// of replication is a compare-and-set on the epoch.
+    fn volume_in_epoch(&self, volume_id: u64, epoch: u64) -> Result<VolumeRecord, CatalogError> {
+        let record = self
+            .volumes
+            .get(&volume_id)
+            .ok_or_else(|| not_found(&format!("#{volume_id}")))?
+            .record
+            .clone();
+        if record.replication.epoch != epoch {
+            return Err(CatalogError::Invalid {
+                subject: format!("volume {:?}", record.name),
+                detail: format!(
+                    "its replication moved to epoch {} (this change was made against epoch \
+                     {epoch})",
+                    record.replication.epoch
+                ),
+            });
+        }
+        Ok(record)
+    }
+
     fn plan_set_replication(
         &self,
         volume_id: u64,
@@ -963,22 +985,12 @@ impl CatalogState {
         primary: NodeId,
         in_sync: &[NodeId],
     ) -> Result<Plan, CatalogError> {
-        let entry = self
-            .volumes
-            .get(&volume_id)
-            .ok_or_else(|| not_found(&format!("#{volume_id}")))?;
-        let mut record = entry.record.clone();
+        let mut record = self.volume_in_epoch(volume_id, epoch)?;
         let invalid = |detail: String| CatalogError::Invalid {
             subject: format!("volume {:?}", record.name),
             detail,
         };
         let current = &record.replication;
-        if current.epoch != epoch {
-            return Err(invalid(format!(
-                "its replication moved to epoch {} (this change was made against epoch {epoch})",
-                current.epoch
-            )));
-        }
         if !in_sync.contains(&primary) {
             return Err(invalid(format!(
                 "the primary (node {primary}) must be in the in-sync set"
@@ -1013,22 +1025,12 @@ impl CatalogState {
         from: NodeId,
         to: NodeId,
     ) -> Result<Plan, CatalogError> {
-        let entry = self
-            .volumes
-            .get(&volume_id)
-            .ok_or_else(|| not_found(&format!("#{volume_id}")))?;
-        let mut record = entry.record.clone();
+        let mut record = self.volume_in_epoch(volume_id, epoch)?;
         let invalid = |detail: String| CatalogError::Invalid {
             subject: format!("volume {:?}", record.name),
             detail,
         };
         let replication = &record.replication;
-        if replication.epoch != epoch {
-            return Err(invalid(format!(
-                "its replication moved to epoch {} (this change was made against epoch {epoch})",
-                replication.epoch
-            )));
-        }
         if from == replication.primary {
             return Err(invalid(format!(
                 "node {from} is the primary; attach through another replica to move it"
