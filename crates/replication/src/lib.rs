@@ -8,7 +8,8 @@
 //! primary that lost its place cannot get a FLUSH acknowledged.
 //!
 //! - [`protocol`]: the protocol's core as a pure state machine, checked exhaustively with
-//!   stateright in `tests/model.rs` against crashes, lost and reordered messages.
+//!   stateright in `tests/model.rs` against crashes, lost and reordered messages. It is the
+//!   specification: the engine follows its rules without running it.
 //! - [`Replication`]: the engine. A client attaching to a replicated volume on a node that
 //!   holds a replica makes that node the volume's primary ([`Replication::open`]); the
 //!   primary ([`primary`]) streams the volume's own writes (offset, data) to the replicas

@@ -15,9 +15,14 @@
 //! history to the other members ([`Message::Adopt`]); a member adopting it keeps as durable only
 //! the prefix it shares with that history.
 //!
-//! Time and leases are not in here: the engine calls [`Node::lease_expired`] when the lease it
-//! holds from Raft runs out, and Raft waits out a lease (plus a drift margin) before it records
-//! a new primary. Nothing here reads a clock, does I/O or allocates a network connection.
+//! Time and leases are not in here: the model calls [`Node::lease_expired`] when a lease runs
+//! out, and Raft waits out a lease (plus a drift margin) before it records a new primary.
+//! Nothing here reads a clock, does I/O or allocates a network connection.
+//!
+//! This is the specification the model checker explores; the engine ([`crate::primary`],
+//! [`crate::replica`]) follows the same rules but does not run this code. One difference: a
+//! new primary does not send its history (`Adopt`); it takes over alone in sync and catches
+//! the other replicas up by comparing their blocks, which reaches the same state.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -171,7 +176,7 @@ impl Node {
         }
     }
 
-    /// A member the FLUSH in progress still waits for: the engine proposes to Raft that it leave
+    /// A member the FLUSH in progress still waits for: the primary proposes to Raft that it leave
     /// the ISR (`Assignment` with `epoch + 1`), after a timeout, and acknowledges nothing until
     /// Raft committed it.
     pub fn shrink_proposal(&self, me: NodeId) -> Option<(u64, NodeId)> {
