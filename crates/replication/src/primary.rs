@@ -2,7 +2,8 @@
 //! queued, in order, to a stream per replica; a FLUSH is acknowledged when the local store and
 //! every counted replica (the in-sync set, and a replica about to join it) have made it durable.
 //! A replica that fails is taken out of the in-sync set through Raft before a FLUSH completes
-//! without it; a replica outside the set catches up (`Primary::resync`) and is put back through Raft.
+//! without it; a replica outside the set catches up (`Primary::resync`) and is put back
+//! through Raft.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
