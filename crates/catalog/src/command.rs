@@ -202,6 +202,16 @@ pub enum Command {
         from: NodeId,
         to: NodeId,
     },
+    /// Changes a volume's replica set (and so R) and its in-sync minimum, in epoch `epoch + 1`;
+    /// refused unless the volume is still in `epoch`. The primary keeps its replica; added
+    /// nodes start out of sync and are caught up by the primary; removed ones leave the
+    /// in-sync set and erase their copy.
+    VolumeSetReplicas {
+        volume_id: u64,
+        epoch: u64,
+        replicas: Vec<NodeId>,
+        in_sync_min: u8,
+    },
 }
 
 impl Command {
@@ -217,6 +227,7 @@ impl Command {
             Command::VolumeCreate { .. } => "volume-create",
             Command::VolumeSetReplication { .. } => "volume-set-replication",
             Command::VolumeMoveReplica { .. } => "volume-move-replica",
+            Command::VolumeSetReplicas { .. } => "volume-set-replicas",
             Command::VolumeClone { .. } => "volume-clone",
             Command::VolumeDelete { .. } => "volume-delete",
             Command::VolumeForget { .. } => "volume-forget",

@@ -24,8 +24,9 @@ use serde::{Deserialize, Serialize};
 
 pub use command::{Command, Event, NodeSpec, Outcome, VolumeSettings};
 pub use records::{
-    BucketRecord, ClusterRecord, DeviceRecord, KeyRecord, NodeAddresses, NodeRecord, NodeRole,
-    NodeState, Origin, Replication, SnapshotRecord, VolumeRecord, VolumeStatus,
+    default_in_sync_min, BucketRecord, ClusterRecord, DeviceRecord, KeyRecord, NodeAddresses,
+    NodeRecord, NodeRole, NodeState, Origin, Replication, SnapshotRecord, VolumeRecord,
+    VolumeStatus, REPLICAS_MAX,
 };
 pub use state::{CatalogState, Change, Plan, VolumeEntry};
 

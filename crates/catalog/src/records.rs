@@ -173,6 +173,19 @@ pub struct Replication {
     pub in_sync: Vec<NodeId>,
 }
 
+/// Replicas a volume keeps at most.
+pub const REPLICAS_MAX: usize = 3;
+
+/// The in-sync minimum a new volume with `factor` replicas gets: R=3 keeps writing with one
+/// replica lost, never with two; R=2 keeps writing on one.
+pub fn default_in_sync_min(factor: u8) -> u8 {
+    if factor >= 3 {
+        2
+    } else {
+        1
+    }
+}
+
 impl Replication {
     pub fn single(node: NodeId) -> Replication {
         Replication {

@@ -531,6 +531,12 @@ impl CatalogState {
                 from,
                 to,
             } => self.plan_move_replica(*volume_id, *epoch, *from, *to),
+            Command::VolumeSetReplicas {
+                volume_id,
+                epoch,
+                replicas,
+                in_sync_min,
+            } => self.plan_set_replicas(*volume_id, *epoch, replicas, *in_sync_min),
             Command::SnapshotCreate {
                 volume,
                 snapshot,
@@ -1057,6 +1063,127 @@ impl CatalogState {
             .change(Change::PutVolume(record)))
     }
 
+    fn plan_set_replicas(
+        &self,
+        volume_id: u64,
+        epoch: u64,
+        replicas: &[NodeId],
+        in_sync_min: u8,
+    ) -> Result<Plan, CatalogError> {
+        let mut record = self.volume_in_epoch(volume_id, epoch)?;
+        let invalid = |detail: String| CatalogError::Invalid {
+            subject: format!("volume {:?}", record.name),
+            detail,
+        };
+        if record.status != VolumeStatus::Ready {
+            return Err(invalid(
+                "it is not ready (being received or deleted)".to_string(),
+            ));
+        }
+        let current = &record.replication;
+        if replicas.is_empty() || replicas.len() > records::REPLICAS_MAX {
+            return Err(invalid(format!(
+                "{} replicas: Keel keeps 1 to {}",
+                replicas.len(),
+                records::REPLICAS_MAX
+            )));
+        }
+        if !replicas.contains(&current.primary) {
+            return Err(invalid(format!(
+                "the primary (node {}) keeps its replica; attach through another replica first",
+                current.primary
+            )));
+        }
+        for (index, &node) in replicas.iter().enumerate() {
+            if replicas[..index].contains(&node) {
+                return Err(invalid(format!("node {node} is named twice as a replica")));
+            }
+            if current.replicas.contains(&node) {
+                continue;
+            }
+            let target = self.live_node(node)?;
+            if target.role != crate::records::NodeRole::Storage || target.draining {
+                return Err(invalid(format!(
+                    "node {} cannot take a replica (a witness, or draining)",
+                    target.name
+                )));
+            }
+        }
+        if in_sync_min == 0 || usize::from(in_sync_min) > replicas.len() {
+            return Err(invalid(format!(
+                "an in-sync minimum of {in_sync_min} with {} replicas: it must be 1 to {}",
+                replicas.len(),
+                replicas.len()
+            )));
+        }
+        let in_sync = current
+            .in_sync
+            .iter()
+            .copied()
+            .filter(|node| replicas.contains(node))
+            .collect();
+        record.replication = Replication {
+            factor: replicas.len() as u8,
+            in_sync_min,
+            replicas: replicas.to_vec(),
+            epoch: epoch + 1,
+            primary: current.primary,
+            in_sync,
+        };
+        Ok(Plan::new(Outcome::Done)
+            .event(Event::VolumeChanged { volume_id })
+            .change(Change::PutVolume(record)))
+    }
+
+    /// Up to `count` storage nodes to take new replicas of a volume whose replicas are on
+    /// `holding`: up, not draining or removed, holding none; each pick shares the fewest
+    /// failure-domain labels (same key, same value: `zone`, `rack`, `host`, ...) with the
+    /// replicas already placed, then the lowest id.
+    pub fn choose_replica_nodes(&self, holding: &[NodeId], count: usize) -> Vec<NodeId> {
+        let mut placed: Vec<&NodeRecord> = holding
+            .iter()
+            .filter_map(|node| self.nodes.get(node))
+            .collect();
+        let mut candidates: Vec<&NodeRecord> = self
+            .nodes
+            .values()
+            .filter(|node| {
+                !node.removed
+                    && !node.draining
+                    && node.role == crate::records::NodeRole::Storage
+                    && node.state == NodeState::Up
+                    && !holding.contains(&node.id)
+            })
+            .collect();
+        let mut chosen = Vec::new();
+        while chosen.len() < count {
+            let shared_labels = |candidate: &NodeRecord| -> usize {
+                placed
+                    .iter()
+                    .map(|other| {
+                        candidate
+                            .labels
+                            .iter()
+                            .filter(|(key, value)| other.labels.get(*key) == Some(*value))
+                            .count()
+                    })
+                    .sum()
+            };
+            let Some(best) = candidates
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, node)| (shared_labels(node), node.id))
+                .map(|(index, _)| index)
+            else {
+                break;
+            };
+            let node = candidates.remove(best);
+            chosen.push(node.id);
+            placed.push(node);
+        }
+        chosen
+    }
+
     /// Replicas must be distinct live storage nodes; the first is the primary.
     fn check_placement(
         &self,
@@ -1087,8 +1214,7 @@ impl CatalogState {
             .map_err(|_| invalid(format!("{} replicas is too many", replicas.len())))?;
         Ok(Replication {
             factor,
-            // R=3 keeps writing with one replica lost, never with two.
-            in_sync_min: if factor >= 3 { 2 } else { 1 },
+            in_sync_min: records::default_in_sync_min(factor),
             replicas: replicas.to_vec(),
             epoch: 1,
             primary,

@@ -78,6 +78,20 @@ fn command() -> impl Strategy<Value = Command> {
         volume
             .clone()
             .prop_map(|name| Command::VolumeDelete { name }),
+        (
+            0u64..6,
+            1u64..4,
+            prop::collection::vec(1u64..4, 0..4),
+            0u8..4
+        )
+            .prop_map(|(volume_id, epoch, replicas, in_sync_min)| {
+                Command::VolumeSetReplicas {
+                    volume_id,
+                    epoch,
+                    replicas,
+                    in_sync_min,
+                }
+            }),
         (0u64..6, 1u64..4, 1u64..4, 1u64..4).prop_map(|(volume_id, epoch, from, to)| {
             Command::VolumeMoveReplica {
                 volume_id,
@@ -181,6 +195,12 @@ fn check_invariants(state: &CatalogState) {
             .iter()
             .all(|node| replication.replicas.contains(node)));
         assert!(replication.epoch >= 1);
+        assert!(replication.replicas.contains(&replication.primary));
+        assert_eq!(usize::from(replication.factor), replication.replicas.len());
+        assert!(
+            replication.in_sync_min >= 1
+                && usize::from(replication.in_sync_min) <= replication.replicas.len()
+        );
         assert_eq!(record.generation, record.view[0].generation_max);
         assert!(record.generation < record.generation_next);
         for snapshot in entry.snapshots.values() {
@@ -345,6 +365,118 @@ fn replication_changes_compare_the_epoch() {
         "the new replica starts out of sync"
     );
     assert_eq!(replication.epoch, 5);
+
+    // Changing R: the primary (node 2) keeps its replica, nodes are distinct, the minimum
+    // fits, and only in the current epoch.
+    let resize = |epoch, replicas: Vec<u64>, in_sync_min| Command::VolumeSetReplicas {
+        volume_id: id,
+        epoch,
+        replicas,
+        in_sync_min,
+    };
+    let refused = catalog.propose(resize(5, vec![3, 1], 1)).unwrap_err();
+    assert!(
+        refused.to_string().contains("keeps its replica"),
+        "{refused}"
+    );
+    assert!(catalog.propose(resize(5, vec![2, 2], 1)).is_err(), "twice");
+    assert!(
+        catalog.propose(resize(5, vec![2, 9], 1)).is_err(),
+        "a stranger"
+    );
+    assert!(
+        catalog.propose(resize(5, vec![2, 3], 3)).is_err(),
+        "minimum above R"
+    );
+    assert!(
+        catalog.propose(resize(5, vec![2, 3], 0)).is_err(),
+        "minimum zero"
+    );
+    assert!(
+        catalog.propose(resize(4, vec![2, 3, 1], 1)).is_err(),
+        "an old epoch"
+    );
+    catalog.propose(resize(5, vec![2, 3, 1], 2)).unwrap();
+    let replication = catalog
+        .catalog()
+        .read()
+        .volume("r2")
+        .unwrap()
+        .record
+        .replication
+        .clone();
+    assert_eq!(replication.replicas, vec![2, 3, 1]);
+    assert_eq!((replication.factor, replication.in_sync_min), (3, 2));
+    assert_eq!(
+        replication.in_sync,
+        vec![2],
+        "added replicas start out of sync"
+    );
+    assert_eq!(replication.epoch, 6);
+    // Down to R=1: the removed replicas leave the in-sync set.
+    catalog.propose(set(6, 2, vec![2, 3])).unwrap();
+    catalog.propose(resize(7, vec![2], 1)).unwrap();
+    let replication = catalog
+        .catalog()
+        .read()
+        .volume("r2")
+        .unwrap()
+        .record
+        .replication
+        .clone();
+    assert_eq!(
+        (
+            replication.replicas,
+            replication.in_sync,
+            replication.factor
+        ),
+        (vec![2], vec![2], 1)
+    );
+}
+
+// Proves new replicas go to the nodes that share the fewest failure-domain labels with the
+// replicas already placed, and never to a node that is down, draining or a witness.
+#[test]
+fn placement_spreads_replicas_over_failure_domains() {
+    let dir = store_dir("placement");
+    let catalog = LocalCatalog::open(open(&dir)).unwrap();
+    let zone = |id: u64, zone: &str| {
+        let Command::NodeAdd { mut node, .. } = second_node() else {
+            unreachable!()
+        };
+        node.name = format!("n{id}");
+        node.instance = [id as u8; 16];
+        node.addresses.cluster = format!("127.0.0.{id}:3902");
+        node.labels.insert("zone".to_string(), zone.to_string());
+        Command::NodeAdd {
+            node,
+            joined_unix_ms: 4,
+        }
+    };
+    // Node 1 (unlabelled) exists; 2 and 3 in zone a, 4 in zone b.
+    catalog.propose(zone(2, "a")).unwrap();
+    catalog.propose(zone(3, "a")).unwrap();
+    catalog.propose(zone(4, "b")).unwrap();
+    let state = catalog.catalog().read().clone();
+    assert_eq!(state.choose_replica_nodes(&[2], 1), vec![1]);
+    assert_eq!(state.choose_replica_nodes(&[2, 1], 1), vec![4]);
+    assert_eq!(state.choose_replica_nodes(&[3], 2), vec![1, 4]);
+    assert_eq!(state.choose_replica_nodes(&[2, 3], 5), vec![1, 4]);
+    catalog
+        .propose(Command::NodeSetDraining {
+            id: 4,
+            draining: true,
+        })
+        .unwrap();
+    catalog
+        .propose(Command::NodeSetState {
+            id: 1,
+            state: keel_catalog::NodeState::Down,
+            at_unix_ms: 9,
+        })
+        .unwrap();
+    let state = catalog.catalog().read().clone();
+    assert_eq!(state.choose_replica_nodes(&[2], 2), vec![3]);
 }
 
 /// Some unrelated catalog records the restore must remove.

@@ -283,31 +283,26 @@ impl VolumeManager {
     }
 
     /// Where a new volume's `count` replicas go: this node first (the client attaches here),
-    /// then the other storage nodes that are up and not draining, in id order.
+    /// then other storage nodes that are up and not draining, spread over failure domains
+    /// ([`keel_catalog::CatalogState::choose_replica_nodes`]).
     fn place(&self, volume: &str, count: u8) -> VolumeResult<Vec<NodeId>> {
         let local = self.metadata.local_node();
         let wanted = usize::from(count.max(1));
-        if wanted > 3 {
+        if wanted > keel_catalog::REPLICAS_MAX {
             return Err(VolumeError::Invalid {
                 volume: volume.to_string(),
-                detail: format!("{count} replicas: Keel keeps 1, 2 or 3"),
+                detail: format!(
+                    "{count} replicas: Keel keeps 1 to {}",
+                    keel_catalog::REPLICAS_MAX
+                ),
             });
         }
         let mut replicas = vec![local];
-        let state = self.metadata.catalog().read();
         replicas.extend(
-            state
-                .nodes
-                .values()
-                .filter(|node| {
-                    node.id != local
-                        && !node.removed
-                        && !node.draining
-                        && node.role == keel_catalog::NodeRole::Storage
-                        && node.state == keel_catalog::NodeState::Up
-                })
-                .map(|node| node.id)
-                .take(wanted - 1),
+            self.metadata
+                .catalog()
+                .read()
+                .choose_replica_nodes(&[local], wanted - 1),
         );
         if replicas.len() < wanted {
             return Err(VolumeError::Invalid {
