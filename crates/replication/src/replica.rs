@@ -35,7 +35,9 @@ struct Position {
 #[derive(Default)]
 struct Replica {
     position: Option<Position>,
-    handle: Option<Arc<dyn VolumeIo>>,
+    /// The local volume, opened in the epoch beside it: a later epoch opens it again (the
+    /// replica may have been removed from this node and placed back since).
+    handle: Option<(u64, Arc<dyn VolumeIo>)>,
 }
 
 /// Every volume this node holds a replica of. Each volume's mutex is held while a batch is
@@ -136,22 +138,23 @@ fn check_sender(
     }
 }
 
-fn handle<'a>(
+fn handle(
     shared: &Shared,
-    slot: &'a mut ReplicaSlot,
+    slot: &mut ReplicaSlot,
     name: &str,
-) -> Result<&'a Arc<dyn VolumeIo>, Refusal> {
-    if slot.replica.handle.is_none() {
-        let opened = shared
-            .local
-            .open_local(name)
-            .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
-        slot.replica.handle = Some(opened);
+    epoch: u64,
+) -> Result<Arc<dyn VolumeIo>, Refusal> {
+    match &slot.replica.handle {
+        Some((opened_in, volume)) if *opened_in == epoch => Ok(volume.clone()),
+        _ => {
+            let opened = shared
+                .local
+                .open_local(name)
+                .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
+            slot.replica.handle = Some((epoch, opened.clone()));
+            Ok(opened)
+        }
     }
-    slot.replica
-        .handle
-        .as_ref()
-        .ok_or_else(|| refusal(CODE_FAILED, "no handle".to_string()))
 }
 
 /// Applies a batch's changes to this node's copy of the volume, in order, and with `flush`
@@ -220,7 +223,7 @@ pub(crate) fn apply(shared: &Shared, sender: NodeId, batch: Batch) -> Result<Bat
     }
     // A failure below leaves the position unset: the primary must resync this replica.
     slot.replica.position = None;
-    let volume = handle(shared, &mut slot, &name)?.clone();
+    let volume = handle(shared, &mut slot, &name, batch.epoch)?;
     let bytes = apply_ops(volume.as_ref(), &batch.ops, batch.flush)
         .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
     shared.counters.received(bytes);
@@ -242,7 +245,7 @@ pub(crate) fn hashes(
     let slot = shared.replicas.slot(request.volume_id);
     let mut slot = lock(&slot);
     let name = check_sender(shared, request.volume_id, request.epoch, sender)?;
-    let volume = handle(shared, &mut slot, &name)?.clone();
+    let volume = handle(shared, &mut slot, &name, request.epoch)?;
     let block = u64::from(volume.block_size_bytes());
     if !request.offset.is_multiple_of(block)
         || !request.length.is_multiple_of(block)

@@ -366,7 +366,8 @@ impl Drop for SnapshotUse {
 struct Work {
     /// Hosted volumes to erase (their record is `Deleting`).
     erase: BTreeSet<u64>,
-    /// Volume ids with blocks but no record at all (found at start or after a snapshot install).
+    /// Volume ids with blocks here that this node does not host: no record at all (found at
+    /// start or after a snapshot install), or a replica the catalog moved or removed.
     erase_orphans: BTreeSet<u64>,
     /// Hosted volumes whose garbage to collect.
     collect: BTreeSet<u64>,
@@ -677,9 +678,37 @@ impl Engine {
             None => {
                 if let Some(shared) = volumes.remove(&volume_id) {
                     shared.deleted.store(true, Ordering::SeqCst);
+                    drop(volumes);
+                    if self.erasable_here(state, volume_id) {
+                        tracing::info!(volume = %shared.name, "this node no longer holds a replica; erasing its copy");
+                        self.enqueue(|work| {
+                            work.erase_orphans.insert(volume_id);
+                        });
+                    }
                 }
             }
         }
+    }
+
+    /// Whether this node's blocks of `volume_id` are garbage: the catalog has no such volume,
+    /// or has its replicas on other nodes and no volume hosted here reads through its blocks
+    /// (a clone made while the replica was here).
+    fn erasable_here(&self, state: &CatalogState, volume_id: u64) -> bool {
+        let Some(entry) = state.volumes.get(&volume_id) else {
+            return true;
+        };
+        let reads_through = |view: &[keel_catalog::view::Layer]| {
+            view.iter().any(|layer| layer.volume_id == volume_id)
+        };
+        !entry.record.replication.hosts(self.local_node)
+            && !state.volumes.values().any(|other| {
+                other.record.replication.hosts(self.local_node)
+                    && (reads_through(&other.record.view)
+                        || other
+                            .snapshots
+                            .values()
+                            .any(|snapshot| reads_through(&snapshot.view)))
+            })
     }
 
     /// Brings every hosted volume in line with the catalog.
@@ -701,7 +730,7 @@ impl Engine {
     fn find_orphans(&self, state: &CatalogState) -> VolumeResult<()> {
         let orphans = record::volume_ids_with_blocks(&self.store)?
             .into_iter()
-            .filter(|id| !state.volumes.contains_key(id))
+            .filter(|id| self.erasable_here(state, *id))
             .collect::<Vec<u64>>();
         if !orphans.is_empty() {
             tracing::info!(
@@ -796,9 +825,19 @@ fn worker_loop(engine: std::sync::Weak<Engine>) {
                 strong.work_changed.notify_all();
                 result
             }
-            Job::EraseOrphan(id) => {
-                scan::delete_all_blocks(&strong.store, id, &format!("#{id}"), 0, &mut |_| {})
-            }
+            // Batch by batch, and only while the volume is not hosted here: a replica placed
+            // back on this node meanwhile keeps what it is sent from then on.
+            Job::EraseOrphan(id) => scan::delete_all_blocks_while(
+                &strong.store,
+                id,
+                &format!("#{id}"),
+                0,
+                &mut |_| {},
+                || {
+                    let volumes = read(&strong.volumes);
+                    (!volumes.contains_key(&id)).then_some(volumes)
+                },
+            ),
             Job::Collect(id) => {
                 let result = strong.collect(id, &mut |_| {});
                 let mut work = lock(&strong.work);

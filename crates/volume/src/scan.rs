@@ -294,9 +294,25 @@ pub(crate) fn delete_all_blocks(
     size_blocks: u64,
     progress: &mut dyn FnMut(Progress),
 ) -> VolumeResult<()> {
+    delete_all_blocks_while(store, volume_id, volume, size_blocks, progress, || Some(()))
+}
+
+/// [`delete_all_blocks`], each batch under the guard `hold` returns; stops (without error)
+/// once it returns `None`.
+pub(crate) fn delete_all_blocks_while<G>(
+    store: &Store,
+    volume_id: u64,
+    volume: &str,
+    size_blocks: u64,
+    progress: &mut dyn FnMut(Progress),
+    hold: impl Fn() -> Option<G>,
+) -> VolumeResult<()> {
     let end = volume_blocks_end(volume_id);
     let start = block_key(volume_id, 0, 0);
     loop {
+        let Some(_held) = hold() else {
+            return Ok(());
+        };
         // Always restart from the beginning: the previous page is deleted, so this pages on.
         let page = store
             .keys(&start, &end, DELETE_BATCH_OPS_MAX)
