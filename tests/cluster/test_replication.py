@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -423,3 +424,103 @@ def test_snapshots_of_an_r2_volume_cut_the_same_writes_on_both_replicas(cluster)
             snapshot.close()
     code, answer = second.api("POST", "/api/v1/volumes/snaps/snapshots", {"name": "elsewhere"})
     assert code == 421, (code, answer)
+
+
+def test_replicas_change_online_and_a_removed_replica_erases_its_copy(cluster):
+    """Three storage nodes. An R=1 volume attached through node 1 is raised to R=3 while a
+    client writes and flushes through the same NBD connection: the attached connection
+    switches to replicated writes, the new replicas (nodes 2 and 3) catch up and join the
+    in-sync set. The minimum is raised, then R lowered to 2: node 3 (the highest id) leaves
+    and erases its copy. Another node refuses the change with the primary's address. Then
+    the primary is killed and the volume, attached through node 2, holds every flushed
+    write, including those written while R changed."""
+    nodes = [cluster.add() for _ in range(3)]
+    wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
+    first, second, third = nodes
+    code, created = first.api("POST", "/api/v1/volumes", {"name": "grow", "size_bytes": SIZE}, timeout=30)
+    assert code == 200, created
+    assert replication(first, "grow")["replicas"] == [1]
+    client = attach(first, "grow")
+    expected = {}
+    for index in range(256):
+        expected[index] = block("single", index)
+        client.write(index * BLOCK, expected[index])
+    client.flush()
+
+    # A writer on the attached connection while R goes from 1 to 3.
+    flushed = {}
+    failure = []
+
+    def write_during_change():
+        try:
+            pending = {}
+            for index in range(256, 1024):
+                pending[index] = block("changing", index)
+                client.write(index * BLOCK, pending[index])
+                if index % 16 == 15:
+                    client.flush()
+                    flushed.update(pending)
+                    pending.clear()
+        except Exception as error:  # noqa: BLE001 - reported below
+            failure.append(error)
+
+    writer = threading.Thread(target=write_during_change)
+    writer.start()
+    time.sleep(0.2)
+    out = first.cli("volume", "set-replication", "grow", "--replicas", "3").stdout
+    assert "3 replica(s)" in out, out
+    writer.join(timeout=120)
+    assert not writer.is_alive() and not failure, failure
+    expected.update(flushed)
+    assert len(flushed) == 768, len(flushed)
+    info = replication(first, "grow")
+    assert info["factor"] == 3 and sorted(info["replicas"]) == [1, 2, 3], info
+    assert info["in_sync_min"] == 1, "the minimum stays unless asked"
+    wait_until("all three replicas in sync",
+               lambda: sorted(replication(first, "grow")["in_sync"]) == [1, 2, 3], timeout=90)
+
+    # Refusals: too many replicas; a minimum above R; the change through a non-primary.
+    assert first.cli("volume", "set-replication", "grow", "--replicas", "4", check=False).returncode != 0
+    code, answer = first.api("POST", "/api/v1/volumes/grow/replication", {"in_sync_min": 4})
+    assert code == 400 and "minimum" in str(answer), (code, answer)
+    code, answer = second.api("POST", "/api/v1/volumes/grow/replication", {"replicas": 2})
+    assert code == 421, (code, answer)
+
+    first.cli("volume", "set-replication", "grow", "--min-in-sync", "3")
+    assert replication(first, "grow")["in_sync_min"] == 3
+    def stored(node):
+        code, report = node.api("GET", "/api/v1/status")
+        assert code == 200, report
+        return report["store"]["live_raw_bytes"]
+
+    third_bytes = stored(third)
+    assert third_bytes >= 1024 * BLOCK, third_bytes
+    first.cli("volume", "set-replication", "grow", "--replicas", "2")
+    info = replication(first, "grow")
+    assert info["replicas"] == [1, 2] and info["in_sync_min"] == 2, info
+    assert sorted(info["in_sync"]) == [1, 2], info
+    wait_until("node 3 erased its copy",
+               lambda: stored(third) < 64 * BLOCK, timeout=60)
+    for index in range(1024, 1088):
+        expected[index] = block("r2", index)
+        client.write(index * BLOCK, expected[index])
+    client.flush()
+
+    first.kill9()
+    other = attach(second, "grow", timeout=60)
+    for index, data in expected.items():
+        assert other.read(index * BLOCK, BLOCK) == data, f"block {index} lost"
+    assert replication(second, "grow")["primary"] == 2
+    # One replica in sync, the minimum is 2: writes are refused until it is lowered.
+    try:
+        other.write(0, block("refused", 0))
+        other.flush()
+        raise AssertionError("a write was accepted below the in-sync minimum")
+    except NbdError as refused:
+        assert "failed with errno" in str(refused), refused
+    other.close()
+    second.cli("volume", "set-replication", "grow", "--min-in-sync", "1")
+    other = attach(second, "grow")
+    other.write(0, block("accepted", 0))
+    other.flush()
+    assert other.read(0, BLOCK) == block("accepted", 0)

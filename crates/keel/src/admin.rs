@@ -124,6 +124,10 @@ pub fn router(state: Shared) -> Router {
         )
         .route("/api/v1/volumes/{name}/resize", post(resize_volume))
         .route(
+            "/api/v1/volumes/{name}/replication",
+            post(set_volume_replication),
+        )
+        .route(
             "/api/v1/volumes/{name}/snapshots",
             get(list_snapshots).post(create_snapshot),
         )
@@ -535,6 +539,35 @@ async fn resize_volume(
         Ok(Json(
             serde_json::json!({ "name": name, "size_bytes": request.size_bytes }),
         ))
+    })
+    .await
+}
+
+#[derive(Deserialize)]
+pub struct SetReplication {
+    pub replicas: Option<u8>,
+    pub in_sync_min: Option<u8>,
+}
+
+async fn set_volume_replication(
+    State(state): State<Shared>,
+    Path(name): Path<String>,
+    Json(request): Json<SetReplication>,
+) -> ApiResult<Json<serde_json::Value>> {
+    blocking(move || {
+        let replication =
+            state
+                .replication
+                .set_replicas(&name, request.replicas, request.in_sync_min)?;
+        Ok(Json(serde_json::json!({
+            "name": name,
+            "factor": replication.factor,
+            "in_sync_min": replication.in_sync_min,
+            "replicas": replication.replicas,
+            "epoch": replication.epoch,
+            "primary": replication.primary,
+            "in_sync": replication.in_sync,
+        })))
     })
     .await
 }

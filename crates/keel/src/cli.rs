@@ -247,6 +247,18 @@ pub enum VolumeCommand {
         #[arg(long)]
         allow_shrink: bool,
     },
+    /// Change a volume's replicas (R) or in-sync minimum, online, through its primary: new
+    /// replicas are caught up in the background (`volume info` shows progress); removed ones
+    /// erase their copy.
+    SetReplication {
+        name: String,
+        /// Replicas wanted: 1, 2 or 3.
+        #[arg(long)]
+        replicas: Option<u8>,
+        /// Writes fail rather than go on with fewer replicas in sync than this (1 to R).
+        #[arg(long)]
+        min_in_sync: Option<u8>,
+    },
     /// Delete a volume and its snapshots.
     Delete { name: String },
 }
@@ -308,6 +320,25 @@ pub fn volume(connection: &Connection, command: VolumeCommand) -> anyhow::Result
                 json!({ "size_bytes": parse_size(&size)?, "allow_shrink": allow_shrink }),
             )?;
             println!("resized volume {name} to {size}");
+        }
+        VolumeCommand::SetReplication {
+            name,
+            replicas,
+            min_in_sync,
+        } => {
+            if replicas.is_none() && min_in_sync.is_none() {
+                return Err(anyhow!(
+                    "nothing to change: give --replicas and/or --min-in-sync"
+                ));
+            }
+            let changed: Value = client.post(
+                &format!("/api/v1/volumes/{}/replication", Client::encode(&name)),
+                json!({ "replicas": replicas, "in_sync_min": min_in_sync }),
+            )?;
+            println!(
+                "volume {name}: {} replica(s) on nodes {}, minimum {} in sync; in sync now: {}",
+                changed["factor"], changed["replicas"], changed["in_sync_min"], changed["in_sync"]
+            );
         }
         VolumeCommand::Delete { name } => {
             let started: Value =

@@ -16,6 +16,7 @@
 //!   over `keel-rpc`; the replica side ([`replica`]) applies them in order to its local
 //!   volume. Nothing below this crate knows about other nodes.
 
+mod attached;
 pub mod primary;
 pub mod protocol;
 pub mod replica;
@@ -23,12 +24,13 @@ pub mod wire;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use keel_catalog::{Command, Metadata, MetadataError, NodeId};
 use keel_volume::{VolumeError, VolumeIo, VolumeResult};
 
+use crate::attached::Attached;
 use crate::primary::{Failure, Primary, PrimaryStatus};
 use crate::replica::Replicas;
 use crate::wire::{CODE_BAD_REQUEST, METHOD_HASHES, METHOD_REPLICATE};
@@ -40,8 +42,10 @@ pub const LEASE: Duration = Duration::from_secs(2);
 pub const TAKE_OVER_SILENCE: Duration = Duration::from_millis(2500);
 /// The unit a resync compares and ships.
 pub const RESYNC_CHUNK_BYTES: u64 = 1 << 20;
-/// How long attaching waits for enough replicas to be in sync to accept writes.
-const ATTACH_WAIT_FOR_IN_SYNC: Duration = Duration::from_secs(60);
+/// How long attaching waits for enough replicas to be in sync to accept writes; after it the
+/// client is attached anyway (reads work, writes fail with the reason until enough replicas
+/// caught up). Well under an NBD client's handshake timeout.
+const ATTACH_WAIT_FOR_IN_SYNC: Duration = Duration::from_secs(10);
 
 pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
@@ -147,7 +151,10 @@ impl Shared {
 pub struct Replication {
     shared: Arc<Shared>,
     primaries: Mutex<HashMap<u64, Arc<Primary>>>,
-    /// Serializes attaches (one take-over of a volume at a time).
+    /// Volumes with one replica that clients attached here (raising R switches them over to
+    /// a primary).
+    singles: Mutex<HashMap<u64, Weak<Attached>>>,
+    /// Serializes attaches and replica-set changes (one take-over of a volume at a time).
     attaching: Mutex<()>,
 }
 
@@ -182,6 +189,7 @@ impl Replication {
                 counters: Counters::default(),
             }),
             primaries: Mutex::new(HashMap::new()),
+            singles: Mutex::new(HashMap::new()),
             attaching: Mutex::new(()),
         });
         replication
@@ -266,7 +274,7 @@ impl Replication {
             })?;
         let replication = record.replication.clone();
         if replication.replicas.len() <= 1 {
-            return self.shared.local.open_local(name);
+            return self.open_single(name, record.id);
         }
         let primary_address = || {
             self.shared
@@ -378,6 +386,171 @@ impl Replication {
                 .sleep_blocking(Duration::from_millis(20));
         }
         Ok(primary)
+    }
+
+    /// A volume with one replica: the primary already serving it here (its R was lowered to
+    /// 1), or its local copy behind a switch that raising R turns into a primary.
+    fn open_single(&self, name: &str, volume_id: u64) -> VolumeResult<Arc<dyn VolumeIo>> {
+        let _attaching = lock(&self.attaching);
+        if let Some(primary) = lock(&self.primaries)
+            .get(&volume_id)
+            .filter(|primary| !primary.is_closed())
+        {
+            return Ok(primary.clone());
+        }
+        let mut singles = lock(&self.singles);
+        if let Some(attached) = singles.get(&volume_id).and_then(Weak::upgrade) {
+            return Ok(attached);
+        }
+        let attached = Arc::new(Attached::new(name, self.shared.local.open_local(name)?));
+        singles.retain(|_, attached| attached.strong_count() > 0);
+        singles.insert(volume_id, Arc::downgrade(&attached));
+        Ok(attached)
+    }
+
+    /// Changes a volume's replication factor R (1 to 3) and its in-sync minimum, online.
+    /// Only the volume's primary does it (another node is refused with its address). Added
+    /// replicas go to up storage nodes spread over failure domains and are caught up by the
+    /// primary in the background; lowering R removes replicas that are out of sync first,
+    /// never the primary's. Without a new minimum the current one stays (lowered to R if it
+    /// would exceed it). A volume with one replica attached here switches to replicated
+    /// writes once the I/O in flight has finished.
+    pub fn set_replicas(
+        &self,
+        name: &str,
+        factor: Option<u8>,
+        in_sync_min: Option<u8>,
+    ) -> VolumeResult<keel_catalog::Replication> {
+        let local_node = self.shared.local_node;
+        let _attaching = lock(&self.attaching);
+        let (record, replicas) = {
+            let catalog = self.shared.metadata.catalog().read();
+            let record = catalog
+                .volume(name)
+                .map(|entry| entry.record.clone())
+                .ok_or_else(|| VolumeError::NotFound {
+                    name: name.to_string(),
+                })?;
+            let current = &record.replication;
+            if current.primary != local_node {
+                drop(catalog);
+                return Err(VolumeError::Elsewhere {
+                    volume: name.to_string(),
+                    node: current.primary,
+                    address: self
+                        .shared
+                        .node_address(current.primary, true)
+                        .unwrap_or_else(|| "unknown".to_string()),
+                });
+            }
+            let wanted = usize::from(factor.unwrap_or(current.factor));
+            if wanted == 0 || wanted > keel_catalog::REPLICAS_MAX {
+                return Err(VolumeError::Invalid {
+                    volume: name.to_string(),
+                    detail: format!(
+                        "{wanted} replicas: Keel keeps 1 to {}",
+                        keel_catalog::REPLICAS_MAX
+                    ),
+                });
+            }
+            let mut replicas = current.replicas.clone();
+            if wanted > replicas.len() {
+                let missing = wanted - replicas.len();
+                let added = catalog.choose_replica_nodes(&replicas, missing);
+                if added.len() < missing {
+                    return Err(VolumeError::Invalid {
+                        volume: name.to_string(),
+                        detail: format!(
+                            "{wanted} replicas need {missing} more storage node(s) that are up, \
+                             not draining and hold none; the cluster has {}",
+                            added.len()
+                        ),
+                    });
+                }
+                replicas.extend(added);
+            }
+            while replicas.len() > wanted {
+                let leaving = replicas
+                    .iter()
+                    .copied()
+                    .filter(|node| *node != current.primary)
+                    .max_by_key(|node| (!current.in_sync.contains(node), *node));
+                replicas.retain(|node| Some(*node) != leaving);
+            }
+            (record, replicas)
+        };
+        let current = &record.replication;
+        let in_sync_min =
+            in_sync_min.unwrap_or_else(|| current.in_sync_min.min(replicas.len() as u8));
+        let served = lock(&self.primaries)
+            .get(&record.id)
+            .filter(|primary| !primary.is_closed())
+            .cloned();
+        let attached = lock(&self.singles).get(&record.id).and_then(Weak::upgrade);
+        let command = Command::VolumeSetReplicas {
+            volume_id: record.id,
+            epoch: current.epoch,
+            replicas: replicas.clone(),
+            in_sync_min,
+        };
+        let refused = |error: MetadataError| match error {
+            MetadataError::Refused(refusal) => VolumeError::Invalid {
+                volume: name.to_string(),
+                detail: refusal.to_string(),
+            },
+            other => unavailable(name, other.to_string()),
+        };
+        match (served, attached) {
+            (Some(primary), _) => self
+                .shared
+                .runtime
+                .block_on(primary.set_replicas(replicas, in_sync_min))?,
+            (None, Some(attached)) if replicas.len() > 1 => {
+                attached.switch(|| -> VolumeResult<Arc<dyn VolumeIo>> {
+                    self.shared.metadata.propose(command).map_err(refused)?;
+                    let taken = self
+                        .shared
+                        .metadata
+                        .catalog()
+                        .read()
+                        .volumes
+                        .get(&record.id)
+                        .map(|entry| entry.record.replication.clone())
+                        .ok_or_else(|| VolumeError::NotFound {
+                            name: name.to_string(),
+                        })?;
+                    let local = self.shared.local.open_local(name)?;
+                    let primary = Primary::start(
+                        self.shared.clone(),
+                        record.id,
+                        name.to_string(),
+                        local,
+                        &taken,
+                    );
+                    lock(&self.primaries).insert(record.id, primary.clone());
+                    tracing::info!(
+                        volume = name,
+                        epoch = taken.epoch,
+                        "serving as the volume's primary"
+                    );
+                    Ok(primary)
+                })?;
+            }
+            // Not attached here: the next attach serves it as primary and catches up the
+            // replicas that are not in sync.
+            _ => {
+                self.shared.metadata.propose(command).map_err(refused)?;
+            }
+        }
+        self.shared
+            .metadata
+            .catalog()
+            .read()
+            .volume(name)
+            .map(|entry| entry.record.replication.clone())
+            .ok_or_else(|| VolumeError::NotFound {
+                name: name.to_string(),
+            })
     }
 
     fn serve(

@@ -676,17 +676,13 @@ impl Primary {
                 .iter()
                 .copied()
                 .find(|node| *node != local && gone(*node));
-            let to = catalog
-                .nodes
-                .values()
-                .find(|record| {
-                    !record.removed
-                        && !record.draining
-                        && record.role == keel_catalog::NodeRole::Storage
-                        && record.state == keel_catalog::NodeState::Up
-                        && !replication.replicas.contains(&record.id)
-                })
-                .map(|record| record.id);
+            let staying: Vec<NodeId> = replication
+                .replicas
+                .iter()
+                .copied()
+                .filter(|node| Some(*node) != from)
+                .collect();
+            let to = catalog.choose_replica_nodes(&staying, 1).first().copied();
             from.zip(to)
         };
         let Some((from, to)) = planned else {
@@ -718,6 +714,85 @@ impl Primary {
                 tracing::info!(volume = %self.name, %error, "could not move a replica yet");
             }
         }
+    }
+
+    /// Changes the volume's replica set and in-sync minimum through Raft (epoch + 1): added
+    /// replicas start out of sync and are caught up; removed ones get no more writes and stop
+    /// counting for FLUSHes. A refusal that is not a lost epoch race leaves this node serving.
+    pub(crate) async fn set_replicas(
+        self: &Arc<Self>,
+        replicas: Vec<NodeId>,
+        in_sync_min: u8,
+    ) -> VolumeResult<()> {
+        let _proposing = self.proposing.lock().await;
+        let epoch = {
+            let state = self.state();
+            self.check_serving(&state)?;
+            state.epoch
+        };
+        let command = Command::VolumeSetReplicas {
+            volume_id: self.volume_id,
+            epoch,
+            replicas: replicas.clone(),
+            in_sync_min,
+        };
+        let metadata = self.shared.metadata.clone();
+        let outcome = tokio::task::spawn_blocking(move || metadata.propose(command))
+            .await
+            .map_err(|error| unavailable(&self.name, error.to_string()))?;
+        if let Err(error) = outcome {
+            let moved_on = self
+                .shared
+                .metadata
+                .catalog()
+                .read()
+                .volumes
+                .get(&self.volume_id)
+                .is_none_or(|entry| entry.record.replication.epoch != epoch);
+            if moved_on {
+                self.close(format!("its replication changed elsewhere: {error}"));
+            }
+            return Err(match error {
+                keel_catalog::MetadataError::Refused(refusal) => VolumeError::Invalid {
+                    volume: self.name.clone(),
+                    detail: refusal.to_string(),
+                },
+                other => unavailable(&self.name, other.to_string()),
+            });
+        }
+        let local = self.shared.local_node;
+        let added: Vec<NodeId> = {
+            let mut state = self.state();
+            state.epoch = epoch + 1;
+            state.in_sync_min = usize::from(in_sync_min);
+            state.in_sync.retain(|node| replicas.contains(node));
+            let removed: Vec<NodeId> = state
+                .peers
+                .keys()
+                .copied()
+                .filter(|node| !replicas.contains(node))
+                .collect();
+            for node in removed {
+                if let Some(peer) = state.peers.remove(&node) {
+                    peer.wake.notify_one();
+                }
+            }
+            let added: Vec<NodeId> = replicas
+                .iter()
+                .copied()
+                .filter(|node| *node != local && !state.peers.contains_key(node))
+                .collect();
+            for node in &added {
+                state.peers.insert(*node, Peer::new());
+            }
+            added
+        };
+        self.changed.notify_all();
+        tracing::info!(volume = %self.name, ?replicas, in_sync_min, ?added, "replica set changed");
+        for node in added {
+            self.spawn_resync(node);
+        }
+        Ok(())
     }
 
     /// Proposes a change of this volume's replication through Raft. A refusal means another
