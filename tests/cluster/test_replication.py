@@ -519,6 +519,9 @@ def test_replicas_change_online_and_a_removed_replica_erases_its_copy(cluster):
     except NbdError as refused:
         assert "failed with errno" in str(refused), refused
     other.close()
+    status = second.cli("status", check=False).stdout
+    assert "KEEL_VOLUME_BELOW_MIN_IN_SYNC" in status, status
+    assert "set-replication grow --min-in-sync 1" in status, status
     second.cli("volume", "set-replication", "grow", "--min-in-sync", "1")
     other = attach(second, "grow")
     other.write(0, block("accepted", 0))

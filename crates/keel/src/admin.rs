@@ -267,8 +267,19 @@ fn volume_redundancy(state: &AppState) -> Vec<(&'static str, &'static str, Strin
                 replication.in_sync_min,
                 behind.join(", node ")
             ),
-            "bring the node back: its replica catches up on its own (keel volume info shows              progress)"
-                .to_string(),
+            if code == "KEEL_VOLUME_BELOW_MIN_IN_SYNC" {
+                format!(
+                    "writes are refused: bring the node back (its replica catches up on its own; \
+                     keel volume info shows progress), or accept less redundancy with keel \
+                     volume set-replication {} --min-in-sync {}",
+                    record.name,
+                    in_sync.max(1)
+                )
+            } else {
+                "bring the node back: its replica catches up on its own (keel volume info shows \
+                 progress)"
+                    .to_string()
+            },
         ));
     }
     findings
