@@ -527,3 +527,39 @@ def test_replicas_change_online_and_a_removed_replica_erases_its_copy(cluster):
     other.write(0, block("accepted", 0))
     other.flush()
     assert other.read(0, BLOCK) == block("accepted", 0)
+
+
+def test_a_resync_ships_no_faster_than_its_configured_rate(cluster, workdir):
+    """With `resync_mib_per_second = 2`, raising an R=1 volume holding 16 MiB to R=2 ships the
+    16 MiB to the new replica in no less than 7.5 s (unthrottled it takes well under a second
+    here); `volume info` shows the progress meanwhile, and the replica then holds the data."""
+    config = workdir / "slow-resync.toml"
+    config.write_text("[cluster]\nresync_mib_per_second = 2\n")
+    first = cluster.add(extra_args=["--config", str(config)])
+    second = cluster.add()
+    cluster.add(witness=True)
+    wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
+    code, created = first.api("POST", "/api/v1/volumes", {"name": "paced", "size_bytes": SIZE}, timeout=30)
+    assert code == 200, created
+    client = attach(first, "paced")
+    data = os.urandom(16 << 20)
+    for offset in range(0, len(data), 1 << 20):
+        client.write(offset, data[offset:offset + (1 << 20)])
+    client.flush()
+
+    started = time.time()
+    first.cli("volume", "set-replication", "paced", "--replicas", "2")
+    progress = wait_until("progress shown", lambda: [
+        c for c in replication(first, "paced")["served_here"]["catching_up"] if c["compared_bytes"] > 0])
+    assert progress[0]["node"] == 2 and progress[0]["total_bytes"] == SIZE, progress
+    wait_until("the new replica in sync",
+               lambda: sorted(replication(first, "paced")["in_sync"]) == [1, 2], timeout=60)
+    took = time.time() - started
+    shipped = replication(first, "paced")["served_here"]["resync_bytes"]
+    assert shipped >= len(data), shipped
+    assert took >= (len(data) - (1 << 20)) / (2 << 20), f"16 MiB shipped in {took:.2f} s at a 2 MiB/s limit"
+    print(f"16 MiB resynced at a 2 MiB/s limit in {took:.2f} s")
+    client.close()
+    first.kill9()
+    other = attach(second, "paced", timeout=60)
+    assert other.read(0, len(data)) == data

@@ -78,6 +78,10 @@ pub struct ClusterSettings {
     /// another storage node (replicas on draining or removed nodes move at once). Default
     /// 300000 ms (5 minutes): long enough for a reboot, which resyncs only what changed.
     pub replica_move_after_ms: u64,
+    /// Caps what catching a replica up ships, per replica, in MiB/s (resync after an
+    /// absence, a replica added or moved), so a rebuild leaves the disk and network to the
+    /// clients. Default 0: unlimited.
+    pub resync_mib_per_second: u64,
     /// Enables `POST /api/v1/debug/faults` (dropping traffic to chosen nodes, for partition
     /// tests). Never on in production. Default false.
     pub debug_faults: bool,
@@ -99,6 +103,7 @@ impl Default for ClusterSettings {
             down_after_ms: timing.down_after.as_millis() as u64,
             snapshot_every_entries: timing.snapshot_every_entries,
             replica_move_after_ms: 300_000,
+            resync_mib_per_second: 0,
             debug_faults: false,
         }
     }

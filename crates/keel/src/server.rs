@@ -211,7 +211,11 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             volumes: volumes.clone(),
         }),
         tokio::runtime::Handle::current(),
-        std::time::Duration::from_millis(config.cluster.replica_move_after_ms),
+        keel_replication::Settings {
+            move_after: std::time::Duration::from_millis(config.cluster.replica_move_after_ms),
+            resync_bytes_per_second: (config.cluster.resync_mib_per_second > 0)
+                .then_some(config.cluster.resync_mib_per_second << 20),
+        },
     );
     {
         let handler: Arc<dyn keel_rpc::Handler> = replication.clone();

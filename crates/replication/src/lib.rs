@@ -74,6 +74,16 @@ impl Counters {
     }
 }
 
+/// How the engine behaves (from the server's configuration).
+#[derive(Debug, Clone, Copy)]
+pub struct Settings {
+    /// How long a replica's node may stay down before the replica is rebuilt on another node
+    /// (draining and removed nodes: at once).
+    pub move_after: Duration,
+    /// Most bytes per second a resync ships to one replica; `None`: unlimited.
+    pub resync_bytes_per_second: Option<u64>,
+}
+
 /// What the primary side and the replica side share.
 pub(crate) struct Shared {
     pub metadata: Arc<dyn Metadata>,
@@ -84,6 +94,7 @@ pub(crate) struct Shared {
     pub runtime: tokio::runtime::Handle,
     pub replicas: Replicas,
     pub counters: Counters,
+    pub resync_bytes_per_second: Option<u64>,
 }
 
 impl Shared {
@@ -166,14 +177,13 @@ fn unavailable(volume: &str, detail: String) -> VolumeError {
 }
 
 impl Replication {
-    /// Starts the engine. `move_after`: how long a replica's node may stay down before the
-    /// replica is rebuilt on another node (draining and removed nodes: at once).
+    /// Starts the engine.
     pub fn new(
         cluster: Arc<keel_cluster::Cluster>,
         peers: Arc<keel_rpc::Peers>,
         local: Arc<dyn LocalVolumes>,
         runtime: tokio::runtime::Handle,
-        move_after: Duration,
+        settings: Settings,
     ) -> Arc<Replication> {
         let metadata: Arc<dyn Metadata> = cluster.clone();
         let local_node = metadata.local_node();
@@ -187,6 +197,7 @@ impl Replication {
                 runtime,
                 replicas: Replicas::default(),
                 counters: Counters::default(),
+                resync_bytes_per_second: settings.resync_bytes_per_second,
             }),
             primaries: Mutex::new(HashMap::new()),
             singles: Mutex::new(HashMap::new()),
@@ -195,7 +206,7 @@ impl Replication {
         replication
             .shared
             .runtime
-            .spawn(move_loop(Arc::downgrade(&replication), move_after));
+            .spawn(move_loop(Arc::downgrade(&replication), settings.move_after));
         replication
     }
 

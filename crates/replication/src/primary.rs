@@ -948,6 +948,8 @@ impl Primary {
         let block = u64::from(self.local.block_size_bytes());
         let mut offset = 0u64;
         let mut shipped = 0u64;
+        let clock = self.shared.clock();
+        let started = clock.now();
         while offset < size {
             let length = RESYNC_CHUNK_BYTES.min(size - offset);
             let theirs = self.remote_hashes(node, offset, length).await?;
@@ -976,6 +978,14 @@ impl Primary {
             .map_err(|error| error.to_string())??;
             shipped += copied;
             offset += length;
+            // The configured rate: wait until what was shipped so far is due.
+            if let Some(rate) = self.shared.resync_bytes_per_second {
+                let due = Duration::from_secs_f64(shipped as f64 / rate.max(1) as f64);
+                let elapsed = clock.now().saturating_duration_since(started);
+                if due > elapsed {
+                    clock.sleep(due - elapsed).await;
+                }
+            }
             if let Some(peer) = self.state().peers.get_mut(&node) {
                 peer.resync_compared = offset;
             }
