@@ -1048,13 +1048,7 @@ impl CatalogState {
         if replication.replicas.contains(&to) {
             return Err(invalid(format!("node {to} already holds a replica")));
         }
-        let target = self.live_node(to)?;
-        if target.role != crate::records::NodeRole::Storage || target.draining {
-            return Err(invalid(format!(
-                "node {} cannot take a replica (a witness, or draining)",
-                target.name
-            )));
-        }
+        self.check_new_replica(&record.name, to)?;
         record.replication.replicas[slot] = to;
         record.replication.in_sync.retain(|node| *node != from);
         record.replication.epoch = epoch + 1;
@@ -1098,15 +1092,8 @@ impl CatalogState {
             if replicas[..index].contains(&node) {
                 return Err(invalid(format!("node {node} is named twice as a replica")));
             }
-            if current.replicas.contains(&node) {
-                continue;
-            }
-            let target = self.live_node(node)?;
-            if target.role != crate::records::NodeRole::Storage || target.draining {
-                return Err(invalid(format!(
-                    "node {} cannot take a replica (a witness, or draining)",
-                    target.name
-                )));
+            if !current.replicas.contains(&node) {
+                self.check_new_replica(&record.name, node)?;
             }
         }
         if in_sync_min == 0 || usize::from(in_sync_min) > replicas.len() {
@@ -1133,6 +1120,21 @@ impl CatalogState {
         Ok(Plan::new(Outcome::Done)
             .event(Event::VolumeChanged { volume_id })
             .change(Change::PutVolume(record)))
+    }
+
+    /// A node may take a new replica of `volume`: a live storage node, not draining.
+    fn check_new_replica(&self, volume: &str, node: NodeId) -> Result<(), CatalogError> {
+        let target = self.live_node(node)?;
+        if target.role != crate::records::NodeRole::Storage || target.draining {
+            return Err(CatalogError::Invalid {
+                subject: format!("volume {volume:?}"),
+                detail: format!(
+                    "node {} cannot take a replica (a witness, or draining)",
+                    target.name
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// Up to `count` storage nodes to take new replicas of a volume whose replicas are on

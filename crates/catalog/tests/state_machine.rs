@@ -273,6 +273,17 @@ proptest! {
     }
 }
 
+fn replication_of(catalog: &LocalCatalog) -> keel_catalog::Replication {
+    catalog
+        .catalog()
+        .read()
+        .volume("r2")
+        .unwrap()
+        .record
+        .replication
+        .clone()
+}
+
 // Proves a replication change is a compare-and-set on the epoch, and that a node that is not
 // in sync can never be named primary.
 #[test]
@@ -315,14 +326,7 @@ fn replication_changes_compare_the_epoch() {
     // Node 2 caught up: back in the set, epoch 3; then it may become primary.
     catalog.propose(set(2, 1, vec![1, 2])).unwrap();
     catalog.propose(set(3, 2, vec![2])).unwrap();
-    let replication = catalog
-        .catalog()
-        .read()
-        .volume("r2")
-        .unwrap()
-        .record
-        .replication
-        .clone();
+    let replication = replication_of(&catalog);
     assert_eq!((replication.epoch, replication.primary), (4, 2));
     assert_eq!(replication.in_sync, vec![2]);
     assert_eq!(replication.in_sync_min, 1);
@@ -350,14 +354,7 @@ fn replication_changes_compare_the_epoch() {
         })
         .unwrap();
     catalog.propose(moving(4, 1, 3)).unwrap();
-    let replication = catalog
-        .catalog()
-        .read()
-        .volume("r2")
-        .unwrap()
-        .record
-        .replication
-        .clone();
+    let replication = replication_of(&catalog);
     assert_eq!(replication.replicas, vec![3, 2]);
     assert_eq!(
         replication.in_sync,
@@ -397,14 +394,7 @@ fn replication_changes_compare_the_epoch() {
         "an old epoch"
     );
     catalog.propose(resize(5, vec![2, 3, 1], 2)).unwrap();
-    let replication = catalog
-        .catalog()
-        .read()
-        .volume("r2")
-        .unwrap()
-        .record
-        .replication
-        .clone();
+    let replication = replication_of(&catalog);
     assert_eq!(replication.replicas, vec![2, 3, 1]);
     assert_eq!((replication.factor, replication.in_sync_min), (3, 2));
     assert_eq!(
@@ -416,14 +406,7 @@ fn replication_changes_compare_the_epoch() {
     // Down to R=1: the removed replicas leave the in-sync set.
     catalog.propose(set(6, 2, vec![2, 3])).unwrap();
     catalog.propose(resize(7, vec![2], 1)).unwrap();
-    let replication = catalog
-        .catalog()
-        .read()
-        .volume("r2")
-        .unwrap()
-        .record
-        .replication
-        .clone();
+    let replication = replication_of(&catalog);
     assert_eq!(
         (
             replication.replicas,

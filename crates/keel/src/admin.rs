@@ -566,19 +566,18 @@ async fn set_volume_replication(
     Json(request): Json<SetReplication>,
 ) -> ApiResult<Json<serde_json::Value>> {
     blocking(move || {
-        let replication =
-            state
-                .replication
-                .set_replicas(&name, request.replicas, request.in_sync_min)?;
-        Ok(Json(serde_json::json!({
-            "name": name,
-            "factor": replication.factor,
-            "in_sync_min": replication.in_sync_min,
-            "replicas": replication.replicas,
-            "epoch": replication.epoch,
-            "primary": replication.primary,
-            "in_sync": replication.in_sync,
-        })))
+        state
+            .replication
+            .set_replicas(&name, request.replicas, request.in_sync_min)?;
+        let volume_id = (state.cluster.catalog().read())
+            .volume(&name)
+            .map(|entry| entry.record.id);
+        // As `volume info` shows it (null if the volume was deleted meanwhile).
+        Ok(Json(
+            volume_id
+                .map(|id| replication_json(&state, id))
+                .unwrap_or_default(),
+        ))
     })
     .await
 }

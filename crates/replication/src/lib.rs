@@ -110,6 +110,17 @@ impl Shared {
         self.cluster.holds_lease(LEASE)
     }
 
+    /// The answer for a volume another node serves: its node and client address.
+    fn elsewhere(&self, volume: &str, node: NodeId) -> VolumeError {
+        VolumeError::Elsewhere {
+            volume: volume.to_string(),
+            node,
+            address: self
+                .node_address(node, true)
+                .unwrap_or_else(|| "unknown".to_string()),
+        }
+    }
+
     fn node_address(&self, node: NodeId, client: bool) -> Option<String> {
         let state = self.metadata.catalog().read();
         let record = state.nodes.get(&node)?;
@@ -173,6 +184,18 @@ fn unavailable(volume: &str, detail: String) -> VolumeError {
     VolumeError::Unavailable {
         volume: volume.to_string(),
         detail,
+    }
+}
+
+/// A replication change Raft did not make, as the admin API reports it: refused (a bad
+/// request, or another node changed the volume meanwhile), or metadata unreachable.
+pub(crate) fn change_error(volume: &str, error: MetadataError) -> VolumeError {
+    match error {
+        MetadataError::Refused(refusal) => VolumeError::Invalid {
+            volume: volume.to_string(),
+            detail: refusal.to_string(),
+        },
+        other => unavailable(volume, other.to_string()),
     }
 }
 
@@ -242,14 +265,7 @@ impl Replication {
             None if record.replication.replicas.len() > 1
                 && record.replication.primary != self.shared.local_node =>
             {
-                Err(VolumeError::Elsewhere {
-                    volume: volume.to_string(),
-                    node: record.replication.primary,
-                    address: self
-                        .shared
-                        .node_address(record.replication.primary, true)
-                        .unwrap_or_else(|| "unknown".to_string()),
-                })
+                Err(self.shared.elsewhere(volume, record.replication.primary))
             }
             None => change(),
         }
@@ -293,11 +309,7 @@ impl Replication {
                 .unwrap_or_else(|| "unknown".to_string())
         };
         if !replication.hosts(local_node) {
-            return Err(VolumeError::Elsewhere {
-                volume: name.to_string(),
-                node: replication.primary,
-                address: primary_address(),
-            });
+            return Err(self.shared.elsewhere(name, replication.primary));
         }
         let _attaching = lock(&self.attaching);
         if let Some(primary) = lock(&self.primaries).get(&record.id) {
@@ -431,7 +443,7 @@ impl Replication {
         name: &str,
         factor: Option<u8>,
         in_sync_min: Option<u8>,
-    ) -> VolumeResult<keel_catalog::Replication> {
+    ) -> VolumeResult<()> {
         let local_node = self.shared.local_node;
         let _attaching = lock(&self.attaching);
         let (record, replicas) = {
@@ -445,14 +457,7 @@ impl Replication {
             let current = &record.replication;
             if current.primary != local_node {
                 drop(catalog);
-                return Err(VolumeError::Elsewhere {
-                    volume: name.to_string(),
-                    node: current.primary,
-                    address: self
-                        .shared
-                        .node_address(current.primary, true)
-                        .unwrap_or_else(|| "unknown".to_string()),
-                });
+                return Err(self.shared.elsewhere(name, current.primary));
             }
             let wanted = usize::from(factor.unwrap_or(current.factor));
             if wanted == 0 || wanted > keel_catalog::REPLICAS_MAX {
@@ -504,21 +509,21 @@ impl Replication {
             replicas: replicas.clone(),
             in_sync_min,
         };
-        let refused = |error: MetadataError| match error {
-            MetadataError::Refused(refusal) => VolumeError::Invalid {
-                volume: name.to_string(),
-                detail: refusal.to_string(),
-            },
-            other => unavailable(name, other.to_string()),
-        };
         match (served, attached) {
             (Some(primary), _) => self
                 .shared
                 .runtime
                 .block_on(primary.set_replicas(replicas, in_sync_min))?,
-            (None, Some(attached)) if replicas.len() > 1 => {
+            // Only from one replica: then this node is alone in sync. A closed primary of a
+            // replicated volume is never restarted here behind its clients' backs (the
+            // catalog may count replicas in sync that the new one has not caught up); its
+            // clients attach again, which takes the volume over properly.
+            (None, Some(attached)) if current.replicas.len() == 1 && replicas.len() > 1 => {
                 attached.switch(|| -> VolumeResult<Arc<dyn VolumeIo>> {
-                    self.shared.metadata.propose(command).map_err(refused)?;
+                    self.shared
+                        .metadata
+                        .propose(command)
+                        .map_err(|error| change_error(name, error))?;
                     let taken = self
                         .shared
                         .metadata
@@ -550,18 +555,13 @@ impl Replication {
             // Not attached here: the next attach serves it as primary and catches up the
             // replicas that are not in sync.
             _ => {
-                self.shared.metadata.propose(command).map_err(refused)?;
+                self.shared
+                    .metadata
+                    .propose(command)
+                    .map_err(|error| change_error(name, error))?;
             }
         }
-        self.shared
-            .metadata
-            .catalog()
-            .read()
-            .volume(name)
-            .map(|entry| entry.record.replication.clone())
-            .ok_or_else(|| VolumeError::NotFound {
-                name: name.to_string(),
-            })
+        Ok(())
     }
 
     fn serve(

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use keel_catalog::{Command, NodeId};
+use keel_catalog::{Command, MetadataError, NodeId};
 use keel_volume::{VolumeError, VolumeIo, VolumeResult};
 
 use crate::wire::{
@@ -718,7 +718,7 @@ impl Primary {
 
     /// Changes the volume's replica set and in-sync minimum through Raft (epoch + 1): added
     /// replicas start out of sync and are caught up; removed ones get no more writes and stop
-    /// counting for FLUSHes. A refusal that is not a lost epoch race leaves this node serving.
+    /// counting for FLUSHes.
     pub(crate) async fn set_replicas(
         self: &Arc<Self>,
         replicas: Vec<NodeId>,
@@ -736,30 +736,9 @@ impl Primary {
             replicas: replicas.clone(),
             in_sync_min,
         };
-        let metadata = self.shared.metadata.clone();
-        let outcome = tokio::task::spawn_blocking(move || metadata.propose(command))
+        self.propose(command)
             .await
-            .map_err(|error| unavailable(&self.name, error.to_string()))?;
-        if let Err(error) = outcome {
-            let moved_on = self
-                .shared
-                .metadata
-                .catalog()
-                .read()
-                .volumes
-                .get(&self.volume_id)
-                .is_none_or(|entry| entry.record.replication.epoch != epoch);
-            if moved_on {
-                self.close(format!("its replication changed elsewhere: {error}"));
-            }
-            return Err(match error {
-                keel_catalog::MetadataError::Refused(refusal) => VolumeError::Invalid {
-                    volume: self.name.clone(),
-                    detail: refusal.to_string(),
-                },
-                other => unavailable(&self.name, other.to_string()),
-            });
-        }
+            .map_err(|error| crate::change_error(&self.name, error))?;
         let local = self.shared.local_node;
         let added: Vec<NodeId> = {
             let mut state = self.state();
@@ -795,24 +774,33 @@ impl Primary {
         Ok(())
     }
 
-    /// Proposes a change of this volume's replication through Raft. A refusal means another
-    /// node changed it meanwhile (each change is a compare-and-set on the epoch): this node
-    /// stops serving the volume.
-    async fn propose(&self, command: Command) -> Result<(), String> {
+    /// Proposes a change of this volume's replication through Raft, made against this
+    /// primary's epoch (call it holding `proposing`). A refusal because the volume moved on to
+    /// another epoch means another node changed it meanwhile (each change is a compare-and-set
+    /// on the epoch): this node stops serving the volume. Any other refusal (a move's target
+    /// became draining meanwhile, a minimum above R) changes nothing and leaves it serving.
+    async fn propose(&self, command: Command) -> Result<(), MetadataError> {
         let metadata = self.shared.metadata.clone();
         let outcome = tokio::task::spawn_blocking(move || metadata.propose(command))
             .await
-            .map_err(|error| error.to_string())?;
-        match outcome {
-            Ok(_) => Ok(()),
-            Err(keel_catalog::MetadataError::Refused(refusal)) => {
-                self.close(format!(
-                    "a change of its replication was refused: {refusal}"
-                ));
-                Err(refusal.to_string())
+            .map_err(|error| MetadataError::Failed {
+                detail: error.to_string(),
+            })?;
+        if let Err(MetadataError::Refused(refusal)) = &outcome {
+            let epoch = self.state().epoch;
+            let moved_on = self
+                .shared
+                .metadata
+                .catalog()
+                .read()
+                .volumes
+                .get(&self.volume_id)
+                .is_none_or(|entry| entry.record.replication.epoch != epoch);
+            if moved_on {
+                self.close(format!("its replication changed elsewhere: {refusal}"));
             }
-            Err(other) => Err(other.to_string()),
         }
+        outcome.map(|_| ())
     }
 
     /// Records through Raft that this node's in-sync set is now `in_sync` (epoch + 1).
@@ -833,7 +821,9 @@ impl Primary {
             primary: self.shared.local_node,
             in_sync: in_sync.iter().copied().collect(),
         };
-        self.propose(command).await?;
+        self.propose(command)
+            .await
+            .map_err(|error| error.to_string())?;
         let mut state = self.state();
         state.epoch = epoch + 1;
         state.in_sync = in_sync;
