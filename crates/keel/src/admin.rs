@@ -407,6 +407,12 @@ pub struct VolumeJson {
     pub origin: Option<String>,
     pub used_bytes: Option<u64>,
     pub stored_bytes: Option<u64>,
+    /// The node serving the volume and the nodes holding its replicas (ids), as Raft records
+    /// them: any node lists them, so a client finds where to send the volume's operations.
+    #[serde(default)]
+    pub primary: Option<u64>,
+    #[serde(default)]
+    pub replicas: Vec<u64>,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone)]
@@ -432,6 +438,8 @@ fn volume_json(summary: &keel_namespace::volume::VolumeSummary) -> VolumeJson {
         origin: summary.origin.as_ref().map(|(v, s)| format!("{v}@{s}")),
         used_bytes: None,
         stored_bytes: None,
+        primary: None,
+        replicas: Vec::new(),
     }
 }
 
@@ -470,7 +478,21 @@ pub fn parse_compression(name: Option<&str>) -> ApiResult<Compression> {
 }
 
 async fn list_volumes(State(state): State<Shared>) -> Json<Vec<VolumeJson>> {
-    Json(state.volumes.list().iter().map(volume_json).collect())
+    let summaries = state.volumes.list();
+    let catalog = state.cluster.catalog().read();
+    Json(
+        summaries
+            .iter()
+            .map(|summary| {
+                let mut volume = volume_json(summary);
+                if let Some(entry) = catalog.volumes.get(&summary.id) {
+                    volume.primary = Some(entry.record.replication.primary);
+                    volume.replicas = entry.record.replication.replicas.clone();
+                }
+                volume
+            })
+            .collect(),
+    )
 }
 
 async fn create_volume(

@@ -29,6 +29,24 @@ pub struct Connection {
     pub token_dir: PathBuf,
 }
 
+impl Connection {
+    /// The admin token: `--token`/`KEEL_ADMIN_TOKEN`, else the data directory's token file.
+    pub fn token(&self) -> anyhow::Result<String> {
+        if let Some(token) = &self.token {
+            return Ok(token.clone());
+        }
+        let path = self.token_dir.join(ADMIN_TOKEN_FILE);
+        std::fs::read_to_string(&path)
+            .map(|t| t.trim().to_string())
+            .with_context(|| {
+                format!(
+                    "reading the admin token from {} (pass --token or KEEL_ADMIN_TOKEN, or --token-dir DIR)",
+                    path.display()
+                )
+            })
+    }
+}
+
 pub struct Client {
     base: String,
     token: String,
@@ -37,20 +55,7 @@ pub struct Client {
 
 impl Client {
     pub fn connect(connection: &Connection) -> anyhow::Result<Client> {
-        let token = match &connection.token {
-            Some(token) => token.clone(),
-            None => {
-                let path = connection.token_dir.join(ADMIN_TOKEN_FILE);
-                std::fs::read_to_string(&path)
-                    .map(|t| t.trim().to_string())
-                    .with_context(|| {
-                        format!(
-                            "reading the admin token from {} (pass --token or KEEL_ADMIN_TOKEN, or --token-dir DIR)",
-                            path.display()
-                        )
-                    })?
-            }
-        };
+        let token = connection.token()?;
         let base = if connection.admin.starts_with("http") {
             connection.admin.trim_end_matches('/').to_string()
         } else {

@@ -34,6 +34,9 @@ pub struct Config {
     /// Admin API, `/metrics` and dashboard. Default 127.0.0.1:3903. Mutations need the token in
     /// `<first data dir>/admin-token`.
     pub admin: SocketAddr,
+    /// A file holding the admin token, for nodes that must share one (a Kubernetes Secret).
+    /// Default: none (`<first data dir>/admin-token`, created on first start).
+    pub admin_token_file: Option<PathBuf>,
     pub store: StoreTuning,
     pub cluster: ClusterSettings,
 }
@@ -182,6 +185,7 @@ impl Default for Config {
             s3: parse_default(DEFAULT_S3_ADDR),
             nbd: parse_default(DEFAULT_NBD_ADDR),
             admin: parse_default(DEFAULT_ADMIN_ADDR),
+            admin_token_file: None,
             store: StoreTuning::default(),
             cluster: ClusterSettings::default(),
         }

@@ -6,6 +6,7 @@ mod bench_store;
 mod cli;
 mod cluster_net;
 mod config;
+mod csi;
 mod doctor;
 mod jobs;
 mod metrics;
@@ -86,6 +87,8 @@ enum Command {
         #[command(subcommand)]
         command: cli::NodeCommand,
     },
+    /// The Kubernetes CSI driver (controller, node or both) over a Keel server.
+    Csi(csi::CsiArgs),
     /// Benchmarks and durability checks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -175,6 +178,7 @@ fn main() {
             connection,
             command,
         } => cli::node(&connection, command),
+        Command::Csi(args) => csi::run(args),
         Command::Bench(BenchCommand::Store(args)) => bench_store::run(args),
         Command::Bench(BenchCommand::Workload(action)) => {
             keel_bench::run(keel_bench::BenchCommand { action })

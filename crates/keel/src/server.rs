@@ -38,6 +38,9 @@ pub struct ServerArgs {
     /// Admin API, dashboard and /metrics address (default 127.0.0.1:3903).
     #[arg(long)]
     pub admin: Option<SocketAddr>,
+    /// A file holding the admin token (default: <data>/admin-token, created on first start).
+    #[arg(long)]
+    pub admin_token_file: Option<PathBuf>,
     /// Allow a data directory on tmpfs/ramfs (throwaway data: fsync means nothing there).
     #[arg(long)]
     pub ephemeral: bool,
@@ -99,6 +102,9 @@ pub fn effective_config(args: &ServerArgs) -> anyhow::Result<Config> {
     }
     if args.advertise.is_some() {
         config.cluster.advertise = args.advertise.clone();
+    }
+    if args.admin_token_file.is_some() {
+        config.admin_token_file = args.admin_token_file.clone();
     }
     if args.join.is_some() {
         config.cluster.join = args.join.clone();
@@ -247,7 +253,18 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         })
         .await??
     };
-    let token = admin_token(&config.data[0])?;
+    let token = match &config.admin_token_file {
+        Some(path) => {
+            let token = std::fs::read_to_string(path)
+                .with_context(|| format!("reading the admin token from {}", path.display()))?;
+            let token = token.trim().to_string();
+            if token.is_empty() {
+                anyhow::bail!("the admin token file {} is empty", path.display());
+            }
+            token
+        }
+        None => admin_token(&config.data[0])?,
+    };
 
     let admin_listener = bind("admin", config.admin).await?;
     let (s3_listener, nbd_listener) = if config.cluster.witness {

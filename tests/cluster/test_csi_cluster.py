@@ -1,0 +1,103 @@
+"""The CSI controller on a three-node cluster (keel processes on loopback sharing one disk): a
+volume is created on the node the CO asks for by topology (where the pod's node plugin will
+attach it), and the volume operations that must run on the volume's primary (snapshot, clone,
+expand) reach it although the driver talks to another node. The nodes share one admin token
+(`keel server --admin-token-file`), as the Kubernetes manifests set them up."""
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from keelcluster import KEEL_BIN, wait_until
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import csi_stubs  # noqa: E402
+
+MIB = 1 << 20
+NODE_KEY = "topology.csi.keel.io/node"
+
+
+def api(node, token, path):
+    request = urllib.request.Request(f"http://{node.admin}{path}", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def test_controller_places_volumes_by_topology_and_routes_to_the_primary(cluster, workdir):
+    token = secrets.token_hex(24)
+    token_file = workdir / "shared-admin-token"
+    token_file.write_text(token + "\n")
+    nodes = [cluster.add(extra_args=["--admin-token-file", str(token_file)]) for _ in range(3)]
+    for node in nodes:
+        # The shared token is the node's token: no per-node token file was created.
+        assert not (node.dir / "admin-token").exists()
+        # The test helpers (keel CLI) read the token from the data directory.
+        (node.dir / "admin-token").write_text(token)
+    wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
+    first, second = nodes[0], nodes[1]
+    second_id = second.node_id()
+
+    pb, rpc = csi_stubs.generate(workdir / "stubs")
+    socket_path = workdir / "csi.sock"
+    env = dict(os.environ, KEEL_ADMIN_TOKEN=token)
+    with open(workdir / "csi.log", "ab") as log:
+        driver = subprocess.Popen([KEEL_BIN, "csi", "--mode", "controller", "--endpoint", f"unix://{socket_path}",
+                                   "--admin", first.admin], stdout=log, stderr=log, env=env)
+    try:
+        wait_until("the CSI socket", socket_path.exists, timeout=30)
+        channel = csi_stubs.connect(socket_path)
+        controller, identity = rpc.ControllerStub(channel), rpc.IdentityStub(channel)
+        services = {c.service.type for c in identity.GetPluginCapabilities(pb.GetPluginCapabilitiesRequest()).capabilities}
+        assert pb.PluginCapability.Service.VOLUME_ACCESSIBILITY_CONSTRAINTS in services
+        mount = pb.VolumeCapability(
+            mount=pb.VolumeCapability.MountVolume(fs_type="ext4"),
+            access_mode=pb.VolumeCapability.AccessMode(mode=pb.VolumeCapability.AccessMode.SINGLE_NODE_WRITER))
+        on_second = pb.TopologyRequirement(preferred=[pb.Topology(segments={NODE_KEY: second.name})],
+                                           requisite=[pb.Topology(segments={NODE_KEY: second.name})])
+
+        # Created through node 1, placed on node 2 as the CO asked.
+        volume = controller.CreateVolume(pb.CreateVolumeRequest(
+            name="pvc-a", capacity_range=pb.CapacityRange(required_bytes=64 * MIB), volume_capabilities=[mount],
+            accessibility_requirements=on_second)).volume
+        assert [dict(t.segments) for t in volume.accessible_topology] == [{NODE_KEY: second.name}]
+        replication = api(second, token, "/api/v1/volumes/pvc-a")["replication"]
+        assert (replication["primary"], replication["replicas"]) == (second_id, [second_id])
+
+        # Snapshot, clone and expand run on the primary (node 1 would answer 421).
+        snapshot = controller.CreateSnapshot(pb.CreateSnapshotRequest(name="snap-a", source_volume_id="pvc-a")).snapshot
+        clone = controller.CreateVolume(pb.CreateVolumeRequest(
+            name="pvc-a-restore", volume_capabilities=[mount], capacity_range=pb.CapacityRange(required_bytes=128 * MIB),
+            volume_content_source=pb.VolumeContentSource(snapshot=pb.VolumeContentSource.SnapshotSource(snapshot_id=snapshot.snapshot_id)))).volume
+        assert clone.capacity_bytes == 128 * MIB
+        assert [dict(t.segments) for t in clone.accessible_topology] == [{NODE_KEY: second.name}]
+        grown = controller.ControllerExpandVolume(pb.ControllerExpandVolumeRequest(
+            volume_id="pvc-a", capacity_range=pb.CapacityRange(required_bytes=256 * MIB)))
+        assert grown.capacity_bytes == 256 * MIB
+        assert api(second, token, "/api/v1/volumes/pvc-a")["volume"]["size_bytes"] == 256 * MIB
+
+        # A topology with no Keel node in it is refused, not placed anywhere.
+        with pytest.raises(grpc.RpcError) as refused:
+            controller.CreateVolume(pb.CreateVolumeRequest(
+                name="pvc-nowhere", volume_capabilities=[mount],
+                accessibility_requirements=pb.TopologyRequirement(requisite=[pb.Topology(segments={NODE_KEY: "not-a-keel-node"})])))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "pvc-nowhere" not in [v["name"] for v in api(first, token, "/api/v1/volumes")]
+
+        controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id="pvc-a-restore"))
+        controller.DeleteSnapshot(pb.DeleteSnapshotRequest(snapshot_id=snapshot.snapshot_id))
+        controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id="pvc-a"))
+        deadline = time.time() + 30
+        while api(first, token, "/api/v1/volumes") and time.time() < deadline:
+            time.sleep(0.1)
+        assert api(first, token, "/api/v1/volumes") == []
+    finally:
+        driver.terminate()
+        driver.wait(timeout=30)
