@@ -83,14 +83,17 @@ def driver(server, workdir):
     subprocess.run(["losetup", "-D"], capture_output=True)
 
 
-def test_csi_sanity_passes(driver, workdir):
+@pytest.mark.parametrize("access_type", ["mount", "block"])
+def test_csi_sanity_passes(driver, workdir, access_type):
     """csi-sanity v5.6.0 (installed by scripts/install-deps.sh) against `keel csi --mode both` and a
-    real server, node specs included (real staging through nbdfuse + loop + ext4)."""
+    real server, node specs included (real staging through nbdfuse + loop, with ext4 for mount
+    volumes and the bare device for block volumes)."""
     require("csi-sanity", "csi-sanity (go install, scripts/install-deps.sh)")
     result = subprocess.run(
         ["csi-sanity", "--csi.endpoint", str(driver.socket),
          "--csi.stagingdir", str(workdir / "sanity-stage"), "--csi.mountdir", str(workdir / "sanity-mount"),
          "--csi.testvolumesize", str(64 * MIB), "--csi.testvolumeexpandsize", str(128 * MIB),
+         "--csi.testvolumeaccesstype", access_type,
          "-ginkgo.v", "-ginkgo.no-color", "-ginkgo.timeout", "10m"],
         capture_output=True, text=True, timeout=900)
     (workdir / "csi-sanity.out").write_text(result.stdout + result.stderr)
@@ -219,3 +222,63 @@ def test_kubelet_flow_snapshot_clone_expand_and_plugin_restart(driver, server, w
     controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=vid))
     controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=vid))
     assert [e.volume.volume_id for e in controller.ListVolumes(pb.ListVolumesRequest()).entries] == []
+
+
+def test_block_volume_survives_a_node_reboot(driver, server, workdir, csi_pb):
+    """A raw block volume (volumeMode: Block): the published target is the device. Then what a
+    reboot leaves (the plugin killed, every mount, loop device and nbdfuse gone, the staging
+    records still on disk): staging again attaches anew and the data written before is there."""
+    pb, rpc = csi_pb
+    block = pb.VolumeCapability(
+        block=pb.VolumeCapability.BlockVolume(),
+        access_mode=pb.VolumeCapability.AccessMode(mode=pb.VolumeCapability.AccessMode.SINGLE_NODE_WRITER))
+
+    def connect():
+        channel = csi_stubs.connect(driver.socket)
+        return rpc.ControllerStub(channel), rpc.NodeStub(channel)
+
+    controller, node = connect()
+    vid = controller.CreateVolume(pb.CreateVolumeRequest(
+        name="pvc-raw", capacity_range=pb.CapacityRange(required_bytes=64 * MIB), volume_capabilities=[block])).volume.volume_id
+    stage, target = workdir / "stage-raw", workdir / "pods" / "c" / "raw-device"
+
+    def attach():
+        node.NodeStageVolume(pb.NodeStageVolumeRequest(volume_id=vid, staging_target_path=str(stage), volume_capability=block))
+        node.NodePublishVolume(pb.NodePublishVolumeRequest(
+            volume_id=vid, staging_target_path=str(stage), target_path=str(target), volume_capability=block))
+
+    attach()
+    payload = os.urandom(4 * MIB)
+    fd = os.open(target, os.O_RDWR)
+    try:
+        os.pwrite(fd, payload, 8 * MIB)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    stats = usage_of(node, pb, vid, target)
+    assert stats[pb.VolumeUsage.BYTES].total == 64 * MIB
+    record = json.loads((driver.state / "volumes" / f"{vid}.json").read_text())
+    assert record["block"] and record["method"] == "nbdfuse"
+
+    # The reboot: nothing of the attachment survives but the record.
+    driver.kill9()
+    subprocess.run(["umount", str(target)], check=True)
+    subprocess.run(["losetup", "-d", record["device"]], check=True)
+    subprocess.run(["fusermount3", "-u", record["fuse_dir"]], check=True)
+    deadline = time.time() + 10
+    while Path(f"/proc/{record['fuse_pid']}").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    driver.start()
+    controller, node = connect()
+    attach()
+    fd = os.open(target, os.O_RDONLY)
+    try:
+        assert os.pread(fd, len(payload), 8 * MIB) == payload
+    finally:
+        os.close(fd)
+    node.NodeUnpublishVolume(pb.NodeUnpublishVolumeRequest(volume_id=vid, target_path=str(target)))
+    node.NodeUnstageVolume(pb.NodeUnstageVolumeRequest(volume_id=vid, staging_target_path=str(stage)))
+    assert not target.exists()
+    assert list((driver.state / "volumes").iterdir()) == []
+    assert list((driver.state / "fuse").iterdir()) == []
+    controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=vid))

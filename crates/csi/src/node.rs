@@ -75,9 +75,11 @@ pub struct NodeService {
 }
 
 impl NodeService {
-    pub fn new(config: NodeConfig, admin: Admin) -> anyhow::Result<NodeService> {
+    pub fn new(mut config: NodeConfig, admin: Admin) -> anyhow::Result<NodeService> {
         std::fs::create_dir_all(config.state_dir.join("volumes"))?;
         std::fs::create_dir_all(config.state_dir.join("fuse"))?;
+        // Absolute, so the paths recorded match what losetup and /proc report.
+        config.state_dir = std::fs::canonicalize(&config.state_dir)?;
         Ok(NodeService {
             config,
             admin,
@@ -215,19 +217,45 @@ fn path_str(path: &Path) -> Result<&str, Status> {
         .ok_or_else(|| Status::invalid_argument(format!("path {path:?} is not UTF-8")))
 }
 
-fn pid_alive(pid: i32) -> bool {
-    // SAFETY: kill with signal 0 only checks that the process exists.
-    unsafe { libc::kill(pid, 0) == 0 }
+/// Whether `pid` is still the nbdfuse this driver started for `fuse_dir` (after a reboot the
+/// number may belong to any process).
+fn our_nbdfuse(pid: i32, fuse_dir: &Path) -> bool {
+    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    let args: Vec<&[u8]> = cmdline.split(|byte| *byte == 0).collect();
+    let fuse_dir = fuse_dir.as_os_str().as_encoded_bytes();
+    args.first()
+        .is_some_and(|program| program.ends_with(b"nbdfuse"))
+        && args.contains(&fuse_dir)
 }
 
-/// Whether the device a record names is still attached (after a reboot it is not).
+/// The file a loop device reads, if it is attached.
+fn loop_backing_file(device: &Path) -> Option<PathBuf> {
+    let device = device.to_str()?;
+    let file = run(
+        "losetup",
+        &["--noheadings", "--output", "BACK-FILE", device],
+    )
+    .ok()?;
+    (!file.is_empty()).then(|| PathBuf::from(file))
+}
+
+/// Whether the device a record names is still attached, and still this volume's (after a
+/// reboot it is not, and its loop device may serve another volume by then).
 fn attached(staged: &Staged) -> bool {
     match staged.method.as_str() {
         "kernel" => staged
             .device
             .file_name()
             .is_some_and(|name| Path::new("/sys/block").join(name).join("pid").exists()),
-        _ => staged.fuse_pid.is_some_and(pid_alive) && staged.device.exists(),
+        _ => match (&staged.fuse_dir, staged.fuse_pid) {
+            (Some(fuse_dir), Some(pid)) => {
+                our_nbdfuse(pid, fuse_dir)
+                    && loop_backing_file(&staged.device) == Some(fuse_dir.join("nbd"))
+            }
+            _ => false,
+        },
     }
 }
 
@@ -366,19 +394,24 @@ fn detach(staged: &Staged) {
         }
         return;
     }
-    if !device.is_empty() {
-        // The loop device may be gone already (a reboot): nothing to say then.
-        let _ = run("losetup", &["-d", &device]);
+    let Some(fuse_dir) = &staged.fuse_dir else {
+        return;
+    };
+    // Only our loop device: after a reboot the same number may serve another volume.
+    if loop_backing_file(&staged.device) == Some(fuse_dir.join("nbd")) {
+        if let Err(status) = run("losetup", &["-d", &device]) {
+            tracing::warn!(volume = %staged.volume, "detaching {device}: {}", status.message());
+        }
     }
-    if let Some(fuse_dir) = &staged.fuse_dir {
+    {
         let _ = run("fusermount3", &["-u", &fuse_dir.to_string_lossy()]);
         if let Some(pid) = staged.fuse_pid {
             let deadline = Instant::now() + DETACH_TIMEOUT;
-            while pid_alive(pid) && Instant::now() < deadline {
+            while our_nbdfuse(pid, fuse_dir) && Instant::now() < deadline {
                 std::thread::sleep(POLL_INTERVAL);
             }
-            if pid_alive(pid) {
-                // SAFETY: signalling the nbdfuse process this driver started.
+            if our_nbdfuse(pid, fuse_dir) {
+                // SAFETY: signalling the nbdfuse process this driver started for this volume.
                 unsafe { libc::kill(pid, libc::SIGTERM) };
             }
         }
@@ -482,6 +515,23 @@ fn format_and_mount(staged: &Staged, fs_type: &str, flags: &[String]) -> Result<
     Ok(())
 }
 
+/// A volume id the node acts on: a Keel volume name (it names files in the state directory,
+/// so nothing like `../x` may pass).
+fn volume_id(value: &str) -> Result<String, Status> {
+    let value = required(value, "volume_id")?;
+    let valid = value.len() <= 128
+        && !value.starts_with('.')
+        && value
+            .bytes()
+            .all(|byte| byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'_' | b'.'));
+    if !valid {
+        return Err(Status::not_found(format!(
+            "no volume {value:?}: Keel volume names are A-Z a-z 0-9 - _ . and do not start with a dot"
+        )));
+    }
+    Ok(value.to_string())
+}
+
 fn required<'a>(value: &'a str, what: &str) -> Result<&'a str, Status> {
     if value.is_empty() {
         return Err(Status::invalid_argument(format!("{what} is required")));
@@ -523,7 +573,7 @@ impl Node for NodeService {
         request: Request<NodeStageVolumeRequest>,
     ) -> Result<Response<NodeStageVolumeResponse>, Status> {
         let request = request.into_inner();
-        let volume = required(&request.volume_id, "volume_id")?.to_string();
+        let volume = volume_id(&request.volume_id)?;
         let staging = PathBuf::from(required(
             &request.staging_target_path,
             "staging_target_path",
@@ -577,7 +627,7 @@ impl Node for NodeService {
         request: Request<NodeUnstageVolumeRequest>,
     ) -> Result<Response<NodeUnstageVolumeResponse>, Status> {
         let request = request.into_inner();
-        let volume = required(&request.volume_id, "volume_id")?.to_string();
+        let volume = volume_id(&request.volume_id)?;
         let staging = PathBuf::from(required(
             &request.staging_target_path,
             "staging_target_path",
@@ -601,7 +651,7 @@ impl Node for NodeService {
         request: Request<NodePublishVolumeRequest>,
     ) -> Result<Response<NodePublishVolumeResponse>, Status> {
         let request = request.into_inner();
-        let volume = required(&request.volume_id, "volume_id")?.to_string();
+        let volume = volume_id(&request.volume_id)?;
         let target = PathBuf::from(required(&request.target_path, "target_path")?);
         let capability = single_capability(request.volume_capability.as_ref())?;
         required(&request.staging_target_path, "staging_target_path")?;
@@ -652,7 +702,7 @@ impl Node for NodeService {
         request: Request<NodeUnpublishVolumeRequest>,
     ) -> Result<Response<NodeUnpublishVolumeResponse>, Status> {
         let request = request.into_inner();
-        let volume = required(&request.volume_id, "volume_id")?.to_string();
+        let volume = volume_id(&request.volume_id)?;
         let target = PathBuf::from(required(&request.target_path, "target_path")?);
         self.locked(move |config| {
             if is_mount_point(&target)? {
@@ -675,7 +725,7 @@ impl Node for NodeService {
         request: Request<NodeGetVolumeStatsRequest>,
     ) -> Result<Response<NodeGetVolumeStatsResponse>, Status> {
         let request = request.into_inner();
-        let volume = required(&request.volume_id, "volume_id")?.to_string();
+        let volume = volume_id(&request.volume_id)?;
         let path = PathBuf::from(required(&request.volume_path, "volume_path")?);
         let usage = self
             .locked(move |config| {
@@ -709,7 +759,7 @@ impl Node for NodeService {
         request: Request<NodeExpandVolumeRequest>,
     ) -> Result<Response<NodeExpandVolumeResponse>, Status> {
         let request = request.into_inner();
-        let volume = required(&request.volume_id, "volume_id")?.to_string();
+        let volume = volume_id(&request.volume_id)?;
         required(&request.volume_path, "volume_path")?;
         let wanted = request
             .capacity_range
@@ -797,6 +847,18 @@ fn statvfs_usage(path: &Path) -> Result<Vec<VolumeUsage>, Status> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn volume_ids_cannot_leave_the_state_directory() {
+        assert_eq!(volume_id("pvc-1.data").ok().as_deref(), Some("pvc-1.data"));
+        for bad in ["../etc", "a/b", ".hidden", "", "x\0y"] {
+            assert!(volume_id(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            volume_id("").map_err(|s| s.code()).err(),
+            Some(tonic::Code::InvalidArgument)
+        );
+    }
 
     #[test]
     fn mountinfo_escapes_are_undone() {
