@@ -3,9 +3,12 @@
 engine, on one loopback cluster (three storage nodes; volumes attached on node 1).
 
     python3 scripts/bench/replication.py [--rounds 5] [--seconds 10] [--json out.json]
+        [--pgbench [--pgbench-seconds 30] [--pgbench-scale 20]]
 
 Workloads (the profiles of scripts/bench/volume.py): sync QD1 (4 KiB sequential writes, each
-followed by a FLUSH) and randrw QD64 (4 KiB random, 75% reads). Every round runs every R in turn, in an order
+followed by a FLUSH) and randrw QD64 (4 KiB random, 75% reads); with --pgbench, also Postgres
+TPC-B (8 clients, synchronous_commit=on) on ext4 on each volume through nbdfuse + loop, the
+same setup as scripts/bench/volume.py --pgbench (needs root). Every round runs every R in turn, in an order
 that rotates between rounds; medians are quoted with the ratio to R=1.
 
 All nodes share this machine's one disk (and its two cores): every replica's fdatasync lands on
@@ -21,10 +24,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "cluster"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from keelcluster import Cluster, wait_until  # noqa: E402
+from volume import run_pgbench  # noqa: E402
 
 WORK = Path(os.environ.get("KEEL_BENCH_DIR", "/var/tmp/keel-bench-replication"))
 SIZE = 256 << 20
+# Postgres needs room for its tables (scale 20 ≈ 300 MiB) and WAL.
+PGBENCH_SIZE = 4 << 30
 
 # The same profiles as scripts/bench/volume.py (the single-node reference).
 WORKLOADS = {
@@ -56,12 +63,17 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=int, default=10)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--pgbench", action="store_true")
+    parser.add_argument("--pgbench-seconds", type=int, default=30)
+    parser.add_argument("--pgbench-scale", type=int, default=20)
+    parser.add_argument("--skip-fio", action="store_true", help="only pgbench")
     args = parser.parse_args()
+    workloads = [] if args.skip_fio else list(WORKLOADS)
 
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
     cluster = Cluster(WORK)
-    results = {r: {w: [] for w in WORKLOADS} for r in (1, 2, 3)}
+    results = {r: {w: [] for w in [*WORKLOADS, "pgbench"]} for r in (1, 2, 3)}
     try:
         first = cluster.add()
         cluster.add()
@@ -75,9 +87,21 @@ def main():
             subprocess.run(["fio", "--name=fill", "--ioengine=nbd", f"--uri=nbd://{first.host}:{first.nbd_port}/r{replicas}",
                             f"--size={SIZE}", "--rw=write", "--bs=1m", "--iodepth=8", "--end_fsync=1"],
                            capture_output=True, check=True, timeout=900)
+            if args.pgbench:
+                code, answer = first.api("POST", "/api/v1/volumes",
+                                         {"name": f"pg{replicas}", "size_bytes": PGBENCH_SIZE, "replicas": replicas})
+                assert code == 200, answer
         order = [1, 2, 3]
         for round_index in range(args.rounds):
-            for workload in WORKLOADS:
+            if args.pgbench:
+                for replicas in order:
+                    uri = f"nbd://{first.host}:{first.nbd_port}/pg{replicas}"
+                    measured = run_pgbench(uri, WORK / f"pg-r{replicas}", args.pgbench_seconds, args.pgbench_scale)
+                    measured["iops"] = measured["tps"]
+                    results[replicas]["pgbench"].append(measured)
+                    print(f"round {round_index + 1} pgbench R={replicas}: {measured['tps']:.0f} TPS "
+                          f"latency {measured['latency_ms']:.2f} ms", flush=True)
+            for workload in workloads:
                 for replicas in order:
                     measured = fio(first, f"r{replicas}", workload, args.seconds)
                     results[replicas][workload].append(measured)
@@ -90,7 +114,15 @@ def main():
 
     summary = {}
     print("\nmedians (all nodes share one disk):")
-    for workload in WORKLOADS:
+    if args.pgbench:
+        base = statistics.median(m["tps"] for m in results[1]["pgbench"])
+        for replicas in (1, 2, 3):
+            runs = results[replicas]["pgbench"]
+            tps = statistics.median(m["tps"] for m in runs)
+            latency = statistics.median(m["latency_ms"] for m in runs)
+            summary[f"pgbench R={replicas}"] = {"tps": tps, "ratio_to_r1": tps / base, "latency_ms": latency, "runs": runs}
+            print(f"  {'pgbench':12} R={replicas}: {tps:8.0f} TPS   ({tps / base:.2f}× R=1)  latency {latency:.2f} ms")
+    for workload in workloads:
         base = statistics.median(m["iops"] for m in results[1][workload])
         for replicas in (1, 2, 3):
             runs = results[replicas][workload]

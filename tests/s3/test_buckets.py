@@ -61,3 +61,31 @@ def test_invalid_bucket_names_refused(s3, name):
         s3.create_bucket(Bucket=name)
     assert error_code(e) in ("InvalidBucketName", "InvalidRequest")
     assert name not in [b["Name"] for b in s3.list_buckets()["Buckets"]]
+
+
+def test_list_buckets_pages_with_max_buckets_and_continuation_token(s3):
+    # Proves ListBuckets pagination (issue 13): max-buckets pages, the continuation token resumes
+    # after the last bucket of a page, the prefix filters and is echoed, the last page has no token.
+    prefix = f"pg-{uuid.uuid4().hex[:8]}-"
+    names = [f"{prefix}{i}" for i in range(5)]
+    for name in names:
+        s3.create_bucket(Bucket=name)
+    try:
+        seen, token, pages = [], None, 0
+        while True:
+            kwargs = {"Prefix": prefix, "MaxBuckets": 2}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = s3.list_buckets(**kwargs)
+            pages += 1
+            assert page["Prefix"] == prefix
+            assert len(page["Buckets"]) <= 2
+            seen += [b["Name"] for b in page["Buckets"]]
+            token = page.get("ContinuationToken")
+            if not token:
+                break
+        assert (seen, pages) == (names, 3)
+        assert [b["Name"] for b in s3.list_buckets(Prefix=prefix)["Buckets"]] == names
+    finally:
+        for name in names:
+            s3.delete_bucket(Bucket=name)

@@ -39,6 +39,17 @@ def test_multipart_complete_list_and_read(s3, bucket):
     )
     expected_etag = hashlib.md5(b"".join(hashlib.md5(d).digest() for d in parts_data)).hexdigest() + "-3"
     assert done["ETag"] == f'"{expected_etag}"'
+    # A client retrying Complete after a timeout is answered 200 with the same result, as on AWS;
+    # a different part list for the finished upload is still NoSuchUpload.
+    again = s3.complete_multipart_upload(
+        Bucket=bucket, Key="mp", UploadId=upload_id,
+        MultipartUpload={"Parts": [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]},
+    )
+    assert again["ETag"] == done["ETag"]
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.complete_multipart_upload(Bucket=bucket, Key="mp", UploadId=upload_id,
+                                     MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": etags[0]}]})
+    assert error_code(e) == "NoSuchUpload"
     got = s3.get_object(Bucket=bucket, Key="mp")
     assert got["Body"].read() == b"".join(parts_data)
     assert got["ContentType"] == "x/y" and got["Metadata"] == {"m": "1"}

@@ -22,6 +22,8 @@ use crate::token::{decode_token, encode_token, url_encode};
 
 /// Most keys one DeleteObjects request may name, as in S3.
 pub const DELETE_OBJECTS_MAX: usize = 1000;
+/// The largest `max-buckets` of a ListBuckets page (AWS's limit).
+pub const LIST_BUCKETS_MAX: i32 = 10_000;
 /// Largest total size of user metadata (names and values), as in S3.
 pub const METADATA_SIZE_MAX_BYTES: usize = 2048;
 /// Largest part, as in S3.
@@ -422,16 +424,37 @@ impl S3 for KeelS3 {
     ) -> S3Result<S3Response<ListBucketsOutput>> {
         let caller = caller(&req)?;
         let name = self.objects.key(&caller).map(|k| k.name);
-        let buckets = self
+        let input = req.input;
+        let max_buckets = match input.max_buckets {
+            None => usize::MAX,
+            Some(max) if (1..=LIST_BUCKETS_MAX).contains(&max) => max as usize,
+            Some(max) => {
+                return Err(S3Error::with_message(
+                    S3ErrorCode::InvalidArgument,
+                    format!("max-buckets {max} is not between 1 and {LIST_BUCKETS_MAX}"),
+                ))
+            }
+        };
+        // The continuation token is the name of the last bucket of the previous page.
+        let after = input.continuation_token.as_deref();
+        let mut buckets: Vec<_> = self
             .objects
             .list_buckets_for(&caller)
             .into_iter()
             .filter(|b| {
-                req.input
+                input
                     .prefix
                     .as_deref()
                     .is_none_or(|prefix| b.name.starts_with(prefix))
+                    && after.is_none_or(|after| b.name.as_str() > after)
             })
+            .collect();
+        buckets.sort_by(|a, b| a.name.cmp(&b.name));
+        let continuation_token =
+            (buckets.len() > max_buckets).then(|| buckets[max_buckets - 1].name.clone());
+        buckets.truncate(max_buckets);
+        let buckets = buckets
+            .into_iter()
             .map(|b| Bucket {
                 name: Some(b.name),
                 creation_date: Some(timestamp(b.created_unix_ms)),
@@ -444,7 +467,8 @@ impl S3 for KeelS3 {
                 display_name: name,
                 id: Some(caller),
             }),
-            ..Default::default()
+            continuation_token,
+            prefix: input.prefix,
         }))
     }
 

@@ -242,6 +242,22 @@ impl Objects {
         Ok((uploads, truncated))
     }
 
+    /// The object at `object_key` if it is the one completing an upload with exactly `parts`
+    /// made: a multipart object whose ETag is the one those part ETags give.
+    fn completed_from(
+        &self,
+        object_key: &[u8],
+        parts: &[(u32, String)],
+    ) -> Result<Option<Manifest>, ObjectError> {
+        let Some(manifest) = self.read_manifest_at(object_key)? else {
+            return Ok(None);
+        };
+        let etags: Vec<&str> = parts.iter().map(|(_, e)| e.trim_matches('"')).collect();
+        let same = manifest.part_sizes_bytes.len() == parts.len()
+            && multipart_etag(&etags).is_ok_and(|etag| etag == manifest.etag);
+        Ok(same.then_some(manifest))
+    }
+
     /// Completes an upload with `parts` (part number, hex ETag) and returns the new manifest.
     pub fn complete_upload(
         &self,
@@ -267,7 +283,18 @@ impl Objects {
         let object_key = records::object_key(bucket, key);
         let upload_key = records::upload_key(bucket, key, upload_id);
         let _locks = self.lock_keys(&[&object_key, &upload_key]);
-        let upload = self.read_upload(bucket, key, upload_id)?;
+        let upload = match self.read_upload(bucket, key, upload_id) {
+            Ok(upload) => upload,
+            // A client retrying Complete after a timeout: the object these parts made is the
+            // answer, as AWS gives it (any other part list is still an unknown upload).
+            Err(ObjectError::NoSuchUpload(id)) => {
+                return match self.completed_from(&object_key, parts)? {
+                    Some(manifest) => Ok(manifest),
+                    None => Err(ObjectError::NoSuchUpload(id)),
+                };
+            }
+            Err(error) => return Err(error),
+        };
         let stored = self.all_parts(bucket, upload_id)?;
         let by_number: HashMap<u32, &PartRecord> =
             stored.iter().map(|p| (p.part_number, p)).collect();

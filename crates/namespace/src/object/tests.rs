@@ -389,6 +389,23 @@ fn multipart_assembly_and_validation() {
         objects.get_upload("bucket", "multi", "u1"),
         Err(ObjectError::NoSuchUpload(_))
     ));
+    // A client retrying Complete (after a timeout) gets the same object back, nothing changes;
+    // another part list for the finished upload is still refused.
+    let again = objects
+        .complete_upload(
+            "bucket",
+            "multi",
+            "u1",
+            &[(1, etag1.clone()), (2, etag2.clone())],
+            &condition,
+        )
+        .unwrap();
+    assert_eq!(
+        (again.etag.as_str(), again.modified_unix_ms),
+        (manifest.etag.as_str(), manifest.modified_unix_ms)
+    );
+    let other = objects.complete_upload("bucket", "multi", "u1", &[(1, etag1.clone())], &condition);
+    assert!(matches!(other, Err(ObjectError::NoSuchUpload(_))));
     assert!(objects
         .list_uploads_page("bucket", "", None, 10)
         .unwrap()
