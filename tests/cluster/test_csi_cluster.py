@@ -78,6 +78,14 @@ def test_controller_places_volumes_by_topology_and_routes_to_the_primary(cluster
             volume_content_source=pb.VolumeContentSource(snapshot=pb.VolumeContentSource.SnapshotSource(snapshot_id=snapshot.snapshot_id)))).volume
         assert clone.capacity_bytes == 128 * MIB
         assert [dict(t.segments) for t in clone.accessible_topology] == [{NODE_KEY: second.name}]
+        # A clone lives with its parent: asked for on node 1 only, it is refused so the scheduler
+        # picks another node, rather than created where the pod could not attach it.
+        with pytest.raises(grpc.RpcError) as refused:
+            controller.CreateVolume(pb.CreateVolumeRequest(
+                name="pvc-a-elsewhere", volume_capabilities=[mount],
+                accessibility_requirements=pb.TopologyRequirement(requisite=[pb.Topology(segments={NODE_KEY: first.name})]),
+                volume_content_source=pb.VolumeContentSource(snapshot=pb.VolumeContentSource.SnapshotSource(snapshot_id=snapshot.snapshot_id))))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
         grown = controller.ControllerExpandVolume(pb.ControllerExpandVolumeRequest(
             volume_id="pvc-a", capacity_range=pb.CapacityRange(required_bytes=256 * MIB)))
         assert grown.capacity_bytes == 256 * MIB

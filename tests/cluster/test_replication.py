@@ -59,7 +59,8 @@ def block(tag, index):
 
 
 def test_r2_volume_survives_losing_a_replica_and_resyncs_what_changed(cluster):
-    """An R=2 volume is placed on both storage nodes and both are in sync once attached. With
+    """An R=2 volume is placed on both storage nodes and both are in sync once attached (the
+    never-written volume is skipped, not compared). With
     the replica killed (-9), writes and FLUSHes go on after the in-sync set shrinks through
     Raft; when it returns it catches up by shipping only the blocks that changed (bytes
     shipped ≤ 1.1× the bytes written meanwhile) and rejoins. Then the primary is killed and
@@ -71,6 +72,10 @@ def test_r2_volume_survives_losing_a_replica_and_resyncs_what_changed(cluster):
 
     client = attach(first, "r2")
     wait_until("both replicas in sync", lambda: sorted(replication(first, "r2")["in_sync"]) == [1, 2])
+    # Nothing was ever written on either side: the catch-up skipped the whole volume without
+    # comparing a block.
+    served = replication(first, "r2")["served_here"]
+    assert (served["resync_skipped_bytes"], served["resync_bytes"]) == (SIZE, 0), served
     expected = {}
     for index in range(256):
         expected[index] = block("before", index)

@@ -179,13 +179,16 @@ impl Admin {
         Admin::new(address, self.token.clone())
     }
 
-    /// Every node of the cluster: id, name and admin address.
+    /// The cluster's storage nodes (not witnesses, not removed): id, name and admin address.
     pub async fn nodes(&self) -> Result<Vec<NodeJson>, Failure> {
         let nodes: Vec<Value> = self.call(Method::Get, "/api/v1/nodes".into(), None).await?;
         Ok(nodes
             .iter()
             .filter_map(|node| {
                 let record = &node["record"];
+                if record["role"] != "Storage" || record["removed"] == true {
+                    return None;
+                }
                 Some(NodeJson {
                     id: record["id"].as_u64()?,
                     name: record["name"].as_str()?.to_string(),

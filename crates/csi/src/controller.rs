@@ -69,14 +69,7 @@ impl ControllerService {
         &self,
         requirement: Option<&TopologyRequirement>,
     ) -> Result<Admin, Status> {
-        let Some(requirement) = requirement else {
-            return Ok(self.admin.clone());
-        };
-        let wanted: Vec<&str> = (requirement.preferred.iter())
-            .chain(&requirement.requisite)
-            .filter_map(|topology| topology.segments.get(TOPOLOGY_NODE_KEY))
-            .map(String::as_str)
-            .collect();
+        let wanted = wanted_nodes(requirement);
         if wanted.is_empty() {
             return Ok(self.admin.clone());
         }
@@ -128,7 +121,12 @@ impl ControllerService {
 
     /// Creates `name` from a content source: a clone of a snapshot, or of a snapshot the
     /// driver takes of a source volume.
-    async fn create_from_source(&self, name: &str, source: &Source) -> Result<VolumeJson, Status> {
+    async fn create_from_source(
+        &self,
+        name: &str,
+        source: &Source,
+        requirement: Option<&TopologyRequirement>,
+    ) -> Result<VolumeJson, Status> {
         let (volume, snapshot) = match source {
             Source::Snapshot(SnapshotSource { snapshot_id }) => {
                 let (volume, snapshot) =
@@ -152,8 +150,23 @@ impl ControllerService {
                 (volume_id.clone(), snapshot)
             }
         };
-        // A clone reads through its parent's blocks: it lives where the parent does.
-        let admin = self.admin_for(&volume).await?;
+        // A clone reads through its parent's blocks: it lives where the parent does. When the
+        // CO wants it elsewhere, say so (ResourceExhausted lets the scheduler pick another node)
+        // rather than create a volume its pod cannot attach.
+        let parent = (self.admin.volume(&volume).await?)
+            .ok_or_else(|| Status::not_found(format!("source volume {volume:?} not found")))?;
+        let nodes = self.admin.nodes().await?;
+        let wanted = wanted_nodes(requirement);
+        let homes: Vec<&str> = (parent.replicas.iter())
+            .filter_map(|id| nodes.iter().find(|node| node.id == *id))
+            .map(|node| node.name.as_str())
+            .collect();
+        if !wanted.is_empty() && !homes.iter().any(|home| wanted.contains(home)) {
+            return Err(Status::resource_exhausted(format!(
+                "a clone of {volume:?} lives on its nodes {homes:?}, none of which the volume may use ({wanted:?})"
+            )));
+        }
+        let admin = self.primary_admin(&parent, &nodes);
         Ok(admin.clone_snapshot(&volume, &snapshot, name).await?)
     }
 }
@@ -251,6 +264,19 @@ fn csi_volume(
         accessible_topology: topology,
         ..Default::default()
     }
+}
+
+/// The node names a topology requirement allows, preferred first; empty for "anywhere".
+fn wanted_nodes(requirement: Option<&TopologyRequirement>) -> Vec<&str> {
+    requirement
+        .map(|r| {
+            (r.preferred.iter())
+                .chain(&r.requisite)
+                .filter_map(|topology| topology.segments.get(TOPOLOGY_NODE_KEY))
+                .map(String::as_str)
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Where a volume can be attached: the nodes holding its replicas.
@@ -383,7 +409,9 @@ impl Controller for ControllerService {
             Some(source) => {
                 // A clone has its parent's settings; parameters are checked all the same.
                 volume_request(&request.name, size, &request.parameters)?;
-                self.create_from_source(&request.name, source).await?
+                let requirement = request.accessibility_requirements.as_ref();
+                self.create_from_source(&request.name, source, requirement)
+                    .await?
             }
         };
         if volume.size_bytes < size {

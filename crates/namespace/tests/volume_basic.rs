@@ -300,3 +300,67 @@ fn shared_types_are_thread_safe() {
     send::<keel_namespace::volume::SendStream>();
     send_sync::<VolumeError>();
 }
+
+// Proves `range_unwritten` (what resyncs of sparse volumes skip by): true only where no block
+// holds an extent, in the volume or in a parent a clone reads through.
+#[test]
+fn unwritten_ranges_are_told_apart_from_written_ones() {
+    let dir = test_dir("unwritten");
+    let manager = open_manager(&dir);
+    let chunk = 256 * BLOCK;
+    manager
+        .create(&VolumeSpec::new("sparse", 8 * chunk))
+        .unwrap();
+    let handle = manager.open_volume("sparse").unwrap();
+    for index in 0..8 {
+        assert!(handle.range_unwritten(index * chunk, chunk).unwrap());
+    }
+    handle
+        .write(chunk + 7 * BLOCK, &pattern(3, 100), false)
+        .unwrap();
+    handle
+        .write(4 * chunk, &pattern(4, BLOCK as usize), false)
+        .unwrap();
+    // Written then trimmed or zeroed, and trimmed or zeroed without ever being written: they
+    // read as zeroes, whatever extents (none, or empty ones) say so.
+    handle
+        .write(3 * chunk, &pattern(5, BLOCK as usize), false)
+        .unwrap();
+    handle.trim(3 * chunk, 4 * BLOCK).unwrap();
+    handle
+        .write(5 * chunk, &pattern(6, BLOCK as usize), false)
+        .unwrap();
+    handle.write_zeroes(5 * chunk, BLOCK, false, false).unwrap();
+    handle.trim(6 * chunk, chunk).unwrap();
+    let unwritten: Vec<bool> = (0..8)
+        .map(|index| handle.range_unwritten(index * chunk, chunk).unwrap())
+        .collect();
+    assert_eq!(
+        (
+            unwritten[0],
+            unwritten[1],
+            unwritten[2],
+            unwritten[4],
+            unwritten[7]
+        ),
+        (true, false, true, false, true)
+    );
+    // The invariant a resync relies on: an unwritten range reads as zeroes.
+    for (index, &none) in unwritten.iter().enumerate() {
+        let mut data = vec![0xAAu8; chunk as usize];
+        handle.read(index as u64 * chunk, &mut data).unwrap();
+        if none {
+            assert!(data.iter().all(|&byte| byte == 0), "chunk {index}");
+        }
+    }
+    // The last block of a range and the first of the next are told apart.
+    assert!(handle.range_unwritten(chunk, 7 * BLOCK).unwrap());
+    assert!(!handle.range_unwritten(chunk, 8 * BLOCK).unwrap());
+
+    // A clone reads through its parent: the parent's written blocks are not unwritten there.
+    manager.snapshot_create("sparse", "s").unwrap();
+    manager.clone_volume("sparse", "s", "child").unwrap();
+    let child = manager.open_volume("child").unwrap();
+    assert!(!child.range_unwritten(chunk, chunk).unwrap());
+    assert!(child.range_unwritten(2 * chunk, chunk).unwrap());
+}

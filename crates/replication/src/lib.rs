@@ -33,7 +33,7 @@ use keel_volume::{VolumeError, VolumeIo, VolumeResult};
 use crate::attached::Attached;
 use crate::primary::{Failure, Primary, PrimaryStatus};
 use crate::replica::Replicas;
-use crate::wire::{CODE_BAD_REQUEST, METHOD_HASHES, METHOD_REPLICATE};
+use crate::wire::{CODE_BAD_REQUEST, METHOD_HASHES, METHOD_REPLICATE, METHOD_UNWRITTEN};
 
 /// A primary serves only while it heard from the Raft leader within this.
 pub const LEASE: Duration = Duration::from_secs(2);
@@ -42,6 +42,9 @@ pub const LEASE: Duration = Duration::from_secs(2);
 pub const TAKE_OVER_SILENCE: Duration = Duration::from_millis(2500);
 /// The unit a resync compares and ships.
 pub const RESYNC_CHUNK_BYTES: u64 = 1 << 20;
+/// The stretch a catch-up first asks about as a whole: skipped when neither side ever wrote
+/// it (a fresh or sparse volume), else compared chunk by chunk.
+pub const RESYNC_PROBE_BYTES: u64 = 64 << 20;
 /// How long attaching waits for enough replicas to be in sync to accept writes; after it the
 /// client is attached anyway (reads work, writes fail with the reason until enough replicas
 /// caught up). Well under an NBD client's handshake timeout.
@@ -589,6 +592,12 @@ impl Replication {
                 let request = postcard::from_bytes(&payload)
                     .map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))?;
                 let answer = replica::hashes(&shared, sender, request).map_err(refused)?;
+                encode(postcard::to_allocvec(&answer))
+            }
+            METHOD_UNWRITTEN => {
+                let request = postcard::from_bytes(&payload)
+                    .map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))?;
+                let answer = replica::unwritten(&shared, sender, request).map_err(refused)?;
                 encode(postcard::to_allocvec(&answer))
             }
             other => Err(remote(CODE_BAD_REQUEST, format!("unknown method {other}"))),

@@ -13,10 +13,10 @@ use keel_catalog::{Command, MetadataError, NodeId};
 use keel_volume::{VolumeError, VolumeIo, VolumeResult};
 
 use crate::wire::{
-    self, Batch, BatchAck, HashAnswer, HashRequest, Op, BLOCK_HASH_BYTES, CODE_BEHIND, CODE_FENCED,
-    METHOD_HASHES, METHOD_REPLICATE,
+    self, Batch, BatchAck, HashAnswer, HashRequest, Op, UnwrittenAnswer, BLOCK_HASH_BYTES,
+    CODE_BEHIND, CODE_FENCED, METHOD_HASHES, METHOD_REPLICATE, METHOD_UNWRITTEN,
 };
-use crate::{lock, Shared, RESYNC_CHUNK_BYTES};
+use crate::{lock, Shared, RESYNC_CHUNK_BYTES, RESYNC_PROBE_BYTES};
 
 /// Bytes queued for one replica before writers wait for it (bounded memory).
 const QUEUE_BYTES_MAX: usize = 64 << 20;
@@ -132,6 +132,8 @@ struct State {
     closed: Option<String>,
     /// Bytes shipped to catch replicas up (resync), for `volume info` and tests.
     resync_bytes: u64,
+    /// Bytes catch-ups skipped without comparing, neither side having ever written them.
+    resync_skipped_bytes: u64,
 }
 
 /// A replicated volume served by this node as its primary.
@@ -167,6 +169,7 @@ pub struct PrimaryStatus {
     pub in_sync: Vec<NodeId>,
     pub catching_up: Vec<CatchUp>,
     pub resync_bytes: u64,
+    pub resync_skipped_bytes: u64,
     pub closed: Option<String>,
 }
 
@@ -209,6 +212,7 @@ impl Primary {
                 peers,
                 closed: None,
                 resync_bytes: 0,
+                resync_skipped_bytes: 0,
             }),
             changed: Condvar::new(),
             proposing: tokio::sync::Mutex::new(()),
@@ -255,6 +259,7 @@ impl Primary {
                 })
                 .collect(),
             resync_bytes: state.resync_bytes,
+            resync_skipped_bytes: state.resync_skipped_bytes,
             closed: state.closed.clone(),
         }
     }
@@ -940,7 +945,22 @@ impl Primary {
         let mut shipped = 0u64;
         let clock = self.shared.clock();
         let started = clock.now();
+        // The end of the stretch already known to hold writes (compared chunk by chunk).
+        let mut probed_to = 0u64;
         while offset < size {
+            if offset >= probed_to {
+                let stretch = RESYNC_PROBE_BYTES.min(size - offset);
+                if self.stretch_unwritten(node, offset, stretch).await? {
+                    offset += stretch;
+                    let mut state = self.state();
+                    state.resync_skipped_bytes += stretch;
+                    if let Some(peer) = state.peers.get_mut(&node) {
+                        peer.resync_compared = offset;
+                    }
+                    continue;
+                }
+                probed_to = offset + stretch;
+            }
             let length = RESYNC_CHUNK_BYTES.min(size - offset);
             let theirs = self.remote_hashes(node, offset, length).await?;
             // Room first (never wait for the queue with the order lock held).
@@ -980,6 +1000,7 @@ impl Primary {
                 peer.resync_compared = offset;
             }
         }
+        let compared = clock.now().saturating_duration_since(started);
         // Everything is queued: the replica becomes counted, flushes, and joins.
         let upto = {
             let _order = lock(&self.order);
@@ -1020,8 +1041,58 @@ impl Primary {
             return Err(error);
         }
         self.changed.notify_all();
-        tracing::info!(volume = %self.name, node, shipped_bytes = shipped, "replica back in sync");
+        let took = clock.now().saturating_duration_since(started);
+        tracing::info!(
+            volume = %self.name,
+            node,
+            shipped_bytes = shipped,
+            compare_ms = compared.as_millis() as u64,
+            total_ms = took.as_millis() as u64,
+            "replica back in sync"
+        );
         Ok(())
+    }
+
+    /// Whether neither the replica nor this node ever wrote `[offset, offset + length)`: the
+    /// replica is asked first, then the local copy is looked at under the order lock, so a
+    /// write that lands after that is on the replica's stream (as in `queue_differences`).
+    async fn stretch_unwritten(
+        self: &Arc<Self>,
+        node: NodeId,
+        offset: u64,
+        length: u64,
+    ) -> Result<bool, String> {
+        let request = HashRequest {
+            volume_id: self.volume_id,
+            epoch: self.state().epoch,
+            offset,
+            length,
+        };
+        let payload = postcard::to_allocvec(&request).map_err(|error| error.to_string())?;
+        let answer = self
+            .shared
+            .call(node, METHOD_UNWRITTEN, payload, Duration::from_secs(10))
+            .await
+            .map_err(|failure| {
+                if failure.code == Some(CODE_FENCED) {
+                    self.close(format!("a replica fenced this node: {}", failure.message));
+                }
+                failure.message
+            })?;
+        let answer: UnwrittenAnswer =
+            postcard::from_bytes(&answer).map_err(|error| error.to_string())?;
+        if !answer.unwritten {
+            return Ok(false);
+        }
+        let this = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let _order = lock(&this.order);
+            this.local
+                .range_unwritten(offset, length)
+                .map_err(|error| error.to_string())
+        })
+        .await
+        .map_err(|error| error.to_string())?
     }
 
     async fn remote_hashes(
@@ -1063,11 +1134,26 @@ impl Primary {
         theirs: &[u8],
     ) -> Result<u64, String> {
         let _order = lock(&self.order);
+        let blocks = (length / block) as usize;
+        // An empty answer: nothing was ever written there on the replica.
+        let expanded;
+        let theirs = if theirs.is_empty() {
+            if self
+                .local
+                .range_unwritten(offset, length)
+                .map_err(|error| error.to_string())?
+            {
+                return Ok(0);
+            }
+            expanded = wire::zero_block_hash(block as usize).repeat(blocks);
+            &expanded[..]
+        } else {
+            theirs
+        };
         let mut ours = vec![0u8; length as usize];
         self.local
             .read(offset, &mut ours)
             .map_err(|error| error.to_string())?;
-        let blocks = (length / block) as usize;
         if theirs.len() != blocks * BLOCK_HASH_BYTES {
             return Err(format!(
                 "the replica sent {} bytes of hashes for {blocks} blocks",

@@ -9,8 +9,8 @@ use keel_catalog::NodeId;
 use keel_volume::VolumeIo;
 
 use crate::wire::{
-    block_hash, Batch, BatchAck, HashAnswer, HashRequest, Op, BLOCK_HASH_BYTES, CODE_BEHIND,
-    CODE_FAILED, CODE_FENCED, CODE_OUT_OF_ORDER,
+    block_hash, Batch, BatchAck, HashAnswer, HashRequest, Op, UnwrittenAnswer, BLOCK_HASH_BYTES,
+    CODE_BEHIND, CODE_FAILED, CODE_FENCED, CODE_OUT_OF_ORDER,
 };
 use crate::{lock, Shared};
 
@@ -237,6 +237,35 @@ pub(crate) fn apply(shared: &Shared, sender: NodeId, batch: Batch) -> Result<Bat
 }
 
 /// Hashes of this node's blocks of a range (blocking: reads the local volume).
+/// Whether a range (at most a probe) was never written here.
+pub(crate) fn unwritten(
+    shared: &Shared,
+    sender: NodeId,
+    request: HashRequest,
+) -> Result<UnwrittenAnswer, Refusal> {
+    let slot = shared.replicas.slot(request.volume_id);
+    let mut slot = lock(&slot);
+    let name = check_sender(shared, request.volume_id, request.epoch, sender)?;
+    let volume = handle(shared, &mut slot, &name, request.epoch)?;
+    let block = u64::from(volume.block_size_bytes());
+    if !request.offset.is_multiple_of(block)
+        || !request.length.is_multiple_of(block)
+        || request.length > crate::RESYNC_PROBE_BYTES
+    {
+        return Err(refusal(
+            crate::wire::CODE_BAD_REQUEST,
+            format!(
+                "range {}+{} is not whole blocks of at most a probe",
+                request.offset, request.length
+            ),
+        ));
+    }
+    let unwritten = volume
+        .range_unwritten(request.offset, request.length)
+        .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
+    Ok(UnwrittenAnswer { unwritten })
+}
+
 pub(crate) fn hashes(
     shared: &Shared,
     sender: NodeId,
@@ -258,6 +287,12 @@ pub(crate) fn hashes(
                 request.offset, request.length
             ),
         ));
+    }
+    let unwritten = volume
+        .range_unwritten(request.offset, request.length)
+        .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
+    if unwritten {
+        return Ok(HashAnswer { hashes: Vec::new() });
     }
     let mut data = vec![0u8; request.length as usize];
     volume

@@ -12,6 +12,10 @@ pub const METHOD_REPLICATE: u16 = 0x0200;
 /// Primary → replica: hashes of the replica's blocks in a range ([`HashRequest`] →
 /// [`HashAnswer`]), to ship only the blocks that differ when it catches up.
 pub const METHOD_HASHES: u16 = 0x0201;
+/// Primary → replica: whether a range of up to [`crate::RESYNC_PROBE_BYTES`] was never
+/// written on the replica ([`HashRequest`] → [`UnwrittenAnswer`]), so a catch-up skips the
+/// empty stretches of a sparse volume without comparing them chunk by chunk.
+pub const METHOD_UNWRITTEN: u16 = 0x0202;
 
 /// The sender is not the volume's primary in the replica's view (an older epoch or another
 /// node): it must stop acknowledging anything for the volume.
@@ -76,14 +80,25 @@ pub struct HashRequest {
     pub length: u64,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnwrittenAnswer {
+    pub unwritten: bool,
+}
+
 /// Bytes of one block's hash (truncated keyed BLAKE3; collisions are not a concern between
 /// honest nodes that authenticate every frame).
 pub const BLOCK_HASH_BYTES: usize = 16;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HashAnswer {
-    /// [`BLOCK_HASH_BYTES`] per block of the range, in order.
+    /// [`BLOCK_HASH_BYTES`] per block of the range, in order; empty when no block of the
+    /// range was ever written on the replica (it reads as zeroes: [`zero_block_hash`] each).
     pub hashes: Vec<u8>,
+}
+
+/// The hash of a block of zeroes (a never-written block).
+pub fn zero_block_hash(block_bytes: usize) -> [u8; BLOCK_HASH_BYTES] {
+    block_hash(&vec![0u8; block_bytes])
 }
 
 /// The hash a block is compared by.

@@ -234,6 +234,34 @@ impl VolumeHandle {
         locks
     }
 
+    /// Whether no extent was ever stored for a block of `[offset, offset + length)`, in this
+    /// volume or a volume its view reads through: the range then reads as zeroes. One key scan
+    /// per layer says so, where reading would look every block up (resync comparisons of
+    /// sparse volumes). A block written then trimmed keeps an (empty) extent: not unwritten.
+    pub fn range_unwritten(&self, offset: u64, length: u64) -> VolumeResult<bool> {
+        let state = self.state()?;
+        let view = match &self.frozen {
+            Some(frozen) => &frozen.view,
+            None => &state.record.view,
+        };
+        let first = offset / BLOCK_SIZE_BYTES;
+        let end = self.range_end(offset, length)?.div_ceil(BLOCK_SIZE_BYTES);
+        for layer in view {
+            let keys = self
+                .store
+                .keys(
+                    &block_key(layer.volume_id, first, 0),
+                    &block_key(layer.volume_id, end, 0),
+                    1,
+                )
+                .map_err(VolumeError::store(&self.shared.name, "listing block keys"))?;
+            if !keys.is_empty() {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
     /// Reads `buf.len()` bytes at `offset`; never-written blocks read as zeroes.
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> VolumeResult<()> {
         if buf.is_empty() {

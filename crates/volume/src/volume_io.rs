@@ -23,11 +23,20 @@ pub trait VolumeIo: Send + Sync {
     fn trim(&self, offset: u64, length: u64) -> VolumeResult<()>;
     fn write_zeroes(&self, offset: u64, length: u64, fua: bool, may_trim: bool)
         -> VolumeResult<()>;
+    /// Whether the range was never written (it reads as zeroes), when that is cheap to know;
+    /// false means "maybe written".
+    fn range_unwritten(&self, _offset: u64, _length: u64) -> VolumeResult<bool> {
+        Ok(false)
+    }
 }
 
 impl VolumeIo for crate::VolumeHandle {
     fn name(&self) -> &str {
         crate::VolumeHandle::name(self)
+    }
+
+    fn range_unwritten(&self, offset: u64, length: u64) -> VolumeResult<bool> {
+        crate::VolumeHandle::range_unwritten(self, offset, length)
     }
 
     fn size_bytes(&self) -> u64 {
@@ -72,6 +81,10 @@ impl VolumeIo for crate::VolumeHandle {
 impl<T: VolumeIo + ?Sized> VolumeIo for std::sync::Arc<T> {
     fn name(&self) -> &str {
         (**self).name()
+    }
+
+    fn range_unwritten(&self, offset: u64, length: u64) -> VolumeResult<bool> {
+        (**self).range_unwritten(offset, length)
     }
 
     fn size_bytes(&self) -> u64 {
