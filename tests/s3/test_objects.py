@@ -287,6 +287,32 @@ def test_list_v2_prefix_delimiter(s3, bucket):
     assert [o["Key"] for o in result["Contents"]] == ["d/e/f", "d/e/g", "z"]
 
 
+def test_listings_echo_a_delimiter_only_when_one_was_sent(s3, bucket):
+    # Proves ListObjects (v1 and v2) answers carry a <Delimiter> element only when the request
+    # had one, as AWS does (issue 13: an empty element was echoed).
+    populate(s3, bucket, ["a/1", "b"])
+    bodies = []
+
+    def keep(http_response, **_):
+        bodies.append(http_response.content)
+
+    s3.meta.events.register("after-call.s3.ListObjects", keep)
+    s3.meta.events.register("after-call.s3.ListObjectsV2", keep)
+    try:
+        s3.list_objects(Bucket=bucket)
+        s3.list_objects_v2(Bucket=bucket)
+        s3.list_objects(Bucket=bucket, Delimiter="/")
+        s3.list_objects_v2(Bucket=bucket, Delimiter="/")
+    finally:
+        s3.meta.events.unregister("after-call.s3.ListObjects", keep)
+        s3.meta.events.unregister("after-call.s3.ListObjectsV2", keep)
+    assert len(bodies) == 4
+    for body in bodies[:2]:
+        assert b"<Delimiter" not in body, body
+    for body in bodies[2:]:
+        assert b"<Delimiter>/</Delimiter>" in body, body
+
+
 @pytest.mark.parametrize("delimiter", [None, "/"])
 def test_list_v2_pagination(s3, bucket, delimiter):
     # Proves paging with max-keys and continuation tokens returns every entry exactly once.
