@@ -30,8 +30,9 @@ from volume import run_pgbench  # noqa: E402
 
 WORK = Path(os.environ.get("KEEL_BENCH_DIR", "/var/tmp/keel-bench-replication"))
 SIZE = 256 << 20
-# Postgres needs room for its tables (scale 20 ≈ 300 MiB) and WAL.
-PGBENCH_SIZE = 4 << 30
+# Postgres needs room for its tables (scale 20 ≈ 300 MiB) and WAL; every copy of every R lives
+# on this one disk, and each round formats the volumes again (garbage until compaction).
+PGBENCH_SIZE = 2 << 30
 
 # The same profiles as scripts/bench/volume.py (the single-node reference).
 WORKLOADS = {
