@@ -8,8 +8,11 @@ use crate::config::DEFAULT_NBD_ADDR;
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
 pub enum CsiMode {
+    /// Identity and Controller: volumes, snapshots, clones, expansion (one per cluster).
     Controller,
+    /// Identity and Node: attach, format, mount on this node (one per node).
     Node,
+    /// All three services (tests, single-node clusters).
     Both,
 }
 
@@ -17,7 +20,9 @@ pub enum CsiMode {
 pub enum CsiAttach {
     /// The kernel NBD client where /dev/nbd0 and nbd-client exist, else nbdfuse + loop.
     Auto,
+    /// `nbd-client` and /dev/nbdN (needs the kernel's nbd module).
     Kernel,
+    /// nbdfuse exposes the volume as a file, attached to a loop device.
     Nbdfuse,
 }
 
@@ -26,9 +31,11 @@ pub struct CsiArgs {
     /// Where the CO connects: unix:///csi/csi.sock or tcp://HOST:PORT.
     #[arg(long, env = "CSI_ENDPOINT", default_value = "unix:///csi/csi.sock")]
     pub endpoint: String,
+    /// Which CSI services to serve.
     #[arg(long, value_enum, default_value = "both")]
     pub mode: CsiMode,
-    /// This node's id (in Kubernetes, the node name: `spec.nodeName`).
+    /// This node's id: the Keel node name of the server on this node (in Kubernetes, the node
+    /// name, `spec.nodeName`). Default: the host name, as `keel server` defaults to.
     #[arg(long, env = "KEEL_CSI_NODE_ID")]
     pub node_id: Option<String>,
     /// NBD endpoint of the Keel server on this node.
