@@ -3,6 +3,7 @@ the admin token, the CLI's volume lifecycle, and scrub repairing a damaged mirro
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import urllib.request
@@ -104,6 +105,11 @@ def test_status_metrics_dashboard_and_token(server):
     assert status["store"]["poisoned"] is False
     code, metrics = http("GET", f"http://{server.admin}/metrics")
     assert code == 200 and b"keel_store_live_extents" in metrics and b"keel_health 0" in metrics
+    # Counts since start are counters (issue 14), so rate() works on them; levels are gauges.
+    text = metrics.decode()
+    for name in ("keel_store_log_syncs", "keel_store_corrupt_reads", "keel_store_repaired_extents"):
+        assert f"# TYPE {name} counter" in text and re.search(rf"^{name}_total \d+$", text, re.M), name
+    assert "# TYPE keel_store_live_extents gauge" in text
     code, page = http("GET", f"http://{server.admin}/")
     assert code == 200 and b"<title>Keel</title>" in page
     code, _ = http("POST", f"http://{server.admin}/api/v1/volumes", body={"name": "x", "size_bytes": 4096})

@@ -3,6 +3,7 @@
 //! in one scrape comes from the same moment.
 
 use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use std::sync::atomic::AtomicU64;
@@ -13,6 +14,13 @@ fn gauge_u64(registry: &mut Registry, name: &str, help: &str, value: u64) {
     let gauge = Gauge::<u64, AtomicU64>::default();
     gauge.set(value);
     registry.register(name, help, gauge);
+}
+
+/// A count since the server started, exposed as a counter (`NAME_total`), so `rate()` works.
+fn counter_u64(registry: &mut Registry, name: &str, help: &str, value: u64) {
+    let counter = Counter::<u64, AtomicU64>::default();
+    counter.inc_by(value);
+    registry.register(name, help, counter);
 }
 
 fn gauge_f64(registry: &mut Registry, name: &str, help: &str, value: f64) {
@@ -83,19 +91,19 @@ pub fn render(report: &StatusReport) -> Result<String, std::fmt::Error> {
         "Sequence number of the last write",
         store.last_seq,
     );
-    gauge_u64(
+    counter_u64(
         &mut registry,
         "store_log_syncs",
         "Group-commit fdatasyncs since start",
         store.log_syncs,
     );
-    gauge_u64(
+    counter_u64(
         &mut registry,
         "store_corrupt_reads",
         "Checksum failures seen on read since start",
         store.corrupt_reads,
     );
-    gauge_u64(
+    counter_u64(
         &mut registry,
         "store_repaired_extents",
         "Extent copies repaired from a mirror since start",
