@@ -86,17 +86,16 @@ enum Method {
     Delete,
 }
 
+/// Characters a path segment keeps as they are (RFC 3986's unreserved set).
+const SEGMENT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'_')
+    .remove(b'.')
+    .remove(b'~');
+
 /// Percent-encodes one path segment.
 pub fn encode(segment: &str) -> String {
-    segment
-        .bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
+    percent_encoding::utf8_percent_encode(segment, SEGMENT).to_string()
 }
 
 impl Admin {
@@ -286,5 +285,14 @@ impl Admin {
         );
         let body = serde_json::json!({ "name": name });
         self.call(Method::Post, path, Some(body)).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn path_segments_keep_unreserved_characters_only() {
+        assert_eq!(super::encode("pvc-1_a.b~"), "pvc-1_a.b~");
+        assert_eq!(super::encode("a b/ü?"), "a%20b%2F%C3%BC%3F");
     }
 }

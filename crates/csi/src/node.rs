@@ -212,6 +212,19 @@ fn is_mount_point(path: &Path) -> Result<bool, Status> {
     Ok(mount_points()?.contains(&path))
 }
 
+fn unmount_if_mounted(path: &Path) -> Result<(), Status> {
+    if is_mount_point(path)? {
+        run("umount", &[path_str(path)?])?;
+    }
+    Ok(())
+}
+
+/// The record of a volume staged on this node; NotFound when it is not.
+fn staged_here(config: &NodeConfig, volume: &str) -> Result<Staged, Status> {
+    load(config, volume)?
+        .ok_or_else(|| Status::not_found(format!("volume {volume:?} is not staged on this node")))
+}
+
 fn path_str(path: &Path) -> Result<&str, Status> {
     path.to_str()
         .ok_or_else(|| Status::invalid_argument(format!("path {path:?} is not UTF-8")))
@@ -601,8 +614,8 @@ impl Node for NodeService {
                     return Ok(());
                 }
                 // What is left of a staging the node lost (a reboot, a crash mid-stage).
-                if !existing.block && is_mount_point(&staging)? {
-                    run("umount", &[path_str(&staging)?])?;
+                if !existing.block {
+                    unmount_if_mounted(&staging)?;
                 }
                 detach(&existing);
                 forget(config, &volume)?;
@@ -633,9 +646,7 @@ impl Node for NodeService {
             "staging_target_path",
         )?);
         self.locked(move |config| {
-            if is_mount_point(&staging)? {
-                run("umount", &[path_str(&staging)?])?;
-            }
+            unmount_if_mounted(&staging)?;
             if let Some(staged) = load(config, &volume)? {
                 detach(&staged);
                 forget(config, &volume)?;
@@ -705,9 +716,7 @@ impl Node for NodeService {
         let volume = volume_id(&request.volume_id)?;
         let target = PathBuf::from(required(&request.target_path, "target_path")?);
         self.locked(move |config| {
-            if is_mount_point(&target)? {
-                run("umount", &[path_str(&target)?])?;
-            }
+            unmount_if_mounted(&target)?;
             remove_target(&target)?;
             if let Some(mut staged) = load(config, &volume)? {
                 if staged.published.remove(&target).is_some() {
@@ -729,9 +738,7 @@ impl Node for NodeService {
         let path = PathBuf::from(required(&request.volume_path, "volume_path")?);
         let usage = self
             .locked(move |config| {
-                let staged = load(config, &volume)?.ok_or_else(|| {
-                    Status::not_found(format!("volume {volume:?} is not staged on this node"))
-                })?;
+                let staged = staged_here(config, &volume)?;
                 let meta = std::fs::metadata(&path)
                     .map_err(|_| Status::not_found(format!("{} does not exist", path.display())))?;
                 if staged.block || meta.file_type().is_file() {
@@ -767,9 +774,7 @@ impl Node for NodeService {
             .map_or(0, |range| range.required_bytes.max(0) as u64);
         let capacity = self
             .locked(move |config| {
-                let staged = load(config, &volume)?.ok_or_else(|| {
-                    Status::not_found(format!("volume {volume:?} is not staged on this node"))
-                })?;
+                let staged = staged_here(config, &volume)?;
                 let size = device_size(&staged.device)?;
                 if size < wanted {
                     return Err(Status::failed_precondition(format!(

@@ -1062,25 +1062,9 @@ impl Primary {
         offset: u64,
         length: u64,
     ) -> Result<bool, String> {
-        let request = HashRequest {
-            volume_id: self.volume_id,
-            epoch: self.state().epoch,
-            offset,
-            length,
-        };
-        let payload = postcard::to_allocvec(&request).map_err(|error| error.to_string())?;
-        let answer = self
-            .shared
-            .call(node, METHOD_UNWRITTEN, payload, Duration::from_secs(10))
-            .await
-            .map_err(|failure| {
-                if failure.code == Some(CODE_FENCED) {
-                    self.close(format!("a replica fenced this node: {}", failure.message));
-                }
-                failure.message
-            })?;
-        let answer: UnwrittenAnswer =
-            postcard::from_bytes(&answer).map_err(|error| error.to_string())?;
+        let answer: UnwrittenAnswer = self
+            .ask_range(node, METHOD_UNWRITTEN, offset, length)
+            .await?;
         if !answer.unwritten {
             return Ok(false);
         }
@@ -1101,6 +1085,19 @@ impl Primary {
         offset: u64,
         length: u64,
     ) -> Result<Vec<u8>, String> {
+        let answer: HashAnswer = self.ask_range(node, METHOD_HASHES, offset, length).await?;
+        Ok(answer.hashes)
+    }
+
+    /// Asks a replica about a range of the volume (`METHOD_HASHES`, `METHOD_UNWRITTEN`) in
+    /// this primary's epoch; a replica that fences it closes this primary.
+    async fn ask_range<T: serde::de::DeserializeOwned>(
+        &self,
+        node: NodeId,
+        method: u16,
+        offset: u64,
+        length: u64,
+    ) -> Result<T, String> {
         let request = HashRequest {
             volume_id: self.volume_id,
             epoch: self.state().epoch,
@@ -1110,7 +1107,7 @@ impl Primary {
         let payload = postcard::to_allocvec(&request).map_err(|error| error.to_string())?;
         let answer = self
             .shared
-            .call(node, METHOD_HASHES, payload, Duration::from_secs(10))
+            .call(node, method, payload, Duration::from_secs(10))
             .await
             .map_err(|failure| {
                 if failure.code == Some(CODE_FENCED) {
@@ -1118,9 +1115,7 @@ impl Primary {
                 }
                 failure.message
             })?;
-        let answer: HashAnswer =
-            postcard::from_bytes(&answer).map_err(|error| error.to_string())?;
-        Ok(answer.hashes)
+        postcard::from_bytes(&answer).map_err(|error| error.to_string())
     }
 
     /// Under the order lock: reads the chunk as it is now and queues the blocks whose hash

@@ -236,7 +236,35 @@ pub(crate) fn apply(shared: &Shared, sender: NodeId, batch: Batch) -> Result<Bat
     })
 }
 
-/// Hashes of this node's blocks of a range (blocking: reads the local volume).
+/// The volume a range request is about, once the sender's epoch is checked and the range is
+/// whole blocks of at most `max` bytes (`unit` names that limit in the refusal). Called
+/// holding the volume's slot, which the caller keeps while it reads.
+fn range_volume(
+    shared: &Shared,
+    slot: &mut ReplicaSlot,
+    sender: NodeId,
+    request: &HashRequest,
+    max: u64,
+    unit: &str,
+) -> Result<Arc<dyn VolumeIo>, Refusal> {
+    let name = check_sender(shared, request.volume_id, request.epoch, sender)?;
+    let volume = handle(shared, slot, &name, request.epoch)?;
+    let block = u64::from(volume.block_size_bytes());
+    if !request.offset.is_multiple_of(block)
+        || !request.length.is_multiple_of(block)
+        || request.length > max
+    {
+        return Err(refusal(
+            crate::wire::CODE_BAD_REQUEST,
+            format!(
+                "range {}+{} is not whole blocks of at most a {unit}",
+                request.offset, request.length
+            ),
+        ));
+    }
+    Ok(volume)
+}
+
 /// Whether a range (at most a probe) was never written here.
 pub(crate) fn unwritten(
     shared: &Shared,
@@ -245,27 +273,22 @@ pub(crate) fn unwritten(
 ) -> Result<UnwrittenAnswer, Refusal> {
     let slot = shared.replicas.slot(request.volume_id);
     let mut slot = lock(&slot);
-    let name = check_sender(shared, request.volume_id, request.epoch, sender)?;
-    let volume = handle(shared, &mut slot, &name, request.epoch)?;
-    let block = u64::from(volume.block_size_bytes());
-    if !request.offset.is_multiple_of(block)
-        || !request.length.is_multiple_of(block)
-        || request.length > crate::RESYNC_PROBE_BYTES
-    {
-        return Err(refusal(
-            crate::wire::CODE_BAD_REQUEST,
-            format!(
-                "range {}+{} is not whole blocks of at most a probe",
-                request.offset, request.length
-            ),
-        ));
-    }
+    let volume = range_volume(
+        shared,
+        &mut slot,
+        sender,
+        &request,
+        crate::RESYNC_PROBE_BYTES,
+        "probe",
+    )?;
     let unwritten = volume
         .range_unwritten(request.offset, request.length)
         .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
     Ok(UnwrittenAnswer { unwritten })
 }
 
+/// Hashes of this node's blocks of a range (blocking: reads the local volume); none when the
+/// range was never written here.
 pub(crate) fn hashes(
     shared: &Shared,
     sender: NodeId,
@@ -273,21 +296,15 @@ pub(crate) fn hashes(
 ) -> Result<HashAnswer, Refusal> {
     let slot = shared.replicas.slot(request.volume_id);
     let mut slot = lock(&slot);
-    let name = check_sender(shared, request.volume_id, request.epoch, sender)?;
-    let volume = handle(shared, &mut slot, &name, request.epoch)?;
+    let volume = range_volume(
+        shared,
+        &mut slot,
+        sender,
+        &request,
+        crate::RESYNC_CHUNK_BYTES,
+        "chunk",
+    )?;
     let block = u64::from(volume.block_size_bytes());
-    if !request.offset.is_multiple_of(block)
-        || !request.length.is_multiple_of(block)
-        || request.length > crate::RESYNC_CHUNK_BYTES
-    {
-        return Err(refusal(
-            crate::wire::CODE_BAD_REQUEST,
-            format!(
-                "range {}+{} is not whole blocks of at most a chunk",
-                request.offset, request.length
-            ),
-        ));
-    }
     let unwritten = volume
         .range_unwritten(request.offset, request.length)
         .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
