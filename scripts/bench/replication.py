@@ -3,12 +3,13 @@
 engine, on one loopback cluster (three storage nodes; volumes attached on node 1).
 
     python3 scripts/bench/replication.py [--rounds 5] [--seconds 10] [--json out.json]
-        [--pgbench [--pgbench-seconds 30] [--pgbench-scale 20]]
+        [--pgbench [--pgbench-seconds 30] [--pgbench-scale 20]] [--catch-up-gib 4]
 
 Workloads (the profiles of scripts/bench/volume.py): sync QD1 (4 KiB sequential writes, each
 followed by a FLUSH) and randrw QD64 (4 KiB random, 75% reads); with --pgbench, also Postgres
 TPC-B (8 clients, synchronous_commit=on) on ext4 on each volume through nbdfuse + loop, the
-same setup as scripts/bench/volume.py --pgbench (needs root). Every round runs every R in turn, in an order
+same setup as scripts/bench/volume.py --pgbench (needs root). --catch-up-gib N times a fresh
+N GiB volume's first attach per R: from the attach until every replica is in sync. Every round runs every R in turn, in an order
 that rotates between rounds; medians are quoted with the ratio to R=1.
 
 All nodes share this machine's one disk (and its two cores): every replica's fdatasync lands on
@@ -21,6 +22,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "cluster"))
@@ -59,6 +61,21 @@ def fio(node, volume, workload, seconds):
     }
 
 
+def catch_up(node, name, size, replicas):
+    """Creates a fresh volume, attaches it (one read) and waits until every replica is in sync."""
+    code, answer = node.api("POST", "/api/v1/volumes", {"name": name, "size_bytes": size, "replicas": replicas})
+    assert code == 200, answer
+    started = time.time()
+    subprocess.run(["nbdinfo", f"nbd://{node.host}:{node.nbd_port}/{name}"], capture_output=True, check=True)
+
+    def in_sync():
+        code, info = node.api("GET", f"/api/v1/volumes/{name}")
+        return code == 200 and len(info["replication"]["in_sync"]) == replicas
+
+    wait_until(f"{name} in sync", in_sync, timeout=300, interval=0.02)
+    return time.time() - started
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
@@ -67,7 +84,8 @@ def main():
     parser.add_argument("--pgbench", action="store_true")
     parser.add_argument("--pgbench-seconds", type=int, default=30)
     parser.add_argument("--pgbench-scale", type=int, default=20)
-    parser.add_argument("--skip-fio", action="store_true", help="only pgbench")
+    parser.add_argument("--skip-fio", action="store_true", help="no fio workloads")
+    parser.add_argument("--catch-up-gib", type=int, default=0)
     args = parser.parse_args()
     workloads = [] if args.skip_fio else list(WORKLOADS)
 
@@ -92,6 +110,13 @@ def main():
                 code, answer = first.api("POST", "/api/v1/volumes",
                                          {"name": f"pg{replicas}", "size_bytes": PGBENCH_SIZE, "replicas": replicas})
                 assert code == 200, answer
+        if args.catch_up_gib:
+            for round_index in range(args.rounds):
+                for replicas in (2, 3):
+                    took = catch_up(first, f"fresh{round_index}r{replicas}", args.catch_up_gib << 30, replicas)
+                    results[replicas].setdefault("catch-up", []).append(took)
+                    print(f"round {round_index + 1} fresh {args.catch_up_gib} GiB R={replicas}: every replica "
+                          f"in sync {took:.2f} s after the first attach", flush=True)
         order = [1, 2, 3]
         for round_index in range(args.rounds):
             if args.pgbench:
@@ -115,6 +140,12 @@ def main():
 
     summary = {}
     print("\nmedians (all nodes share one disk):")
+    for replicas in (2, 3):
+        runs = results[replicas].get("catch-up", [])
+        if runs:
+            summary[f"catch-up R={replicas}"] = {"seconds": statistics.median(runs), "runs": runs}
+            print(f"  {'catch-up':12} R={replicas}: {statistics.median(runs):8.2f} s to in sync "
+                  f"(fresh {args.catch_up_gib} GiB)")
     if args.pgbench:
         base = statistics.median(m["tps"] for m in results[1]["pgbench"])
         for replicas in (1, 2, 3):
