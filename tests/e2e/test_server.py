@@ -97,11 +97,19 @@ def http(method, url, token=None, body=None):
         return error.code, error.read()
 
 
-def test_status_metrics_dashboard_and_token(server):
+def health_config(workdir, nearfull_percent):
+    config = workdir / f"nearfull-{nearfull_percent}.toml"
+    config.write_text(f"nearfull_percent = {nearfull_percent}\n")
+    return config
+
+
+def test_status_metrics_dashboard_and_token(workdir, make_server):
     """Status and /metrics need no token and report the store; mutations without the right token
-    are refused with 401 and change nothing."""
+    are refused with 401 and change nothing. (The nearly-full check is off here: how full the test
+    machine's disk is must not decide this test; the next test covers it.)"""
+    server = make_server(extra_args=["--config", str(health_config(workdir, 100))])
     status = json.loads(server.cli("status", "--json").stdout)
-    assert status["health"] == "HEALTH_OK", status
+    assert status["health"] == "HEALTH_OK", status["reasons"]
     assert status["store"]["poisoned"] is False
     code, metrics = http("GET", f"http://{server.admin}/metrics")
     assert code == 200 and b"keel_store_live_extents" in metrics and b"keel_health 0" in metrics
@@ -117,6 +125,27 @@ def test_status_metrics_dashboard_and_token(server):
     code, _ = http("POST", f"http://{server.admin}/api/v1/volumes", token="wrong", body={"name": "x", "size_bytes": 4096})
     assert code == 401
     assert "x" not in server.cli("volume", "list").stdout
+
+
+def test_nearly_full_data_directory_warns_with_its_code(workdir, make_server):
+    """Over the configured fill level, health is HEALTH_WARN with KEEL_NEARFULL, the usage and the
+    action, in `keel status` and in /metrics; a level of 0 or above 100 is refused at start."""
+    used = shutil.disk_usage(workdir)
+    percent = (used.total - used.free) * 100 // used.total
+    assert percent >= 2, "the test needs a data filesystem that is at least 2% used"
+    server = make_server(extra_args=["--config", str(health_config(workdir, 1))])
+    status = json.loads(server.cli("status", "--json").stdout)
+    assert status["health"] == "HEALTH_WARN", status["reasons"]
+    [reason] = [r for r in status["reasons"] if r.startswith("KEEL_NEARFULL")]
+    assert "over the 1% warning level" in reason and "keel store compact" in reason
+    code, metrics = http("GET", f"http://{server.admin}/metrics")
+    assert code == 200 and re.search(rb"^keel_health 1$", metrics, re.M)
+    server.stop()
+    bad = subprocess.run(
+        [KEEL_BIN, "server", "--data", str(workdir / "data"), "--config", str(health_config(workdir, 0))],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert bad.returncode != 0 and "nearfull_percent must be 1 to 100" in bad.stderr
 
 
 def test_volume_lifecycle_through_the_cli(server):

@@ -324,9 +324,16 @@ pub fn status_report(
     for dir in &state.config.data {
         if let Ok(info) = keel_store::fsinfo::filesystem_info(dir) {
             available = available.min(info.available_bytes);
-            if info.total_bytes > 0 && info.available_bytes * 20 < info.total_bytes {
+            let limit = u64::from(state.config.nearfull_percent);
+            let used = info.total_bytes.saturating_sub(info.available_bytes);
+            if limit < 100 && info.total_bytes > 0 && used * 100 > info.total_bytes * limit {
                 level = level.max(1);
-                reasons.push(format!("{} is over 95% full", dir.display()));
+                reasons.push(format!(
+                    "KEEL_NEARFULL: {} is {}% used, over the {limit}% warning level (free space \
+                     or add a device; keel store compact returns what deleted data held)",
+                    dir.display(),
+                    used * 100 / info.total_bytes
+                ));
             }
         }
     }

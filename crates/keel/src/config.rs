@@ -37,6 +37,9 @@ pub struct Config {
     /// A file holding the admin token, for nodes that must share one (a Kubernetes Secret).
     /// Default: none (`<first data dir>/admin-token`, created on first start).
     pub admin_token_file: Option<PathBuf>,
+    /// Health turns HEALTH_WARN (`KEEL_NEARFULL`) when a data directory's filesystem is more
+    /// than this percent used. Default 95; 100 turns the check off.
+    pub nearfull_percent: u8,
     pub store: StoreTuning,
     pub cluster: ClusterSettings,
 }
@@ -186,6 +189,7 @@ impl Default for Config {
             nbd: parse_default(DEFAULT_NBD_ADDR),
             admin: parse_default(DEFAULT_ADMIN_ADDR),
             admin_token_file: None,
+            nearfull_percent: 95,
             store: StoreTuning::default(),
             cluster: ClusterSettings::default(),
         }
@@ -219,6 +223,12 @@ impl Config {
         }
         if self.store.batch_size_max_bytes < (1 << 20) {
             bail!("store.batch_size_max_bytes must be at least 1 MiB");
+        }
+        if self.nearfull_percent == 0 || self.nearfull_percent > 100 {
+            bail!(
+                "nearfull_percent must be 1 to 100 (got {})",
+                self.nearfull_percent
+            );
         }
         if ![1, 3, 5].contains(&self.cluster.voters) {
             bail!(
