@@ -3,14 +3,16 @@
 engine, on one loopback cluster (three storage nodes; volumes attached on node 1).
 
     python3 scripts/bench/replication.py [--rounds 5] [--seconds 10] [--json out.json]
-        [--pgbench [--pgbench-seconds 30] [--pgbench-scale 20]] [--catch-up-gib 4]
+        [--pgbench [--pgbench-seconds 30] [--pgbench-scale 20]] [--catch-up-gib 4] [--forwarded]
 
 Workloads (the profiles of scripts/bench/volume.py): sync QD1 (4 KiB sequential writes, each
 followed by a FLUSH) and randrw QD64 (4 KiB random, 75% reads); with --pgbench, also Postgres
 TPC-B (8 clients, synchronous_commit=on) on ext4 on each volume through nbdfuse + loop, the
 same setup as scripts/bench/volume.py --pgbench (needs root). --catch-up-gib N times a fresh
-N GiB volume's first attach per R: from the attach until every replica is in sync. Every round runs every R in turn, in an order
-that rotates between rounds; medians are quoted with the ratio to R=1.
+N GiB volume's first attach per R: from the attach until every replica is in sync. --forwarded
+also runs the fio workloads on the R=2 volume (replicas on nodes 1 and 2) attached through node
+3, which holds no replica and forwards every request to node 1. Every round runs every R in
+turn, in an order that rotates between rounds; medians are quoted with the ratio to R=1.
 
 All nodes share this machine's one disk (and its two cores): every replica's fdatasync lands on
 the same device, so R=2 costs more here than on separate machines. Data under /var/tmp."""
@@ -76,6 +78,10 @@ def catch_up(node, name, size, replicas):
     return time.time() - started
 
 
+def label(replicas):
+    return "2 forwarded" if replicas == "2f" else str(replicas)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
@@ -86,17 +92,19 @@ def main():
     parser.add_argument("--pgbench-scale", type=int, default=20)
     parser.add_argument("--skip-fio", action="store_true", help="no fio workloads")
     parser.add_argument("--catch-up-gib", type=int, default=0)
+    parser.add_argument("--forwarded", action="store_true",
+                        help="also the R=2 volume through node 3, which holds no replica")
     args = parser.parse_args()
     workloads = [] if args.skip_fio else list(WORKLOADS)
 
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
     cluster = Cluster(WORK)
-    results = {r: {w: [] for w in [*WORKLOADS, "pgbench"]} for r in (1, 2, 3)}
+    results = {r: {w: [] for w in [*WORKLOADS, "pgbench"]} for r in (1, 2, 3, "2f")}
     try:
         first = cluster.add()
         cluster.add()
-        cluster.add()
+        third = cluster.add()
         wait_until("three voters", lambda: cluster.voters() == {1, 2, 3}, timeout=60)
         for replicas in (1, 2, 3):
             code, answer = first.api("POST", "/api/v1/volumes",
@@ -128,10 +136,13 @@ def main():
                     print(f"round {round_index + 1} pgbench R={replicas}: {measured['tps']:.0f} TPS "
                           f"latency {measured['latency_ms']:.2f} ms", flush=True)
             for workload in workloads:
-                for replicas in order:
-                    measured = fio(first, f"r{replicas}", workload, args.seconds)
+                runs = [(replicas, first, f"r{replicas}") for replicas in order]
+                if args.forwarded:
+                    runs.insert(round_index % (len(runs) + 1), ("2f", third, "r2"))
+                for replicas, node, volume in runs:
+                    measured = fio(node, volume, workload, args.seconds)
                     results[replicas][workload].append(measured)
-                    print(f"round {round_index + 1} {workload} R={replicas}: {measured['iops']:.0f} IOPS "
+                    print(f"round {round_index + 1} {workload} R={label(replicas)}: {measured['iops']:.0f} IOPS "
                           f"write p50 {measured['write_p50_us']:.0f} µs p99 {measured['write_p99_us']:.0f} µs",
                           flush=True)
             order = order[1:] + order[:1]
@@ -156,14 +167,14 @@ def main():
             print(f"  {'pgbench':12} R={replicas}: {tps:8.0f} TPS   ({tps / base:.2f}× R=1)  latency {latency:.2f} ms")
     for workload in workloads:
         base = statistics.median(m["iops"] for m in results[1][workload])
-        for replicas in (1, 2, 3):
+        for replicas in (1, 2, 3, "2f") if args.forwarded else (1, 2, 3):
             runs = results[replicas][workload]
             iops = statistics.median(m["iops"] for m in runs)
             p50 = statistics.median(m["write_p50_us"] for m in runs)
             flush = statistics.median(m.get("flush_p50_us", 0) for m in runs)
-            summary[f"{workload} R={replicas}"] = {"iops": iops, "ratio_to_r1": iops / base,
-                                                    "write_p50_us": p50, "flush_p50_us": flush, "runs": runs}
-            print(f"  {workload:12} R={replicas}: {iops:8.0f} IOPS  ({iops / base:.2f}× R=1)  write p50 {p50:.0f} µs"
+            summary[f"{workload} R={label(replicas)}"] = {"iops": iops, "ratio_to_r1": iops / base,
+                                                           "write_p50_us": p50, "flush_p50_us": flush, "runs": runs}
+            print(f"  {workload:12} R={label(replicas)}: {iops:8.0f} IOPS  ({iops / base:.2f}× R=1)  write p50 {p50:.0f} µs"
                   f"  flush p50 {flush:.0f} µs")
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))

@@ -568,3 +568,74 @@ def test_a_resync_ships_no_faster_than_its_configured_rate(cluster, workdir):
     first.kill9()
     other = attach(second, "paced", timeout=60)
     assert other.read(0, len(data)) == data
+
+
+def test_a_node_without_a_replica_serves_the_volume_by_forwarding(cluster):
+    """Three storage nodes; an R=2 volume on nodes 1 and 2 and an R=1 volume on node 1, both
+    attached through node 3, which holds neither: every request is forwarded to the primary,
+    and what node 3's client wrote and flushed is what node 1 serves. The primary is killed
+    while the forwarding client has nothing unflushed: its next requests go to node 2, which
+    took over, without the client noticing. Then the new primary is killed while the client
+    has an acknowledged write not yet flushed: its session fails (it cannot vouch for that
+    write), and so does a second connection of the same volume with nothing of its own
+    unflushed (a FLUSH through it would cover the first's write); a new attach through node 3
+    finds every flushed write."""
+    nodes = [cluster.add() for _ in range(3)]
+    wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
+    first, second, third = nodes
+    create_r2(first, "fwd")
+    code, created = first.api("POST", "/api/v1/volumes", {"name": "one", "size_bytes": SIZE}, timeout=30)
+    assert code == 200, created
+
+    client = attach(third, "fwd")
+    assert replication(first, "fwd")["primary"] == 1
+    expected = {}
+    for index in range(128):
+        expected[index] = block("forwarded", index)
+        client.write(index * BLOCK, expected[index], fua=index % 32 == 0)
+    client.flush()
+    for index in (0, 77, 127):
+        assert client.read(index * BLOCK, BLOCK) == expected[index]
+    direct = attach(first, "fwd")
+    for index, data in expected.items():
+        assert direct.read(index * BLOCK, BLOCK) == data, f"block {index} not on the primary"
+    direct.close()
+    wait_until("both replicas in sync", lambda: sorted(replication(first, "fwd")["in_sync"]) == [1, 2], timeout=60)
+
+    single = attach(third, "one")
+    single.write(0, block("single", 0))
+    single.flush()
+    single.close()
+    local = attach(first, "one")
+    assert local.read(0, BLOCK) == block("single", 0)
+    local.close()
+
+    first.kill9()
+    for index, data in expected.items():
+        assert client.read(index * BLOCK, BLOCK) == data, f"block {index} lost when the primary died"
+    assert replication(second, "fwd")["primary"] == 2
+    for index in range(128, 160):
+        expected[index] = block("moved", index)
+        client.write(index * BLOCK, expected[index])
+    client.flush()
+
+    first.start()
+    wait_until("node 1 back in sync", lambda: sorted(replication(second, "fwd")["in_sync"]) == [1, 2], timeout=60)
+    # A second connection with nothing of its own unflushed: a FLUSH through it would claim
+    # the first connection's write durable (multi-conn), so it must not move either.
+    second_connection = attach(third, "fwd")
+    assert second_connection.read(0, BLOCK) == expected[0]
+    client.write(200 * BLOCK, block("unflushed", 200))
+    second.kill9()
+    for connection in (second_connection, client):
+        try:
+            connection.read(0, BLOCK)
+            raise AssertionError("a session with an unflushed write moved to another node silently")
+        except NbdError as failed:
+            assert "failed with errno" in str(failed), failed
+        connection.close()
+    again = attach(third, "fwd", timeout=60)
+    for index, data in expected.items():
+        assert again.read(index * BLOCK, BLOCK) == data, f"flushed block {index} lost"
+    assert replication(first, "fwd")["primary"] == 1
+    again.close()

@@ -17,6 +17,7 @@
 //!   volume. Nothing below this crate knows about other nodes.
 
 mod attached;
+mod forward;
 pub mod primary;
 pub mod protocol;
 pub mod replica;
@@ -31,9 +32,14 @@ use keel_catalog::{Command, Metadata, MetadataError, NodeId};
 use keel_volume::{VolumeError, VolumeIo, VolumeResult};
 
 use crate::attached::Attached;
+use crate::forward::{Forwarded, Sessions};
 use crate::primary::{Failure, Primary, PrimaryStatus};
 use crate::replica::Replicas;
-use crate::wire::{CODE_BAD_REQUEST, METHOD_HASHES, METHOD_REPLICATE, METHOD_UNWRITTEN};
+use crate::wire::{
+    ForwardClose, ForwardOpen, ForwardRequest, CODE_BAD_REQUEST, CODE_NOT_FOUND, CODE_REFUSED,
+    CODE_SESSION_GONE, METHOD_FORWARD_CLOSE, METHOD_FORWARD_IO, METHOD_FORWARD_OPEN, METHOD_HASHES,
+    METHOD_REPLICATE, METHOD_UNWRITTEN,
+};
 
 /// A primary serves only while it heard from the Raft leader within this.
 pub const LEASE: Duration = Duration::from_secs(2);
@@ -98,6 +104,8 @@ pub(crate) struct Shared {
     pub replicas: Replicas,
     pub counters: Counters,
     pub resync_bytes_per_second: Option<u64>,
+    /// Per volume, what the clients forwarding through this node left unflushed.
+    pub forwarding: Mutex<HashMap<String, Weak<forward::Unflushed>>>,
 }
 
 impl Shared {
@@ -181,6 +189,10 @@ pub struct Replication {
     singles: Mutex<HashMap<u64, Weak<Attached>>>,
     /// Serializes attaches and replica-set changes (one take-over of a volume at a time).
     attaching: Mutex<()>,
+    /// Volumes served here for clients attached to nodes without a replica.
+    sessions: Sessions,
+    /// This engine, for the RPC handler's blocking tasks.
+    this: Weak<Replication>,
 }
 
 fn unavailable(volume: &str, detail: String) -> VolumeError {
@@ -213,7 +225,7 @@ impl Replication {
     ) -> Arc<Replication> {
         let metadata: Arc<dyn Metadata> = cluster.clone();
         let local_node = metadata.local_node();
-        let replication = Arc::new(Replication {
+        let replication = Arc::new_cyclic(|this| Replication {
             shared: Arc::new(Shared {
                 metadata,
                 cluster,
@@ -224,10 +236,13 @@ impl Replication {
                 replicas: Replicas::default(),
                 counters: Counters::default(),
                 resync_bytes_per_second: settings.resync_bytes_per_second,
+                forwarding: Mutex::new(HashMap::new()),
             }),
             primaries: Mutex::new(HashMap::new()),
             singles: Mutex::new(HashMap::new()),
             attaching: Mutex::new(()),
+            sessions: Sessions::default(),
+            this: this.clone(),
         });
         replication
             .shared
@@ -284,13 +299,35 @@ impl Replication {
 
     /// A handle for block I/O on a volume, for a client attaching here (blocking: it may ask
     /// Raft to make this node the volume's primary, and it waits for the replicas to catch
-    /// up). A volume with one replica is the local volume itself.
+    /// up). A volume with one replica is the local volume itself. On a node that holds no
+    /// replica, every request is forwarded to the node serving the volume ([`forward`]).
     ///
     /// This node becomes the primary if it holds a replica in the in-sync set and either is
     /// the primary already, or the leader has not heard from the primary for longer than its
     /// lease ([`TAKE_OVER_SILENCE`]). Taking over bumps the epoch with this node alone in
     /// sync (fencing every older stream); the other replicas catch up and rejoin.
     pub fn open(&self, name: &str) -> VolumeResult<Arc<dyn VolumeIo>> {
+        if !self.hosted_here(name)? {
+            return Ok(Forwarded::open(self.shared.clone(), name)?);
+        }
+        self.open_hosted(name)
+    }
+
+    fn hosted_here(&self, name: &str) -> VolumeResult<bool> {
+        self.shared
+            .metadata
+            .catalog()
+            .read()
+            .volume(name)
+            .map(|entry| entry.record.replication.hosts(self.shared.local_node))
+            .ok_or_else(|| VolumeError::NotFound {
+                name: name.to_string(),
+            })
+    }
+
+    /// [`Replication::open`] on a node that holds a replica (another node is refused with the
+    /// primary's address).
+    fn open_hosted(&self, name: &str) -> VolumeResult<Arc<dyn VolumeIo>> {
         let local_node = self.shared.local_node;
         let record = self
             .shared
@@ -303,6 +340,9 @@ impl Replication {
                 name: name.to_string(),
             })?;
         let replication = record.replication.clone();
+        if !replication.hosts(local_node) {
+            return Err(self.shared.elsewhere(name, replication.primary));
+        }
         if replication.replicas.len() <= 1 {
             return self.open_single(name, record.id);
         }
@@ -311,9 +351,6 @@ impl Replication {
                 .node_address(replication.primary, true)
                 .unwrap_or_else(|| "unknown".to_string())
         };
-        if !replication.hosts(local_node) {
-            return Err(self.shared.elsewhere(name, replication.primary));
-        }
         let _attaching = lock(&self.attaching);
         if let Some(primary) = lock(&self.primaries).get(&record.id) {
             if replication.primary != local_node {
@@ -567,8 +604,40 @@ impl Replication {
         Ok(())
     }
 
+    /// Opens a session for a client attached to `caller`, a node without a replica.
+    fn serve_forward_open(
+        &self,
+        caller: NodeId,
+        request: ForwardOpen,
+    ) -> Result<Vec<u8>, keel_rpc::RemoteError> {
+        let remote = |code: u16, message: String| keel_rpc::RemoteError { code, message };
+        let name = request.volume;
+        let opened = self.open_hosted(&name).map_err(|error| match error {
+            VolumeError::NotFound { .. } => remote(CODE_NOT_FOUND, error.to_string()),
+            other => remote(CODE_REFUSED, other.to_string()),
+        })?;
+        let volume_id = self
+            .shared
+            .metadata
+            .catalog()
+            .read()
+            .volume(&name)
+            .map(|entry| entry.record.id)
+            .ok_or_else(|| remote(CODE_NOT_FOUND, format!("volume {name:?} not found")))?;
+        let answer = self
+            .sessions
+            .insert(&self.shared, caller, volume_id, opened)
+            .map_err(|why| remote(CODE_REFUSED, why))?;
+        tracing::info!(
+            volume = name,
+            node = caller,
+            "serving the volume for a client attached to a node without a replica"
+        );
+        postcard::to_allocvec(&answer).map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))
+    }
+
     fn serve(
-        shared: Arc<Shared>,
+        &self,
         caller: keel_rpc::Caller,
         method: u16,
         payload: Vec<u8>,
@@ -577,6 +646,7 @@ impl Replication {
         let keel_rpc::Caller::Member(sender) = caller else {
             return Err(remote(CODE_BAD_REQUEST, "not a member".to_string()));
         };
+        let shared = &self.shared;
         let refused = |refusal: replica::Refusal| remote(refusal.code, refusal.message);
         let encode = |bytes: Result<Vec<u8>, postcard::Error>| {
             bytes.map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))
@@ -585,20 +655,40 @@ impl Replication {
             METHOD_REPLICATE => {
                 let batch = postcard::from_bytes(&payload)
                     .map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))?;
-                let ack = replica::apply(&shared, sender, batch).map_err(refused)?;
+                let ack = replica::apply(shared, sender, batch).map_err(refused)?;
                 encode(postcard::to_allocvec(&ack))
             }
             METHOD_HASHES => {
                 let request = postcard::from_bytes(&payload)
                     .map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))?;
-                let answer = replica::hashes(&shared, sender, request).map_err(refused)?;
+                let answer = replica::hashes(shared, sender, request).map_err(refused)?;
                 encode(postcard::to_allocvec(&answer))
             }
             METHOD_UNWRITTEN => {
                 let request = postcard::from_bytes(&payload)
                     .map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))?;
-                let answer = replica::unwritten(&shared, sender, request).map_err(refused)?;
+                let answer = replica::unwritten(shared, sender, request).map_err(refused)?;
                 encode(postcard::to_allocvec(&answer))
+            }
+            METHOD_FORWARD_OPEN => {
+                let request = postcard::from_bytes(&payload)
+                    .map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))?;
+                self.serve_forward_open(sender, request)
+            }
+            METHOD_FORWARD_IO => {
+                let request: ForwardRequest = postcard::from_bytes(&payload)
+                    .map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))?;
+                let answer = self
+                    .sessions
+                    .serve(shared, sender, request)
+                    .map_err(|why| remote(CODE_SESSION_GONE, why))?;
+                encode(postcard::to_allocvec(&answer))
+            }
+            METHOD_FORWARD_CLOSE => {
+                let request: ForwardClose = postcard::from_bytes(&payload)
+                    .map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))?;
+                self.sessions.close(sender, request.session);
+                Ok(Vec::new())
             }
             other => Err(remote(CODE_BAD_REQUEST, format!("unknown method {other}"))),
         }
@@ -631,14 +721,20 @@ impl keel_rpc::Handler for Replication {
         method: u16,
         payload: Vec<u8>,
     ) -> keel_rpc::BoxFuture<Result<Vec<u8>, keel_rpc::RemoteError>> {
-        let shared = self.shared.clone();
+        let this = self.this.clone();
         Box::pin(async move {
-            tokio::task::spawn_blocking(move || Replication::serve(shared, caller, method, payload))
-                .await
-                .map_err(|error| keel_rpc::RemoteError {
+            tokio::task::spawn_blocking(move || match this.upgrade() {
+                Some(this) => this.serve(caller, method, payload),
+                None => Err(keel_rpc::RemoteError {
                     code: wire::CODE_FAILED,
-                    message: error.to_string(),
-                })?
+                    message: "the replication engine is shutting down".to_string(),
+                }),
+            })
+            .await
+            .map_err(|error| keel_rpc::RemoteError {
+                code: wire::CODE_FAILED,
+                message: error.to_string(),
+            })?
         })
     }
 }

@@ -17,6 +17,15 @@ pub const METHOD_HASHES: u16 = 0x0201;
 /// empty stretches of a sparse volume without comparing them chunk by chunk.
 pub const METHOD_UNWRITTEN: u16 = 0x0202;
 
+/// A node without a replica → the node serving the volume: open a session for a client
+/// attached there ([`ForwardOpen`] → [`ForwardOpened`]); the serving node opens the volume as
+/// a client attaching to it would (it becomes or stays the primary).
+pub const METHOD_FORWARD_OPEN: u16 = 0x0203;
+/// One request of a forwarding session ([`ForwardRequest`] → [`ForwardAnswer`]).
+pub const METHOD_FORWARD_IO: u16 = 0x0204;
+/// The forwarding client went away ([`ForwardClose`] → nothing).
+pub const METHOD_FORWARD_CLOSE: u16 = 0x0205;
+
 /// The sender is not the volume's primary in the replica's view (an older epoch or another
 /// node): it must stop acknowledging anything for the volume.
 pub const CODE_FENCED: u16 = 0x0201;
@@ -29,6 +38,85 @@ pub const CODE_OUT_OF_ORDER: u16 = 0x0203;
 pub const CODE_FAILED: u16 = 0x0204;
 /// The request could not be decoded.
 pub const CODE_BAD_REQUEST: u16 = 0x0205;
+
+/// The session is not (or no longer) served here: the node restarted, the session expired,
+/// or another node took the volume over. The forwarding node opens a new one, where it may.
+pub const CODE_SESSION_GONE: u16 = 0x0206;
+/// Opening a session was refused: the volume is not found, or this node cannot serve it now
+/// (the message says why and which node can).
+pub const CODE_REFUSED: u16 = 0x0207;
+/// Opening a session was refused because the volume does not exist.
+pub const CODE_NOT_FOUND: u16 = 0x0208;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForwardOpen {
+    pub volume: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForwardOpened {
+    pub session: u64,
+    pub size_bytes: u64,
+    pub block_size_bytes: u32,
+    pub read_only: bool,
+}
+
+/// A client's request, as its NBD server received it (ranges already checked there).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ForwardOp {
+    Read {
+        offset: u64,
+        length: u32,
+    },
+    Write {
+        offset: u64,
+        data: Vec<u8>,
+        fua: bool,
+    },
+    Flush,
+    Trim {
+        offset: u64,
+        length: u64,
+    },
+    Zeroes {
+        offset: u64,
+        length: u64,
+        fua: bool,
+        may_trim: bool,
+    },
+    /// Keeps an idle session from expiring.
+    Ping,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForwardRequest {
+    pub session: u64,
+    pub op: ForwardOp,
+}
+
+/// How a forwarded request failed, as the client is to be told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ForwardErrorKind {
+    InvalidInput,
+    ReadOnly,
+    NoSpace,
+    Other,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ForwardAnswer {
+    Done,
+    Data(Vec<u8>),
+    Failed {
+        kind: ForwardErrorKind,
+        message: String,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForwardClose {
+    pub session: u64,
+}
 
 /// One change to the volume, in the primary's order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -149,5 +237,29 @@ mod tests {
             );
         }
         assert_ne!(block_hash(&[0; 4096]), block_hash(&[1; 4096]));
+    }
+
+    // Proves a forwarded write round-trips and a truncated one is refused.
+    #[test]
+    fn forwarded_requests_round_trip_and_truncation_is_refused() {
+        let request = ForwardRequest {
+            session: 42,
+            op: ForwardOp::Write {
+                offset: 8192,
+                data: vec![9; 4096],
+                fua: true,
+            },
+        };
+        let bytes = postcard::to_allocvec(&request).unwrap();
+        assert_eq!(
+            postcard::from_bytes::<ForwardRequest>(&bytes).unwrap(),
+            request
+        );
+        for cut in [0, 1, bytes.len() / 2, bytes.len() - 1] {
+            assert!(
+                postcard::from_bytes::<ForwardRequest>(&bytes[..cut]).is_err(),
+                "{cut}"
+            );
+        }
     }
 }

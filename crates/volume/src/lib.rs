@@ -132,6 +132,16 @@ pub enum VolumeError {
 
     #[error("send/receive stream I/O: {0}")]
     Io(#[from] io::Error),
+
+    /// A request this node forwarded to the node serving the volume failed there; `kind` is
+    /// what the NBD client is told (ENOSPC, EINVAL, EPERM or EIO).
+    #[error("volume {volume:?}, served by node {node}: {detail}")]
+    Remote {
+        volume: String,
+        node: NodeId,
+        kind: io::ErrorKind,
+        detail: String,
+    },
 }
 
 pub type VolumeResult<T> = Result<T, VolumeError>;
@@ -189,6 +199,7 @@ impl From<VolumeError> for io::Error {
             }
             VolumeError::Store { source, .. } if source.is_no_space() => io::ErrorKind::StorageFull,
             VolumeError::Io(inner) => inner.kind(),
+            VolumeError::Remote { kind, .. } => *kind,
             _ => io::ErrorKind::Other,
         };
         io::Error::new(kind, error)

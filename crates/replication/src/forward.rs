@@ -1,0 +1,564 @@
+//! Serving a volume through a node that holds no replica of it (documented as slower): the node
+//! the client attached to opens a session on the node serving the volume — its primary, which
+//! the open makes or keeps primary exactly as a client attaching there would — and sends it
+//! each request, one RPC each. Durability is the serving node's: a forwarded WRITE is
+//! acknowledged once the primary acknowledged it, a forwarded FLUSH once every in-sync replica
+//! made the writes before it durable.
+//!
+//! When the serving node goes away (it died, or another node took the volume over), a session
+//! moves to the new primary without the client noticing if every write acknowledged through
+//! this node's sessions of the volume was covered by a successful FLUSH (or was a FUA write):
+//! the new primary was in sync, so it holds all of it. Otherwise the session cannot know
+//! whether those writes survived; it fails every later request, and the client attaches again
+//! (as after losing a disk's volatile cache).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use keel_catalog::NodeId;
+use keel_volume::{VolumeError, VolumeIo, VolumeResult};
+
+use crate::primary::Failure;
+use crate::wire::{
+    ForwardAnswer, ForwardClose, ForwardErrorKind, ForwardOp, ForwardOpen, ForwardOpened,
+    ForwardRequest, CODE_NOT_FOUND, CODE_SESSION_GONE, METHOD_FORWARD_CLOSE, METHOD_FORWARD_IO,
+    METHOD_FORWARD_OPEN,
+};
+use crate::{lock, unavailable, Shared};
+
+/// How long opening a session keeps trying: past a primary's death, the lease the new primary
+/// waits out ([`crate::TAKE_OVER_SILENCE`]) and its wait for replicas to catch up.
+const OPEN_DEADLINE: Duration = Duration::from_secs(30);
+/// One try at opening a session on one node (the serving node may wait for its replicas).
+const OPEN_TRY_TIMEOUT: Duration = Duration::from_secs(15);
+/// One forwarded request (a primary may stall a FLUSH while it drops a failed replica).
+const IO_TIMEOUT: Duration = Duration::from_secs(30);
+/// An idle session is kept alive this often.
+const KEEPALIVE_EVERY: Duration = Duration::from_secs(20);
+/// A serving node drops a session it has not heard of for this long (its client's node died).
+pub(crate) const SESSION_IDLE_MAX: Duration = Duration::from_secs(90);
+/// Sessions one node serves at most.
+pub(crate) const SESSIONS_MAX: usize = 1024;
+
+/// Where a forwarding session is served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Route {
+    node: NodeId,
+    session: u64,
+}
+
+/// What the forwarding sessions of one volume on this node had acknowledged and flushed. A
+/// FLUSH through any of them covers the writes of all (NBD clients with several connections
+/// send it on one), so a session may move to another node only while no session of the volume
+/// holds an acknowledged write that no FLUSH covered.
+#[derive(Default)]
+pub(crate) struct Unflushed {
+    /// Non-FUA writes, trims and zeroes acknowledged.
+    acknowledged: AtomicU64,
+    /// How many of them a FLUSH covered.
+    flushed: AtomicU64,
+}
+
+/// A client's view of a volume served elsewhere.
+pub(crate) struct Forwarded {
+    shared: Arc<Shared>,
+    name: String,
+    size_bytes: u64,
+    block_size_bytes: u32,
+    read_only: bool,
+    route: Mutex<Route>,
+    unflushed: Arc<Unflushed>,
+    /// Set once the session lost writes it cannot vouch for: every later request fails.
+    broken: Mutex<Option<String>>,
+}
+
+/// Why a forwarded call did not get an answer from a node serving the session.
+enum Lost {
+    /// The serving node is unreachable, restarted, or no longer serves the volume.
+    Route(String),
+    /// The request reached the serving node and failed there.
+    Failed(VolumeError),
+}
+
+impl Forwarded {
+    /// Opens a session on the node serving `name`, trying its primary first, then its other
+    /// in-sync replicas (one of which takes it over once the primary has been silent past its
+    /// lease), until [`OPEN_DEADLINE`].
+    pub(crate) fn open(shared: Arc<Shared>, name: &str) -> VolumeResult<Arc<Forwarded>> {
+        let (route, opened) = open_route(&shared, name)?;
+        let unflushed = {
+            let mut volumes = lock(&shared.forwarding);
+            volumes.retain(|_, unflushed| unflushed.strong_count() > 0);
+            match volumes.get(name).and_then(Weak::upgrade) {
+                Some(unflushed) => unflushed,
+                None => {
+                    let unflushed = Arc::new(Unflushed::default());
+                    volumes.insert(name.to_string(), Arc::downgrade(&unflushed));
+                    unflushed
+                }
+            }
+        };
+        tracing::info!(
+            volume = name,
+            node = route.node,
+            "forwarding the volume's I/O to the node serving it"
+        );
+        let forwarded = Arc::new(Forwarded {
+            shared: shared.clone(),
+            name: name.to_string(),
+            size_bytes: opened.size_bytes,
+            block_size_bytes: opened.block_size_bytes,
+            read_only: opened.read_only,
+            route: Mutex::new(route),
+            unflushed,
+            broken: Mutex::new(None),
+        });
+        shared
+            .runtime
+            .spawn(keepalive(Arc::downgrade(&forwarded), shared.clock()));
+        Ok(forwarded)
+    }
+
+    fn current(&self) -> Route {
+        *lock(&self.route)
+    }
+
+    /// Sends `op` to the session's node; once more on a new route when that node is gone and
+    /// nothing acknowledged is at risk.
+    fn run(&self, op: ForwardOp) -> VolumeResult<Option<Vec<u8>>> {
+        if let Some(why) = lock(&self.broken).clone() {
+            return Err(unavailable(&self.name, why));
+        }
+        let counts_as_write = matches!(
+            op,
+            ForwardOp::Write { fua: false, .. }
+                | ForwardOp::Trim { .. }
+                | ForwardOp::Zeroes { fua: false, .. }
+        );
+        let flush_covers = self.unflushed.acknowledged.load(Ordering::SeqCst);
+        let route = self.current();
+        let answer = match self.call(route, &op) {
+            Err(Lost::Route(why)) => {
+                self.reroute(route, &why)?;
+                match self.call(self.current(), &op) {
+                    Err(Lost::Route(why)) => Err(unavailable(&self.name, why)),
+                    Err(Lost::Failed(error)) => Err(error),
+                    Ok(answer) => Ok(answer),
+                }
+            }
+            Err(Lost::Failed(error)) => Err(error),
+            Ok(answer) => Ok(answer),
+        }?;
+        if counts_as_write {
+            self.unflushed.acknowledged.fetch_add(1, Ordering::SeqCst);
+        }
+        if op == ForwardOp::Flush {
+            self.unflushed
+                .flushed
+                .fetch_max(flush_covers, Ordering::SeqCst);
+        }
+        Ok(answer)
+    }
+
+    /// Moves the session off `failed` (unless another request did already): allowed only
+    /// while every write acknowledged through this node is known durable, else the session
+    /// breaks for good.
+    fn reroute(&self, failed: Route, why: &str) -> VolumeResult<()> {
+        let mut route = lock(&self.route);
+        if *route != failed {
+            return Ok(());
+        }
+        let acknowledged = self.unflushed.acknowledged.load(Ordering::SeqCst);
+        if acknowledged > self.unflushed.flushed.load(Ordering::SeqCst) {
+            let message = format!(
+                "the node serving it (node {}) stopped answering with writes not yet flushed \
+                 ({why}); attach again: every flushed write is kept",
+                failed.node
+            );
+            *lock(&self.broken) = Some(message.clone());
+            tracing::warn!(volume = self.name, "{message}");
+            return Err(unavailable(&self.name, message));
+        }
+        let (next, opened) = open_route(&self.shared, &self.name)?;
+        if opened.size_bytes < self.size_bytes {
+            return Err(unavailable(
+                &self.name,
+                format!(
+                    "node {} serves it with {} bytes, fewer than this client attached with",
+                    next.node, opened.size_bytes
+                ),
+            ));
+        }
+        tracing::info!(
+            volume = self.name,
+            from = failed.node,
+            to = next.node,
+            "forwarding moved to the volume's new primary ({why})"
+        );
+        *route = next;
+        Ok(())
+    }
+
+    fn call(&self, route: Route, op: &ForwardOp) -> Result<Option<Vec<u8>>, Lost> {
+        let request = ForwardRequest {
+            session: route.session,
+            op: op.clone(),
+        };
+        let payload = postcard::to_allocvec(&request)
+            .map_err(|error| Lost::Failed(unavailable(&self.name, error.to_string())))?;
+        let shared = &self.shared;
+        let reply = shared
+            .runtime
+            .block_on(shared.call(route.node, METHOD_FORWARD_IO, payload, IO_TIMEOUT))
+            .map_err(|failure| match failure {
+                Failure {
+                    code: None,
+                    message,
+                } => Lost::Route(message),
+                Failure {
+                    code: Some(CODE_SESSION_GONE),
+                    message,
+                } => Lost::Route(message),
+                Failure { message, .. } => Lost::Failed(unavailable(&self.name, message)),
+            })?;
+        let answer: ForwardAnswer = postcard::from_bytes(&reply)
+            .map_err(|error| Lost::Failed(unavailable(&self.name, error.to_string())))?;
+        match answer {
+            ForwardAnswer::Done => Ok(None),
+            ForwardAnswer::Data(data) => Ok(Some(data)),
+            ForwardAnswer::Failed { kind, message } => Err(Lost::Failed(VolumeError::Remote {
+                volume: self.name.clone(),
+                node: route.node,
+                kind: match kind {
+                    ForwardErrorKind::InvalidInput => std::io::ErrorKind::InvalidInput,
+                    ForwardErrorKind::ReadOnly => std::io::ErrorKind::PermissionDenied,
+                    ForwardErrorKind::NoSpace => std::io::ErrorKind::StorageFull,
+                    ForwardErrorKind::Other => std::io::ErrorKind::Other,
+                },
+                detail: message,
+            })),
+        }
+    }
+}
+
+/// Keeps the session alive on its serving node while the client stays attached.
+async fn keepalive(forwarded: Weak<Forwarded>, clock: Arc<dyn keel_clock::Clock>) {
+    loop {
+        clock.sleep(KEEPALIVE_EVERY).await;
+        let Some(strong) = forwarded.upgrade() else {
+            return;
+        };
+        let route = strong.current();
+        let Ok(payload) = postcard::to_allocvec(&ForwardRequest {
+            session: route.session,
+            op: ForwardOp::Ping,
+        }) else {
+            return;
+        };
+        let shared = strong.shared.clone();
+        drop(strong);
+        // A lost session is noticed (and moved) by the next request.
+        let _ = shared
+            .call(route.node, METHOD_FORWARD_IO, payload, IO_TIMEOUT)
+            .await;
+    }
+}
+
+impl Drop for Forwarded {
+    fn drop(&mut self) {
+        let route = self.current();
+        let Ok(payload) = postcard::to_allocvec(&ForwardClose {
+            session: route.session,
+        }) else {
+            return;
+        };
+        let shared = self.shared.clone();
+        // Best effort: a session nobody closes expires on its own.
+        self.shared.runtime.spawn(async move {
+            let _ = shared
+                .call(route.node, METHOD_FORWARD_CLOSE, payload, IO_TIMEOUT)
+                .await;
+        });
+    }
+}
+
+/// Finds the node that serves `name` now and opens a session there.
+fn open_route(shared: &Shared, name: &str) -> VolumeResult<(Route, ForwardOpened)> {
+    let payload = postcard::to_allocvec(&ForwardOpen {
+        volume: name.to_string(),
+    })
+    .map_err(|error| unavailable(name, error.to_string()))?;
+    let clock = shared.clock();
+    let deadline = clock.now() + OPEN_DEADLINE;
+    let mut last = String::from("no node holds a replica");
+    loop {
+        let replication = shared
+            .metadata
+            .catalog()
+            .read()
+            .volume(name)
+            .map(|entry| entry.record.replication.clone())
+            .ok_or_else(|| VolumeError::NotFound {
+                name: name.to_string(),
+            })?;
+        let mut candidates = vec![replication.primary];
+        candidates.extend(
+            replication
+                .in_sync
+                .iter()
+                .copied()
+                .filter(|node| *node != replication.primary),
+        );
+        for node in candidates {
+            if node == shared.local_node {
+                continue;
+            }
+            let call = shared.call(node, METHOD_FORWARD_OPEN, payload.clone(), OPEN_TRY_TIMEOUT);
+            match shared.runtime.block_on(call) {
+                Ok(reply) => {
+                    let opened: ForwardOpened = postcard::from_bytes(&reply)
+                        .map_err(|error| unavailable(name, error.to_string()))?;
+                    let route = Route {
+                        node,
+                        session: opened.session,
+                    };
+                    return Ok((route, opened));
+                }
+                Err(Failure {
+                    code: Some(CODE_NOT_FOUND),
+                    ..
+                }) => {
+                    return Err(VolumeError::NotFound {
+                        name: name.to_string(),
+                    })
+                }
+                Err(failure) => last = format!("node {node}: {}", failure.message),
+            }
+        }
+        if clock.now() >= deadline {
+            return Err(unavailable(
+                name,
+                format!("no node holding a replica would serve it through this one: {last}"),
+            ));
+        }
+        clock.sleep_blocking(Duration::from_millis(250));
+    }
+}
+
+/// One session a node serves for a client attached elsewhere.
+struct Session {
+    caller: NodeId,
+    io: Arc<dyn VolumeIo>,
+    volume_id: u64,
+    used: Instant,
+}
+
+/// The sessions this node serves for clients attached to nodes without a replica.
+#[derive(Default)]
+pub(crate) struct Sessions {
+    sessions: Mutex<HashMap<u64, Session>>,
+}
+
+impl Sessions {
+    /// Registers a session for `io` (opened by the caller), dropping expired ones.
+    pub(crate) fn insert(
+        &self,
+        shared: &Shared,
+        caller: NodeId,
+        volume_id: u64,
+        io: Arc<dyn VolumeIo>,
+    ) -> Result<ForwardOpened, String> {
+        let now = shared.clock_now();
+        let mut sessions = lock(&self.sessions);
+        sessions.retain(|_, session| now.duration_since(session.used) < SESSION_IDLE_MAX);
+        if sessions.len() >= SESSIONS_MAX {
+            return Err(format!(
+                "this node already serves {SESSIONS_MAX} forwarding sessions"
+            ));
+        }
+        let session = loop {
+            let id = rand::random::<u64>();
+            if !sessions.contains_key(&id) {
+                break id;
+            }
+        };
+        let opened = ForwardOpened {
+            session,
+            size_bytes: io.size_bytes(),
+            block_size_bytes: io.block_size_bytes(),
+            read_only: io.read_only(),
+        };
+        sessions.insert(
+            session,
+            Session {
+                caller,
+                io,
+                volume_id,
+                used: now,
+            },
+        );
+        Ok(opened)
+    }
+
+    /// Serves one request. `Err` means the session is not served here (any more).
+    pub(crate) fn serve(
+        &self,
+        shared: &Shared,
+        caller: NodeId,
+        request: ForwardRequest,
+    ) -> Result<ForwardAnswer, String> {
+        let now = shared.clock_now();
+        let (io, volume_id) = {
+            let mut sessions = lock(&self.sessions);
+            let Some(session) = sessions
+                .get_mut(&request.session)
+                .filter(|session| session.caller == caller)
+            else {
+                return Err(format!(
+                    "session {} is not served here (the node restarted or it expired)",
+                    request.session
+                ));
+            };
+            session.used = now;
+            (session.io.clone(), session.volume_id)
+        };
+        // A replicated volume another node took over: the session moves there.
+        let moved = {
+            let catalog = shared.metadata.catalog().read();
+            match catalog.volumes.get(&volume_id) {
+                None => Some("the volume was deleted".to_string()),
+                Some(entry)
+                    if entry.record.replication.replicas.len() > 1
+                        && entry.record.replication.primary != shared.local_node =>
+                {
+                    Some(format!(
+                        "node {} serves the volume now",
+                        entry.record.replication.primary
+                    ))
+                }
+                Some(_) => None,
+            }
+        };
+        if let Some(why) = moved {
+            self.close(caller, request.session);
+            return Err(why);
+        }
+        let outcome = match request.op {
+            ForwardOp::Read { offset, length } => {
+                let mut data = vec![0u8; length as usize];
+                io.read(offset, &mut data).map(|()| Some(data))
+            }
+            ForwardOp::Write { offset, data, fua } => io.write(offset, &data, fua).map(|()| None),
+            ForwardOp::Flush => io.flush().map(|()| None),
+            ForwardOp::Trim { offset, length } => io.trim(offset, length).map(|()| None),
+            ForwardOp::Zeroes {
+                offset,
+                length,
+                fua,
+                may_trim,
+            } => io
+                .write_zeroes(offset, length, fua, may_trim)
+                .map(|()| None),
+            ForwardOp::Ping => Ok(None),
+        };
+        Ok(match outcome {
+            Ok(Some(data)) => ForwardAnswer::Data(data),
+            Ok(None) => ForwardAnswer::Done,
+            Err(error) => {
+                let message = error.to_string();
+                let kind = match std::io::Error::from(error).kind() {
+                    std::io::ErrorKind::InvalidInput => ForwardErrorKind::InvalidInput,
+                    std::io::ErrorKind::PermissionDenied => ForwardErrorKind::ReadOnly,
+                    std::io::ErrorKind::StorageFull => ForwardErrorKind::NoSpace,
+                    _ => ForwardErrorKind::Other,
+                };
+                ForwardAnswer::Failed { kind, message }
+            }
+        })
+    }
+
+    pub(crate) fn close(&self, caller: NodeId, session: u64) {
+        let mut sessions = lock(&self.sessions);
+        if sessions
+            .get(&session)
+            .is_some_and(|found| found.caller == caller)
+        {
+            sessions.remove(&session);
+        }
+    }
+}
+
+impl VolumeIo for Forwarded {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn size_bytes(&self) -> u64 {
+        self.size_bytes
+    }
+
+    fn block_size_bytes(&self) -> u32 {
+        self.block_size_bytes
+    }
+
+    fn read_only(&self) -> bool {
+        self.read_only
+    }
+
+    fn read(&self, offset: u64, buf: &mut [u8]) -> VolumeResult<()> {
+        let length = u32::try_from(buf.len()).map_err(|_| VolumeError::Invalid {
+            volume: self.name.clone(),
+            detail: format!("a read of {} bytes is too long to forward", buf.len()),
+        })?;
+        let data = self.run(ForwardOp::Read { offset, length })?;
+        match data {
+            Some(data) if data.len() == buf.len() => {
+                buf.copy_from_slice(&data);
+                Ok(())
+            }
+            other => Err(unavailable(
+                &self.name,
+                format!(
+                    "the serving node answered a read of {} bytes with {}",
+                    buf.len(),
+                    other.map_or(0, |data| data.len())
+                ),
+            )),
+        }
+    }
+
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> VolumeResult<()> {
+        self.run(ForwardOp::Write {
+            offset,
+            data: data.to_vec(),
+            fua,
+        })
+        .map(drop)
+    }
+
+    fn flush(&self) -> VolumeResult<()> {
+        self.run(ForwardOp::Flush).map(drop)
+    }
+
+    fn trim(&self, offset: u64, length: u64) -> VolumeResult<()> {
+        self.run(ForwardOp::Trim { offset, length }).map(drop)
+    }
+
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        may_trim: bool,
+    ) -> VolumeResult<()> {
+        self.run(ForwardOp::Zeroes {
+            offset,
+            length,
+            fua,
+            may_trim,
+        })
+        .map(drop)
+    }
+}
