@@ -639,3 +639,46 @@ def test_a_node_without_a_replica_serves_the_volume_by_forwarding(cluster):
         assert again.read(index * BLOCK, BLOCK) == data, f"flushed block {index} lost"
     assert replication(first, "fwd")["primary"] == 1
     again.close()
+
+
+def test_a_damaged_block_on_a_replica_is_replaced_by_the_primarys_copy(cluster):
+    """An uncompressed R=2 volume is written through node 1 and both replicas are in sync. With
+    node 2 stopped, one byte of a block in its segment files is flipped (its checksum now
+    fails there) and more blocks are written through node 1. When node 2 returns, its catch-up
+    compares the blocks: the damaged one answers as unreadable rather than failing the
+    catch-up, the primary ships its copy, and node 2 rejoins. Node 1 is then killed: the volume
+    attached through node 2 reads every block, the damaged one included, as written."""
+    first, second = two_nodes_and_witness(cluster)
+    code, created = first.api("POST", "/api/v1/volumes", {"name": "rot", "size_bytes": SIZE, "replicas": 2,
+                                                         "compression": "none"}, timeout=30)
+    assert code == 200, created
+    client = attach(first, "rot")
+    wait_until("both replicas in sync", lambda: sorted(replication(first, "rot")["in_sync"]) == [1, 2])
+    expected = {index: block("rot", index) for index in range(64)}
+    for index, data in expected.items():
+        client.write(index * BLOCK, data)
+    client.flush()
+
+    second.stop()
+    damaged = 0
+    for segment in second.dir.rglob("*.seg"):
+        content = bytearray(segment.read_bytes())
+        at = content.find(expected[17])
+        if at >= 0:
+            content[at + 100] ^= 0xFF
+            segment.write_bytes(bytes(content))
+            damaged += 1
+    assert damaged == 1, f"block 17 found in {damaged} segment files of node 2"
+    for index in range(64, 80):
+        expected[index] = block("rot-absent", index)
+        client.write(index * BLOCK, expected[index])
+    client.flush()
+
+    second.start()
+    wait_until("the damaged replica back in sync",
+               lambda: sorted(replication(first, "rot")["in_sync"]) == [1, 2], timeout=60)
+    client.close()
+    first.kill9()
+    other = attach(second, "rot", timeout=60)
+    for index, data in expected.items():
+        assert other.read(index * BLOCK, BLOCK) == data, f"block {index} wrong on node 2"

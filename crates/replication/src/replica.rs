@@ -10,7 +10,7 @@ use keel_volume::VolumeIo;
 
 use crate::wire::{
     block_hash, Batch, BatchAck, HashAnswer, HashRequest, Op, UnwrittenAnswer, BLOCK_HASH_BYTES,
-    CODE_BEHIND, CODE_FAILED, CODE_FENCED, CODE_OUT_OF_ORDER,
+    CODE_BEHIND, CODE_FAILED, CODE_FENCED, CODE_OUT_OF_ORDER, UNREADABLE_BLOCK_HASH,
 };
 use crate::{lock, Shared};
 
@@ -312,12 +312,34 @@ pub(crate) fn hashes(
         return Ok(HashAnswer { hashes: Vec::new() });
     }
     let mut data = vec![0u8; request.length as usize];
-    volume
-        .read(request.offset, &mut data)
-        .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
     let mut hashes = Vec::with_capacity(data.len() / block as usize * BLOCK_HASH_BYTES);
-    for chunk in data.chunks(block as usize) {
-        hashes.extend_from_slice(&block_hash(chunk));
+    match volume.read(request.offset, &mut data) {
+        Ok(()) => {
+            for chunk in data.chunks(block as usize) {
+                hashes.extend_from_slice(&block_hash(chunk));
+            }
+        }
+        // A damaged copy here: block by block, a block that fails its checksum answers a hash
+        // no content has, so the primary ships its good copy and the write replaces it.
+        Err(error) if error.is_corrupt() => {
+            for (index, chunk) in data.chunks_mut(block as usize).enumerate() {
+                let offset = request.offset + index as u64 * block;
+                match volume.read(offset, chunk) {
+                    Ok(()) => hashes.extend_from_slice(&block_hash(chunk)),
+                    Err(error) if error.is_corrupt() => {
+                        tracing::warn!(
+                            volume = volume.name(),
+                            offset,
+                            %error,
+                            "a block of this replica is damaged: the primary's copy replaces it"
+                        );
+                        hashes.extend_from_slice(&UNREADABLE_BLOCK_HASH);
+                    }
+                    Err(error) => return Err(refusal(CODE_FAILED, error.to_string())),
+                }
+            }
+        }
+        Err(error) => return Err(refusal(CODE_FAILED, error.to_string())),
     }
     Ok(HashAnswer { hashes })
 }

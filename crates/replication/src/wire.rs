@@ -184,6 +184,10 @@ pub struct HashAnswer {
     pub hashes: Vec<u8>,
 }
 
+/// What a replica answers for a block it cannot read (it fails its checksum): not the hash of
+/// any content (a 2^-128 chance aside), so the primary ships its copy.
+pub const UNREADABLE_BLOCK_HASH: [u8; BLOCK_HASH_BYTES] = [0xff; BLOCK_HASH_BYTES];
+
 /// The hash of a block of zeroes (a never-written block).
 pub fn zero_block_hash(block_bytes: usize) -> [u8; BLOCK_HASH_BYTES] {
     block_hash(&vec![0u8; block_bytes])

@@ -90,6 +90,11 @@ impl StoreError {
         }
     }
 
+    /// Whether the error says stored data failed its checksum on every device.
+    pub fn is_corrupt(&self) -> bool {
+        matches!(self, StoreError::Corrupt { .. })
+    }
+
     /// Maps the error to the errno a block device would report.
     pub fn errno(&self) -> i32 {
         match self {

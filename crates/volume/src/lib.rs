@@ -147,6 +147,16 @@ pub enum VolumeError {
 pub type VolumeResult<T> = Result<T, VolumeError>;
 
 impl VolumeError {
+    /// Whether the error says the volume's stored data is damaged (a checksum failure on every
+    /// local copy, or a block extent of the wrong shape).
+    pub fn is_corrupt(&self) -> bool {
+        match self {
+            VolumeError::CorruptBlock { .. } => true,
+            VolumeError::Store { source, .. } => source.is_corrupt(),
+            _ => false,
+        }
+    }
+
     pub fn store(volume: &str, operation: &'static str) -> impl FnOnce(StoreError) -> VolumeError {
         let volume = volume.to_string();
         move |source| VolumeError::Store {
