@@ -646,8 +646,10 @@ def test_a_damaged_block_on_a_replica_is_replaced_by_the_primarys_copy(cluster):
     node 2 stopped, one byte of a block in its segment files is flipped (its checksum now
     fails there) and more blocks are written through node 1. When node 2 returns, its catch-up
     compares the blocks: the damaged one answers as unreadable rather than failing the
-    catch-up, the primary ships its copy, and node 2 rejoins. Node 1 is then killed: the volume
-    attached through node 2 reads every block, the damaged one included, as written."""
+    catch-up, the primary ships its copy, and node 2 rejoins. Then a block of node 1's copy, the
+    primary's, is damaged while it runs: reading it gives the data written, read from node 2
+    and written back (counted in `volume info`), and a second read needs no repair. Node 1 is
+    then killed: the volume attached through node 2 reads every block as written."""
     first, second = two_nodes_and_witness(cluster)
     code, created = first.api("POST", "/api/v1/volumes", {"name": "rot", "size_bytes": SIZE, "replicas": 2,
                                                          "compression": "none"}, timeout=30)
@@ -677,6 +679,23 @@ def test_a_damaged_block_on_a_replica_is_replaced_by_the_primarys_copy(cluster):
     second.start()
     wait_until("the damaged replica back in sync",
                lambda: sorted(replication(first, "rot")["in_sync"]) == [1, 2], timeout=60)
+
+    damaged = 0
+    for segment in first.dir.rglob("*.seg"):
+        at = segment.read_bytes().find(expected[33])
+        if at >= 0:
+            # In place: the running server appends to its newest segment.
+            with open(segment, "r+b") as file:
+                file.seek(at + 100)
+                byte = file.read(1)
+                file.seek(at + 100)
+                file.write(bytes([byte[0] ^ 0xFF]))
+            damaged += 1
+    assert damaged == 1, f"block 33 found in {damaged} segment files of node 1"
+    assert client.read(33 * BLOCK, BLOCK) == expected[33]
+    assert replication(first, "rot")["served_here"]["repaired_blocks"] == 1
+    assert client.read(32 * BLOCK, 3 * BLOCK) == expected[32] + expected[33] + expected[34]
+    assert replication(first, "rot")["served_here"]["repaired_blocks"] == 1
     client.close()
     first.kill9()
     other = attach(second, "rot", timeout=60)

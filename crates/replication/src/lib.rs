@@ -38,7 +38,7 @@ use crate::replica::Replicas;
 use crate::wire::{
     ForwardClose, ForwardOpen, ForwardRequest, CODE_BAD_REQUEST, CODE_NOT_FOUND, CODE_REFUSED,
     CODE_SESSION_GONE, METHOD_FORWARD_CLOSE, METHOD_FORWARD_IO, METHOD_FORWARD_OPEN, METHOD_HASHES,
-    METHOD_REPLICATE, METHOD_UNWRITTEN,
+    METHOD_READ_COPY, METHOD_REPLICATE, METHOD_UNWRITTEN,
 };
 
 /// A primary serves only while it heard from the Raft leader within this.
@@ -668,6 +668,12 @@ impl Replication {
                 let request = postcard::from_bytes(&payload)
                     .map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))?;
                 let answer = replica::unwritten(shared, sender, request).map_err(refused)?;
+                encode(postcard::to_allocvec(&answer))
+            }
+            METHOD_READ_COPY => {
+                let request = postcard::from_bytes(&payload)
+                    .map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))?;
+                let answer = replica::read_copy(shared, sender, request).map_err(refused)?;
                 encode(postcard::to_allocvec(&answer))
             }
             METHOD_FORWARD_OPEN => {

@@ -13,8 +13,9 @@ use keel_catalog::{Command, MetadataError, NodeId};
 use keel_volume::{VolumeError, VolumeIo, VolumeResult};
 
 use crate::wire::{
-    self, Batch, BatchAck, HashAnswer, HashRequest, Op, UnwrittenAnswer, BLOCK_HASH_BYTES,
-    CODE_BEHIND, CODE_FENCED, METHOD_HASHES, METHOD_REPLICATE, METHOD_UNWRITTEN,
+    self, Batch, BatchAck, CopyAnswer, HashAnswer, HashRequest, Op, UnwrittenAnswer,
+    BLOCK_HASH_BYTES, CODE_BEHIND, CODE_FENCED, METHOD_HASHES, METHOD_READ_COPY, METHOD_REPLICATE,
+    METHOD_UNWRITTEN,
 };
 use crate::{lock, Shared, RESYNC_CHUNK_BYTES, RESYNC_PROBE_BYTES};
 
@@ -134,6 +135,9 @@ struct State {
     resync_bytes: u64,
     /// Bytes catch-ups skipped without comparing, neither side having ever written them.
     resync_skipped_bytes: u64,
+    /// Blocks of the local copy that failed their checksum on read and were replaced by an
+    /// in-sync replica's copy.
+    repaired_blocks: u64,
 }
 
 /// A replicated volume served by this node as its primary.
@@ -170,6 +174,8 @@ pub struct PrimaryStatus {
     pub catching_up: Vec<CatchUp>,
     pub resync_bytes: u64,
     pub resync_skipped_bytes: u64,
+    /// Damaged blocks of this node's copy replaced by a replica's copy since it became primary.
+    pub repaired_blocks: u64,
     pub closed: Option<String>,
 }
 
@@ -213,6 +219,7 @@ impl Primary {
                 closed: None,
                 resync_bytes: 0,
                 resync_skipped_bytes: 0,
+                repaired_blocks: 0,
             }),
             changed: Condvar::new(),
             proposing: tokio::sync::Mutex::new(()),
@@ -260,6 +267,7 @@ impl Primary {
                 .collect(),
             resync_bytes: state.resync_bytes,
             resync_skipped_bytes: state.resync_skipped_bytes,
+            repaired_blocks: state.repaired_blocks,
             closed: state.closed.clone(),
         }
     }
@@ -1053,6 +1061,67 @@ impl Primary {
         Ok(())
     }
 
+    /// A read that met a block failing its checksum here: block by block, each damaged block
+    /// is read from an in-sync replica and written back to the local copy.
+    fn read_repairing(&self, offset: u64, buf: &mut [u8]) -> VolumeResult<()> {
+        let block = self.local.block_size_bytes() as usize;
+        for (index, chunk) in buf.chunks_mut(block).enumerate() {
+            let at = offset + (index * block) as u64;
+            match self.local.read(at, chunk) {
+                Err(error) if error.is_corrupt() => self.repair_block(at, chunk, error)?,
+                other => other?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Replaces a damaged block of the local copy with an in-sync replica's, read once that
+    /// replica applied every write ordered before (no write is ordered meanwhile, so the
+    /// copies agree). Fails with `damage` when no replica can give it.
+    fn repair_block(&self, offset: u64, chunk: &mut [u8], damage: VolumeError) -> VolumeResult<()> {
+        let sources: Vec<NodeId> = self
+            .state()
+            .in_sync
+            .iter()
+            .copied()
+            .filter(|node| *node != self.shared.local_node)
+            .collect();
+        let length = chunk.len() as u64;
+        self.quiesce(|| {
+            for node in sources {
+                let copy = self.shared.runtime.block_on(self.ask_range::<CopyAnswer>(
+                    node,
+                    METHOD_READ_COPY,
+                    offset,
+                    length,
+                ));
+                match copy {
+                    Ok(copy) if copy.data.len() == chunk.len() => {
+                        self.local.write(offset, &copy.data, false)?;
+                        self.local.flush()?;
+                        chunk.copy_from_slice(&copy.data);
+                        self.state().repaired_blocks += 1;
+                        tracing::warn!(
+                            volume = %self.name,
+                            offset,
+                            from = node,
+                            %damage,
+                            "a damaged block of this copy was replaced by a replica's"
+                        );
+                        return Ok(());
+                    }
+                    Ok(_) => {
+                        tracing::warn!(volume = %self.name, node, "a replica's copy has the wrong size")
+                    }
+                    Err(error) => {
+                        tracing::warn!(volume = %self.name, node, %error, "no copy from a replica")
+                    }
+                }
+            }
+            Err(damage)
+        })
+    }
+
     /// Whether neither the replica nor this node ever wrote `[offset, offset + length)`: the
     /// replica is asked first, then the local copy is looked at under the order lock, so a
     /// write that lands after that is on the replica's stream (as in `queue_differences`).
@@ -1218,7 +1287,10 @@ impl VolumeIo for Primary {
     fn read(&self, offset: u64, buf: &mut [u8]) -> VolumeResult<()> {
         self.lease()?;
         self.check_serving(&self.state())?;
-        self.local.read(offset, buf)
+        match self.local.read(offset, buf) {
+            Err(error) if error.is_corrupt() => self.read_repairing(offset, buf),
+            other => other,
+        }
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> VolumeResult<()> {

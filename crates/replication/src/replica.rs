@@ -9,8 +9,9 @@ use keel_catalog::NodeId;
 use keel_volume::VolumeIo;
 
 use crate::wire::{
-    block_hash, Batch, BatchAck, HashAnswer, HashRequest, Op, UnwrittenAnswer, BLOCK_HASH_BYTES,
-    CODE_BEHIND, CODE_FAILED, CODE_FENCED, CODE_OUT_OF_ORDER, UNREADABLE_BLOCK_HASH,
+    block_hash, Batch, BatchAck, CopyAnswer, HashAnswer, HashRequest, Op, UnwrittenAnswer,
+    BLOCK_HASH_BYTES, CODE_BEHIND, CODE_FAILED, CODE_FENCED, CODE_OUT_OF_ORDER,
+    UNREADABLE_BLOCK_HASH,
 };
 use crate::{lock, Shared};
 
@@ -285,6 +286,30 @@ pub(crate) fn unwritten(
         .range_unwritten(request.offset, request.length)
         .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
     Ok(UnwrittenAnswer { unwritten })
+}
+
+/// This node's copy of a range (at most a chunk), for a primary whose own copy of it failed its
+/// checksum. The primary asks only once every write it ordered before has been applied here.
+pub(crate) fn read_copy(
+    shared: &Shared,
+    sender: NodeId,
+    request: HashRequest,
+) -> Result<CopyAnswer, Refusal> {
+    let slot = shared.replicas.slot(request.volume_id);
+    let mut slot = lock(&slot);
+    let volume = range_volume(
+        shared,
+        &mut slot,
+        sender,
+        &request,
+        crate::RESYNC_CHUNK_BYTES,
+        "chunk",
+    )?;
+    let mut data = vec![0u8; request.length as usize];
+    volume
+        .read(request.offset, &mut data)
+        .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
+    Ok(CopyAnswer { data })
 }
 
 /// Hashes of this node's blocks of a range (blocking: reads the local volume); none when the

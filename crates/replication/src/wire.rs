@@ -26,6 +26,10 @@ pub const METHOD_FORWARD_IO: u16 = 0x0204;
 /// The forwarding client went away ([`ForwardClose`] → nothing).
 pub const METHOD_FORWARD_CLOSE: u16 = 0x0205;
 
+/// Primary → in-sync replica: the replica's copy of a range ([`HashRequest`] → [`CopyAnswer`]),
+/// when the primary's own copy fails its checksum.
+pub const METHOD_READ_COPY: u16 = 0x0206;
+
 /// The sender is not the volume's primary in the replica's view (an older epoch or another
 /// node): it must stop acknowledging anything for the volume.
 pub const CODE_FENCED: u16 = 0x0201;
@@ -166,6 +170,11 @@ pub struct HashRequest {
     pub epoch: u64,
     pub offset: u64,
     pub length: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CopyAnswer {
+    pub data: Vec<u8>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
