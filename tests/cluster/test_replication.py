@@ -5,6 +5,7 @@ this machine's one disk, so no timing here says anything about separate machines
 KEEL_REPLICATION_ROUNDS sets how many primary kills the durability test runs (default 2; the
 long mode runs more)."""
 
+import json
 import os
 import random
 import shutil
@@ -641,6 +642,22 @@ def test_a_node_without_a_replica_serves_the_volume_by_forwarding(cluster):
     again.close()
 
 
+def damage_in_place(node, content):
+    """Flips a byte of the one stored copy of `content` in a running node's segment files (in
+    place: the server appends to its newest segment)."""
+    damaged = 0
+    for segment in node.dir.rglob("*.seg"):
+        at = segment.read_bytes().find(content)
+        if at >= 0:
+            with open(segment, "r+b") as file:
+                file.seek(at + 100)
+                byte = file.read(1)
+                file.seek(at + 100)
+                file.write(bytes([byte[0] ^ 0xFF]))
+            damaged += 1
+    assert damaged == 1, f"the block was found in {damaged} segment files of {node.name}"
+
+
 def test_a_damaged_block_on_a_replica_is_replaced_by_the_primarys_copy(cluster):
     """An uncompressed R=2 volume is written through node 1 and both replicas are in sync. With
     node 2 stopped, one byte of a block in its segment files is flipped (its checksum now
@@ -648,8 +665,11 @@ def test_a_damaged_block_on_a_replica_is_replaced_by_the_primarys_copy(cluster):
     compares the blocks: the damaged one answers as unreadable rather than failing the
     catch-up, the primary ships its copy, and node 2 rejoins. Then a block of node 1's copy, the
     primary's, is damaged while it runs: reading it gives the data written, read from node 2
-    and written back (counted in `volume info`), and a second read needs no repair. Node 1 is
-    then killed: the volume attached through node 2 reads every block as written."""
+    and written back (counted in `volume info`), and a second read needs no repair. Then a
+    block of each copy is damaged and nobody reads it: `keel volume scrub` on the primary finds
+    and repairs both (node 2 refuses it with the primary's address), and a second scrub finds
+    nothing. Node 1 is then killed: the volume attached through node 2 reads every block as
+    written."""
     first, second = two_nodes_and_witness(cluster)
     code, created = first.api("POST", "/api/v1/volumes", {"name": "rot", "size_bytes": SIZE, "replicas": 2,
                                                          "compression": "none"}, timeout=30)
@@ -680,22 +700,22 @@ def test_a_damaged_block_on_a_replica_is_replaced_by_the_primarys_copy(cluster):
     wait_until("the damaged replica back in sync",
                lambda: sorted(replication(first, "rot")["in_sync"]) == [1, 2], timeout=60)
 
-    damaged = 0
-    for segment in first.dir.rglob("*.seg"):
-        at = segment.read_bytes().find(expected[33])
-        if at >= 0:
-            # In place: the running server appends to its newest segment.
-            with open(segment, "r+b") as file:
-                file.seek(at + 100)
-                byte = file.read(1)
-                file.seek(at + 100)
-                file.write(bytes([byte[0] ^ 0xFF]))
-            damaged += 1
-    assert damaged == 1, f"block 33 found in {damaged} segment files of node 1"
+    damage_in_place(first, expected[33])
     assert client.read(33 * BLOCK, BLOCK) == expected[33]
     assert replication(first, "rot")["served_here"]["repaired_blocks"] == 1
     assert client.read(32 * BLOCK, 3 * BLOCK) == expected[32] + expected[33] + expected[34]
     assert replication(first, "rot")["served_here"]["repaired_blocks"] == 1
+
+    # Damage nobody reads: a block of each copy, found by `keel volume scrub` on the primary.
+    damage_in_place(second, expected[40])
+    damage_in_place(first, expected[50])
+    refused = second.cli("volume", "scrub", "rot", check=False)
+    assert refused.returncode != 0 and "primary is node 1" in refused.stderr, refused.stderr
+    report = json.loads(first.cli("volume", "scrub", "rot").stdout)
+    assert (report["local_blocks_repaired"], report["replica_blocks_repaired"], report["replicas"]) == (1, 1, 2), report
+    assert report["compared_bytes"] + report["skipped_bytes"] == SIZE, report
+    report = json.loads(first.cli("volume", "scrub", "rot").stdout)
+    assert (report["local_blocks_repaired"], report["replica_blocks_repaired"]) == (0, 0), report
     client.close()
     first.kill9()
     other = attach(second, "rot", timeout=60)

@@ -127,6 +127,7 @@ pub fn router(state: Shared) -> Router {
             "/api/v1/volumes/{name}/replication",
             post(set_volume_replication),
         )
+        .route("/api/v1/volumes/{name}/scrub", post(scrub_volume))
         .route(
             "/api/v1/volumes/{name}/snapshots",
             get(list_snapshots).post(create_snapshot),
@@ -609,6 +610,21 @@ async fn set_volume_replication(
         ))
     })
     .await
+}
+
+/// Compares a replicated volume's replicas and repairs what differs, as a job, on its primary
+/// (elsewhere: 421 with the primary's address, before any job starts).
+async fn scrub_volume(
+    State(state): State<Shared>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<serde_json::Value>> {
+    let replication = state.replication.clone();
+    let primary = blocking(move || Ok(replication.scrub_target(&name)?)).await?;
+    let job = state.jobs.start("volume scrub", move |progress| {
+        let report = primary.scrub(&mut |done, total| progress.report(done, total))?;
+        Ok(serde_json::to_value(report)?)
+    });
+    Ok(Json(serde_json::json!({ "job": job })))
 }
 
 async fn delete_volume(

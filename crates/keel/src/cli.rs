@@ -264,6 +264,9 @@ pub enum VolumeCommand {
         #[arg(long)]
         min_in_sync: Option<u8>,
     },
+    /// Compare a replicated volume's replicas block by block and repair what differs (run
+    /// through its primary; stretches never written are skipped).
+    Scrub { name: String },
     /// Delete a volume and its snapshots.
     Delete { name: String },
 }
@@ -344,6 +347,17 @@ pub fn volume(connection: &Connection, command: VolumeCommand) -> anyhow::Result
                 "volume {name}: {} replica(s) on nodes {}, minimum {} in sync; in sync now: {}",
                 changed["factor"], changed["replicas"], changed["in_sync_min"], changed["in_sync"]
             );
+        }
+        VolumeCommand::Scrub { name } => {
+            let started: Value = client.post(
+                &format!("/api/v1/volumes/{}/scrub", Client::encode(&name)),
+                json!({}),
+            )?;
+            let job = started["job"]
+                .as_u64()
+                .ok_or_else(|| anyhow!("server did not start a job"))?;
+            let report = client.wait_job(job, &format!("scrubbing {name}"))?;
+            print_json(&report)?;
         }
         VolumeCommand::Delete { name } => {
             let started: Value =

@@ -289,6 +289,48 @@ impl Replication {
         }
     }
 
+    /// The primary to scrub a replicated volume through ([`Primary::scrub`]): served here
+    /// already, or named primary here and served from now on (as if a client attached).
+    /// Another node is refused with the primary's address; a volume with one replica has
+    /// nothing to compare (`keel store scrub` checks each node's own copies). Blocking.
+    pub fn scrub_target(&self, name: &str) -> VolumeResult<Arc<Primary>> {
+        let record = self
+            .shared
+            .metadata
+            .catalog()
+            .read()
+            .volume(name)
+            .map(|entry| entry.record.clone())
+            .ok_or_else(|| VolumeError::NotFound {
+                name: name.to_string(),
+            })?;
+        if record.replication.replicas.len() <= 1 {
+            return Err(VolumeError::Invalid {
+                volume: name.to_string(),
+                detail: "it has one replica: there is nothing to compare it with (keel store \
+                         scrub checks this node's copies)"
+                    .to_string(),
+            });
+        }
+        if record.replication.primary != self.shared.local_node {
+            return Err(self.shared.elsewhere(name, record.replication.primary));
+        }
+        let served = lock(&self.primaries)
+            .get(&record.id)
+            .filter(|primary| !primary.is_closed())
+            .cloned();
+        match served {
+            Some(primary) => Ok(primary),
+            None => {
+                drop(self.open_hosted(name)?);
+                lock(&self.primaries)
+                    .get(&record.id)
+                    .cloned()
+                    .ok_or_else(|| unavailable(name, "it is not served here".to_string()))
+            }
+        }
+    }
+
     /// The state of a replicated volume this node serves as primary.
     pub fn primary_status(&self, volume_id: u64) -> Option<PrimaryStatus> {
         lock(&self.primaries)

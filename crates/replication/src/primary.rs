@@ -166,6 +166,29 @@ pub struct CatchUp {
     pub eta_seconds: Option<u64>,
 }
 
+/// What a scrub of a replicated volume found and repaired.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct ScrubReport {
+    /// Replicas in sync at the end, this node's included.
+    pub replicas: u64,
+    pub compared_bytes: u64,
+    /// Stretches no replica ever wrote, skipped.
+    pub skipped_bytes: u64,
+    /// Blocks of this node's copy that failed their checksum, healed from a replica.
+    pub local_blocks_repaired: u64,
+    /// Blocks of replicas that differed from this copy (or were damaged there), replaced.
+    pub replica_blocks_repaired: u64,
+}
+
+/// Whether a replica's hashes (empty: never written, zeroes) differ from `ours`.
+fn differs(ours: &[u8], theirs: &[u8], block: u64) -> bool {
+    if theirs.is_empty() {
+        let zero = wire::zero_block_hash(block as usize);
+        return ours.chunks(BLOCK_HASH_BYTES).any(|hash| hash != zero);
+    }
+    ours != theirs
+}
+
 /// What `volume info` shows of a replicated volume served here.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct PrimaryStatus {
@@ -1059,6 +1082,89 @@ impl Primary {
             "replica back in sync"
         );
         Ok(())
+    }
+
+    /// Compares every replica in sync with this copy, 1 MiB at a time, and repairs what
+    /// differs: a damaged block of this copy is healed from a replica on read
+    /// ([`Primary::read_repairing`]); a replica's block that differs still after a FLUSH (so no
+    /// write in flight explains it) is replaced by this copy's, on the replica's stream.
+    /// Stretches neither side ever wrote are skipped. Blocking.
+    pub fn scrub(
+        self: &Arc<Self>,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> VolumeResult<ScrubReport> {
+        let size = self.local.size_bytes();
+        let block = u64::from(self.local.block_size_bytes());
+        let failed = |error: String| unavailable(&self.name, error);
+        let mut report = ScrubReport::default();
+        let repaired_before = self.state().repaired_blocks;
+        let mut offset = 0u64;
+        let mut probed_to = 0u64;
+        while offset < size {
+            let replicas: Vec<NodeId> = {
+                let state = self.state();
+                self.check_serving(&state)?;
+                state
+                    .in_sync
+                    .iter()
+                    .copied()
+                    .filter(|node| *node != self.shared.local_node)
+                    .collect()
+            };
+            if offset >= probed_to {
+                let stretch = RESYNC_PROBE_BYTES.min(size - offset);
+                let mut unwritten = true;
+                for node in &replicas {
+                    unwritten &= self
+                        .shared
+                        .runtime
+                        .block_on(self.stretch_unwritten(*node, offset, stretch))
+                        .map_err(failed)?;
+                }
+                if unwritten && self.local.range_unwritten(offset, stretch)? {
+                    offset += stretch;
+                    report.skipped_bytes += stretch;
+                    progress(offset, size);
+                    continue;
+                }
+                probed_to = offset + stretch;
+            }
+            let length = RESYNC_CHUNK_BYTES.min(size - offset);
+            let mut data = vec![0u8; length as usize];
+            self.read(offset, &mut data)?;
+            let ours: Vec<u8> = data
+                .chunks(block as usize)
+                .flat_map(wire::block_hash)
+                .collect();
+            for node in &replicas {
+                let theirs = self
+                    .shared
+                    .runtime
+                    .block_on(self.remote_hashes(*node, offset, length))
+                    .map_err(failed)?;
+                if differs(&ours, &theirs, block) {
+                    // Writes in flight may explain it: compare again once they are durable.
+                    self.flush()?;
+                    let theirs = self
+                        .shared
+                        .runtime
+                        .block_on(self.remote_hashes(*node, offset, length))
+                        .map_err(failed)?;
+                    let shipped = self
+                        .queue_differences(*node, offset, length, block, &theirs)
+                        .map_err(failed)?;
+                    report.replica_blocks_repaired += shipped / block;
+                }
+            }
+            report.compared_bytes += length;
+            offset += length;
+            progress(offset, size);
+        }
+        // What was shipped is durable on every replica before the report says so.
+        self.flush()?;
+        report.replicas = self.state().in_sync.len() as u64;
+        report.local_blocks_repaired = self.state().repaired_blocks - repaired_before;
+        Ok(report)
     }
 
     /// A read that met a block failing its checksum here: block by block, each damaged block
