@@ -44,10 +44,13 @@ def test_server_refuses_tmpfs_unless_ephemeral():
 
 
 def test_doctor_reports_tmpfs_and_real_disks(workdir):
-    """`keel doctor` says tmpfs is volatile, and reports a real filesystem with fdatasync latency."""
+    """`keel doctor` says tmpfs is volatile and exits non-zero there (it is the Kubernetes init
+    check), and reports a real filesystem with fdatasync latency, exiting 0."""
     path = shm_dir("doctor")
     try:
-        report = json.loads(subprocess.run([KEEL_BIN, "doctor", str(path), "--json", "--appends", "20"], capture_output=True, text=True, check=True).stdout)
+        volatile = subprocess.run([KEEL_BIN, "doctor", str(path), "--json", "--appends", "20"], capture_output=True, text=True)
+        assert volatile.returncode != 0 and "not durable storage" in volatile.stderr, volatile.stderr
+        report = json.loads(volatile.stdout)
         assert report["filesystem"] == "tmpfs" and report["volatile_filesystem"]
         assert "NOT DURABLE" in report["verdict"]
     finally:

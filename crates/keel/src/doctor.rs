@@ -104,8 +104,20 @@ pub fn run(args: DoctorArgs) -> anyhow::Result<()> {
     let report = examine(&args.dir, args.appends)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
-        return Ok(());
+    } else {
+        print_report(&report);
     }
+    // A check that fails must stop what runs it (the Kubernetes init container, a script).
+    if report.volatile_filesystem {
+        anyhow::bail!(
+            "{} is not durable storage: keel server refuses it (see the verdict)",
+            report.dir.display()
+        );
+    }
+    Ok(())
+}
+
+fn print_report(report: &DoctorReport) {
     println!("keel doctor: {}", report.dir.display());
     println!(
         "  filesystem        {}{}",
@@ -148,5 +160,4 @@ pub fn run(args: DoctorArgs) -> anyhow::Result<()> {
         report.fdatasync_us_max
     );
     println!("  verdict           {}", report.verdict);
-    Ok(())
 }

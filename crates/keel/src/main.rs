@@ -36,7 +36,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Examine what the disk under a data directory really guarantees.
+    /// Examine what the disk under a data directory really guarantees. Exits non-zero when
+    /// the directory is not durable storage (tmpfs, ramfs).
     Doctor(doctor::DoctorArgs),
     /// Block volumes.
     Volume {
