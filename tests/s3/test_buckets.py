@@ -89,3 +89,25 @@ def test_list_buckets_pages_with_max_buckets_and_continuation_token(s3):
     finally:
         for name in names:
             s3.delete_bucket(Bucket=name)
+
+
+def test_expected_bucket_owner_is_checked(s3):
+    # Proves ExpectedBucketOwner (issue 13): the owner id ListBuckets reports passes on bucket and
+    # object requests; any other id is refused with 403 AccessDenied and changes nothing.
+    name = f"owner-{uuid.uuid4().hex[:8]}"
+    s3.create_bucket(Bucket=name)
+    try:
+        owner = s3.list_buckets()["Owner"]["ID"]
+        s3.head_bucket(Bucket=name, ExpectedBucketOwner=owner)
+        s3.put_object(Bucket=name, Key="k", Body=b"v1", ExpectedBucketOwner=owner)
+        assert s3.get_object(Bucket=name, Key="k", ExpectedBucketOwner=owner)["Body"].read() == b"v1"
+        with pytest.raises(botocore.exceptions.ClientError) as e:
+            s3.put_object(Bucket=name, Key="k", Body=b"v2", ExpectedBucketOwner="111122223333")
+        assert error_code(e) == "AccessDenied" and http_status(e) == 403
+        with pytest.raises(botocore.exceptions.ClientError) as e:
+            s3.list_objects_v2(Bucket=name, ExpectedBucketOwner=owner + "x")
+        assert error_code(e) == "AccessDenied"
+        assert s3.get_object(Bucket=name, Key="k")["Body"].read() == b"v1"
+    finally:
+        s3.delete_object(Bucket=name, Key="k")
+        s3.delete_bucket(Bucket=name)

@@ -1,6 +1,7 @@
 //! Who may do what: SigV4 secrets come from the access-key records (s3s verifies signatures,
 //! presigned URLs and streaming chunk signatures with them), and every request must be signed by
-//! a key that owns the bucket it names or was granted it.
+//! a key that owns the bucket it names or was granted it (and, when the request names the owner
+//! it expects, by a bucket that owner owns).
 
 use std::sync::Arc;
 
@@ -46,8 +47,24 @@ impl S3Access for BucketAccess {
         }
         match self.objects.can_access(bucket, &credentials.access_key) {
             // The operation answers NoSuchBucket itself.
-            None | Some(true) => Ok(()),
-            Some(false) => Err(s3_error!(AccessDenied, "Access Denied")),
+            None => return Ok(()),
+            Some(true) => {}
+            Some(false) => return Err(s3_error!(AccessDenied, "Access Denied")),
         }
+        // `x-amz-expected-bucket-owner`: the client's guard against writing to a bucket that
+        // changed hands. A bucket's owner id is the access key that created it (ListBuckets and
+        // ListObjects with fetch-owner show it).
+        if let Some(expected) = cx.headers().get(EXPECTED_BUCKET_OWNER) {
+            let owner = self.objects.bucket(bucket).map(|record| record.owner);
+            if owner.as_deref().map(str::as_bytes) != Some(expected.as_bytes()) {
+                return Err(s3_error!(
+                    AccessDenied,
+                    "The bucket is not owned by the expected bucket owner"
+                ));
+            }
+        }
+        Ok(())
     }
 }
+
+const EXPECTED_BUCKET_OWNER: &str = "x-amz-expected-bucket-owner";
