@@ -130,6 +130,28 @@ def test_status_metrics_dashboard_and_token(workdir, make_server):
     assert "x" not in server.cli("volume", "list").stdout
 
 
+def test_nbd_request_latency_histograms_count_every_request(server):
+    """/metrics has `keel_nbd_request_seconds` histograms by command (issue 14): after 8 writes,
+    a flush and 3 reads through NBD, each command's count says so and its buckets add up."""
+    from nbd_client import Client
+    server.cli("volume", "create", "timed", "--size", "1M")
+    host, port = server.nbd.rsplit(":", 1)
+    client = Client(host, int(port), "timed")
+    for index in range(8):
+        client.write(index * 4096, bytes([index]) * 4096)
+    client.flush()
+    for index in range(3):
+        assert client.read(index * 4096, 4096) == bytes([index]) * 4096
+    client.close()
+    code, metrics = http("GET", f"http://{server.admin}/metrics")
+    text = metrics.decode()
+    assert code == 200 and "# TYPE keel_nbd_request_seconds histogram" in text
+    counts = {op: int(count) for op, count in re.findall(r'^keel_nbd_request_seconds_count\{op="(\w+)"\} (\d+)$', text, re.M)}
+    assert counts == {"read": 3, "write": 8, "flush": 1, "trim": 0, "zeroes": 0}, counts
+    infinite = re.search(r'^keel_nbd_request_seconds_bucket\{le="\+Inf",op="write"\} (\d+)$', text, re.M)
+    assert infinite and int(infinite.group(1)) == 8, text
+
+
 def test_nearly_full_data_directory_warns_with_its_code(workdir, make_server):
     """Over the configured fill level, health is HEALTH_WARN with KEEL_NEARFULL, the usage and the
     action, in `keel status` and in /metrics; a level of 0 or above 100 is refused at start."""

@@ -40,6 +40,7 @@ pub struct AppState {
     pub jobs: Jobs,
     pub config: Config,
     pub started: Instant,
+    pub nbd_latency: crate::metrics::NbdLatency,
 }
 
 pub type Shared = Arc<AppState>;
@@ -384,8 +385,9 @@ async fn status(State(state): State<Shared>) -> ApiResult<Json<StatusReport>> {
 
 async fn metrics(State(state): State<Shared>) -> ApiResult<Response> {
     let cluster = state.cluster.status().await;
+    let nbd_latency = state.nbd_latency.clone();
     let report = blocking(move || status_report(&state, cluster)).await?;
-    let text = crate::metrics::render(&report).map_err(internal)?;
+    let text = crate::metrics::render(&report, &nbd_latency).map_err(internal)?;
     Ok((
         [(
             header::CONTENT_TYPE,

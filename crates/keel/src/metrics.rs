@@ -4,9 +4,12 @@
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use std::sync::atomic::AtomicU64;
+use std::time::Instant;
 
 use crate::admin::StatusReport;
 
@@ -29,8 +32,54 @@ fn gauge_f64(registry: &mut Registry, name: &str, help: &str, value: f64) {
     registry.register(name, help, gauge);
 }
 
-pub fn render(report: &StatusReport) -> Result<String, std::fmt::Error> {
+type OpLabels = [(&'static str, &'static str); 1];
+
+/// Latency of NBD requests as the server saw them (from the request read to its reply ready),
+/// one histogram per command: `keel_nbd_request_seconds{op="read|write|flush|trim|zeroes"}`.
+/// Kept for the server's life; each scrape registers a handle on the same histograms.
+#[derive(Clone)]
+pub struct NbdLatency {
+    family: Family<OpLabels, Histogram, fn() -> Histogram>,
+    pub read: Histogram,
+    pub write: Histogram,
+    pub flush: Histogram,
+    pub trim: Histogram,
+    pub zeroes: Histogram,
+}
+
+fn request_histogram() -> Histogram {
+    // 50 us to about 1.6 s.
+    Histogram::new(exponential_buckets(0.000_05, 2.0, 16))
+}
+
+impl NbdLatency {
+    pub fn new() -> NbdLatency {
+        let family: Family<OpLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(request_histogram);
+        let op = |name: &'static str| family.get_or_create(&[("op", name)]).clone();
+        NbdLatency {
+            read: op("read"),
+            write: op("write"),
+            flush: op("flush"),
+            trim: op("trim"),
+            zeroes: op("zeroes"),
+            family,
+        }
+    }
+}
+
+/// Records the time since `started` in `histogram`.
+pub fn observe_since(histogram: &Histogram, started: Instant) {
+    histogram.observe(started.elapsed().as_secs_f64());
+}
+
+pub fn render(report: &StatusReport, nbd: &NbdLatency) -> Result<String, std::fmt::Error> {
     let mut registry = Registry::with_prefix("keel");
+    registry.register(
+        "nbd_request_seconds",
+        "NBD request latency in the server, by command",
+        nbd.family.clone(),
+    );
     let store = &report.store;
     let health = match report.health.as_str() {
         "HEALTH_OK" => 0,

@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::metrics::observe_since;
+
 use anyhow::Context;
 use keel_namespace::volume::{VolumeIo, VolumeManager};
 use keel_nbd::{Export, Exports, NbdError};
@@ -300,6 +302,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         let _ = receiver.wait_for(|stop| *stop).await;
     };
 
+    let nbd_latency = crate::metrics::NbdLatency::new();
     let state = Arc::new(AppState {
         store: store.clone(),
         volumes: volumes.clone(),
@@ -311,6 +314,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         jobs: Jobs::default(),
         config: shown,
         started,
+        nbd_latency: nbd_latency.clone(),
     });
     let admin = axum::serve(admin_listener, crate::admin::router(state))
         .with_graceful_shutdown(shutdown(stopped.clone()));
@@ -322,6 +326,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
                     Arc::new(VolumeExports {
                         volumes: volumes.clone(),
                         replication: replication.clone(),
+                        latency: nbd_latency.clone(),
                     }),
                     shutdown(stopped.clone()),
                 )
@@ -458,6 +463,7 @@ fn print_banner(
 struct VolumeExports {
     volumes: Arc<VolumeManager>,
     replication: Arc<keel_replication::Replication>,
+    latency: crate::metrics::NbdLatency,
 }
 
 /// This node's own copies of volumes, for the replication engine.
@@ -482,7 +488,10 @@ impl Exports for VolumeExports {
             None => self.replication.open(name),
         };
         match opened {
-            Ok(handle) => Ok(Arc::new(VolumeExport { handle })),
+            Ok(handle) => Ok(Arc::new(VolumeExport {
+                handle,
+                latency: self.latency.clone(),
+            })),
             Err(keel_namespace::volume::VolumeError::NotFound { .. })
             | Err(keel_namespace::volume::VolumeError::SnapshotNotFound { .. }) => {
                 Err(NbdError::ExportNotFound {
@@ -499,6 +508,7 @@ impl Exports for VolumeExports {
 
 struct VolumeExport {
     handle: Arc<dyn VolumeIo>,
+    latency: crate::metrics::NbdLatency,
 }
 
 impl Export for VolumeExport {
@@ -511,19 +521,31 @@ impl Export for VolumeExport {
     }
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
-        Ok(self.handle.read(offset, buf)?)
+        let started = Instant::now();
+        let outcome = self.handle.read(offset, buf);
+        observe_since(&self.latency.read, started);
+        Ok(outcome?)
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> std::io::Result<()> {
-        Ok(self.handle.write(offset, data, fua)?)
+        let started = Instant::now();
+        let outcome = self.handle.write(offset, data, fua);
+        observe_since(&self.latency.write, started);
+        Ok(outcome?)
     }
 
     fn flush(&self) -> std::io::Result<()> {
-        Ok(self.handle.flush()?)
+        let started = Instant::now();
+        let outcome = self.handle.flush();
+        observe_since(&self.latency.flush, started);
+        Ok(outcome?)
     }
 
     fn trim(&self, offset: u64, length_bytes: u64) -> std::io::Result<()> {
-        Ok(self.handle.trim(offset, length_bytes)?)
+        let started = Instant::now();
+        let outcome = self.handle.trim(offset, length_bytes);
+        observe_since(&self.latency.trim, started);
+        Ok(outcome?)
     }
 
     fn write_zeroes(
@@ -533,9 +555,12 @@ impl Export for VolumeExport {
         fua: bool,
         may_trim: bool,
     ) -> std::io::Result<()> {
-        Ok(self
+        let started = Instant::now();
+        let outcome = self
             .handle
-            .write_zeroes(offset, length_bytes, fua, may_trim)?)
+            .write_zeroes(offset, length_bytes, fua, may_trim);
+        observe_since(&self.latency.zeroes, started);
+        Ok(outcome?)
     }
 
     fn read_only(&self) -> bool {
