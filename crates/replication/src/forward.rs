@@ -38,9 +38,9 @@ const IO_TIMEOUT: Duration = Duration::from_secs(30);
 /// An idle session is kept alive this often.
 const KEEPALIVE_EVERY: Duration = Duration::from_secs(20);
 /// A serving node drops a session it has not heard of for this long (its client's node died).
-pub(crate) const SESSION_IDLE_MAX: Duration = Duration::from_secs(90);
+const SESSION_IDLE_MAX: Duration = Duration::from_secs(90);
 /// Sessions one node serves at most.
-pub(crate) const SESSIONS_MAX: usize = 1024;
+const SESSIONS_MAX: usize = 1024;
 
 /// Where a forwarding session is served.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -132,6 +132,18 @@ impl Shared {
         }
     }
 
+    /// A volume's catalog record, by name.
+    fn volume_record(&self, name: &str) -> VolumeResult<keel_catalog::VolumeRecord> {
+        self.metadata
+            .catalog()
+            .read()
+            .volume(name)
+            .map(|entry| entry.record.clone())
+            .ok_or_else(|| VolumeError::NotFound {
+                name: name.to_string(),
+            })
+    }
+
     fn node_address(&self, node: NodeId, client: bool) -> Option<String> {
         let state = self.metadata.catalog().read();
         let record = state.nodes.get(&node)?;
@@ -294,16 +306,7 @@ impl Replication {
     /// Another node is refused with the primary's address; a volume with one replica has
     /// nothing to compare (`keel store scrub` checks each node's own copies). Blocking.
     pub fn scrub_target(&self, name: &str) -> VolumeResult<Arc<Primary>> {
-        let record = self
-            .shared
-            .metadata
-            .catalog()
-            .read()
-            .volume(name)
-            .map(|entry| entry.record.clone())
-            .ok_or_else(|| VolumeError::NotFound {
-                name: name.to_string(),
-            })?;
+        let record = self.shared.volume_record(name)?;
         if record.replication.replicas.len() <= 1 {
             return Err(VolumeError::Invalid {
                 volume: name.to_string(),
@@ -356,31 +359,15 @@ impl Replication {
     }
 
     fn hosted_here(&self, name: &str) -> VolumeResult<bool> {
-        self.shared
-            .metadata
-            .catalog()
-            .read()
-            .volume(name)
-            .map(|entry| entry.record.replication.hosts(self.shared.local_node))
-            .ok_or_else(|| VolumeError::NotFound {
-                name: name.to_string(),
-            })
+        let record = self.shared.volume_record(name)?;
+        Ok(record.replication.hosts(self.shared.local_node))
     }
 
     /// [`Replication::open`] on a node that holds a replica (another node is refused with the
     /// primary's address).
     fn open_hosted(&self, name: &str) -> VolumeResult<Arc<dyn VolumeIo>> {
         let local_node = self.shared.local_node;
-        let record = self
-            .shared
-            .metadata
-            .catalog()
-            .read()
-            .volume(name)
-            .map(|entry| entry.record.clone())
-            .ok_or_else(|| VolumeError::NotFound {
-                name: name.to_string(),
-            })?;
+        let record = self.shared.volume_record(name)?;
         let replication = record.replication.clone();
         if !replication.hosts(local_node) {
             return Err(self.shared.elsewhere(name, replication.primary));

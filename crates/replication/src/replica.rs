@@ -295,21 +295,34 @@ pub(crate) fn read_copy(
     sender: NodeId,
     request: HashRequest,
 ) -> Result<CopyAnswer, Refusal> {
+    with_chunk(shared, sender, &request, |volume| {
+        let mut data = vec![0u8; request.length as usize];
+        volume
+            .read(request.offset, &mut data)
+            .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
+        Ok(CopyAnswer { data })
+    })
+}
+
+/// Runs `work` on the local volume for a request about at most a chunk of it, holding the
+/// volume's replica slot (no batch is applied meanwhile).
+fn with_chunk<T>(
+    shared: &Shared,
+    sender: NodeId,
+    request: &HashRequest,
+    work: impl FnOnce(&dyn VolumeIo) -> Result<T, Refusal>,
+) -> Result<T, Refusal> {
     let slot = shared.replicas.slot(request.volume_id);
     let mut slot = lock(&slot);
     let volume = range_volume(
         shared,
         &mut slot,
         sender,
-        &request,
+        request,
         crate::RESYNC_CHUNK_BYTES,
         "chunk",
     )?;
-    let mut data = vec![0u8; request.length as usize];
-    volume
-        .read(request.offset, &mut data)
-        .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
-    Ok(CopyAnswer { data })
+    work(volume.as_ref())
 }
 
 /// Hashes of this node's blocks of a range (blocking: reads the local volume); none when the
@@ -319,54 +332,46 @@ pub(crate) fn hashes(
     sender: NodeId,
     request: HashRequest,
 ) -> Result<HashAnswer, Refusal> {
-    let slot = shared.replicas.slot(request.volume_id);
-    let mut slot = lock(&slot);
-    let volume = range_volume(
-        shared,
-        &mut slot,
-        sender,
-        &request,
-        crate::RESYNC_CHUNK_BYTES,
-        "chunk",
-    )?;
-    let block = u64::from(volume.block_size_bytes());
-    let unwritten = volume
-        .range_unwritten(request.offset, request.length)
-        .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
-    if unwritten {
-        return Ok(HashAnswer { hashes: Vec::new() });
-    }
-    let mut data = vec![0u8; request.length as usize];
-    let mut hashes = Vec::with_capacity(data.len() / block as usize * BLOCK_HASH_BYTES);
-    match volume.read(request.offset, &mut data) {
-        Ok(()) => {
-            for chunk in data.chunks(block as usize) {
-                hashes.extend_from_slice(&block_hash(chunk));
-            }
+    with_chunk(shared, sender, &request, |volume| {
+        let block = u64::from(volume.block_size_bytes());
+        let unwritten = volume
+            .range_unwritten(request.offset, request.length)
+            .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
+        if unwritten {
+            return Ok(HashAnswer { hashes: Vec::new() });
         }
-        // A damaged copy here: block by block, a block that fails its checksum answers a hash
-        // no content has, so the primary ships its good copy and the write replaces it.
-        Err(error) if error.is_corrupt() => {
-            for (index, chunk) in data.chunks_mut(block as usize).enumerate() {
-                let offset = request.offset + index as u64 * block;
-                match volume.read(offset, chunk) {
-                    Ok(()) => hashes.extend_from_slice(&block_hash(chunk)),
-                    Err(error) if error.is_corrupt() => {
-                        tracing::warn!(
-                            volume = volume.name(),
-                            offset,
-                            %error,
-                            "a block of this replica is damaged: the primary's copy replaces it"
-                        );
-                        hashes.extend_from_slice(&UNREADABLE_BLOCK_HASH);
-                    }
-                    Err(error) => return Err(refusal(CODE_FAILED, error.to_string())),
+        let mut data = vec![0u8; request.length as usize];
+        let mut hashes = Vec::with_capacity(data.len() / block as usize * BLOCK_HASH_BYTES);
+        match volume.read(request.offset, &mut data) {
+            Ok(()) => {
+                for chunk in data.chunks(block as usize) {
+                    hashes.extend_from_slice(&block_hash(chunk));
                 }
             }
+            // A damaged copy here: block by block, a block that fails its checksum answers a
+            // hash no content has, so the primary ships its good copy and the write replaces it.
+            Err(error) if error.is_corrupt() => {
+                for (index, chunk) in data.chunks_mut(block as usize).enumerate() {
+                    let offset = request.offset + index as u64 * block;
+                    match volume.read(offset, chunk) {
+                        Ok(()) => hashes.extend_from_slice(&block_hash(chunk)),
+                        Err(error) if error.is_corrupt() => {
+                            tracing::warn!(
+                                volume = volume.name(),
+                                offset,
+                                %error,
+                                "a block of this replica is damaged: the primary's copy replaces it"
+                            );
+                            hashes.extend_from_slice(&UNREADABLE_BLOCK_HASH);
+                        }
+                        Err(error) => return Err(refusal(CODE_FAILED, error.to_string())),
+                    }
+                }
+            }
+            Err(error) => return Err(refusal(CODE_FAILED, error.to_string())),
         }
-        Err(error) => return Err(refusal(CODE_FAILED, error.to_string())),
-    }
-    Ok(HashAnswer { hashes })
+        Ok(HashAnswer { hashes })
+    })
 }
 
 #[cfg(test)]
