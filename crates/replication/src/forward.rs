@@ -127,7 +127,7 @@ impl Forwarded {
 
     /// Sends `op` to the session's node; once more on a new route when that node is gone and
     /// nothing acknowledged is at risk.
-    fn run(&self, op: ForwardOp) -> VolumeResult<Option<Vec<u8>>> {
+    fn run(&self, op: ForwardOp<'_>) -> VolumeResult<Option<Vec<u8>>> {
         if let Some(why) = lock(&self.broken).clone() {
             return Err(unavailable(&self.name, why));
         }
@@ -139,10 +139,10 @@ impl Forwarded {
         );
         let flush_covers = self.unflushed.acknowledged.load(Ordering::SeqCst);
         let route = self.current();
-        let answer = match self.call(route, &op) {
+        let answer = match self.call(route, op) {
             Err(Lost::Route(why)) => {
                 self.reroute(route, &why)?;
-                match self.call(self.current(), &op) {
+                match self.call(self.current(), op) {
                     Err(Lost::Route(why)) => Err(unavailable(&self.name, why)),
                     Err(Lost::Failed(error)) => Err(error),
                     Ok(answer) => Ok(answer),
@@ -201,10 +201,10 @@ impl Forwarded {
         Ok(())
     }
 
-    fn call(&self, route: Route, op: &ForwardOp) -> Result<Option<Vec<u8>>, Lost> {
+    fn call(&self, route: Route, op: ForwardOp<'_>) -> Result<Option<Vec<u8>>, Lost> {
         let request = ForwardRequest {
             session: route.session,
-            op: op.clone(),
+            op,
         };
         let payload = postcard::to_allocvec(&request)
             .map_err(|error| Lost::Failed(unavailable(&self.name, error.to_string())))?;
@@ -407,7 +407,7 @@ impl Sessions {
         &self,
         shared: &Shared,
         caller: NodeId,
-        request: ForwardRequest,
+        request: ForwardRequest<'_>,
     ) -> Result<ForwardAnswer, String> {
         let now = shared.clock_now();
         let (io, volume_id) = {
@@ -424,33 +424,12 @@ impl Sessions {
             session.used = now;
             (session.io.clone(), session.volume_id)
         };
-        // A replicated volume another node took over: the session moves there.
-        let moved = {
-            let catalog = shared.metadata.catalog().read();
-            match catalog.volumes.get(&volume_id) {
-                None => Some("the volume was deleted".to_string()),
-                Some(entry)
-                    if entry.record.replication.replicas.len() > 1
-                        && entry.record.replication.primary != shared.local_node =>
-                {
-                    Some(format!(
-                        "node {} serves the volume now",
-                        entry.record.replication.primary
-                    ))
-                }
-                Some(_) => None,
-            }
-        };
-        if let Some(why) = moved {
-            self.close(caller, request.session);
-            return Err(why);
-        }
         let outcome = match request.op {
             ForwardOp::Read { offset, length } => {
                 let mut data = vec![0u8; length as usize];
                 io.read(offset, &mut data).map(|()| Some(data))
             }
-            ForwardOp::Write { offset, data, fua } => io.write(offset, &data, fua).map(|()| None),
+            ForwardOp::Write { offset, data, fua } => io.write(offset, data, fua).map(|()| None),
             ForwardOp::Flush => io.flush().map(|()| None),
             ForwardOp::Trim { offset, length } => io.trim(offset, length).map(|()| None),
             ForwardOp::Zeroes {
@@ -467,6 +446,12 @@ impl Sessions {
             Ok(Some(data)) => ForwardAnswer::Data(data),
             Ok(None) => ForwardAnswer::Done,
             Err(error) => {
+                // A replicated volume another node took over (its primary here refuses
+                // everything then): the session moves there.
+                if let Some(why) = moved(shared, volume_id) {
+                    self.close(caller, request.session);
+                    return Err(why);
+                }
                 let message = error.to_string();
                 let kind = match std::io::Error::from(error).kind() {
                     std::io::ErrorKind::InvalidInput => ForwardErrorKind::InvalidInput,
@@ -487,6 +472,25 @@ impl Sessions {
         {
             sessions.remove(&session);
         }
+    }
+}
+
+/// Why a session of `volume_id` is no longer served here, if it is not: the volume was deleted,
+/// or another node is the primary of the replicated volume.
+fn moved(shared: &Shared, volume_id: u64) -> Option<String> {
+    let catalog = shared.metadata.catalog().read();
+    match catalog.volumes.get(&volume_id) {
+        None => Some("the volume was deleted".to_string()),
+        Some(entry)
+            if entry.record.replication.replicas.len() > 1
+                && entry.record.replication.primary != shared.local_node =>
+        {
+            Some(format!(
+                "node {} serves the volume now",
+                entry.record.replication.primary
+            ))
+        }
+        Some(_) => None,
     }
 }
 
@@ -530,12 +534,7 @@ impl VolumeIo for Forwarded {
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> VolumeResult<()> {
-        self.run(ForwardOp::Write {
-            offset,
-            data: data.to_vec(),
-            fua,
-        })
-        .map(drop)
+        self.run(ForwardOp::Write { offset, data, fua }).map(drop)
     }
 
     fn flush(&self) -> VolumeResult<()> {

@@ -682,37 +682,31 @@ impl Replication {
         };
         match method {
             METHOD_REPLICATE => {
-                let batch = postcard::from_bytes(&payload)
-                    .map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))?;
+                let batch = decode(&payload)?;
                 let ack = replica::apply(shared, sender, batch).map_err(refused)?;
                 encode(postcard::to_allocvec(&ack))
             }
             METHOD_HASHES => {
-                let request = postcard::from_bytes(&payload)
-                    .map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))?;
+                let request = decode(&payload)?;
                 let answer = replica::hashes(shared, sender, request).map_err(refused)?;
                 encode(postcard::to_allocvec(&answer))
             }
             METHOD_UNWRITTEN => {
-                let request = postcard::from_bytes(&payload)
-                    .map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))?;
+                let request = decode(&payload)?;
                 let answer = replica::unwritten(shared, sender, request).map_err(refused)?;
                 encode(postcard::to_allocvec(&answer))
             }
             METHOD_READ_COPY => {
-                let request = postcard::from_bytes(&payload)
-                    .map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))?;
+                let request = decode(&payload)?;
                 let answer = replica::read_copy(shared, sender, request).map_err(refused)?;
                 encode(postcard::to_allocvec(&answer))
             }
             METHOD_FORWARD_OPEN => {
-                let request = postcard::from_bytes(&payload)
-                    .map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))?;
+                let request = decode(&payload)?;
                 self.serve_forward_open(sender, request)
             }
             METHOD_FORWARD_IO => {
-                let request: ForwardRequest = postcard::from_bytes(&payload)
-                    .map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))?;
+                let request: ForwardRequest = decode(&payload)?;
                 let answer = self
                     .sessions
                     .serve(shared, sender, request)
@@ -720,14 +714,21 @@ impl Replication {
                 encode(postcard::to_allocvec(&answer))
             }
             METHOD_FORWARD_CLOSE => {
-                let request: ForwardClose = postcard::from_bytes(&payload)
-                    .map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))?;
+                let request: ForwardClose = decode(&payload)?;
                 self.sessions.close(sender, request.session);
                 Ok(Vec::new())
             }
             other => Err(remote(CODE_BAD_REQUEST, format!("unknown method {other}"))),
         }
     }
+}
+
+/// Decodes a request; one that does not parse is answered `CODE_BAD_REQUEST`.
+fn decode<'a, T: serde::Deserialize<'a>>(payload: &'a [u8]) -> Result<T, keel_rpc::RemoteError> {
+    postcard::from_bytes(payload).map_err(|error| keel_rpc::RemoteError {
+        code: CODE_BAD_REQUEST,
+        message: error.to_string(),
+    })
 }
 
 /// How often the primaries served here look for replicas to move.

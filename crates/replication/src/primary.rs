@@ -1203,8 +1203,9 @@ impl Primary {
                 ));
                 match copy {
                     Ok(copy) if copy.data.len() == chunk.len() => {
+                        // No fdatasync here (writes wait behind this quiesce): a repair lost
+                        // to a crash is made again, and the next FLUSH makes it durable.
                         self.local.write(offset, &copy.data, false)?;
-                        self.local.flush()?;
                         chunk.copy_from_slice(&copy.data);
                         self.state().repaired_blocks += 1;
                         tracing::warn!(

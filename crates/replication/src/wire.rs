@@ -65,16 +65,17 @@ pub struct ForwardOpened {
     pub read_only: bool,
 }
 
-/// A client's request, as its NBD server received it (ranges already checked there).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum ForwardOp {
+/// A client's request, as its NBD server received it (ranges already checked there). A write's
+/// data is borrowed: encoded straight from the client's buffer, decoded in place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ForwardOp<'a> {
     Read {
         offset: u64,
         length: u32,
     },
     Write {
         offset: u64,
-        data: Vec<u8>,
+        data: &'a [u8],
         fua: bool,
     },
     Flush,
@@ -92,10 +93,11 @@ pub enum ForwardOp {
     Ping,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ForwardRequest {
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForwardRequest<'a> {
     pub session: u64,
-    pub op: ForwardOp,
+    #[serde(borrow)]
+    pub op: ForwardOp<'a>,
 }
 
 /// How a forwarded request failed, as the client is to be told.
@@ -259,7 +261,7 @@ mod tests {
             session: 42,
             op: ForwardOp::Write {
                 offset: 8192,
-                data: vec![9; 4096],
+                data: &[9; 4096],
                 fua: true,
             },
         };
