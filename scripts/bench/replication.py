@@ -4,6 +4,7 @@ engine, on one loopback cluster (three storage nodes; volumes attached on node 1
 
     python3 scripts/bench/replication.py [--rounds 5] [--seconds 10] [--json out.json]
         [--pgbench [--pgbench-seconds 30] [--pgbench-scale 20]] [--catch-up-gib 4] [--forwarded]
+        [--rebuild-gib 1 [--resync-busy-percent 25]]
 
 Workloads (the profiles of scripts/bench/volume.py): sync QD1 (4 KiB sequential writes, each
 followed by a FLUSH) and randrw QD64 (4 KiB random, 75% reads); with --pgbench, also Postgres
@@ -11,8 +12,15 @@ TPC-B (8 clients, synchronous_commit=on) on ext4 on each volume through nbdfuse 
 same setup as scripts/bench/volume.py --pgbench (needs root). --catch-up-gib N times a fresh
 N GiB volume's first attach per R: from the attach until every replica is in sync. --forwarded
 also runs the fio workloads on the R=2 volume (replicas on nodes 1 and 2) attached through node
-3, which holds no replica and forwards every request to node 1. Every round runs every R in
-turn, in an order that rotates between rounds; medians are quoted with the ratio to R=1.
+3, which holds no replica and forwards every request to node 1. --rebuild-gib N measures a
+full rebuild: an N GiB volume written whole at R=1, then raised to R=2, so every byte is copied
+to a new node; per round, in turn: the disk's sequential write bandwidth (fio, 1 MiB direct writes to
+a file, 8 in flight: the reference), the rebuild alone (its throughput as a share of that), and the
+rebuild again under a client (randrw QD1 on the rebuilding volume, running inside the rebuild)
+whose p99 is compared with the same client once the volume is in sync; --resync-busy-percent
+sets the nodes' `cluster.resync_busy_percent` (how much of the time a resync works while
+clients are active; the server's default unless given). Every round runs every R
+in turn, in an order that rotates between rounds; medians are quoted with the ratio to R=1.
 
 All nodes share this machine's one disk (and its two cores): every replica's fdatasync lands on
 the same device, so R=2 costs more here than on separate machines. Data under /var/tmp."""
@@ -78,6 +86,105 @@ def catch_up(node, name, size, replicas):
     return time.time() - started
 
 
+# The client of a rebuilding volume: small random reads and writes, one at a time.
+PROBE = ["--rw=randrw", "--rwmixread=75", "--bs=4k", "--iodepth=1", "--randrepeat=1"]
+
+
+def disk_seq_write(gib):
+    """The reference: what this disk writes sequentially (1 MiB direct writes, 8 in flight: the
+    device, not the page cache)."""
+    path = WORK / "seq.dat"
+    result = subprocess.run(["fio", "--name=seq", f"--filename={path}", "--rw=write", "--bs=1m",
+                             f"--size={gib}g", "--ioengine=libaio", "--direct=1", "--iodepth=8",
+                             "--end_fsync=1", "--output-format=json"],
+                            capture_output=True, text=True, check=True, timeout=900)
+    path.unlink()
+    return json.loads(result.stdout[result.stdout.index("{"):])["jobs"][0]["write"]["bw_bytes"]
+
+
+def probe(node, volume, seconds):
+    """Starts the client workload on a volume; returns the fio process (JSON on stdout)."""
+    return subprocess.Popen(["fio", "--name=probe", "--ioengine=nbd", f"--uri=nbd://{node.host}:{node.nbd_port}/{volume}",
+                             "--time_based", f"--runtime={seconds}", "--output-format=json"] + PROBE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def probe_result(process):
+    out, err = process.communicate(timeout=900)
+    if process.returncode != 0:
+        raise RuntimeError(f"fio failed: {out[-2000:]}{err[-2000:]}")
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    p99 = {op: job[op]["clat_ns"]["percentile"].get("99.000000", 0) / 1000 for op in ("read", "write")}
+    return {"iops": job["read"]["iops"] + job["write"]["iops"], "read_p99_us": p99["read"], "write_p99_us": p99["write"]}
+
+
+def rebuild(node, name, gib, probe_seconds=0):
+    """Writes a fresh R=1 volume whole, raises it to R=2 and waits until the new replica is in
+    sync; returns (seconds, the client's results during the rebuild or None)."""
+    code, answer = node.api("POST", "/api/v1/volumes", {"name": name, "size_bytes": gib << 30, "replicas": 1})
+    assert code == 200, answer
+    subprocess.run(["fio", "--name=fill", "--ioengine=nbd", f"--uri=nbd://{node.host}:{node.nbd_port}/{name}",
+                    f"--size={gib}g", "--rw=write", "--bs=1m", "--iodepth=8", "--end_fsync=1"],
+                   capture_output=True, check=True, timeout=900)
+    client = probe(node, name, probe_seconds) if probe_seconds else None
+    started = time.time()
+    code, answer = node.api("POST", f"/api/v1/volumes/{name}/replication", {"replicas": 2})
+    assert code == 200, answer
+
+    # `keel status` names every volume with a replica out of sync (`volume info` would do,
+    # but it sums the volume's blocks: polled often, it slows the rebuild it measures).
+    def in_sync():
+        code, status = node.api("GET", "/api/v1/status")
+        return code == 200 and not any(f'volume "{name}"' in reason for reason in status["reasons"])
+
+    wait_until(f"{name} in sync", in_sync, timeout=900, interval=0.05)
+    took = time.time() - started
+    measured = probe_result(client) if client else None
+    if measured:
+        # The client must have run inside the rebuild, or its numbers say nothing about it.
+        measured["inside_rebuild"] = took >= probe_seconds
+    return took, measured
+
+
+def delete_volume(node, name):
+    code, answer = node.api("DELETE", f"/api/v1/volumes/{name}")
+    assert code in (200, 202), answer
+    wait_until(f"{name} deleted", lambda: node.api("GET", f"/api/v1/volumes/{name}")[0] == 404, timeout=300)
+
+
+def run_rebuilds(first, args, results):
+    for round_index in range(args.rounds):
+        gib = args.rebuild_gib
+        disk = disk_seq_write(gib)
+        took, _ = rebuild(first, f"rebuild{round_index}", gib)
+        delete_volume(first, f"rebuild{round_index}")
+        # The client runs for most of the unloaded rebuild's time, so it ends inside the loaded one.
+        seconds = max(2, int(took * 0.8))
+        loaded, during = rebuild(first, f"loaded{round_index}", gib, probe_seconds=seconds)
+        baseline = probe_result(probe(first, f"loaded{round_index}", seconds))
+        delete_volume(first, f"loaded{round_index}")
+        run = {"disk_seq_write_bytes_per_second": disk, "rebuild_seconds": took,
+               "rebuild_bytes_per_second": (gib << 30) / took, "loaded_rebuild_seconds": loaded,
+               "client_during": during, "client_in_sync": baseline}
+        results.setdefault("rebuild", []).append(run)
+        print(f"round {round_index + 1} rebuild {gib} GiB: {run['rebuild_bytes_per_second'] / 2**20:.0f} MiB/s "
+              f"({run['rebuild_bytes_per_second'] / disk:.2f}× the disk's {disk / 2**20:.0f} MiB/s); under a client "
+              f"{loaded:.1f} s; client p99 read {during['read_p99_us']:.0f} / write {during['write_p99_us']:.0f} µs "
+              f"during, {baseline['read_p99_us']:.0f} / {baseline['write_p99_us']:.0f} µs in sync"
+              f"{'' if during['inside_rebuild'] else ' (client outlived the rebuild)'}", flush=True)
+
+
+def summarize_rebuilds(runs):
+    def median(pick):
+        return statistics.median(pick(run) for run in runs)
+    share = median(lambda run: run["rebuild_bytes_per_second"] / run["disk_seq_write_bytes_per_second"])
+    read = median(lambda run: run["client_during"]["read_p99_us"] / max(run["client_in_sync"]["read_p99_us"], 1))
+    write = median(lambda run: run["client_during"]["write_p99_us"] / max(run["client_in_sync"]["write_p99_us"], 1))
+    print(f"  {'rebuild':12}     {median(lambda run: run['rebuild_bytes_per_second']) / 2**20:8.0f} MiB/s "
+          f"({share:.2f}× the disk's sequential write); client p99 during/in sync: read {read:.2f}×, write {write:.2f}×")
+    return {"rebuild_share_of_disk": share, "client_read_p99_ratio": read, "client_write_p99_ratio": write, "runs": runs}
+
+
 def label(replicas):
     return "2 forwarded" if replicas == "2f" else str(replicas)
 
@@ -92,6 +199,10 @@ def main():
     parser.add_argument("--pgbench-scale", type=int, default=20)
     parser.add_argument("--skip-fio", action="store_true", help="no fio workloads")
     parser.add_argument("--catch-up-gib", type=int, default=0)
+    parser.add_argument("--rebuild-gib", type=int, default=0,
+                        help="also measure full rebuilds of an N GiB volume (alone and under a client)")
+    parser.add_argument("--resync-busy-percent", type=int,
+                        help="cluster.resync_busy_percent on every node (default: the server's)")
     parser.add_argument("--forwarded", action="store_true",
                         help="also the R=2 volume through node 3, which holds no replica")
     args = parser.parse_args()
@@ -100,11 +211,16 @@ def main():
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
     cluster = Cluster(WORK)
+    extra_args = []
+    if args.resync_busy_percent is not None:
+        config = WORK / "bench.toml"
+        config.write_text(f"[cluster]\nresync_busy_percent = {args.resync_busy_percent}\n")
+        extra_args = ["--config", str(config)]
     results = {r: {w: [] for w in [*WORKLOADS, "pgbench"]} for r in (1, 2, 3, "2f")}
     try:
-        first = cluster.add()
-        cluster.add()
-        third = cluster.add()
+        first = cluster.add(extra_args=extra_args)
+        cluster.add(extra_args=extra_args)
+        third = cluster.add(extra_args=extra_args)
         wait_until("three voters", lambda: cluster.voters() == {1, 2, 3}, timeout=60)
         for replicas in (1, 2, 3):
             code, answer = first.api("POST", "/api/v1/volumes",
@@ -125,6 +241,8 @@ def main():
                     results[replicas].setdefault("catch-up", []).append(took)
                     print(f"round {round_index + 1} fresh {args.catch_up_gib} GiB R={replicas}: every replica "
                           f"in sync {took:.2f} s after the first attach", flush=True)
+        if args.rebuild_gib:
+            run_rebuilds(first, args, results)
         order = [1, 2, 3]
         for round_index in range(args.rounds):
             if args.pgbench:
@@ -157,6 +275,8 @@ def main():
             summary[f"catch-up R={replicas}"] = {"seconds": statistics.median(runs), "runs": runs}
             print(f"  {'catch-up':12} R={replicas}: {statistics.median(runs):8.2f} s to in sync "
                   f"(fresh {args.catch_up_gib} GiB)")
+    if results.get("rebuild"):
+        summary["rebuild"] = summarize_rebuilds(results["rebuild"])
     if args.pgbench:
         base = statistics.median(m["tps"] for m in results[1]["pgbench"])
         for replicas in (1, 2, 3):

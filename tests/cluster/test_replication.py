@@ -571,6 +571,112 @@ def test_a_resync_ships_no_faster_than_its_configured_rate(cluster, workdir):
     assert other.read(0, len(data)) == data
 
 
+def test_a_resync_yields_to_a_volumes_active_clients(cluster, workdir):
+    """A server refuses `resync_busy_percent = 0` (a resync that never works). With
+    `resync_busy_percent = 1`, raising a written 128 MiB volume from R=1 to R=2
+    while a client reads from it keeps the catch-up to 1% of the time: 5 s later the new
+    replica is still catching up (unpaced, the whole copy takes a second or two here). Once
+    the client stops, the catch-up goes at full speed and the replica holds the data."""
+    bad = workdir / "never-resync.toml"
+    bad.write_text("[cluster]\nresync_busy_percent = 0\n")
+    refused = subprocess.run([KEEL_BIN, "server", "--data", str(workdir / "refused"), "--config", str(bad)],
+                             capture_output=True, text=True, timeout=30)
+    assert refused.returncode != 0 and "resync_busy_percent must be 1 to 100" in refused.stderr, refused.stderr
+    config = workdir / "yielding-resync.toml"
+    config.write_text("[cluster]\nresync_busy_percent = 1\n")
+    first = cluster.add(extra_args=["--config", str(config)])
+    second = cluster.add()
+    cluster.add(witness=True)
+    wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
+    size = 128 << 20
+    code, created = first.api("POST", "/api/v1/volumes", {"name": "busy", "size_bytes": size}, timeout=30)
+    assert code == 200, created
+    client = attach(first, "busy")
+    data = os.urandom(size)
+    for offset in range(0, size, 1 << 20):
+        client.write(offset, data[offset:offset + (1 << 20)])
+    client.flush()
+
+    stop = threading.Event()
+    reads = []
+
+    def read_until_stopped():
+        reader = attach(first, "busy")
+        while not stop.is_set():
+            offset = random.randrange(size // BLOCK) * BLOCK
+            assert reader.read(offset, BLOCK) == data[offset:offset + BLOCK]
+            reads.append(offset)
+        reader.close()
+
+    thread = threading.Thread(target=read_until_stopped)
+    thread.start()
+    try:
+        wait_until("the reader running", lambda: len(reads) > 10)
+        first.cli("volume", "set-replication", "busy", "--replicas", "2")
+        time.sleep(5)
+        info = replication(first, "busy")
+        catching_up = info["served_here"]["catching_up"]
+        assert info["in_sync"] == [1] and catching_up and catching_up[0]["compared_bytes"] < size, info
+        print(f"after 5 s under a reader: {catching_up[0]['compared_bytes'] >> 20} of 128 MiB compared")
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert len(reads) > 100, len(reads)
+    client.close()
+    wait_until("the new replica in sync once the client is idle",
+               lambda: sorted(replication(first, "busy")["in_sync"]) == [1, 2], timeout=60)
+    first.kill9()
+    other = attach(second, "busy", timeout=60)
+    for offset in range(0, size, 1 << 20):
+        assert other.read(offset, 1 << 20) == data[offset:offset + (1 << 20)], f"MiB {offset >> 20} differs"
+
+
+def test_an_unattached_volume_gets_its_replicas_back_without_a_client(cluster, workdir):
+    """Three storage nodes, no client attached to the volume at any of the steps that need a
+    primary. An R=1 volume written and let go is raised to R=2: its node serves it in the
+    background and catches the new replica up. Then that node is killed and stays down past
+    `replica_move_after_ms`: the surviving in-sync replica takes the volume over in the
+    background and rebuilds the lost replica on the third node. Finally the new primary is
+    killed too (a witness keeps the Raft majority), and the third node serves every written
+    block."""
+    config = workdir / "fast-moves.toml"
+    config.write_text("[cluster]\nsuspect_after_ms = 1000\ndown_after_ms = 2000\nreplica_move_after_ms = 1000\n")
+    nodes = [cluster.add(extra_args=["--config", str(config)]) for _ in range(3)]
+    # A witness keeps a Raft majority once two storage nodes are down.
+    cluster.add(witness=True, extra_args=["--config", str(config)])
+    wait_until("three voters", lambda: len(cluster.voters()) == 3)
+    code, created = nodes[0].api("POST", "/api/v1/volumes", {"name": "idle", "size_bytes": SIZE}, timeout=30)
+    assert code == 200, created
+    [home] = replication(nodes[0], "idle")["replicas"]
+    primary = nodes[home - 1]
+    client = attach(primary, "idle")
+    data = os.urandom(8 << 20)
+    for offset in range(0, len(data), 1 << 20):
+        client.write(offset, data[offset:offset + (1 << 20)])
+    client.flush()
+    client.close()
+
+    primary.cli("volume", "set-replication", "idle", "--replicas", "2")
+    wait_until("the new replica in sync with no client attached",
+               lambda: len(replication(primary, "idle")["in_sync"]) == 2, timeout=60)
+    [survivor_id] = [node for node in replication(primary, "idle")["replicas"] if node != home]
+    survivor = nodes[survivor_id - 1]
+    [third] = [node for node in nodes if node not in (primary, survivor)]
+
+    primary.kill9()
+
+    def rebuilt():
+        info = replication(survivor, "idle")
+        return (info["primary"] == survivor_id and home not in info["replicas"]
+                and sorted(info["in_sync"]) == sorted(info["replicas"]) and len(info["replicas"]) == 2)
+
+    wait_until("the survivor took over and rebuilt the lost replica", rebuilt, timeout=90)
+    wait_until("the dead node replaced as a voter", lambda: home not in cluster.voters(via=survivor), timeout=60)
+    survivor.kill9()
+    other = attach(third, "idle", timeout=60)
+    assert other.read(0, len(data)) == data
+
+
 def test_a_node_without_a_replica_serves_the_volume_by_forwarding(cluster):
     """Three storage nodes; an R=2 volume on nodes 1 and 2 and an R=1 volume on node 1, both
     attached through node 3, which holds neither: every request is forwarded to the primary,

@@ -88,6 +88,10 @@ pub struct ClusterSettings {
     /// absence, a replica added or moved), so a rebuild leaves the disk and network to the
     /// clients. Default 0: unlimited.
     pub resync_mib_per_second: u64,
+    /// While a volume's clients are active, a resync of it works only this share of the time
+    /// (1 to 100 %; it sleeps between 1 MiB chunks), so a rebuild does not take their
+    /// latency with it; when they are idle it goes at full speed. Default 25; 100: never yields.
+    pub resync_busy_percent: u8,
     /// Enables `POST /api/v1/debug/faults` (dropping traffic to chosen nodes, for partition
     /// tests). Never on in production. Default false.
     pub debug_faults: bool,
@@ -110,6 +114,7 @@ impl Default for ClusterSettings {
             snapshot_every_entries: timing.snapshot_every_entries,
             replica_move_after_ms: 300_000,
             resync_mib_per_second: 0,
+            resync_busy_percent: 25,
             debug_faults: false,
         }
     }
@@ -228,6 +233,12 @@ impl Config {
             bail!(
                 "nearfull_percent must be 1 to 100 (got {})",
                 self.nearfull_percent
+            );
+        }
+        if self.cluster.resync_busy_percent == 0 || self.cluster.resync_busy_percent > 100 {
+            bail!(
+                "cluster.resync_busy_percent must be 1 to 100 (got {})",
+                self.cluster.resync_busy_percent
             );
         }
         if ![1, 3, 5].contains(&self.cluster.voters) {

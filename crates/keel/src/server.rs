@@ -223,6 +223,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             move_after: std::time::Duration::from_millis(config.cluster.replica_move_after_ms),
             resync_bytes_per_second: (config.cluster.resync_mib_per_second > 0)
                 .then_some(config.cluster.resync_mib_per_second << 20),
+            resync_busy_percent: config.cluster.resync_busy_percent,
         },
     );
     {

@@ -91,6 +91,9 @@ pub struct Settings {
     pub move_after: Duration,
     /// Most bytes per second a resync ships to one replica; `None`: unlimited.
     pub resync_bytes_per_second: Option<u64>,
+    /// The share of the time (1 to 100 %) a resync works while the volume's clients are
+    /// active; 100: it never yields.
+    pub resync_busy_percent: u8,
 }
 
 /// What the primary side and the replica side share.
@@ -104,6 +107,7 @@ pub(crate) struct Shared {
     pub replicas: Replicas,
     pub counters: Counters,
     pub resync_bytes_per_second: Option<u64>,
+    pub resync_busy_percent: u8,
     /// Per volume, what the clients forwarding through this node left unflushed.
     pub forwarding: Mutex<HashMap<String, Weak<forward::Unflushed>>>,
 }
@@ -248,6 +252,7 @@ impl Replication {
                 replicas: Replicas::default(),
                 counters: Counters::default(),
                 resync_bytes_per_second: settings.resync_bytes_per_second,
+                resync_busy_percent: settings.resync_busy_percent,
                 forwarding: Mutex::new(HashMap::new()),
             }),
             primaries: Mutex::new(HashMap::new()),
@@ -621,8 +626,8 @@ impl Replication {
                     Ok(primary)
                 })?;
             }
-            // Not attached here: the next attach serves it as primary and catches up the
-            // replicas that are not in sync.
+            // Not attached here: the background loop serves it as primary within
+            // `MOVE_CHECK_EVERY` (or the next attach does) and catches the new replicas up.
             _ => {
                 self.shared
                     .metadata
@@ -734,13 +739,113 @@ fn decode<'a, T: serde::Deserialize<'a>>(payload: &'a [u8]) -> Result<T, keel_rp
 /// How often the primaries served here look for replicas to move.
 const MOVE_CHECK_EVERY: Duration = Duration::from_secs(2);
 
-/// Each primary served here moves replicas off nodes that are gone, one at a time.
+/// Whether `node` was removed or has been down for at least `after_ms` (a reboot comes back
+/// sooner).
+fn node_lost(
+    catalog: &keel_catalog::CatalogState,
+    node: NodeId,
+    now_ms: i64,
+    after_ms: i64,
+) -> bool {
+    catalog.nodes.get(&node).is_none_or(|record| {
+        record.removed
+            || (record.state == keel_catalog::NodeState::Down
+                && now_ms.saturating_sub(record.state_since_unix_ms) >= after_ms)
+    })
+}
+
+/// Whether `node` no longer counts as a place for a replica: lost ([`node_lost`]) or draining.
+pub(crate) fn node_gone(
+    catalog: &keel_catalog::CatalogState,
+    node: NodeId,
+    now_ms: i64,
+    after_ms: i64,
+) -> bool {
+    node_lost(catalog, node, now_ms, after_ms)
+        || catalog
+            .nodes
+            .get(&node)
+            .is_some_and(|record| record.draining)
+}
+
+impl Replication {
+    /// Replicated volumes that need a primary to restore their redundancy but that no client
+    /// attached anywhere: this node serves them in the background, as an attach would.
+    /// - Named primary here, not served here, with a replica out of sync or on a node that is
+    ///   gone (R raised, a replica lost, a node drained while nobody used the volume).
+    /// - Primary on a node down (or removed) for `after`, this node the lowest in-sync replica
+    ///   whose node is up: it takes the volume over (fenced by the epoch like any take-over).
+    fn needing_a_primary(&self, after: Duration) -> Vec<String> {
+        let local = self.shared.local_node;
+        let now_ms = self.shared.clock().wall_unix_ms();
+        let after_ms = i64::try_from(after.as_millis()).unwrap_or(i64::MAX);
+        let served: Vec<u64> = lock(&self.primaries)
+            .iter()
+            .filter(|(_, primary)| !primary.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
+        let catalog = self.shared.metadata.catalog().read();
+        let up = |node: NodeId| {
+            catalog
+                .nodes
+                .get(&node)
+                .is_some_and(|record| record.state == keel_catalog::NodeState::Up)
+        };
+        catalog
+            .ready_volumes()
+            .filter(|entry| {
+                let replication = &entry.record.replication;
+                if replication.replicas.len() <= 1 || served.contains(&entry.record.id) {
+                    return false;
+                }
+                if replication.primary == local {
+                    replication.in_sync.len() < replication.replicas.len()
+                        || replication
+                            .replicas
+                            .iter()
+                            .any(|node| node_gone(&catalog, *node, now_ms, after_ms))
+                } else {
+                    node_lost(&catalog, replication.primary, now_ms, after_ms)
+                        && replication
+                            .in_sync
+                            .iter()
+                            .copied()
+                            .filter(|node| up(*node))
+                            .min()
+                            == Some(local)
+                }
+            })
+            .map(|entry| entry.record.name.clone())
+            .collect()
+    }
+}
+
+/// Each primary served here moves replicas off nodes that are gone, one at a time; a
+/// volume that needs a primary to get its replicas back and has none is served here first
+/// ([`Replication::needing_a_primary`]).
 async fn move_loop(replication: std::sync::Weak<Replication>, after: Duration) {
     loop {
         let Some(strong) = replication.upgrade() else {
             return;
         };
         let clock = strong.shared.clock();
+        for name in strong.needing_a_primary(after) {
+            let this = strong.clone();
+            let volume = name.clone();
+            let opened = tokio::task::spawn_blocking(move || this.open_hosted(&volume).map(drop));
+            match opened.await {
+                Ok(Ok(())) => tracing::info!(
+                    volume = name,
+                    "serving the volume without a client to restore its replicas"
+                ),
+                Ok(Err(error)) => tracing::info!(
+                    volume = name,
+                    %error,
+                    "could not serve the volume to restore its replicas yet"
+                ),
+                Err(error) => tracing::warn!(volume = name, %error, "serving the volume failed"),
+            }
+        }
         let primaries: Vec<Arc<Primary>> = lock(&strong.primaries).values().cloned().collect();
         drop(strong);
         for primary in primaries {

@@ -6,6 +6,7 @@
 //! through Raft.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -154,6 +155,8 @@ pub struct Primary {
     changed: Condvar,
     /// One in-sync-set proposal at a time (each is a compare-and-set on the epoch).
     proposing: tokio::sync::Mutex<()>,
+    /// Client requests served so far: a resync that sees it move yields to them.
+    client_requests: AtomicU64,
 }
 
 /// A replica being caught up: how far the comparison got, and when it should be done at the
@@ -246,6 +249,7 @@ impl Primary {
             }),
             changed: Condvar::new(),
             proposing: tokio::sync::Mutex::new(()),
+            client_requests: AtomicU64::new(0),
         });
         let others: Vec<NodeId> = lock(&this.state).peers.keys().copied().collect();
         for peer in others {
@@ -338,6 +342,13 @@ impl Primary {
         Ok(())
     }
 
+    /// A client's request arrives: counted (a resync yields while they do), then
+    /// [`Primary::lease`].
+    fn client_request(&self) -> VolumeResult<()> {
+        self.client_requests.fetch_add(1, Ordering::Relaxed);
+        self.lease()
+    }
+
     /// Waits (briefly) until this node holds its lease: a lapse of a report or two on a busy
     /// machine costs latency, not an error; a node cut off from the leader fails the I/O.
     /// Nothing is served or acknowledged without a lease.
@@ -401,7 +412,7 @@ impl Primary {
         op: impl Fn() -> Op,
         apply: impl FnOnce() -> VolumeResult<()>,
     ) -> VolumeResult<()> {
-        self.lease()?;
+        self.client_request()?;
         self.wait_for_room()?;
         let _order = lock(&self.order);
         self.check_writable(&self.state())?;
@@ -699,14 +710,7 @@ impl Primary {
             if replication.primary != local {
                 return;
             }
-            let gone = |node: NodeId| {
-                catalog.nodes.get(&node).is_none_or(|record| {
-                    record.removed
-                        || record.draining
-                        || (record.state == keel_catalog::NodeState::Down
-                            && now_ms.saturating_sub(record.state_since_unix_ms) >= after_ms)
-                })
-            };
+            let gone = |node: NodeId| crate::node_gone(&catalog, node, now_ms, after_ms);
             let from = replication
                 .replicas
                 .iter()
@@ -978,7 +982,10 @@ impl Primary {
         let started = clock.now();
         // The end of the stretch already known to hold writes (compared chunk by chunk).
         let mut probed_to = 0u64;
+        let busy_percent = u32::from(self.shared.resync_busy_percent.clamp(1, 100));
+        let mut requests_seen = self.client_requests.load(Ordering::Relaxed);
         while offset < size {
+            let chunk_started = clock.now();
             if offset >= probed_to {
                 let stretch = RESYNC_PROBE_BYTES.min(size - offset);
                 if self.stretch_unwritten(node, offset, stretch).await? {
@@ -1019,6 +1026,7 @@ impl Primary {
             .map_err(|error| error.to_string())??;
             shipped += copied;
             offset += length;
+            let worked = clock.now().saturating_duration_since(chunk_started);
             // The configured rate: wait until what was shipped so far is due.
             if let Some(rate) = self.shared.resync_bytes_per_second {
                 let due = Duration::from_secs_f64(shipped as f64 / rate.max(1) as f64);
@@ -1026,6 +1034,14 @@ impl Primary {
                 if due > elapsed {
                     clock.sleep(due - elapsed).await;
                 }
+            }
+            // Clients came meanwhile: work only `busy_percent` of the time while they do.
+            let requests = self.client_requests.load(Ordering::Relaxed);
+            if requests != requests_seen && busy_percent < 100 {
+                clock
+                    .sleep(worked * (100 - busy_percent) / busy_percent)
+                    .await;
+                requests_seen = self.client_requests.load(Ordering::Relaxed);
             }
             if let Some(peer) = self.state().peers.get_mut(&node) {
                 peer.resync_compared = offset;
@@ -1295,7 +1311,9 @@ impl Primary {
     }
 
     /// Under the order lock: reads the chunk as it is now and queues the blocks whose hash
-    /// differs from the replica's. Returns the bytes queued.
+    /// differs from the replica's (a replica that never wrote the chunk answers no hashes: it
+    /// reads as zeroes, so every block of this copy that is not zeroes travels, and nothing is
+    /// hashed). Returns the bytes queued.
     fn queue_differences(
         &self,
         node: NodeId,
@@ -1305,63 +1323,63 @@ impl Primary {
         theirs: &[u8],
     ) -> Result<u64, String> {
         let _order = lock(&self.order);
-        let blocks = (length / block) as usize;
-        // An empty answer: nothing was ever written there on the replica.
-        let expanded;
-        let theirs = if theirs.is_empty() {
-            if self
+        let block = block as usize;
+        let blocks = length as usize / block;
+        if theirs.is_empty()
+            && self
                 .local
                 .range_unwritten(offset, length)
                 .map_err(|error| error.to_string())?
-            {
-                return Ok(0);
-            }
-            expanded = wire::zero_block_hash(block as usize).repeat(blocks);
-            &expanded[..]
-        } else {
-            theirs
-        };
-        let mut ours = vec![0u8; length as usize];
-        self.local
-            .read(offset, &mut ours)
-            .map_err(|error| error.to_string())?;
-        if theirs.len() != blocks * BLOCK_HASH_BYTES {
+        {
+            return Ok(0);
+        }
+        if !theirs.is_empty() && theirs.len() != blocks * BLOCK_HASH_BYTES {
             return Err(format!(
                 "the replica sent {} bytes of hashes for {blocks} blocks",
                 theirs.len()
             ));
         }
+        let mut ours = vec![0u8; length as usize];
+        self.local
+            .read(offset, &mut ours)
+            .map_err(|error| error.to_string())?;
+        let differs: Vec<bool> = ours
+            .chunks(block)
+            .enumerate()
+            .map(|(index, mine)| {
+                if theirs.is_empty() {
+                    mine.iter().any(|byte| *byte != 0)
+                } else {
+                    wire::block_hash(mine)[..]
+                        != theirs[index * BLOCK_HASH_BYTES..(index + 1) * BLOCK_HASH_BYTES]
+                }
+            })
+            .collect();
+        // Runs of differing blocks, as (first, end) block indexes.
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for (index, differs) in differs.iter().enumerate() {
+            match runs.last_mut() {
+                Some((_, end)) if *differs && *end == index => *end = index + 1,
+                _ if *differs => runs.push((index, index + 1)),
+                _ => {}
+            }
+        }
         let mut state = self.state();
         let peer = state.peers.get_mut(&node).ok_or("replica gone")?;
         let mut queued = 0u64;
-        let mut run: Option<(usize, usize)> = None;
-        let flush_run = |run: (usize, usize), peer: &mut Peer| {
-            let (first, end) = run;
-            let start = first * block as usize;
-            let stop = end * block as usize;
-            peer.push(Item::Op(Op::Write {
-                offset: offset + start as u64,
-                data: ours[start..stop].to_vec(),
-            }));
-            (stop - start) as u64
-        };
-        for index in 0..blocks {
-            let mine =
-                wire::block_hash(&ours[index * block as usize..(index + 1) * block as usize]);
-            let differs =
-                mine[..] != theirs[index * BLOCK_HASH_BYTES..(index + 1) * BLOCK_HASH_BYTES];
-            run = match (run, differs) {
-                (Some((first, _)), true) => Some((first, index + 1)),
-                (None, true) => Some((index, index + 1)),
-                (Some(open), false) => {
-                    queued += flush_run(open, peer);
-                    None
-                }
-                (None, false) => None,
-            };
-        }
-        if let Some(open) = run {
-            queued += flush_run(open, peer);
+        if runs == [(0, blocks)] {
+            // The whole chunk: no copy.
+            queued = length;
+            peer.push(Item::Op(Op::Write { offset, data: ours }));
+        } else {
+            for (first, end) in runs {
+                let (start, stop) = (first * block, end * block);
+                peer.push(Item::Op(Op::Write {
+                    offset: offset + start as u64,
+                    data: ours[start..stop].to_vec(),
+                }));
+                queued += (stop - start) as u64;
+            }
         }
         state.resync_bytes += queued;
         Ok(queued)
@@ -1392,7 +1410,7 @@ impl VolumeIo for Primary {
     }
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> VolumeResult<()> {
-        self.lease()?;
+        self.client_request()?;
         self.check_serving(&self.state())?;
         match self.local.read(offset, buf) {
             Err(error) if error.is_corrupt() => self.read_repairing(offset, buf),
@@ -1415,7 +1433,7 @@ impl VolumeIo for Primary {
     }
 
     fn flush(&self) -> VolumeResult<()> {
-        self.lease()?;
+        self.client_request()?;
         let upto = {
             let _order = lock(&self.order);
             let mut state = self.state();

@@ -112,7 +112,7 @@ pub enum ForwardErrorKind {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ForwardAnswer {
     Done,
-    Data(Vec<u8>),
+    Data(#[serde(with = "serde_bytes")] Vec<u8>),
     Failed {
         kind: ForwardErrorKind,
         message: String,
@@ -129,6 +129,7 @@ pub struct ForwardClose {
 pub enum Op {
     Write {
         offset: u64,
+        #[serde(with = "serde_bytes")]
         data: Vec<u8>,
     },
     Trim {
@@ -176,6 +177,7 @@ pub struct HashRequest {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CopyAnswer {
+    #[serde(with = "serde_bytes")]
     pub data: Vec<u8>,
 }
 
@@ -192,6 +194,7 @@ pub const BLOCK_HASH_BYTES: usize = 16;
 pub struct HashAnswer {
     /// [`BLOCK_HASH_BYTES`] per block of the range, in order; empty when no block of the
     /// range was ever written on the replica (it reads as zeroes: [`zero_block_hash`] each).
+    #[serde(with = "serde_bytes")]
     pub hashes: Vec<u8>,
 }
 
@@ -252,6 +255,19 @@ mod tests {
             );
         }
         assert_ne!(block_hash(&[0; 4096]), block_hash(&[1; 4096]));
+    }
+
+    // Proves a write's data travels as its length and the bytes themselves (serde_bytes): the
+    // encoding a sequence of u8 had, so nodes before and after the change understand each other.
+    #[test]
+    fn write_data_is_length_then_raw_bytes() {
+        let op = Op::Write {
+            offset: 1,
+            data: vec![7, 8, 9],
+        };
+        assert_eq!(postcard::to_allocvec(&op).unwrap(), [0, 1, 3, 7, 8, 9]);
+        let answer = HashAnswer { hashes: vec![1, 2] };
+        assert_eq!(postcard::to_allocvec(&answer).unwrap(), [2, 1, 2]);
     }
 
     // Proves a forwarded write round-trips and a truncated one is refused.
