@@ -631,6 +631,63 @@ def test_a_resync_yields_to_a_volumes_active_clients(cluster, workdir):
         assert other.read(offset, 1 << 20) == data[offset:offset + (1 << 20)], f"MiB {offset >> 20} differs"
 
 
+def test_writes_racing_a_catch_up_are_never_undone_on_the_new_replica(cluster, workdir):
+    """A catch-up reads each 1 MiB chunk without holding up client writes, and queues it only
+    if no write overlapped it meanwhile (else it reads it again). A client rewrites random
+    blocks of a written 64 MiB volume as fast as it can while R goes from 1 to 2 (the resync
+    never yields here, to race as much as possible); once in sync and flushed, the primary is
+    killed and every block read through the new replica is the last one written: no stale
+    chunk copy landed after a newer write."""
+    config = workdir / "racing-resync.toml"
+    config.write_text("[cluster]\nresync_busy_percent = 100\n")
+    first = cluster.add(extra_args=["--config", str(config)])
+    second = cluster.add()
+    cluster.add(witness=True)
+    wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
+    code, created = first.api("POST", "/api/v1/volumes", {"name": "race", "size_bytes": SIZE}, timeout=30)
+    assert code == 200, created
+    client = attach(first, "race")
+    blocks = SIZE // BLOCK
+    expected = {index: block("initial", index) for index in range(blocks)}
+    for start in range(0, blocks, 256):
+        client.write(start * BLOCK, b"".join(expected[index] for index in range(start, start + 256)))
+    client.flush()
+
+    stop = threading.Event()
+    failure = []
+
+    def rewrite_until_stopped():
+        try:
+            writer = attach(first, "race")
+            version = 0
+            while not stop.is_set():
+                version += 1
+                index = random.randrange(blocks)
+                data = block(f"v{version}", index)
+                writer.write(index * BLOCK, data)
+                expected[index] = data
+            writer.flush()
+            writer.close()
+        except Exception as error:  # noqa: BLE001 - reported below
+            failure.append(error)
+
+    thread = threading.Thread(target=rewrite_until_stopped)
+    thread.start()
+    try:
+        first.cli("volume", "set-replication", "race", "--replicas", "2")
+        wait_until("the new replica in sync under the writer",
+                   lambda: sorted(replication(first, "race")["in_sync"]) == [1, 2], timeout=120)
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert not failure, failure
+    client.close()
+    first.kill9()
+    other = attach(second, "race", timeout=60)
+    stale = [index for index in range(blocks) if other.read(index * BLOCK, BLOCK) != expected[index]]
+    assert not stale, f"{len(stale)} blocks on the new replica are not the last write, e.g. {stale[:5]}"
+
+
 def test_an_unattached_volume_gets_its_replicas_back_without_a_client(cluster, workdir):
     """Three storage nodes, no client attached to the volume at any of the steps that need a
     primary. An R=1 volume written and let go is raised to R=2: its node serves it in the

@@ -31,6 +31,12 @@ const BATCH_TIMEOUT: Duration = Duration::from_secs(2);
 const RESYNC_RETRY: Duration = Duration::from_secs(1);
 /// How long a sender waits for more writes (or a FLUSH) before it sends what it has.
 const LINGER: Duration = Duration::from_millis(1);
+/// Consecutive blocks of a chunk, as (first, end) block indexes.
+type BlockRun = (usize, usize);
+
+/// Reads of a resync chunk without the order lock before the last one, under it throughout
+/// (a chunk clients keep writing to still makes progress).
+const RESYNC_READ_ATTEMPTS: u32 = 3;
 /// Queued bytes that are sent at once, without lingering.
 const LINGER_BYTES_MAX: usize = 256 << 10;
 /// How long an I/O waits for this node's lease to come back before it fails.
@@ -92,6 +98,9 @@ struct Peer {
     resync_started: Option<Instant>,
     resync_compared: u64,
     resync_total: u64,
+    /// The chunk its resync reads without the order lock: `(start, end, touched)`, touched
+    /// when a change ordered meanwhile overlaps it (the read is then done again).
+    resync_reading: Option<(u64, u64, bool)>,
     wake: Arc<tokio::sync::Notify>,
 }
 
@@ -112,6 +121,7 @@ impl Peer {
             resync_started: None,
             resync_compared: 0,
             resync_total: 0,
+            resync_reading: None,
             wake: Arc::new(tokio::sync::Notify::new()),
         }
     }
@@ -405,10 +415,12 @@ impl Primary {
         }
     }
 
-    /// Orders one change: applies it locally and queues it to every streaming replica, built
-    /// once per replica by `op` (a write's data is copied only for the replicas that get it).
+    /// Orders one change of `length` bytes at `offset`: applies it locally and queues it to
+    /// every streaming replica, built once per replica by `op` (a write's data is copied only
+    /// for the replicas that get it); a resync reading an overlapping chunk reads it again.
     fn ordered(
         &self,
+        (offset, length): (u64, u64),
         op: impl Fn() -> Op,
         apply: impl FnOnce() -> VolumeResult<()>,
     ) -> VolumeResult<()> {
@@ -419,8 +431,13 @@ impl Primary {
         apply()?;
         let mut state = self.state();
         state.next_seq += 1;
-        for peer in state.peers.values_mut().filter(|peer| peer.streaming) {
-            peer.push(Item::Op(op()));
+        for peer in state.peers.values_mut() {
+            if let Some((start, end, touched)) = peer.resync_reading.as_mut() {
+                *touched |= offset < *end && offset + length > *start;
+            }
+            if peer.streaming {
+                peer.push(Item::Op(op()));
+            }
         }
         Ok(())
     }
@@ -687,6 +704,10 @@ impl Primary {
         let index = self.shared.cluster.applied_index();
         for peer in self.state().peers.values_mut() {
             peer.catalog_index = peer.catalog_index.max(index);
+            // A rollback or resize changes what any chunk being read holds.
+            if let Some((_, _, touched)) = peer.resync_reading.as_mut() {
+                *touched = true;
+            }
         }
         Ok(outcome)
     }
@@ -1310,10 +1331,13 @@ impl Primary {
         postcard::from_bytes(&answer).map_err(|error| error.to_string())
     }
 
-    /// Under the order lock: reads the chunk as it is now and queues the blocks whose hash
-    /// differs from the replica's (a replica that never wrote the chunk answers no hashes: it
-    /// reads as zeroes, so every block of this copy that is not zeroes travels, and nothing is
-    /// hashed). Returns the bytes queued.
+    /// Queues the blocks of a chunk whose hash differs from the replica's (a replica that
+    /// never wrote the chunk answers no hashes: it reads as zeroes, so every block of this
+    /// copy that is not zeroes travels, and nothing is hashed), at the chunk's place in the
+    /// stream: the chunk is read and compared without the order lock (client writes go on
+    /// meanwhile), then queued under it only if no change ordered meanwhile overlapped it;
+    /// otherwise it is read again, the last time under the lock throughout. Returns the
+    /// bytes queued.
     fn queue_differences(
         &self,
         node: NodeId,
@@ -1322,67 +1346,94 @@ impl Primary {
         block: u64,
         theirs: &[u8],
     ) -> Result<u64, String> {
-        let _order = lock(&self.order);
         let block = block as usize;
         let blocks = length as usize / block;
-        if theirs.is_empty()
-            && self
-                .local
-                .range_unwritten(offset, length)
-                .map_err(|error| error.to_string())?
-        {
-            return Ok(0);
-        }
         if !theirs.is_empty() && theirs.len() != blocks * BLOCK_HASH_BYTES {
             return Err(format!(
                 "the replica sent {} bytes of hashes for {blocks} blocks",
                 theirs.len()
             ));
         }
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let mut order = Some(lock(&self.order));
+            if theirs.is_empty()
+                && self
+                    .local
+                    .range_unwritten(offset, length)
+                    .map_err(|error| error.to_string())?
+            {
+                return Ok(0);
+            }
+            self.state()
+                .peers
+                .get_mut(&node)
+                .ok_or("replica gone")?
+                .resync_reading = Some((offset, offset + length, false));
+            if attempt < RESYNC_READ_ATTEMPTS {
+                order = None;
+            }
+            let compared = self.read_differences(offset, length, block, theirs);
+            let _order = order.unwrap_or_else(|| lock(&self.order));
+            let mut state = self.state();
+            let peer = state.peers.get_mut(&node).ok_or("replica gone")?;
+            let touched = peer
+                .resync_reading
+                .take()
+                .is_none_or(|(_, _, touched)| touched);
+            let (ours, runs) = compared?;
+            if touched && attempt < RESYNC_READ_ATTEMPTS {
+                continue;
+            }
+            let mut queued = 0u64;
+            if runs == [(0, blocks)] {
+                // The whole chunk: no copy.
+                queued = length;
+                peer.push(Item::Op(Op::Write { offset, data: ours }));
+            } else {
+                for (first, end) in runs {
+                    let (start, stop) = (first * block, end * block);
+                    peer.push(Item::Op(Op::Write {
+                        offset: offset + start as u64,
+                        data: ours[start..stop].to_vec(),
+                    }));
+                    queued += (stop - start) as u64;
+                }
+            }
+            state.resync_bytes += queued;
+            return Ok(queued);
+        }
+    }
+
+    /// Reads a chunk of this copy and finds the runs of blocks that differ from the replica's
+    /// hashes (`theirs` empty: from zeroes).
+    fn read_differences(
+        &self,
+        offset: u64,
+        length: u64,
+        block: usize,
+        theirs: &[u8],
+    ) -> Result<(Vec<u8>, Vec<BlockRun>), String> {
         let mut ours = vec![0u8; length as usize];
         self.local
             .read(offset, &mut ours)
             .map_err(|error| error.to_string())?;
-        let differs: Vec<bool> = ours
-            .chunks(block)
-            .enumerate()
-            .map(|(index, mine)| {
-                if theirs.is_empty() {
-                    mine.iter().any(|byte| *byte != 0)
-                } else {
-                    wire::block_hash(mine)[..]
-                        != theirs[index * BLOCK_HASH_BYTES..(index + 1) * BLOCK_HASH_BYTES]
-                }
-            })
-            .collect();
-        // Runs of differing blocks, as (first, end) block indexes.
-        let mut runs: Vec<(usize, usize)> = Vec::new();
-        for (index, differs) in differs.iter().enumerate() {
+        let mut runs: Vec<BlockRun> = Vec::new();
+        for (index, mine) in ours.chunks(block).enumerate() {
+            let differs = if theirs.is_empty() {
+                mine.iter().any(|byte| *byte != 0)
+            } else {
+                wire::block_hash(mine)[..]
+                    != theirs[index * BLOCK_HASH_BYTES..(index + 1) * BLOCK_HASH_BYTES]
+            };
             match runs.last_mut() {
-                Some((_, end)) if *differs && *end == index => *end = index + 1,
-                _ if *differs => runs.push((index, index + 1)),
+                Some((_, end)) if differs && *end == index => *end = index + 1,
+                _ if differs => runs.push((index, index + 1)),
                 _ => {}
             }
         }
-        let mut state = self.state();
-        let peer = state.peers.get_mut(&node).ok_or("replica gone")?;
-        let mut queued = 0u64;
-        if runs == [(0, blocks)] {
-            // The whole chunk: no copy.
-            queued = length;
-            peer.push(Item::Op(Op::Write { offset, data: ours }));
-        } else {
-            for (first, end) in runs {
-                let (start, stop) = (first * block, end * block);
-                peer.push(Item::Op(Op::Write {
-                    offset: offset + start as u64,
-                    data: ours[start..stop].to_vec(),
-                }));
-                queued += (stop - start) as u64;
-            }
-        }
-        state.resync_bytes += queued;
-        Ok(queued)
+        Ok((ours, runs))
     }
 }
 
@@ -1420,6 +1471,7 @@ impl VolumeIo for Primary {
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> VolumeResult<()> {
         self.ordered(
+            (offset, data.len() as u64),
             || Op::Write {
                 offset,
                 data: data.to_vec(),
@@ -1446,6 +1498,7 @@ impl VolumeIo for Primary {
 
     fn trim(&self, offset: u64, length: u64) -> VolumeResult<()> {
         self.ordered(
+            (offset, length),
             || Op::Trim { offset, length },
             || self.local.trim(offset, length),
         )
@@ -1459,6 +1512,7 @@ impl VolumeIo for Primary {
         may_trim: bool,
     ) -> VolumeResult<()> {
         self.ordered(
+            (offset, length),
             || Op::Zeroes {
                 offset,
                 length,
