@@ -54,6 +54,20 @@ def attach(node, name, timeout=30):
                       lambda: Client(host, port, name, timeout=60), timeout=timeout, interval=0.2)
 
 
+def pair_with_one_replica(cluster, workdir, settings, name, size=SIZE):
+    """Node 1 with `settings` (TOML lines of its [cluster] section), node 2 and a witness; an
+    R=1 volume `name` on node 1, attached there. Returns (node 1, node 2, the client)."""
+    config = workdir / f"{name}.toml"
+    config.write_text(f"[cluster]\n{settings}\n")
+    first = cluster.add(extra_args=["--config", str(config)])
+    second = cluster.add()
+    cluster.add(witness=True)
+    wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
+    code, created = first.api("POST", "/api/v1/volumes", {"name": name, "size_bytes": size}, timeout=30)
+    assert code == 200, created
+    return first, second, attach(first, name)
+
+
 def block(tag, index):
     seed = f"{tag}:{index}:".encode()
     return (seed * (BLOCK // len(seed) + 1))[:BLOCK]
@@ -539,15 +553,7 @@ def test_a_resync_ships_no_faster_than_its_configured_rate(cluster, workdir):
     """With `resync_mib_per_second = 2`, raising an R=1 volume holding 16 MiB to R=2 ships the
     16 MiB to the new replica in no less than 7.5 s (unthrottled it takes well under a second
     here); `volume info` shows the progress meanwhile, and the replica then holds the data."""
-    config = workdir / "slow-resync.toml"
-    config.write_text("[cluster]\nresync_mib_per_second = 2\n")
-    first = cluster.add(extra_args=["--config", str(config)])
-    second = cluster.add()
-    cluster.add(witness=True)
-    wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
-    code, created = first.api("POST", "/api/v1/volumes", {"name": "paced", "size_bytes": SIZE}, timeout=30)
-    assert code == 200, created
-    client = attach(first, "paced")
+    first, second, client = pair_with_one_replica(cluster, workdir, "resync_mib_per_second = 2", "paced")
     data = os.urandom(16 << 20)
     for offset in range(0, len(data), 1 << 20):
         client.write(offset, data[offset:offset + (1 << 20)])
@@ -582,16 +588,8 @@ def test_a_resync_yields_to_a_volumes_active_clients(cluster, workdir):
     refused = subprocess.run([KEEL_BIN, "server", "--data", str(workdir / "refused"), "--config", str(bad)],
                              capture_output=True, text=True, timeout=30)
     assert refused.returncode != 0 and "resync_busy_percent must be 1 to 100" in refused.stderr, refused.stderr
-    config = workdir / "yielding-resync.toml"
-    config.write_text("[cluster]\nresync_busy_percent = 1\n")
-    first = cluster.add(extra_args=["--config", str(config)])
-    second = cluster.add()
-    cluster.add(witness=True)
-    wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
     size = 128 << 20
-    code, created = first.api("POST", "/api/v1/volumes", {"name": "busy", "size_bytes": size}, timeout=30)
-    assert code == 200, created
-    client = attach(first, "busy")
+    first, second, client = pair_with_one_replica(cluster, workdir, "resync_busy_percent = 1", "busy", size)
     data = os.urandom(size)
     for offset in range(0, size, 1 << 20):
         client.write(offset, data[offset:offset + (1 << 20)])
@@ -638,15 +636,7 @@ def test_writes_racing_a_catch_up_are_never_undone_on_the_new_replica(cluster, w
     never yields here, to race as much as possible); once in sync and flushed, the primary is
     killed and every block read through the new replica is the last one written: no stale
     chunk copy landed after a newer write."""
-    config = workdir / "racing-resync.toml"
-    config.write_text("[cluster]\nresync_busy_percent = 100\n")
-    first = cluster.add(extra_args=["--config", str(config)])
-    second = cluster.add()
-    cluster.add(witness=True)
-    wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
-    code, created = first.api("POST", "/api/v1/volumes", {"name": "race", "size_bytes": SIZE}, timeout=30)
-    assert code == 200, created
-    client = attach(first, "race")
+    first, second, client = pair_with_one_replica(cluster, workdir, "resync_busy_percent = 100", "race")
     blocks = SIZE // BLOCK
     expected = {index: block("initial", index) for index in range(blocks)}
     for start in range(0, blocks, 256):
