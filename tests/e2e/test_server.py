@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 import urllib.request
 import urllib.error
 from pathlib import Path
@@ -171,6 +172,56 @@ def test_nearly_full_data_directory_warns_with_its_code(workdir, make_server):
         capture_output=True, text=True, timeout=30,
     )
     assert bad.returncode != 0 and "nearfull_percent must be 1 to 100" in bad.stderr
+
+
+def test_the_cli_survives_a_server_that_closes_after_each_answer(workdir):
+    """The admin server closes a connection after answering a request whose body it did not
+    read (a handler that takes none, the body arriving after the headers). A client that kept
+    the connection for its next request lost that request ("connection reset"), which failed
+    `keel store scrub` in CI. A stand-in server that answers, waits 50 ms and closes without
+    reading on: `keel store scrub` must still start its job and wait for the result."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    port = listener.getsockname()[1]
+    requests = []
+
+    def answer(connection):
+        with connection:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = connection.recv(65536)
+                if not chunk:
+                    return
+                data += chunk
+            line = data.split(b"\r\n")[0].decode()
+            requests.append(line)
+            body = (b'{"job": 1}' if line.startswith("POST") else
+                    b'{"state": "done", "done": 1, "total": 1, "result": {"extents_checked": 7}}')
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            time.sleep(0.05)
+
+    def serve():
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=answer, args=(connection,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        result = subprocess.run([KEEL_BIN, "store", "scrub", "--admin", f"127.0.0.1:{port}", "--token", "x"],
+                                capture_output=True, text=True, timeout=30)
+    finally:
+        listener.close()
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"extents_checked": 7}
+    assert requests == ["POST /api/v1/store/scrub HTTP/1.1", "GET /api/v1/jobs/1 HTTP/1.1"], requests
 
 
 def test_volume_lifecycle_through_the_cli(server):
