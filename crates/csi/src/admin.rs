@@ -105,11 +105,8 @@ impl Admin {
         } else {
             format!("http://{address}")
         };
-        // One connection per call, as the CLI's client (keel::cli::Client::connect): the server
-        // closes a connection after answering a request whose body it did not read.
         let agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
-            .max_idle_connections(0)
             .timeout_global(Some(CALL_TIMEOUT))
             .build()
             .new_agent();

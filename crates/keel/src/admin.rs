@@ -172,7 +172,36 @@ pub fn router(state: Shared) -> Router {
         .route("/api/v1/status", get(status))
         .merge(protected)
         .layer(axum::extract::DefaultBodyLimit::max(REQUEST_JSON_MAX_BYTES))
+        .layer(middleware::from_fn(read_small_body))
         .with_state(state)
+}
+
+/// Reads a small request body (a JSON document) before the handler runs, whether or not the
+/// handler takes one: the HTTP server closes a kept-alive connection after answering a request
+/// whose body was not read, and a request the client already sent on it (a CLI polling its
+/// job) is lost. Streams (`volume receive`, larger or of unknown length) pass through.
+async fn read_small_body(request: Request, next: Next) -> Response {
+    let small = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse::<usize>().ok())
+        .is_some_and(|length| length > 0 && length <= REQUEST_JSON_MAX_BYTES);
+    if !small {
+        return next.run(request).await;
+    }
+    let (parts, body) = request.into_parts();
+    match axum::body::to_bytes(body, REQUEST_JSON_MAX_BYTES).await {
+        Ok(bytes) => {
+            next.run(Request::from_parts(parts, Body::from(bytes)))
+                .await
+        }
+        Err(error) => ApiError(
+            StatusCode::BAD_REQUEST,
+            format!("could not read the request body: {error}"),
+        )
+        .into_response(),
+    }
 }
 
 async fn require_token(State(state): State<Shared>, request: Request, next: Next) -> Response {

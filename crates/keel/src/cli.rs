@@ -61,13 +61,8 @@ impl Client {
         } else {
             format!("http://{}", connection.admin)
         };
-        // One connection per request: the server closes a connection after answering a
-        // request whose body it did not read (a handler that takes none), and a request
-        // already sent on it when it did is lost ("connection reset"). A CLI makes few
-        // requests; a connect each costs nothing next to that.
         let agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
-            .max_idle_connections(0)
             .build()
             .new_agent();
         Ok(Client { base, token, agent })
