@@ -68,9 +68,12 @@ impl NbdLatency {
     }
 }
 
-/// Records the time since `started` in `histogram`.
-pub fn observe_since(histogram: &Histogram, started: Instant) {
+/// Runs `request`, recording how long it took in `histogram` (whatever its outcome).
+pub fn timed<T>(histogram: &Histogram, request: impl FnOnce() -> T) -> T {
+    let started = Instant::now();
+    let outcome = request();
     histogram.observe(started.elapsed().as_secs_f64());
+    outcome
 }
 
 pub fn render(report: &StatusReport, nbd: &NbdLatency) -> Result<String, std::fmt::Error> {

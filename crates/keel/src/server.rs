@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::metrics::observe_since;
+use crate::metrics::timed;
 
 use anyhow::Context;
 use keel_namespace::volume::{VolumeIo, VolumeManager};
@@ -522,31 +522,23 @@ impl Export for VolumeExport {
     }
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
-        let started = Instant::now();
-        let outcome = self.handle.read(offset, buf);
-        observe_since(&self.latency.read, started);
-        Ok(outcome?)
+        Ok(timed(&self.latency.read, || self.handle.read(offset, buf))?)
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> std::io::Result<()> {
-        let started = Instant::now();
-        let outcome = self.handle.write(offset, data, fua);
-        observe_since(&self.latency.write, started);
-        Ok(outcome?)
+        Ok(timed(&self.latency.write, || {
+            self.handle.write(offset, data, fua)
+        })?)
     }
 
     fn flush(&self) -> std::io::Result<()> {
-        let started = Instant::now();
-        let outcome = self.handle.flush();
-        observe_since(&self.latency.flush, started);
-        Ok(outcome?)
+        Ok(timed(&self.latency.flush, || self.handle.flush())?)
     }
 
     fn trim(&self, offset: u64, length_bytes: u64) -> std::io::Result<()> {
-        let started = Instant::now();
-        let outcome = self.handle.trim(offset, length_bytes);
-        observe_since(&self.latency.trim, started);
-        Ok(outcome?)
+        Ok(timed(&self.latency.trim, || {
+            self.handle.trim(offset, length_bytes)
+        })?)
     }
 
     fn write_zeroes(
@@ -556,12 +548,10 @@ impl Export for VolumeExport {
         fua: bool,
         may_trim: bool,
     ) -> std::io::Result<()> {
-        let started = Instant::now();
-        let outcome = self
-            .handle
-            .write_zeroes(offset, length_bytes, fua, may_trim);
-        observe_since(&self.latency.zeroes, started);
-        Ok(outcome?)
+        Ok(timed(&self.latency.zeroes, || {
+            self.handle
+                .write_zeroes(offset, length_bytes, fua, may_trim)
+        })?)
     }
 
     fn read_only(&self) -> bool {

@@ -29,14 +29,11 @@ const BATCH_BYTES_MAX: usize = 4 << 20;
 const BATCH_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often a replica outside the in-sync set is retried.
 const RESYNC_RETRY: Duration = Duration::from_secs(1);
-/// How long a sender waits for more writes (or a FLUSH) before it sends what it has.
-const LINGER: Duration = Duration::from_millis(1);
-/// Consecutive blocks of a chunk, as (first, end) block indexes.
-type BlockRun = (usize, usize);
-
 /// Reads of a resync chunk without the order lock before the last one, under it throughout
 /// (a chunk clients keep writing to still makes progress).
 const RESYNC_READ_ATTEMPTS: u32 = 3;
+/// How long a sender waits for more writes (or a FLUSH) before it sends what it has.
+const LINGER: Duration = Duration::from_millis(1);
 /// Queued bytes that are sent at once, without lingering.
 const LINGER_BYTES_MAX: usize = 256 << 10;
 /// How long an I/O waits for this node's lease to come back before it fails.
@@ -1436,6 +1433,9 @@ impl Primary {
         Ok((ours, runs))
     }
 }
+
+/// Consecutive blocks of a chunk, as (first, end) block indexes.
+type BlockRun = (usize, usize);
 
 /// A failed call to a replica.
 pub(crate) struct Failure {
