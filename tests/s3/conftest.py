@@ -10,6 +10,7 @@ Tests that need a second access key create it with `keel key create` through the
 """
 
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -32,12 +33,22 @@ SECRET_ACCESS_KEY = "keel-test-secret-0123456789abcdefghijklm"
 REGION = "us-east-1"
 # How long a server may take to start accepting connections.
 START_TIMEOUT_S = 30
+# How many times a start may meet a port taken by another process before the test fails.
+BIND_ATTEMPTS = 5
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below Linux's ephemeral range (32768+) so that the outgoing connections
+    of clients and other servers do not take it before the server listens on it."""
+    for _ in range(200):
+        port = random.randint(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port on 127.0.0.1")
 
 
 def require_tool(name, package):
@@ -62,6 +73,27 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self):
+        """Starts the server. Ports come from free_port(), so another process may take one between
+        the probe and the server's bind: a first start then moves to fresh ports, a restart (whose
+        clients know the old ports) waits for its ports to be free again."""
+        first_start = self.process is None
+        for attempt in range(BIND_ATTEMPTS):
+            log_offset = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
+            if self._start_once():
+                return self
+            with open(self.log_path, "rb") as log:
+                log.seek(log_offset)
+                refused_bind = b"cannot listen for" in log.read()
+            if not refused_bind or attempt + 1 == BIND_ATTEMPTS:
+                break
+            if first_start:
+                self.port, self.admin_port = free_port(), free_port()
+            else:
+                time.sleep(1)
+        pytest.fail(f"server exited with {self.process.returncode}; log: {self.log_path}")
+
+    def _start_once(self):
+        """True once the server listens; False when it exited (the log says why)."""
         os.makedirs(self.data_dir, exist_ok=True)
         command = shlex.split(self.command_template.format(dir=self.data_dir, port=self.port, admin_port=self.admin_port))
         command += self.extra_args
@@ -77,18 +109,31 @@ class Server:
         env["KEEL_ACCESS_KEY_ID"] = ACCESS_KEY_ID
         env["KEEL_SECRET_ACCESS_KEY"] = SECRET_ACCESS_KEY
         env.setdefault("RUST_LOG", "warn")
+        log_offset = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=log)
+        log.close()
         deadline = time.time() + START_TIMEOUT_S
         while time.time() < deadline:
             if self.process.poll() is not None:
-                pytest.fail(f"server exited with {self.process.returncode}; log: {self.log_path}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return self
-            except OSError:
-                time.sleep(0.05)
+                return False
+            if self._listening(log_offset):
+                return True
+            time.sleep(0.05)
         pytest.fail(f"server did not listen on {self.port} within {START_TIMEOUT_S} s")
+
+    def _listening(self, log_offset):
+        """Keel says "ready" once every listener is bound (a port another process holds would
+        accept a connection even though this server failed); another command is probed."""
+        if self.command_template == DEFAULT_CMD:
+            with open(self.log_path, "rb") as log:
+                log.seek(log_offset)
+                return b"\nready\n" in b"\n" + log.read()
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                return True
+        except OSError:
+            return False
 
     def peak_rss_bytes(self):
         with open(f"/proc/{self.process.pid}/status") as f:
