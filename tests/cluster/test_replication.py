@@ -874,3 +874,44 @@ def test_a_damaged_block_on_a_replica_is_replaced_by_the_primarys_copy(cluster):
     other = attach(second, "rot", timeout=60)
     for index, data in expected.items():
         assert other.read(index * BLOCK, BLOCK) == data, f"block {index} wrong on node 2"
+
+
+def test_a_scheduled_scrub_repairs_both_copies_of_a_replicated_volume_unasked(cluster, workdir):
+    """Node 1 scrubs every 3 s (`scrub.interval_seconds`). A block of each copy of an R=2 volume
+    is damaged and nobody reads it or asks for a scrub: the next scheduled run on node 1, the
+    primary, heals its own block from node 2 and ships its copy over node 2's. Node 1 is then
+    killed, and the volume attached through node 2 reads every block as written."""
+    config = workdir / "scrub-often.toml"
+    config.write_text("[scrub]\ninterval_seconds = 3\nbusy_percent = 100\n")
+    first = cluster.add(extra_args=["--config", str(config)])
+    second = cluster.add()
+    cluster.add(witness=True)
+    wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
+    code, created = first.api("POST", "/api/v1/volumes", {"name": "rot", "size_bytes": SIZE, "replicas": 2,
+                                                         "compression": "none"}, timeout=30)
+    assert code == 200, created
+    client = attach(first, "rot")
+    wait_until("both replicas in sync", lambda: sorted(replication(first, "rot")["in_sync"]) == [1, 2])
+    expected = {index: block("scheduled", index) for index in range(64)}
+    for index, data in expected.items():
+        client.write(index * BLOCK, data)
+    client.flush()
+    client.close()
+
+    damage_in_place(second, expected[40])
+    damage_in_place(first, expected[50])
+    damaged_at_ms = time.time() * 1000
+
+    def a_run_since_the_damage():
+        code, status = first.api("GET", "/api/v1/status")
+        assert code == 200, status
+        last = status["scrub"]["last"]
+        return last if last and last["started_unix_ms"] > damaged_at_ms else None
+
+    run = wait_until("a scheduled scrub after the damage", a_run_since_the_damage, timeout=60)
+    assert run["volumes_compared"] == 1 and run["errors"] == [], run
+    assert replication(first, "rot")["served_here"]["repaired_blocks"] == 1
+    first.kill9()
+    other = attach(second, "rot", timeout=60)
+    for index, data in expected.items():
+        assert other.read(index * BLOCK, BLOCK) == data, f"block {index} wrong on node 2"

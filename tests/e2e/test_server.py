@@ -236,16 +236,7 @@ def test_scrub_repairs_a_damaged_mirror(make_server, workdir):
     srv.cli("volume", "create", "m", "--size", "16M")
     qemu_io(srv.nbd_uri("m"), "write -P 0x6d 0 4M", "flush")
     srv.stop()
-    # The segment holding the most written bytes (the newest may be a prepared, all-zero one),
-    # damaged only where it was written.
-    segments = sorted((a / "segments").glob("*.seg"))
-    segment = max(segments, key=lambda p: len(p.read_bytes().rstrip(b"\0")))
-    data = bytearray(segment.read_bytes())
-    written = len(bytes(data).rstrip(b"\0"))
-    assert written > 3_000_000, (segment, written)
-    for offset in range(10_000, written, 200_000):
-        data[offset] ^= 0x5A
-    segment.write_bytes(bytes(data))
+    damage_written_segment(a)
     srv.start()
     report = json.loads(srv.cli("store", "scrub").stdout)
     assert report["repaired_copies"] > 5 and report["unrecoverable_extents"] == 0, report
@@ -253,6 +244,126 @@ def test_scrub_repairs_a_damaged_mirror(make_server, workdir):
     again = json.loads(srv.cli("store", "scrub").stdout)
     # Every live extent verified; flips that landed in dead extents or padding are not data.
     assert again["repaired_copies"] == 0 and again["unrecoverable_extents"] == 0
+
+
+def damage_written_segment(data_dir):
+    """Flips bytes every 200 KB of the segment holding the most written bytes (the newest may be
+    a prepared, all-zero one), only where it was written."""
+    segments = sorted((data_dir / "segments").glob("*.seg"))
+    segment = max(segments, key=lambda p: len(p.read_bytes().rstrip(b"\0")))
+    data = bytearray(segment.read_bytes())
+    written = len(bytes(data).rstrip(b"\0"))
+    assert written > 3_000_000, (segment, written)
+    for offset in range(10_000, written, 200_000):
+        data[offset] ^= 0x5A
+    segment.write_bytes(bytes(data))
+
+
+def scrub_config(workdir, interval_seconds):
+    config = workdir / f"scrub-{interval_seconds}.toml"
+    config.write_text(f"[scrub]\ninterval_seconds = {interval_seconds}\nbusy_percent = 50\n")
+    return ["--config", str(config)]
+
+
+def wait_for_scheduled_scrub(srv, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        status = json.loads(srv.cli("status", "--json").stdout)
+        if status["scrub"]["last"] is not None:
+            return status
+        time.sleep(0.5)
+    raise AssertionError(f"no scheduled scrub ran within {timeout} s: {status['scrub']}")
+
+
+def test_a_scheduled_scrub_repairs_a_damaged_mirror_unasked(make_server, workdir):
+    """Nobody runs `keel store scrub`: once `scrub.interval_seconds` has passed since the
+    schedule began (recorded at the first start, so it survives the restart between), the
+    server scrubs on its own and repairs a damaged mirror copy; the run is recorded, shown by
+    `keel status`, kept across a restart, and the next is due an interval after it."""
+    from test_nbd import qemu_io
+
+    a, b = workdir / "mirror-a", workdir / "mirror-b"
+    srv = make_server([a, b], extra_args=scrub_config(workdir, 3600))
+    srv.cli("volume", "create", "m", "--size", "16M")
+    qemu_io(srv.nbd_uri("m"), "write -P 0x6d 0 4M", "flush")
+    assert json.loads(srv.cli("status", "--json").stdout)["scrub"]["last"] is None
+    srv.stop()
+    damage_written_segment(a)
+    time.sleep(2)
+    srv.extra_args = scrub_config(workdir, 2)
+    srv.start()
+    status = wait_for_scheduled_scrub(srv)
+    run = status["scrub"]["last"]
+    assert run["repaired_copies"] > 5 and run["unrecoverable_extents"] == 0, run
+    assert run["errors"] == [], run
+    # The repair is on disk: a manual scrub finds nothing left to repair.
+    again = json.loads(srv.cli("store", "scrub").stdout)
+    assert again["repaired_copies"] == 0 and again["unrecoverable_extents"] == 0, again
+    qemu_io(srv.nbd_uri("m"), "read -P 0x6d 0 4M")
+    srv.stop()
+    srv.extra_args = scrub_config(workdir, 3600)
+    srv.start()
+    kept = json.loads(srv.cli("status", "--json").stdout)["scrub"]
+    # Runs came every 2 s until the stop: the last of them is kept.
+    assert kept["last"]["finished_unix_ms"] >= run["finished_unix_ms"], (kept, run)
+    assert kept["next_unix_ms"] == kept["last"]["finished_unix_ms"] + 3_600_000, kept
+    shown = srv.cli("status").stdout
+    assert "scrub every 1.0h, last" in shown and "repaired" in shown, shown
+
+
+def test_a_scheduled_scrub_that_finds_data_with_no_good_copy_turns_health_red(make_server, workdir):
+    """One data directory, damaged: the scheduled scrub cannot repair it, and health says so
+    with its code until someone acts."""
+    from test_nbd import qemu_io
+
+    data = workdir / "data"
+    srv = make_server([data], extra_args=scrub_config(workdir, 3600))
+    srv.cli("volume", "create", "m", "--size", "16M")
+    qemu_io(srv.nbd_uri("m"), "write -P 0x6d 0 4M", "flush")
+    srv.stop()
+    damage_written_segment(data)
+    time.sleep(2)
+    srv.extra_args = scrub_config(workdir, 2)
+    srv.start()
+    status = wait_for_scheduled_scrub(srv)
+    assert status["scrub"]["last"]["unrecoverable_extents"] > 5, status["scrub"]
+    assert status["health"] == "HEALTH_ERR", status
+    assert any(reason.startswith("KEEL_SCRUB_ERRORS") for reason in status["reasons"]), status["reasons"]
+
+
+def test_a_server_stops_at_once_while_a_slow_scheduled_scrub_runs(make_server, workdir):
+    """A scheduled scrub working 1% of the time sleeps about 99 times each page it read: a
+    SIGTERM must still stop the server cleanly at once (the scrub ends at its next page and is
+    not recorded, so it is due again at the next start)."""
+    from test_nbd import qemu_io
+
+    config = workdir / "slow-scrub.toml"
+    config.write_text("[scrub]\ninterval_seconds = 1\nbusy_percent = 1\n")
+    srv = make_server([workdir / "data"])
+    srv.cli("volume", "create", "big", "--size", "256M", "--compression", "none")
+    qemu_io(srv.nbd_uri("big"), "write -P 0x42 0 192M", "flush")
+    srv.stop()
+    srv.extra_args = ["--config", str(config)]
+    srv.start()
+    token = (workdir / "data" / "admin-token").read_text().strip()
+
+    def scrubbing():
+        code, body = http("GET", f"http://{srv.admin}/api/v1/jobs", token)
+        assert code == 200, body
+        return [job for job in json.loads(body) if job["kind"] == "scheduled scrub" and job["state"] == "running"
+                and job["done"] > 0]
+
+    deadline = time.time() + 60
+    while not scrubbing():
+        assert time.time() < deadline, "no scheduled scrub started"
+        time.sleep(0.2)
+    proc = srv.proc
+    started = time.time()
+    srv.stop()
+    took = time.time() - started
+    assert proc.returncode == 0, proc.returncode
+    assert took < 10, f"stopping took {took:.1f} s"
+    assert json.loads((workdir / "data" / "scrub-schedule.json").read_text())["last"] is None
 
 
 def test_lost_index_is_refused_then_rebuilt_from_the_log(make_server, workdir):

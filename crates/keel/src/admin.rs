@@ -38,6 +38,7 @@ pub struct AppState {
     pub faults: Option<crate::cluster_net::FaultControl>,
     pub token: String,
     pub jobs: Jobs,
+    pub scrub: Arc<crate::scrub_schedule::ScrubSchedule>,
     pub config: Config,
     pub started: Instant,
     pub nbd_latency: crate::metrics::NbdLatency,
@@ -245,6 +246,8 @@ pub struct StatusReport {
     pub buckets: usize,
     /// The cluster as this node sees it: nodes, roles, liveness, health findings.
     pub cluster: keel_cluster::ClusterStatus,
+    /// Scheduled scrubs: the interval, when the next is due, the last one's outcome.
+    pub scrub: crate::scrub_schedule::ScrubStatus,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone)]
@@ -347,6 +350,20 @@ pub fn status_report(
             stats.corrupt_reads, stats.repaired_extents
         ));
     }
+    let scrub = state.scrub.status();
+    if let Some(run) = scrub
+        .last
+        .as_ref()
+        .filter(|run| run.unrecoverable_extents > 0)
+    {
+        level = 2;
+        reasons.push(format!(
+            "KEEL_SCRUB_ERRORS: the last scheduled scrub found {} extents with no good copy on \
+             this node (restore what they hold from a backup or a replica; keel store scrub \
+             lists their keys)",
+            run.unrecoverable_extents
+        ));
+    }
     if state.config.ephemeral {
         level = level.max(1);
         reasons.push("running --ephemeral: data may be on a volatile filesystem".to_string());
@@ -404,6 +421,7 @@ pub fn status_report(
         volumes: state.volumes.list().len(),
         buckets: state.s3.list_buckets().len(),
         cluster,
+        scrub,
     })
 }
 
@@ -652,7 +670,7 @@ async fn scrub_volume(
     let replication = state.replication.clone();
     let primary = blocking(move || Ok(replication.scrub_target(&name)?)).await?;
     let job = state.jobs.start("volume scrub", move |progress| {
-        let report = primary.scrub(&mut |done, total| progress.report(done, total))?;
+        let report = primary.scrub(&mut |done, total| progress.report(done, total), &|| false)?;
         Ok(serde_json::to_value(report)?)
     });
     Ok(Json(serde_json::json!({ "job": job })))

@@ -755,7 +755,49 @@ pub fn status(connection: &Connection, json: bool) -> anyhow::Result<()> {
         store["segments"],
         human_bytes(store["available_bytes"].as_u64().unwrap_or(0)),
     );
+    let now = keel_clock::Clock::wall_unix_ms(&keel_clock::SystemClock);
+    println!("  {}", scrub_line(&report["scrub"], now));
     Ok(())
+}
+
+/// The scheduled scrubs as `keel status` shows them.
+fn scrub_line(scrub: &Value, now_unix_ms: i64) -> String {
+    let interval = scrub["interval_seconds"].as_u64().unwrap_or(0);
+    if interval == 0 {
+        return "scheduled scrubs off (scrub.interval_seconds = 0)".to_string();
+    }
+    let mut line = format!("scrub every {}", human_duration(interval));
+    let last = &scrub["last"];
+    match last["finished_unix_ms"].as_i64() {
+        Some(finished) => {
+            line += &format!(
+                ", last {} ago ({} checked, {} repaired, {} unrecoverable, {} problems)",
+                human_duration((now_unix_ms - finished).max(0) as u64 / 1000),
+                human_bytes(last["bytes_checked"].as_u64().unwrap_or(0)),
+                last["repaired_copies"].as_u64().unwrap_or(0)
+                    + last["volume_blocks_repaired"].as_u64().unwrap_or(0),
+                last["unrecoverable_extents"].as_u64().unwrap_or(0),
+                last["errors"].as_array().map_or(0, Vec::len),
+            )
+        }
+        None => line += ", none yet",
+    }
+    if let Some(next) = scrub["next_unix_ms"].as_i64() {
+        line += &format!(
+            ", next in {}",
+            human_duration((next - now_unix_ms).max(0) as u64 / 1000)
+        );
+    }
+    line
+}
+
+fn human_duration(seconds: u64) -> String {
+    match seconds {
+        s if s >= 86_400 => format!("{:.1}d", s as f64 / 86_400.0),
+        s if s >= 3_600 => format!("{:.1}h", s as f64 / 3_600.0),
+        s if s >= 60 => format!("{}m", s / 60),
+        s => format!("{s}s"),
+    }
 }
 
 #[cfg(test)]

@@ -6,9 +6,7 @@
 //! `--join-token-file` or `KEEL_CLUSTER_TOKEN`) and stores it; a member refuses to start with a
 //! token of another cluster.
 
-use std::io::Write;
 use std::net::SocketAddr;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
@@ -71,22 +69,7 @@ impl JoinToken {
 }
 
 fn write_token(path: &Path, token: &JoinToken) -> anyhow::Result<()> {
-    let temporary = path.with_extension("tmp");
-    let mut file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(true)
-        .write(true)
-        .mode(0o600)
-        .open(&temporary)
-        .with_context(|| format!("creating {}", temporary.display()))?;
-    file.write_all(token.text().as_bytes())?;
-    file.sync_all()?;
-    std::fs::rename(&temporary, path)
-        .with_context(|| format!("renaming {} into place", temporary.display()))?;
-    if let Some(parent) = path.parent() {
-        std::fs::File::open(parent)?.sync_all()?;
-    }
-    Ok(())
+    crate::files::write_file_atomically(path, token.text().as_bytes(), 0o600)
 }
 
 /// Fault injection of the node-to-node transport (`--debug-faults`).

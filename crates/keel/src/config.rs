@@ -42,6 +42,29 @@ pub struct Config {
     pub nearfull_percent: u8,
     pub store: StoreTuning,
     pub cluster: ClusterSettings,
+    pub scrub: ScrubSettings,
+}
+
+/// Scrubs on a schedule (`keel store scrub` and `keel volume scrub` run at any time as well).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ScrubSettings {
+    /// Seconds between scheduled scrubs of this node's store (every copy on every device) and
+    /// of the replicated volumes it is the primary of (replicas compared, differences
+    /// repaired). Default 604800 (7 days); 0 turns them off. The schedule survives restarts.
+    pub interval_seconds: u64,
+    /// Percent of the time a scheduled scrub works (1–100); it sleeps the rest, leaving the
+    /// disks to clients. Default 25.
+    pub busy_percent: u8,
+}
+
+impl Default for ScrubSettings {
+    fn default() -> ScrubSettings {
+        ScrubSettings {
+            interval_seconds: 7 * 24 * 3600,
+            busy_percent: 25,
+        }
+    }
 }
 
 /// How this node takes part in a cluster. With the defaults, `keel server` is a one-node cluster
@@ -197,6 +220,7 @@ impl Default for Config {
             nearfull_percent: 95,
             store: StoreTuning::default(),
             cluster: ClusterSettings::default(),
+            scrub: ScrubSettings::default(),
         }
     }
 }
@@ -233,6 +257,12 @@ impl Config {
             bail!(
                 "nearfull_percent must be 1 to 100 (got {})",
                 self.nearfull_percent
+            );
+        }
+        if self.scrub.busy_percent == 0 || self.scrub.busy_percent > 100 {
+            bail!(
+                "scrub.busy_percent must be 1 to 100 (got {})",
+                self.scrub.busy_percent
             );
         }
         if self.cluster.resync_busy_percent == 0 || self.cluster.resync_busy_percent > 100 {

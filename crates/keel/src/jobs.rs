@@ -60,55 +60,73 @@ impl Jobs {
     where
         F: FnOnce(&JobProgress) -> anyhow::Result<serde_json::Value> + Send + 'static,
     {
-        let id = {
-            let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-            inner.next_id += 1;
-            let id = inner.next_id;
-            inner.jobs.insert(
-                id,
-                JobStatus {
-                    id,
-                    kind: kind.to_string(),
-                    state: "running".into(),
-                    done: 0,
-                    total: 0,
-                    result: None,
-                    error: None,
-                },
-            );
-            let finished: Vec<u64> = inner
-                .jobs
-                .values()
-                .filter(|j| j.state != "running")
-                .map(|j| j.id)
-                .collect();
-            for old in finished
-                .iter()
-                .take(finished.len().saturating_sub(FINISHED_JOBS_KEPT_MAX))
-            {
-                inner.jobs.remove(old);
-            }
-            id
-        };
+        let id = self.register(kind);
         let jobs = self.clone();
-        tokio::task::spawn_blocking(move || {
-            let progress = JobProgress {
-                jobs: jobs.clone(),
-                id,
-            };
-            let outcome = work(&progress);
-            jobs.update(id, |job| match outcome {
-                Ok(result) => {
-                    job.state = "done".into();
-                    job.result = Some(result);
-                }
-                Err(error) => {
-                    job.state = "failed".into();
-                    job.error = Some(format!("{error:#}"));
-                }
-            });
-        });
+        tokio::task::spawn_blocking(move || jobs.work(id, work));
         id
+    }
+
+    /// Runs `work` as a job on a blocking thread and waits for its outcome.
+    pub async fn run_blocking<F>(&self, kind: &str, work: F) -> anyhow::Result<serde_json::Value>
+    where
+        F: FnOnce(&JobProgress) -> anyhow::Result<serde_json::Value> + Send + 'static,
+    {
+        let id = self.register(kind);
+        let jobs = self.clone();
+        tokio::task::spawn_blocking(move || jobs.work(id, work)).await?
+    }
+
+    fn register(&self, kind: &str) -> u64 {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        inner.next_id += 1;
+        let id = inner.next_id;
+        inner.jobs.insert(
+            id,
+            JobStatus {
+                id,
+                kind: kind.to_string(),
+                state: "running".into(),
+                done: 0,
+                total: 0,
+                result: None,
+                error: None,
+            },
+        );
+        let finished: Vec<u64> = inner
+            .jobs
+            .values()
+            .filter(|j| j.state != "running")
+            .map(|j| j.id)
+            .collect();
+        for old in finished
+            .iter()
+            .take(finished.len().saturating_sub(FINISHED_JOBS_KEPT_MAX))
+        {
+            inner.jobs.remove(old);
+        }
+        id
+    }
+
+    fn work<F>(&self, id: u64, work: F) -> anyhow::Result<serde_json::Value>
+    where
+        F: FnOnce(&JobProgress) -> anyhow::Result<serde_json::Value>,
+    {
+        let progress = JobProgress {
+            jobs: self.clone(),
+            id,
+        };
+        let outcome = work(&progress);
+        self.update(id, |job| match &outcome {
+            Ok(result) => {
+                job.state = "done".into();
+                job.result = Some(result.clone());
+            }
+            Err(error) => {
+                job.state = "failed".into();
+                job.error = Some(format!("{error:#}"));
+            }
+        });
+        outcome
     }
 
     pub fn get(&self, id: u64) -> Option<JobStatus> {

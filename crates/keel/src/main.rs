@@ -8,8 +8,10 @@ mod cluster_net;
 mod config;
 mod csi;
 mod doctor;
+mod files;
 mod jobs;
 mod metrics;
+mod scrub_schedule;
 mod server;
 
 use clap::{Parser, Subcommand};

@@ -185,6 +185,26 @@ pub fn render(report: &StatusReport, nbd: &NbdLatency) -> Result<String, std::fm
         "S3 buckets",
         report.buckets as u64,
     );
+    if let Some(run) = &report.scrub.last {
+        gauge_u64(
+            &mut registry,
+            "scrub_last_finished_timestamp_seconds",
+            "When the last scheduled scrub finished (Unix time)",
+            u64::try_from(run.finished_unix_ms / 1000).unwrap_or(0),
+        );
+        gauge_u64(
+            &mut registry,
+            "scrub_last_repaired",
+            "Extent copies and replica blocks the last scheduled scrub repaired",
+            run.repaired_copies + run.volume_blocks_repaired,
+        );
+        gauge_u64(
+            &mut registry,
+            "scrub_last_unrecoverable_extents",
+            "Extents the last scheduled scrub found with no good copy",
+            run.unrecoverable_extents,
+        );
+    }
     let mut out = String::new();
     encode(&mut out, &registry)?;
     Ok(out)

@@ -19,7 +19,8 @@ use tokio::sync::watch;
 
 use crate::admin::AppState;
 use crate::config::Config;
-use crate::jobs::Jobs;
+use crate::jobs::{JobProgress, Jobs};
+use crate::scrub_schedule::{Pacer, ScrubRun, ScrubSchedule};
 
 pub const ADMIN_TOKEN_FILE: &str = "admin-token";
 
@@ -303,6 +304,29 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         let _ = receiver.wait_for(|stop| *stop).await;
     };
 
+    let scrub = {
+        let dir = config.data[0].clone();
+        let interval = std::time::Duration::from_secs(config.scrub.interval_seconds);
+        let busy_percent = config.scrub.busy_percent;
+        Arc::new(
+            tokio::task::spawn_blocking(move || {
+                ScrubSchedule::open(
+                    &dir,
+                    interval,
+                    busy_percent,
+                    Arc::new(keel_clock::SystemClock),
+                )
+            })
+            .await??,
+        )
+    };
+    let jobs = Jobs::default();
+    let scheduled_scrubs = tokio::spawn(scrub.clone().run(
+        jobs.clone(),
+        scheduled_scrub(store.clone(), replication.clone()),
+        stopped.clone(),
+    ));
+
     let nbd_latency = crate::metrics::NbdLatency::new();
     let state = Arc::new(AppState {
         store: store.clone(),
@@ -312,7 +336,8 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         replication: replication.clone(),
         faults: membership.faults.clone(),
         token,
-        jobs: Jobs::default(),
+        jobs,
+        scrub,
         config: shown,
         started,
         nbd_latency: nbd_latency.clone(),
@@ -360,6 +385,8 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     nbd_result.context("NBD server")?;
     s3_result.context("S3 server")?;
     signal_result.context("signal handling")?;
+    // A scheduled scrub stops at its next page or chunk.
+    scheduled_scrubs.await?;
     volumes.shutdown();
     drop(volumes);
     drop(s3);
@@ -369,6 +396,57 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         .context("final flush")?;
     eprintln!("keel: stopped cleanly");
     Ok(())
+}
+
+/// One scheduled scrub: this node's store, then the replicas of every replicated volume it
+/// is the primary of. What fails is recorded in the run, and the rest still scrubbed.
+fn scheduled_scrub(
+    store: keel_store::Store,
+    replication: Arc<keel_replication::Replication>,
+) -> impl Fn(&mut Pacer, &JobProgress) -> Option<ScrubRun> + Send + Sync + 'static {
+    move |pacer, progress| {
+        let stopping = pacer.stopping();
+        let stopped = || stopping.load(std::sync::atomic::Ordering::Relaxed);
+        let mut run = ScrubRun::default();
+        let scrubbed = store.scrub_until(
+            &mut |p| {
+                progress.report(p.done, p.total);
+                pacer.pause();
+            },
+            &stopped,
+        );
+        match scrubbed {
+            Ok(report) if report.interrupted => return None,
+            Ok(report) => {
+                run.extents_checked = report.extents_checked;
+                run.bytes_checked = report.bytes_checked;
+                run.repaired_copies = report.repaired_copies;
+                run.unrecoverable_extents = report.unrecoverable_extents;
+            }
+            Err(error) => run.errors.push(format!("store: {error}")),
+        }
+        for name in replication.primary_here() {
+            let compared = replication.scrub_target(&name).and_then(|primary| {
+                primary.scrub(
+                    &mut |done, total| {
+                        progress.report(done, total);
+                        pacer.pause();
+                    },
+                    &stopped,
+                )
+            });
+            match compared {
+                Ok(report) if report.interrupted => return None,
+                Ok(report) => {
+                    run.volumes_compared += 1;
+                    run.volume_blocks_repaired +=
+                        report.local_blocks_repaired + report.replica_blocks_repaired;
+                }
+                Err(error) => run.errors.push(format!("volume {name:?}: {error}")),
+            }
+        }
+        Some(run)
+    }
 }
 
 /// This node's report to the cluster leader: free space per data directory, poisoned store.

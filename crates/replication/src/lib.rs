@@ -306,6 +306,22 @@ impl Replication {
         }
     }
 
+    /// The replicated volumes this node is named primary of: those a scheduled scrub compares.
+    pub fn primary_here(&self) -> Vec<String> {
+        let local = self.shared.local_node;
+        self.shared
+            .metadata
+            .catalog()
+            .read()
+            .ready_volumes()
+            .filter(|entry| {
+                entry.record.replication.replicas.len() > 1
+                    && entry.record.replication.primary == local
+            })
+            .map(|entry| entry.record.name.clone())
+            .collect()
+    }
+
     /// The primary to scrub a replicated volume through ([`Primary::scrub`]): served here
     /// already, or named primary here and served from now on (as if a client attached).
     /// Another node is refused with the primary's address; a volume with one replica has

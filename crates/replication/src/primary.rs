@@ -188,6 +188,8 @@ pub struct ScrubReport {
     pub local_blocks_repaired: u64,
     /// Blocks of replicas that differed from this copy (or were damaged there), replaced.
     pub replica_blocks_repaired: u64,
+    /// Stopped before the end (asked to).
+    pub interrupted: bool,
 }
 
 /// Whether a replica's hashes (empty: never written, zeroes) differ from `ours`.
@@ -1122,10 +1124,12 @@ impl Primary {
     /// differs: a damaged block of this copy is healed from a replica on read
     /// ([`Primary::read_repairing`]); a replica's block that differs still after a FLUSH (so no
     /// write in flight explains it) is replaced by this copy's, on the replica's stream.
-    /// Stretches neither side ever wrote are skipped. Blocking.
+    /// Stretches neither side ever wrote are skipped. `stop` is asked after each chunk: true
+    /// ends the scrub early (`interrupted`). Blocking.
     pub fn scrub(
         self: &Arc<Self>,
         progress: &mut dyn FnMut(u64, u64),
+        stop: &dyn Fn() -> bool,
     ) -> VolumeResult<ScrubReport> {
         let size = self.local.size_bytes();
         let block = u64::from(self.local.block_size_bytes());
@@ -1159,6 +1163,10 @@ impl Primary {
                     offset += stretch;
                     report.skipped_bytes += stretch;
                     progress(offset, size);
+                    if stop() {
+                        report.interrupted = true;
+                        break;
+                    }
                     continue;
                 }
                 probed_to = offset + stretch;
@@ -1193,6 +1201,10 @@ impl Primary {
             report.compared_bytes += length;
             offset += length;
             progress(offset, size);
+            if stop() {
+                report.interrupted = true;
+                break;
+            }
         }
         // What was shipped is durable on every replica before the report says so.
         self.flush()?;

@@ -280,7 +280,17 @@ impl Store {
     /// Verifies every live extent on every device, repairing bad copies from good ones.
     /// Safe to interrupt: it only rewrites an extent in place with bytes that verified.
     pub fn scrub(&self, progress: &mut dyn FnMut(Progress)) -> StoreResult<ScrubReport> {
-        scrub::scrub(&self.engine, progress)
+        scrub::scrub(&self.engine, progress, &|| false)
+    }
+
+    /// [`Store::scrub`], stopping early (the report says `interrupted`) once `stop` answers
+    /// true; it is asked after each page of extents.
+    pub fn scrub_until(
+        &self,
+        progress: &mut dyn FnMut(Progress),
+        stop: &dyn Fn() -> bool,
+    ) -> StoreResult<ScrubReport> {
+        scrub::scrub(&self.engine, progress, stop)
     }
 
     /// Rewrites the live extents of segments whose dead share is at least `dead_ratio_min`

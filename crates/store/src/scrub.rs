@@ -25,11 +25,14 @@ pub struct ScrubReport {
     pub unrecoverable_extents: u64,
     /// Hex keys of (some of) the unrecoverable extents.
     pub unrecoverable_keys: Vec<String>,
+    /// Stopped before the end (`Store::scrub_until`).
+    pub interrupted: bool,
 }
 
 pub(crate) fn scrub(
     engine: &Engine,
     progress: &mut dyn FnMut(Progress),
+    stop: &dyn Fn() -> bool,
 ) -> StoreResult<ScrubReport> {
     let _maintenance = engine
         .maintenance
@@ -65,6 +68,10 @@ pub(crate) fn scrub(
             done: report.extents_checked,
             total: total.max(report.extents_checked),
         });
+        if stop() {
+            report.interrupted = true;
+            break;
+        }
     }
     report.repaired_copies = engine.repaired_extents.load(Ordering::Relaxed) - before;
     Ok(report)
