@@ -45,6 +45,7 @@ pub(crate) fn s3_error(error: ObjectError) -> S3Error {
         E::InvalidPartOrder => S3Error::with_message(S3ErrorCode::InvalidPartOrder, message),
         E::EntityTooSmall { .. } => S3Error::with_message(S3ErrorCode::EntityTooSmall, message),
         E::PreconditionFailed(_) => S3Error::with_message(S3ErrorCode::PreconditionFailed, message),
+        E::InvalidTag(_) => S3Error::with_message(S3ErrorCode::InvalidTag, message),
         E::NoSuchAccessKey(_) => S3Error::with_message(S3ErrorCode::InvalidAccessKeyId, message),
         E::AccessKeyExists(_) => S3Error::with_message(S3ErrorCode::InvalidArgument, message),
         E::Unavailable(_) => S3Error::with_message(S3ErrorCode::ServiceUnavailable, message),

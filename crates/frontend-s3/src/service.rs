@@ -9,8 +9,8 @@ use futures::StreamExt;
 use keel_namespace::object::list::{ListRequest, ListResult, ListStart, LIST_ENTRIES_MAX};
 use keel_namespace::object::multipart::PARTS_MAX;
 use keel_namespace::object::{
-    now_unix_ms, validate_object_key, Checksums, Content, Manifest, ObjectError, Objects,
-    PartRecord, PinSet, PutCondition, StoredHeaders, UploadRecord,
+    now_unix_ms, validate_object_key, validate_tags, Checksums, Content, Manifest, ObjectError,
+    Objects, PartRecord, PinSet, PutCondition, StoredHeaders, Tags, UploadRecord,
 };
 use s3s::dto::*;
 use s3s::{s3_error, S3Error, S3ErrorCode, S3Request, S3Response, S3Result, S3};
@@ -334,6 +334,30 @@ fn checksum_fields(checksums: &Checksums) -> ChecksumFields {
     )
 }
 
+/// The tags of an `x-amz-tagging` header (URL-encoded `key=value` pairs joined by `&`),
+/// checked against S3's rules; none without the header.
+fn tags_from_header(header: Option<&str>) -> S3Result<Tags> {
+    let Some(header) = header.filter(|header| !header.is_empty()) else {
+        return Ok(Tags::new());
+    };
+    let tags: Tags = form_urlencoded::parse(header.as_bytes())
+        .map(|(key, value)| (key.into_owned(), value.into_owned()))
+        .collect();
+    validate_tags(&tags).map_err(s3_error)?;
+    Ok(tags)
+}
+
+/// The tags of a PutObjectTagging body, checked against S3's rules.
+fn tags_from_body(tagging: Tagging) -> S3Result<Tags> {
+    let tags: Tags = tagging
+        .tag_set
+        .into_iter()
+        .map(|tag| (tag.key.unwrap_or_default(), tag.value.unwrap_or_default()))
+        .collect();
+    validate_tags(&tags).map_err(s3_error)?;
+    Ok(tags)
+}
+
 fn copy_source_parts(source: &CopySource) -> S3Result<(String, String)> {
     match source {
         CopySource::Bucket { bucket, key, .. } => Ok((bucket.to_string(), key.to_string())),
@@ -384,6 +408,12 @@ impl KeelS3 {
         let objects = self.objects.clone();
         let (bucket, key) = (bucket.to_string(), key.to_string());
         blocking(move || objects.get_manifest(&bucket, &key)).await
+    }
+
+    async fn set_tags(&self, bucket: String, key: String, tags: Tags) -> S3Result<()> {
+        check_key(&key)?;
+        let objects = self.objects.clone();
+        blocking(move || objects.set_object_tags(&bucket, &key, tags)).await
     }
 
     /// NoSuchBucket unless `bucket` exists (access was checked by the auth layer).
@@ -549,6 +579,7 @@ impl S3 for KeelS3 {
             &headers,
         )?;
         let metadata = user_metadata(input.metadata)?;
+        let tags = tags_from_header(input.tagging.as_deref())?;
         let condition = PutCondition {
             if_none_match_any: input
                 .if_none_match
@@ -596,6 +627,7 @@ impl S3 for KeelS3 {
             },
             metadata,
             checksums: ingested.checksums.clone(),
+            tags,
         };
         let pins = ingested.pins;
         let objects = self.objects.clone();
@@ -663,6 +695,7 @@ impl S3 for KeelS3 {
             content_range,
             checksums,
             body: Some(StreamingBlob::wrap(stream)),
+            tag_count: (!manifest.tags.is_empty()).then_some(manifest.tags.len() as i32),
         )))
     }
 
@@ -693,6 +726,44 @@ impl S3 for KeelS3 {
             content_range,
             checksums,
         )))
+    }
+
+    async fn get_object_tagging(
+        &self,
+        req: S3Request<GetObjectTaggingInput>,
+    ) -> S3Result<S3Response<GetObjectTaggingOutput>> {
+        let input = req.input;
+        let manifest = self.manifest(&input.bucket, &input.key).await?;
+        Ok(S3Response::new(GetObjectTaggingOutput {
+            tag_set: manifest
+                .tags
+                .into_iter()
+                .map(|(key, value)| Tag {
+                    key: Some(key),
+                    value: Some(value),
+                })
+                .collect(),
+            version_id: None,
+        }))
+    }
+
+    async fn put_object_tagging(
+        &self,
+        req: S3Request<PutObjectTaggingInput>,
+    ) -> S3Result<S3Response<PutObjectTaggingOutput>> {
+        let input = req.input;
+        let tags = tags_from_body(input.tagging)?;
+        self.set_tags(input.bucket, input.key, tags).await?;
+        Ok(S3Response::new(PutObjectTaggingOutput::default()))
+    }
+
+    async fn delete_object_tagging(
+        &self,
+        req: S3Request<DeleteObjectTaggingInput>,
+    ) -> S3Result<S3Response<DeleteObjectTaggingOutput>> {
+        let input = req.input;
+        self.set_tags(input.bucket, input.key, Tags::new()).await?;
+        Ok(S3Response::new(DeleteObjectTaggingOutput::default()))
     }
 
     async fn delete_object(
@@ -792,6 +863,13 @@ impl S3 for KeelS3 {
         check_conditions(&source, &conditions, true)?;
         let mut manifest = source.clone();
         manifest.modified_unix_ms = now_unix_ms();
+        if input
+            .tagging_directive
+            .as_ref()
+            .is_some_and(|d| d.as_str() == TaggingDirective::REPLACE)
+        {
+            manifest.tags = tags_from_header(input.tagging.as_deref())?;
+        }
         if replace {
             manifest.metadata = user_metadata(input.metadata)?;
             manifest.headers = StoredHeaders {
@@ -1061,6 +1139,7 @@ impl S3 for KeelS3 {
                 .checksum_algorithm
                 .as_ref()
                 .map(|a| a.as_str().to_string()),
+            tags: tags_from_header(input.tagging.as_deref())?,
         };
         let objects = self.objects.clone();
         let bucket = input.bucket.clone();

@@ -29,9 +29,10 @@ fn manifest_strategy() -> impl Strategy<Value = Manifest> {
         any::<i64>(),
         proptest::collection::vec(("[a-z]{1,8}", ".{0,16}"), 0..4),
         proptest::option::of(".{0,20}"),
+        proptest::collection::vec(("[a-z]{1,8}", ".{0,16}"), 0..4),
     )
         .prop_map(
-            |(content, etag, modified_unix_ms, metadata, content_type)| {
+            |(content, etag, modified_unix_ms, metadata, content_type, tags)| {
                 let size_bytes = match &content {
                     Content::Inline(data) => data.len() as u64,
                     Content::Chunks(chunks) => {
@@ -50,6 +51,7 @@ fn manifest_strategy() -> impl Strategy<Value = Manifest> {
                     },
                     metadata,
                     checksums: Checksums::default(),
+                    tags,
                 }
             },
         )
@@ -99,7 +101,7 @@ proptest! {
     // Manifests round-trip through their encoding.
     #[test]
     fn manifest_round_trip(manifest in manifest_strategy()) {
-        let bytes = records::encode(&manifest);
+        let bytes = records::encode_manifest(&manifest);
         prop_assert_eq!(records::decode_manifest(&bytes).unwrap(), manifest);
     }
 
@@ -114,14 +116,14 @@ proptest! {
         cut in any::<usize>(),
     ) {
         let _ = records::decode_manifest(&garbage);
-        let encoded = records::encode(&manifest);
+        let encoded = records::encode_manifest(&manifest);
         let mut bytes = encoded.clone();
         for (position, value) in flips {
             let index = position % bytes.len();
             bytes[index] ^= value;
         }
         if let Ok(decoded) = records::decode_manifest(&bytes) {
-            let again = records::decode_manifest(&records::encode(&decoded)).unwrap();
+            let again = records::decode_manifest(&records::encode_manifest(&decoded)).unwrap();
             prop_assert_eq!(again, decoded);
         }
         let prefix = &encoded[..cut % encoded.len()];

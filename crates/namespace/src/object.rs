@@ -36,7 +36,7 @@ pub use chunks::{ChunkStore, LocalChunkStore, PinSet, PinTable, Stripes};
 pub use list::{ListEntry, ListRequest, ListResult};
 pub use records::{
     BucketRecord, Checksums, ChunkRef, Content, KeyRecord, Manifest, PartRecord, StoredHeaders,
-    UploadRecord,
+    Tags, UploadRecord, TAGS_MAX,
 };
 
 /// Largest chunk an object is cut into. Fixed-size chunks: dedup works for identical objects and
@@ -96,6 +96,8 @@ pub enum ObjectError {
     EntityTooSmall { part_number: u32, size_bytes: u64 },
     #[error("precondition failed: {0}")]
     PreconditionFailed(&'static str),
+    #[error("invalid tag: {0}")]
+    InvalidTag(String),
 }
 
 impl ObjectError {
@@ -152,6 +154,50 @@ pub fn validate_object_key(key: &str) -> Result<(), ObjectError> {
         return Err(ObjectError::InvalidArgument(
             "object key contains a NUL byte".into(),
         ));
+    }
+    Ok(())
+}
+
+/// Inline objects are small: zstd's per-extent setup costs more than it saves there, so a
+/// compressing bucket gets lz4 for their manifests; chunk lists do not compress.
+fn manifest_compression(manifest: &Manifest, bucket: Compression) -> Compression {
+    match (&manifest.content, bucket) {
+        (Content::Inline(_), Compression::None) | (Content::Chunks(_), _) => Compression::None,
+        (Content::Inline(_), _) => Compression::Lz4,
+    }
+}
+
+/// Tag keys S3 accepts, in characters.
+const TAG_KEY_MAX_CHARS: usize = 128;
+/// Tag values S3 accepts, in characters.
+const TAG_VALUE_MAX_CHARS: usize = 256;
+
+/// S3's rules for an object's tags: at most [`TAGS_MAX`], keys of 1 to 128 characters and
+/// values of at most 256, each key once.
+pub fn validate_tags(tags: &Tags) -> Result<(), ObjectError> {
+    if tags.len() > TAGS_MAX {
+        return Err(ObjectError::InvalidTag(format!(
+            "an object may carry at most {TAGS_MAX} tags ({} given)",
+            tags.len()
+        )));
+    }
+    let mut seen = HashSet::new();
+    for (key, value) in tags {
+        if key.is_empty() || key.chars().count() > TAG_KEY_MAX_CHARS {
+            return Err(ObjectError::InvalidTag(format!(
+                "tag keys are 1 to {TAG_KEY_MAX_CHARS} characters ({key:?})"
+            )));
+        }
+        if value.chars().count() > TAG_VALUE_MAX_CHARS {
+            return Err(ObjectError::InvalidTag(format!(
+                "tag values are at most {TAG_VALUE_MAX_CHARS} characters (the value of {key:?})"
+            )));
+        }
+        if !seen.insert(key.as_str()) {
+            return Err(ObjectError::InvalidTag(format!(
+                "tag key {key:?} is given more than once"
+            )));
+        }
     }
     Ok(())
 }
@@ -786,6 +832,7 @@ impl Objects {
         condition: &PutCondition,
     ) -> Result<(), ObjectError> {
         validate_object_key(key)?;
+        validate_tags(&manifest.tags)?;
         manifest.check()?;
         let (entry, _) = self.open_bucket(bucket)?;
         let guard = self.gate(&entry, bucket)?;
@@ -802,18 +849,36 @@ impl Objects {
                 *deltas.entry(chunk.hash).or_insert(0) -= 1;
             }
         }
-        // Inline objects are small: zstd's per-extent setup costs more than it saves there, so a
-        // compressing bucket gets lz4 for them; chunk lists do not compress.
-        let compression = match (&manifest.content, guard.compression) {
-            (Content::Inline(_), Compression::None) | (Content::Chunks(_), _) => Compression::None,
-            (Content::Inline(_), _) => Compression::Lz4,
-        };
         let ops = vec![WriteOp::put(
             record_key,
-            records::encode(manifest),
-            compression,
+            records::encode_manifest(manifest),
+            manifest_compression(manifest, guard.compression),
         )];
         self.commit(ops, deltas)
+    }
+
+    /// Replaces the tags of object `key`, durably; nothing else about it changes (not its
+    /// modification time, as in S3).
+    pub fn set_object_tags(&self, bucket: &str, key: &str, tags: Tags) -> Result<(), ObjectError> {
+        validate_object_key(key)?;
+        validate_tags(&tags)?;
+        let (entry, _) = self.open_bucket(bucket)?;
+        let guard = self.gate(&entry, bucket)?;
+        let record_key = records::object_key(bucket, key);
+        let _locks = self.lock_keys(&[&record_key]);
+        let mut manifest =
+            self.read_manifest_at(&record_key)?
+                .ok_or_else(|| ObjectError::NoSuchKey {
+                    bucket: bucket.to_string(),
+                    key: key.to_string(),
+                })?;
+        manifest.tags = tags;
+        let ops = vec![WriteOp::put(
+            record_key,
+            records::encode_manifest(&manifest),
+            manifest_compression(&manifest, guard.compression),
+        )];
+        self.commit(ops, HashMap::new())
     }
 
     /// The manifest of `key` in `bucket`.

@@ -78,6 +78,7 @@ fn put_object(objects: &Objects, key: &str, data: &[u8]) {
         headers: StoredHeaders::default(),
         metadata: Vec::new(),
         checksums: Checksums::default(),
+        tags: Vec::new(),
     };
     objects
         .put_object("bkt", key, &manifest, &PutCondition::default())

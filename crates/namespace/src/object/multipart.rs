@@ -54,12 +54,13 @@ impl Objects {
     /// Starts a multipart upload with the id the caller generated.
     pub fn create_upload(&self, bucket: &str, record: &UploadRecord) -> Result<(), ObjectError> {
         validate_object_key(&record.key)?;
+        super::validate_tags(&record.tags)?;
         check_upload_id(&record.upload_id)?;
         let (entry, _) = self.open_bucket(bucket)?;
         let _bucket = self.gate(&entry, bucket)?;
         let op = WriteOp::put(
             records::upload_key(bucket, &record.key, &record.upload_id),
-            records::encode(record),
+            records::encode_upload(record),
             Compression::None,
         );
         self.store()
@@ -93,7 +94,7 @@ impl Objects {
             .get(&records::upload_key(bucket, key, upload_id))
             .map_err(|e| store_error("reading a multipart upload", e))?
             .ok_or_else(|| ObjectError::NoSuchUpload(upload_id.to_string()))?;
-        records::decode(&value, "multipart upload record")
+        records::decode_upload(&value)
     }
 
     /// Records an uploaded part (replacing a previous upload of the same part number).
@@ -237,7 +238,7 @@ impl Objects {
         let uploads = batch
             .iter()
             .take(max_uploads)
-            .map(|(_, value)| records::decode::<UploadRecord>(value, "multipart upload record"))
+            .map(|(_, value)| records::decode_upload(value))
             .collect::<Result<Vec<_>, _>>()?;
         Ok((uploads, truncated))
     }
@@ -341,6 +342,7 @@ impl Objects {
             headers: upload.headers.clone(),
             metadata: upload.metadata.clone(),
             checksums: Default::default(),
+            tags: upload.tags.clone(),
         };
         manifest.check()?;
         let chosen_numbers: std::collections::HashSet<u32> =
@@ -360,7 +362,11 @@ impl Objects {
             }
         }
         let mut ops = vec![
-            WriteOp::put(object_key, records::encode(&manifest), Compression::None),
+            WriteOp::put(
+                object_key,
+                records::encode_manifest(&manifest),
+                Compression::None,
+            ),
             WriteOp::Delete { key: upload_key },
         ];
         for part in &stored {

@@ -14,16 +14,26 @@
 //! | `s3/upload/<bucket>\0<object key>\0<upload id>`  | [`UploadRecord`] |
 //! | `s3/part/<bucket>\0<upload id>\0<part u32 BE>`   | [`PartRecord`]   |
 //!
-//! Every value starts with a format version byte ([`RECORD_VERSION`]) followed by postcard.
-//! Decoding never panics on arbitrary bytes: it returns [`ObjectError::CorruptRecord`].
+//! Every value starts with a format version byte followed by postcard: [`RECORD_VERSION`], or
+//! for manifests and upload records [`TAGGED_RECORD_VERSION`] (they gained object tags; their
+//! version 1 still decodes, without tags). Decoding never panics on arbitrary bytes: it returns
+//! [`ObjectError::CorruptRecord`].
 
 use keel_store::meta_key;
 use serde::{Deserialize, Serialize};
 
 use super::ObjectError;
 
-/// Format version written as the first byte of every record value.
+/// Format version written as the first byte of a part record.
 pub const RECORD_VERSION: u8 = 1;
+/// Format version of manifests and upload records, which carry object tags since.
+pub const TAGGED_RECORD_VERSION: u8 = 2;
+
+/// An object's tags (`x-amz-tagging`, PutObjectTagging), in the order given; at most
+/// [`TAGS_MAX`], keys unique.
+pub type Tags = Vec<(String, String)>;
+/// Tags an object may carry (S3's limit).
+pub const TAGS_MAX: usize = 10;
 
 /// One chunk of an object: the BLAKE3 hash of its bytes (its address in the store) and its length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -122,6 +132,36 @@ pub struct Manifest {
     /// User metadata (`x-amz-meta-*`), names lower-case, sorted.
     pub metadata: Vec<(String, String)>,
     pub checksums: Checksums,
+    pub tags: Tags,
+}
+
+/// A manifest as version 1 wrote it: no tags.
+#[derive(Deserialize)]
+struct ManifestV1 {
+    size_bytes: u64,
+    etag: String,
+    modified_unix_ms: i64,
+    content: Content,
+    part_sizes_bytes: Vec<u64>,
+    headers: StoredHeaders,
+    metadata: Vec<(String, String)>,
+    checksums: Checksums,
+}
+
+impl From<ManifestV1> for Manifest {
+    fn from(v1: ManifestV1) -> Manifest {
+        Manifest {
+            size_bytes: v1.size_bytes,
+            etag: v1.etag,
+            modified_unix_ms: v1.modified_unix_ms,
+            content: v1.content,
+            part_sizes_bytes: v1.part_sizes_bytes,
+            headers: v1.headers,
+            metadata: v1.metadata,
+            checksums: v1.checksums,
+            tags: Tags::new(),
+        }
+    }
 }
 
 impl Manifest {
@@ -156,6 +196,33 @@ pub struct UploadRecord {
     pub metadata: Vec<(String, String)>,
     /// The checksum algorithm the client announced (`CRC32`, `CRC32C`, `SHA256`, ...), if any.
     pub checksum_algorithm: Option<String>,
+    /// The tags the completed object gets (`x-amz-tagging` at creation).
+    pub tags: Tags,
+}
+
+/// An upload record as version 1 wrote it: no tags.
+#[derive(Deserialize)]
+struct UploadRecordV1 {
+    key: String,
+    upload_id: String,
+    initiated_unix_ms: i64,
+    headers: StoredHeaders,
+    metadata: Vec<(String, String)>,
+    checksum_algorithm: Option<String>,
+}
+
+impl From<UploadRecordV1> for UploadRecord {
+    fn from(v1: UploadRecordV1) -> UploadRecord {
+        UploadRecord {
+            key: v1.key,
+            upload_id: v1.upload_id,
+            initiated_unix_ms: v1.initiated_unix_ms,
+            headers: v1.headers,
+            metadata: v1.metadata,
+            checksum_algorithm: v1.checksum_algorithm,
+            tags: Tags::new(),
+        }
+    }
 }
 
 /// One uploaded part of a multipart upload.
@@ -170,9 +237,27 @@ pub struct PartRecord {
     pub checksums: Checksums,
 }
 
+/// Records written at [`RECORD_VERSION`] (manifests and upload records have their own
+/// functions, at [`TAGGED_RECORD_VERSION`]).
+pub trait PlainRecord: Serialize + for<'de> Deserialize<'de> {}
+
+impl PlainRecord for PartRecord {}
+
 /// Serializes a record: version byte, then postcard.
-pub fn encode<T: Serialize>(record: &T) -> Vec<u8> {
-    let mut out = vec![RECORD_VERSION];
+pub fn encode<T: PlainRecord>(record: &T) -> Vec<u8> {
+    encode_as(RECORD_VERSION, record)
+}
+
+pub fn encode_manifest(manifest: &Manifest) -> Vec<u8> {
+    encode_as(TAGGED_RECORD_VERSION, manifest)
+}
+
+pub fn encode_upload(upload: &UploadRecord) -> Vec<u8> {
+    encode_as(TAGGED_RECORD_VERSION, upload)
+}
+
+fn encode_as<T: Serialize>(version: u8, record: &T) -> Vec<u8> {
+    let mut out = vec![version];
     // postcard only fails on writer errors or unsupported serde shapes; our records are plain
     // structs written to a Vec, so a failure is a programming error.
     let body = postcard::to_allocvec(record).expect("postcard encodes plain records into a Vec");
@@ -181,30 +266,57 @@ pub fn encode<T: Serialize>(record: &T) -> Vec<u8> {
 }
 
 /// Parses a record written by [`encode`]; `what` names it in the error.
-pub fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8], what: &str) -> Result<T, ObjectError> {
-    match bytes.split_first() {
-        Some((&RECORD_VERSION, body)) => {
-            postcard::from_bytes(body).map_err(|error| ObjectError::CorruptRecord {
-                what: what.to_string(),
-                reason: error.to_string(),
-            })
-        }
-        Some((version, _)) => Err(ObjectError::CorruptRecord {
-            what: what.to_string(),
-            reason: format!("unknown record version {version}"),
-        }),
-        None => Err(ObjectError::CorruptRecord {
-            what: what.to_string(),
-            reason: "empty record".into(),
-        }),
+pub fn decode<T: PlainRecord>(bytes: &[u8], what: &str) -> Result<T, ObjectError> {
+    match split_version(bytes, what)? {
+        (RECORD_VERSION, body) => decode_body(body, what),
+        (version, _) => Err(unknown_version(what, version)),
     }
 }
 
-/// Decodes a manifest and checks it.
+/// Decodes a manifest (either version) and checks it.
 pub fn decode_manifest(bytes: &[u8]) -> Result<Manifest, ObjectError> {
-    let manifest: Manifest = decode(bytes, "object manifest")?;
+    const WHAT: &str = "object manifest";
+    let manifest: Manifest = match split_version(bytes, WHAT)? {
+        (RECORD_VERSION, body) => decode_body::<ManifestV1>(body, WHAT)?.into(),
+        (TAGGED_RECORD_VERSION, body) => decode_body(body, WHAT)?,
+        (version, _) => return Err(unknown_version(WHAT, version)),
+    };
     manifest.check()?;
     Ok(manifest)
+}
+
+/// Decodes an upload record (either version).
+pub fn decode_upload(bytes: &[u8]) -> Result<UploadRecord, ObjectError> {
+    const WHAT: &str = "multipart upload record";
+    match split_version(bytes, WHAT)? {
+        (RECORD_VERSION, body) => Ok(decode_body::<UploadRecordV1>(body, WHAT)?.into()),
+        (TAGGED_RECORD_VERSION, body) => decode_body(body, WHAT),
+        (version, _) => Err(unknown_version(WHAT, version)),
+    }
+}
+
+fn split_version<'a>(bytes: &'a [u8], what: &str) -> Result<(u8, &'a [u8]), ObjectError> {
+    bytes
+        .split_first()
+        .map(|(version, body)| (*version, body))
+        .ok_or_else(|| ObjectError::CorruptRecord {
+            what: what.to_string(),
+            reason: "empty record".into(),
+        })
+}
+
+fn decode_body<T: for<'de> Deserialize<'de>>(body: &[u8], what: &str) -> Result<T, ObjectError> {
+    postcard::from_bytes(body).map_err(|error| ObjectError::CorruptRecord {
+        what: what.to_string(),
+        reason: error.to_string(),
+    })
+}
+
+fn unknown_version(what: &str, version: u8) -> ObjectError {
+    ObjectError::CorruptRecord {
+        what: what.to_string(),
+        reason: format!("unknown record version {version}"),
+    }
 }
 
 pub fn encode_refcount(count: u64) -> Vec<u8> {

@@ -91,6 +91,7 @@ fn put(objects: &Objects, bucket: &str, key: &str, data: &[u8]) -> Manifest {
         headers: StoredHeaders::default(),
         metadata: vec![("color".into(), "blue".into())],
         checksums: Checksums::default(),
+        tags: Vec::new(),
     };
     objects
         .put_object(bucket, key, &manifest, &PutCondition::default())
@@ -309,6 +310,7 @@ fn start_upload(objects: &Objects, upload_id: &str) {
                 },
                 metadata: Vec::new(),
                 checksum_algorithm: None,
+                tags: vec![("stage".into(), "upload".into())],
             },
         )
         .unwrap();
@@ -529,6 +531,74 @@ fn garbage_collection_frees_only_orphans() {
     drop(pins);
 }
 
+// Proves manifests and upload records written before tags existed (version 1: the same
+// fields in the same order, no tags) still decode, with no tags; tags then round-trip through
+// set_object_tags, which leaves the rest of the object as it was.
+#[test]
+fn version_one_records_decode_and_tags_are_set_in_place() {
+    let headers = StoredHeaders {
+        content_type: Some("text/plain".into()),
+        ..Default::default()
+    };
+    let v1_manifest = (
+        3u64,
+        "etag".to_string(),
+        7i64,
+        Content::Inline(vec![1, 2, 3]),
+        Vec::<u64>::new(),
+        headers.clone(),
+        vec![("a".to_string(), "b".to_string())],
+        Checksums::default(),
+    );
+    let mut bytes = vec![records::RECORD_VERSION];
+    bytes.extend(postcard::to_allocvec(&v1_manifest).unwrap());
+    let manifest = records::decode_manifest(&bytes).unwrap();
+    assert_eq!((manifest.size_bytes, manifest.modified_unix_ms), (3, 7));
+    assert_eq!(manifest.headers, headers);
+    assert!(manifest.tags.is_empty());
+
+    let v1_upload = (
+        "key".to_string(),
+        "upload".to_string(),
+        9i64,
+        headers.clone(),
+        Vec::<(String, String)>::new(),
+        Some("CRC32C".to_string()),
+    );
+    let mut bytes = vec![records::RECORD_VERSION];
+    bytes.extend(postcard::to_allocvec(&v1_upload).unwrap());
+    let upload = records::decode_upload(&bytes).unwrap();
+    assert_eq!(upload.checksum_algorithm.as_deref(), Some("CRC32C"));
+    assert!(upload.tags.is_empty());
+
+    let (_dir, objects) = with_bucket("tags-in-place");
+    let written = put(&objects, "bucket", "tagged", b"tagged bytes");
+    let tags = vec![("project".to_string(), "keel".to_string())];
+    objects
+        .set_object_tags("bucket", "tagged", tags.clone())
+        .unwrap();
+    let read = objects.get_manifest("bucket", "tagged").unwrap();
+    assert_eq!(read.tags, tags);
+    assert_eq!(read, Manifest { tags, ..written });
+    let eleven: Tags = (0..11).map(|i| (format!("k{i}"), String::new())).collect();
+    assert!(matches!(
+        objects.set_object_tags("bucket", "tagged", eleven),
+        Err(ObjectError::InvalidTag(_))
+    ));
+    let twice = vec![
+        ("k".to_string(), "1".to_string()),
+        ("k".to_string(), "2".to_string()),
+    ];
+    assert!(matches!(
+        objects.set_object_tags("bucket", "tagged", twice),
+        Err(ObjectError::InvalidTag(_))
+    ));
+    assert!(matches!(
+        objects.set_object_tags("bucket", "absent", Vec::new()),
+        Err(ObjectError::NoSuchKey { .. })
+    ));
+}
+
 // Proves decoders refuse garbage with an error instead of panicking or misreading.
 #[test]
 fn corrupt_records_are_errors() {
@@ -544,12 +614,13 @@ fn corrupt_records_are_errors() {
         headers: StoredHeaders::default(),
         metadata: Vec::new(),
         checksums: Checksums::default(),
+        tags: vec![("k".into(), "v".into())],
     };
     // Size disagrees with content: refused.
-    assert!(records::decode_manifest(&records::encode(&manifest)).is_err());
+    assert!(records::decode_manifest(&records::encode_manifest(&manifest)).is_err());
     manifest.size_bytes = 3;
     assert_eq!(
-        records::decode_manifest(&records::encode(&manifest)).unwrap(),
+        records::decode_manifest(&records::encode_manifest(&manifest)).unwrap(),
         manifest
     );
     assert!(records::decode_refcount(&[1, 2, 3]).is_err());
