@@ -153,6 +153,58 @@ def test_nbd_request_latency_histograms_count_every_request(server):
     assert infinite and int(infinite.group(1)) == 8, text
 
 
+def samples(text, name):
+    """{frozenset of (label, value): value} of every sample of metric `name`."""
+    found = {}
+    for labels, value in re.findall(rf'^{name}\{{([^}}]*)\}} (\S+)$', text, re.M):
+        found[frozenset(re.findall(r'(\w+)="([^"]*)"', labels))] = float(value)
+    return found
+
+
+def test_per_volume_metrics_say_which_volume_does_the_io(make_server, workdir):
+    """`keel_volume_request_seconds{volume,op}` and `keel_volume_bytes_total{volume,direction}`
+    count each volume's NBD requests and bytes apart (issue 14: which volume eats the IOPS);
+    past 64 volumes, further ones count together under `volume="_other"`."""
+    from nbd_client import Client
+    server = make_server()
+    host, port = server.nbd.rsplit(":", 1)
+    for name in ("busy", "quiet"):
+        server.cli("volume", "create", name, "--size", "1M")
+    busy = Client(host, int(port), "busy")
+    for index in range(5):
+        busy.write(index * 4096, bytes([index + 1]) * 4096)
+    busy.flush()
+    busy.close()
+    quiet = Client(host, int(port), "quiet")
+    assert quiet.read(0, 8192) == bytes(8192)
+    quiet.close()
+    code, metrics = http("GET", f"http://{server.admin}/metrics")
+    assert code == 200
+    text = metrics.decode()
+    counts = samples(text, "keel_volume_request_seconds_count")
+    assert counts[frozenset({("volume", "busy"), ("op", "write")})] == 5, counts
+    assert counts[frozenset({("volume", "busy"), ("op", "flush")})] == 1, counts
+    assert counts[frozenset({("volume", "quiet"), ("op", "read")})] == 1, counts
+    assert counts[frozenset({("volume", "quiet"), ("op", "write")})] == 0, counts
+    moved = samples(text, "keel_volume_bytes_total")
+    assert moved[frozenset({("volume", "busy"), ("direction", "write")})] == 5 * 4096, moved
+    assert moved[frozenset({("volume", "quiet"), ("direction", "read")})] == 8192, moved
+    assert moved[frozenset({("volume", "quiet"), ("direction", "write")})] == 0, moved
+
+    for index in range(64):
+        name = f"many-{index:02}"
+        server.cli("volume", "create", name, "--size", "64K")
+        client = Client(host, int(port), name)
+        client.write(0, b"m" * 4096)
+        client.close()
+    code, metrics = http("GET", f"http://{server.admin}/metrics")
+    moved = samples(metrics.decode(), "keel_volume_bytes_total")
+    volumes = {dict(labels)["volume"] for labels in moved}
+    assert len(volumes) == 65 and "_other" in volumes, sorted(volumes)
+    # busy and quiet came first, then 62 of the others; the last two share `_other`.
+    assert moved[frozenset({("volume", "_other"), ("direction", "write")})] == 2 * 4096, moved
+
+
 def test_nearly_full_data_directory_warns_with_its_code(workdir, make_server):
     """Over the configured fill level, health is HEALTH_WARN with KEEL_NEARFULL, the usage and the
     action, in `keel status` and in /metrics; a level of 0 or above 100 is refused at start."""

@@ -15,6 +15,7 @@ pub mod auth;
 pub mod error;
 pub mod ingest;
 pub mod keys;
+pub mod metrics;
 pub mod read;
 pub mod service;
 pub mod token;
@@ -30,6 +31,7 @@ use keel_namespace::object::{
     parse_compression, BucketInfo, BucketRecord, GcReport, KeyRecord, Objects,
 };
 use keel_store::{Compression, Store};
+use metrics::S3Metrics;
 use s3s::config::{S3Config, StaticConfigProvider};
 use s3s::service::{S3Service, S3ServiceBuilder};
 use tokio::net::TcpListener;
@@ -64,6 +66,7 @@ pub struct KeyInfo {
 #[derive(Clone)]
 pub struct S3Frontend {
     objects: Arc<Objects>,
+    metrics: S3Metrics,
 }
 
 impl S3Frontend {
@@ -72,18 +75,24 @@ impl S3Frontend {
         store: Store,
         metadata: Arc<dyn keel_catalog::Metadata>,
     ) -> Result<S3Frontend, FrontendError> {
-        Ok(S3Frontend {
-            objects: Objects::open(store, metadata)?,
-        })
+        Ok(S3Frontend::with_objects(Objects::open(store, metadata)?))
     }
 
     /// A frontend over an already opened object layer (e.g. with a cluster `ChunkStore`).
     pub fn with_objects(objects: Arc<Objects>) -> S3Frontend {
-        S3Frontend { objects }
+        S3Frontend {
+            objects,
+            metrics: S3Metrics::default(),
+        }
     }
 
     pub fn objects(&self) -> &Arc<Objects> {
         &self.objects
+    }
+
+    /// Per-bucket request metrics of [`serve`] (`docs/s3.md`).
+    pub fn metrics(&self) -> &S3Metrics {
+        &self.metrics
     }
 
     /// First start: makes sure a key exists. With `env_id` and `env_secret` (from
@@ -260,7 +269,10 @@ pub async fn serve(
     frontend: S3Frontend,
     shutdown: impl Future<Output = ()> + Send,
 ) -> std::io::Result<()> {
-    let service = unread::CloseOnUnreadBody(frontend.service());
+    let service = unread::CloseOnUnreadBody {
+        service: frontend.service(),
+        metrics: frontend.metrics.clone(),
+    };
     // Free chunks orphaned by a crash or an abandoned upload, once per start, in the background
     // (safe beside live uploads: they pin what they rely on).
     let objects = frontend.objects.clone();

@@ -6,23 +6,30 @@
 //! or path no longer matches what the client signed, answered with a spurious
 //! `SignatureDoesNotMatch`. So an answer given before its request's body ended closes the
 //! connection (`Connection: close`), as HTTP/1.1 allows.
+//!
+//! The same layer measures each request for `/metrics` ([`crate::metrics`]).
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use futures::future::BoxFuture;
-use http::header::{HeaderValue, CONNECTION};
+use http::header::{HeaderValue, CONNECTION, CONTENT_LENGTH};
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use s3s::service::S3Service;
 use s3s::{HttpError, HttpResponse};
 
+use crate::metrics::S3Metrics;
+
 /// The S3 service, with connections closed after answers that left a body unread.
 #[derive(Clone)]
-pub struct CloseOnUnreadBody(pub S3Service);
+pub struct CloseOnUnreadBody {
+    pub service: S3Service,
+    pub metrics: S3Metrics,
+}
 
 impl hyper::service::Service<http::Request<Incoming>> for CloseOnUnreadBody {
     type Response = HttpResponse;
@@ -31,15 +38,29 @@ impl hyper::service::Service<http::Request<Incoming>> for CloseOnUnreadBody {
 
     fn call(&self, request: http::Request<Incoming>) -> Self::Future {
         let (parts, body) = request.into_parts();
+        let measured = self.metrics.start(parts.uri.path(), parts.method.as_str());
         let ended = Arc::new(AtomicBool::new(body.is_end_stream()));
+        let read_bytes = Arc::new(AtomicU64::new(0));
         let tracked = Tracked {
             inner: body,
             ended: ended.clone(),
+            read_bytes: read_bytes.clone(),
         };
         let request = http::Request::from_parts(parts, s3s::Body::http_body(tracked));
-        let service = self.0.clone();
+        let service = self.service.clone();
+        let metrics = self.metrics.clone();
         Box::pin(async move {
             let mut response = service.call(request).await?;
+            let body_out = response
+                .headers()
+                .get(CONTENT_LENGTH)
+                .and_then(|length| length.to_str().ok()?.parse().ok());
+            measured.finish(
+                &metrics,
+                response.status().as_u16(),
+                read_bytes.load(Ordering::Relaxed),
+                body_out,
+            );
             if !ended.load(Ordering::Acquire) {
                 response
                     .headers_mut()
@@ -50,10 +71,11 @@ impl hyper::service::Service<http::Request<Incoming>> for CloseOnUnreadBody {
     }
 }
 
-/// A request body that records when it has been read to its end.
+/// A request body that records how much of it was read, and when it was read to its end.
 struct Tracked {
     inner: Incoming,
     ended: Arc<AtomicBool>,
+    read_bytes: Arc<AtomicU64>,
 }
 
 impl Body for Tracked {
@@ -65,6 +87,12 @@ impl Body for Tracked {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &polled {
+            if let Some(data) = frame.data_ref() {
+                self.read_bytes
+                    .fetch_add(data.len() as u64, Ordering::Relaxed);
+            }
+        }
         if matches!(polled, Poll::Ready(None)) || self.inner.is_end_stream() {
             self.ended.store(true, Ordering::Release);
         }

@@ -41,7 +41,7 @@ pub struct AppState {
     pub scrub: Arc<crate::scrub_schedule::ScrubSchedule>,
     pub config: Config,
     pub started: Instant,
-    pub nbd_latency: crate::metrics::NbdLatency,
+    pub nbd_metrics: crate::metrics::NbdMetrics,
 }
 
 pub type Shared = Arc<AppState>;
@@ -432,9 +432,10 @@ async fn status(State(state): State<Shared>) -> ApiResult<Json<StatusReport>> {
 
 async fn metrics(State(state): State<Shared>) -> ApiResult<Response> {
     let cluster = state.cluster.status().await;
-    let nbd_latency = state.nbd_latency.clone();
+    let nbd_metrics = state.nbd_metrics.clone();
+    let s3_metrics = state.s3.metrics().clone();
     let report = blocking(move || status_report(&state, cluster)).await?;
-    let text = crate::metrics::render(&report, &nbd_latency).map_err(internal)?;
+    let text = crate::metrics::render(&report, &nbd_metrics, &s3_metrics).map_err(internal)?;
     Ok((
         [(
             header::CONTENT_TYPE,

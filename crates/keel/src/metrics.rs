@@ -8,7 +8,9 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+use std::collections::HashSet;
 use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::admin::StatusReport;
@@ -33,18 +35,46 @@ fn gauge_f64(registry: &mut Registry, name: &str, help: &str, value: f64) {
 }
 
 type OpLabels = [(&'static str, &'static str); 1];
+type VolumeLabels = [(&'static str, String); 2];
 
-/// Latency of NBD requests as the server saw them (from the request read to its reply ready),
-/// one histogram per command: `keel_nbd_request_seconds{op="read|write|flush|trim|zeroes"}`.
-/// Kept for the server's life; each scrape registers a handle on the same histograms.
+/// Volumes with series of their own; requests to any further volume count under
+/// `volume="_other"`, so a node with thousands of volumes keeps a bounded scrape.
+pub const VOLUME_SERIES_MAX: usize = 64;
+const OTHER_VOLUMES: &str = "_other";
+const OPS: [&str; 5] = ["read", "write", "flush", "trim", "zeroes"];
+
+/// NBD request metrics, kept for the server's life (each scrape registers handles on them):
+/// - `keel_nbd_request_seconds{op}`: latency as the server saw it (from the request read to its
+///   reply ready), per command, all volumes together;
+/// - `keel_volume_request_seconds{volume, op}`: the same per volume (its `_count` is the
+///   volume's requests, so `rate()` of it is its IOPS);
+/// - `keel_volume_bytes_total{volume, direction="read|write"}`: bytes read and written.
 #[derive(Clone)]
-pub struct NbdLatency {
+pub struct NbdMetrics {
     family: Family<OpLabels, Histogram, fn() -> Histogram>,
-    pub read: Histogram,
-    pub write: Histogram,
-    pub flush: Histogram,
-    pub trim: Histogram,
-    pub zeroes: Histogram,
+    volume_latency: Family<VolumeLabels, Histogram, fn() -> Histogram>,
+    volume_bytes: Family<VolumeLabels, Counter>,
+    /// Volumes given series of their own so far.
+    named: Arc<Mutex<HashSet<String>>>,
+}
+
+/// The histograms one kind of request of one volume is recorded in: all volumes', its own.
+#[derive(Clone)]
+pub struct OpSeries {
+    all: Histogram,
+    volume: Histogram,
+}
+
+/// One volume's series, held by each of its NBD exports.
+#[derive(Clone)]
+pub struct VolumeSeries {
+    pub read: OpSeries,
+    pub write: OpSeries,
+    pub flush: OpSeries,
+    pub trim: OpSeries,
+    pub zeroes: OpSeries,
+    pub bytes_read: Counter,
+    pub bytes_written: Counter,
 }
 
 fn request_histogram() -> Histogram {
@@ -52,36 +82,90 @@ fn request_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.000_05, 2.0, 16))
 }
 
-impl NbdLatency {
-    pub fn new() -> NbdLatency {
+impl NbdMetrics {
+    pub fn new() -> NbdMetrics {
         let family: Family<OpLabels, Histogram, fn() -> Histogram> =
             Family::new_with_constructor(request_histogram);
-        let op = |name: &'static str| family.get_or_create(&[("op", name)]).clone();
-        NbdLatency {
+        for op in OPS {
+            drop(family.get_or_create(&[("op", op)]));
+        }
+        NbdMetrics {
+            family,
+            volume_latency: Family::new_with_constructor(request_histogram),
+            volume_bytes: Family::default(),
+            named: Arc::default(),
+        }
+    }
+
+    /// The series of `volume` (of `_other` once [`VOLUME_SERIES_MAX`] volumes have theirs).
+    pub fn volume(&self, volume: &str) -> VolumeSeries {
+        let label = {
+            let mut named = self.named.lock().unwrap_or_else(|p| p.into_inner());
+            if named.contains(volume) || named.len() < VOLUME_SERIES_MAX {
+                named.insert(volume.to_string());
+                volume.to_string()
+            } else {
+                OTHER_VOLUMES.to_string()
+            }
+        };
+        let op = |name: &'static str| OpSeries {
+            all: self.family.get_or_create(&[("op", name)]).clone(),
+            volume: self
+                .volume_latency
+                .get_or_create(&[("volume", label.clone()), ("op", name.to_string())])
+                .clone(),
+        };
+        let bytes = |direction: &str| {
+            self.volume_bytes
+                .get_or_create(&[
+                    ("volume", label.clone()),
+                    ("direction", direction.to_string()),
+                ])
+                .clone()
+        };
+        VolumeSeries {
             read: op("read"),
             write: op("write"),
             flush: op("flush"),
             trim: op("trim"),
             zeroes: op("zeroes"),
-            family,
+            bytes_read: bytes("read"),
+            bytes_written: bytes("write"),
         }
     }
 }
 
-/// Runs `request`, recording how long it took in `histogram` (whatever its outcome).
-pub fn timed<T>(histogram: &Histogram, request: impl FnOnce() -> T) -> T {
+/// Runs `request`, recording how long it took in `series` (whatever its outcome).
+pub fn timed<T>(series: &OpSeries, request: impl FnOnce() -> T) -> T {
     let started = Instant::now();
     let outcome = request();
-    histogram.observe(started.elapsed().as_secs_f64());
+    let seconds = started.elapsed().as_secs_f64();
+    series.all.observe(seconds);
+    series.volume.observe(seconds);
     outcome
 }
 
-pub fn render(report: &StatusReport, nbd: &NbdLatency) -> Result<String, std::fmt::Error> {
+pub fn render(
+    report: &StatusReport,
+    nbd: &NbdMetrics,
+    s3: &keel_s3::metrics::S3Metrics,
+) -> Result<String, std::fmt::Error> {
     let mut registry = Registry::with_prefix("keel");
+    s3.register(&mut registry);
     registry.register(
         "nbd_request_seconds",
         "NBD request latency in the server, by command",
         nbd.family.clone(),
+    );
+    registry.register(
+        "volume_request_seconds",
+        "NBD request latency in the server, by volume and command",
+        nbd.volume_latency.clone(),
+    );
+    registry.register(
+        "volume_bytes",
+        "Bytes read and written through NBD, by volume",
+        nbd.volume_bytes.clone(),
     );
     let store = &report.store;
     let health = match report.health.as_str() {

@@ -327,7 +327,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         stopped.clone(),
     ));
 
-    let nbd_latency = crate::metrics::NbdLatency::new();
+    let nbd_metrics = crate::metrics::NbdMetrics::new();
     let state = Arc::new(AppState {
         store: store.clone(),
         volumes: volumes.clone(),
@@ -340,7 +340,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         scrub,
         config: shown,
         started,
-        nbd_latency: nbd_latency.clone(),
+        nbd_metrics: nbd_metrics.clone(),
     });
     let admin = axum::serve(admin_listener, crate::admin::router(state))
         .with_graceful_shutdown(shutdown(stopped.clone()));
@@ -352,7 +352,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
                     Arc::new(VolumeExports {
                         volumes: volumes.clone(),
                         replication: replication.clone(),
-                        latency: nbd_latency.clone(),
+                        metrics: nbd_metrics.clone(),
                     }),
                     shutdown(stopped.clone()),
                 )
@@ -542,7 +542,7 @@ fn print_banner(
 struct VolumeExports {
     volumes: Arc<VolumeManager>,
     replication: Arc<keel_replication::Replication>,
-    latency: crate::metrics::NbdLatency,
+    metrics: crate::metrics::NbdMetrics,
 }
 
 /// This node's own copies of volumes, for the replication engine.
@@ -569,7 +569,9 @@ impl Exports for VolumeExports {
         match opened {
             Ok(handle) => Ok(Arc::new(VolumeExport {
                 handle,
-                latency: self.latency.clone(),
+                metrics: self
+                    .metrics
+                    .volume(name.split_once('@').map_or(name, |(volume, _)| volume)),
             })),
             Err(keel_namespace::volume::VolumeError::NotFound { .. })
             | Err(keel_namespace::volume::VolumeError::SnapshotNotFound { .. }) => {
@@ -587,7 +589,7 @@ impl Exports for VolumeExports {
 
 struct VolumeExport {
     handle: Arc<dyn VolumeIo>,
-    latency: crate::metrics::NbdLatency,
+    metrics: crate::metrics::VolumeSeries,
 }
 
 impl Export for VolumeExport {
@@ -600,21 +602,23 @@ impl Export for VolumeExport {
     }
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
-        Ok(timed(&self.latency.read, || self.handle.read(offset, buf))?)
+        timed(&self.metrics.read, || self.handle.read(offset, buf))?;
+        self.metrics.bytes_read.inc_by(buf.len() as u64);
+        Ok(())
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> std::io::Result<()> {
-        Ok(timed(&self.latency.write, || {
-            self.handle.write(offset, data, fua)
-        })?)
+        timed(&self.metrics.write, || self.handle.write(offset, data, fua))?;
+        self.metrics.bytes_written.inc_by(data.len() as u64);
+        Ok(())
     }
 
     fn flush(&self) -> std::io::Result<()> {
-        Ok(timed(&self.latency.flush, || self.handle.flush())?)
+        Ok(timed(&self.metrics.flush, || self.handle.flush())?)
     }
 
     fn trim(&self, offset: u64, length_bytes: u64) -> std::io::Result<()> {
-        Ok(timed(&self.latency.trim, || {
+        Ok(timed(&self.metrics.trim, || {
             self.handle.trim(offset, length_bytes)
         })?)
     }
@@ -626,7 +630,7 @@ impl Export for VolumeExport {
         fua: bool,
         may_trim: bool,
     ) -> std::io::Result<()> {
-        Ok(timed(&self.latency.zeroes, || {
+        Ok(timed(&self.metrics.zeroes, || {
             self.handle
                 .write_zeroes(offset, length_bytes, fua, may_trim)
         })?)
