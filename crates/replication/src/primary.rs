@@ -85,6 +85,12 @@ struct Peer {
     failed: bool,
     /// Highest history position it confirmed durable in the current stream.
     durable_upto: u64,
+    /// Flushes queued, taken into batches, and confirmed in the current stream. A resync waits
+    /// for its own final flush by count: its data has no history position, so a position an
+    /// earlier flush (a client's, during the catch-up) confirmed says nothing about it.
+    flushes_queued: u64,
+    flushes_taken: u64,
+    flushes_confirmed: u64,
     stream: u64,
     next_index: u64,
     /// Batches carry it: the replica applies them only after its catalog reached it.
@@ -110,6 +116,9 @@ impl Peer {
             counted: false,
             failed: false,
             durable_upto: 0,
+            flushes_queued: 0,
+            flushes_taken: 0,
+            flushes_confirmed: 0,
             stream: 0,
             next_index: 0,
             catalog_index: 0,
@@ -124,6 +133,9 @@ impl Peer {
     }
 
     fn push(&mut self, item: Item) {
+        if matches!(item, Item::Flush { .. }) {
+            self.flushes_queued += 1;
+        }
         self.queued_bytes += item.bytes();
         self.queue.push_back(item);
         self.wake.notify_one();
@@ -568,8 +580,9 @@ impl Primary {
             match outcome {
                 Ok(_) => {
                     // An answer of a stream a resync has since replaced confirms nothing.
-                    if let (Some(upto), true) = (flush_upto, peer.stream == batch.stream) {
+                    if let (Some((upto, count)), true) = (flush_upto, peer.stream == batch.stream) {
                         peer.durable_upto = peer.durable_upto.max(upto);
+                        peer.flushes_confirmed = peer.flushes_confirmed.max(count);
                     }
                     drop(state);
                     self.changed.notify_all();
@@ -617,8 +630,9 @@ impl Primary {
         }
     }
 
-    /// Takes the next batch of a replica's queue: writes up to a size, ending at a flush.
-    fn take_batch(&self, node: NodeId) -> Option<(Batch, Option<u64>, usize)> {
+    /// Takes the next batch of a replica's queue: writes up to a size, ending at a flush (then
+    /// with the position it covers and its count in the stream).
+    fn take_batch(&self, node: NodeId) -> Option<(Batch, Option<(u64, u64)>, usize)> {
         let mut state = self.state();
         let epoch = state.epoch;
         let peer = state.peers.get_mut(&node)?;
@@ -639,7 +653,8 @@ impl Primary {
             match item {
                 Item::Op(op) => ops.push(op),
                 Item::Flush { upto } => {
-                    flush_upto = Some(upto);
+                    peer.flushes_taken += 1;
+                    flush_upto = Some((upto, peer.flushes_taken));
                     break;
                 }
             }
@@ -985,6 +1000,9 @@ impl Primary {
             peer.counted = false;
             peer.failed = false;
             peer.durable_upto = 0;
+            peer.flushes_queued = 0;
+            peer.flushes_taken = 0;
+            peer.flushes_confirmed = 0;
             peer.stream = stream;
             peer.next_index = 0;
             peer.catalog_index = self.shared.cluster.applied_index();
@@ -1068,8 +1086,9 @@ impl Primary {
             }
         }
         let compared = clock.now().saturating_duration_since(started);
-        // Everything is queued: the replica becomes counted, flushes, and joins.
-        let upto = {
+        // Everything is queued: the replica becomes counted, flushes, and joins once that
+        // flush (the one behind the last data queued) is confirmed.
+        let flush = {
             let _order = lock(&self.order);
             let mut state = self.state();
             let upto = state.next_seq - 1;
@@ -1079,7 +1098,7 @@ impl Primary {
             }
             peer.counted = true;
             peer.push(Item::Flush { upto });
-            upto
+            peer.flushes_queued
         };
         let deadline = self.shared.clock().now() + Duration::from_secs(30);
         loop {
@@ -1089,7 +1108,7 @@ impl Primary {
                 if peer.failed {
                     return Err("the replica failed before it was in sync".to_string());
                 }
-                if peer.durable_upto >= upto {
+                if peer.flushes_confirmed >= flush {
                     break;
                 }
             }
