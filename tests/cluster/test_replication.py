@@ -795,6 +795,22 @@ def test_a_node_without_a_replica_serves_the_volume_by_forwarding(cluster):
     again.close()
 
 
+def uncompressed_r2_written(first, name, tag):
+    """An uncompressed R=2 volume `name` (its blocks findable in the segment files) on nodes 1
+    and 2, attached through node 1, both replicas in sync, its first 64 blocks written and
+    flushed. Returns the client and {block index: data}."""
+    code, created = first.api("POST", "/api/v1/volumes", {"name": name, "size_bytes": SIZE, "replicas": 2,
+                                                         "compression": "none"}, timeout=30)
+    assert code == 200, created
+    client = attach(first, name)
+    wait_until("both replicas in sync", lambda: sorted(replication(first, name)["in_sync"]) == [1, 2])
+    expected = {index: block(tag, index) for index in range(64)}
+    for index, data in expected.items():
+        client.write(index * BLOCK, data)
+    client.flush()
+    return client, expected
+
+
 def damage_in_place(node, content):
     """Flips a byte of the one stored copy of `content` in a running node's segment files (in
     place: the server appends to its newest segment)."""
@@ -824,15 +840,7 @@ def test_a_damaged_block_on_a_replica_is_replaced_by_the_primarys_copy(cluster):
     nothing. Node 1 is then killed: the volume attached through node 2 reads every block as
     written."""
     first, second = two_nodes_and_witness(cluster)
-    code, created = first.api("POST", "/api/v1/volumes", {"name": "rot", "size_bytes": SIZE, "replicas": 2,
-                                                         "compression": "none"}, timeout=30)
-    assert code == 200, created
-    client = attach(first, "rot")
-    wait_until("both replicas in sync", lambda: sorted(replication(first, "rot")["in_sync"]) == [1, 2])
-    expected = {index: block("rot", index) for index in range(64)}
-    for index, data in expected.items():
-        client.write(index * BLOCK, data)
-    client.flush()
+    client, expected = uncompressed_r2_written(first, "rot", "rot")
 
     second.stop()
     damaged = 0
@@ -887,15 +895,7 @@ def test_a_scheduled_scrub_repairs_both_copies_of_a_replicated_volume_unasked(cl
     second = cluster.add()
     cluster.add(witness=True)
     wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
-    code, created = first.api("POST", "/api/v1/volumes", {"name": "rot", "size_bytes": SIZE, "replicas": 2,
-                                                         "compression": "none"}, timeout=30)
-    assert code == 200, created
-    client = attach(first, "rot")
-    wait_until("both replicas in sync", lambda: sorted(replication(first, "rot")["in_sync"]) == [1, 2])
-    expected = {index: block("scheduled", index) for index in range(64)}
-    for index, data in expected.items():
-        client.write(index * BLOCK, data)
-    client.flush()
+    client, expected = uncompressed_r2_written(first, "rot", "scheduled")
     client.close()
 
     damage_in_place(second, expected[40])

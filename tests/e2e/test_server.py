@@ -205,6 +205,51 @@ def test_per_volume_metrics_say_which_volume_does_the_io(make_server, workdir):
     assert moved[frozenset({("volume", "_other"), ("direction", "write")})] == 2 * 4096, moved
 
 
+def test_a_slow_device_warns_with_its_code_and_syncs_are_timed(make_server, workdir):
+    """Every sync of the log is timed (`keel_store_fdatasync_seconds`); with `slow_sync_ms`
+    below what this disk's fdatasync takes, health is HEALTH_WARN with KEEL_SLOW_DEVICE once
+    enough flushes went through; with 0 the check is off; a negative value is refused."""
+    from nbd_client import Client
+
+    def config(value):
+        path = workdir / f"slow-{value}.toml"
+        path.write_text(f"slow_sync_ms = {value}\n")
+        return ["--config", str(path)]
+
+    def flushed_writes(server, count):
+        host, port = server.nbd.rsplit(":", 1)
+        client = Client(host, int(port), "v")
+        for index in range(count):
+            client.write(index * 4096, bytes([index % 250 + 1]) * 4096)
+            client.flush()
+        client.close()
+
+    server = make_server(extra_args=config(0.001))
+    server.cli("volume", "create", "v", "--size", "1M")
+    flushed_writes(server, 30)
+    status = json.loads(server.cli("status", "--json").stdout)
+    [reason] = [r for r in status["reasons"] if r.startswith("KEEL_SLOW_DEVICE")]
+    assert "above slow_sync_ms (0.001 ms)" in reason, reason
+    assert status["health"] == "HEALTH_WARN", status
+    code, metrics = http("GET", f"http://{server.admin}/metrics")
+    text = metrics.decode()
+    count = int(re.search(r"^keel_store_fdatasync_seconds_count (\d+)$", text, re.M).group(1))
+    infinite = int(re.search(r'^keel_store_fdatasync_seconds_bucket\{le="\+Inf"\} (\d+)$', text, re.M).group(1))
+    syncs = int(float(re.search(r"^keel_store_log_syncs_total (\S+)$", text, re.M).group(1)))
+    assert count >= syncs >= 30 and infinite == count, (count, syncs, infinite)
+
+    server.stop()
+    server.extra_args = config(0)
+    server.start()
+    flushed_writes(server, 30)
+    status = json.loads(server.cli("status", "--json").stdout)
+    assert not [r for r in status["reasons"] if r.startswith("KEEL_SLOW_DEVICE")], status["reasons"]
+    server.stop()
+    bad = subprocess.run([KEEL_BIN, "server", "--data", str(workdir / "data"), *config(-1)],
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode != 0 and "slow_sync_ms must be 0 (off) or a positive" in bad.stderr, bad.stderr
+
+
 def test_nearly_full_data_directory_warns_with_its_code(workdir, make_server):
     """Over the configured fill level, health is HEALTH_WARN with KEEL_NEARFULL, the usage and the
     action, in `keel status` and in /metrics; a level of 0 or above 100 is refused at start."""
@@ -327,6 +372,25 @@ def wait_for_scheduled_scrub(srv, timeout=120):
     raise AssertionError(f"no scheduled scrub ran within {timeout} s: {status['scrub']}")
 
 
+def damaged_then_scrubbed_on_schedule(make_server, workdir, data_dirs):
+    """A server on `data_dirs` with hourly scrubs writes 4 MiB to a volume "m" and stops; its
+    first directory's log is damaged; it restarts with scrubs every 2 s, due at once since the
+    schedule began at the first start. Returns the server and its status after the first
+    scheduled run."""
+    from test_nbd import qemu_io
+
+    srv = make_server(data_dirs, extra_args=scrub_config(workdir, 3600))
+    srv.cli("volume", "create", "m", "--size", "16M")
+    qemu_io(srv.nbd_uri("m"), "write -P 0x6d 0 4M", "flush")
+    assert json.loads(srv.cli("status", "--json").stdout)["scrub"]["last"] is None
+    srv.stop()
+    damage_written_segment(data_dirs[0])
+    time.sleep(2)
+    srv.extra_args = scrub_config(workdir, 2)
+    srv.start()
+    return srv, wait_for_scheduled_scrub(srv)
+
+
 def test_a_scheduled_scrub_repairs_a_damaged_mirror_unasked(make_server, workdir):
     """Nobody runs `keel store scrub`: once `scrub.interval_seconds` has passed since the
     schedule began (recorded at the first start, so it survives the restart between), the
@@ -335,16 +399,7 @@ def test_a_scheduled_scrub_repairs_a_damaged_mirror_unasked(make_server, workdir
     from test_nbd import qemu_io
 
     a, b = workdir / "mirror-a", workdir / "mirror-b"
-    srv = make_server([a, b], extra_args=scrub_config(workdir, 3600))
-    srv.cli("volume", "create", "m", "--size", "16M")
-    qemu_io(srv.nbd_uri("m"), "write -P 0x6d 0 4M", "flush")
-    assert json.loads(srv.cli("status", "--json").stdout)["scrub"]["last"] is None
-    srv.stop()
-    damage_written_segment(a)
-    time.sleep(2)
-    srv.extra_args = scrub_config(workdir, 2)
-    srv.start()
-    status = wait_for_scheduled_scrub(srv)
+    srv, status = damaged_then_scrubbed_on_schedule(make_server, workdir, [a, b])
     run = status["scrub"]["last"]
     assert run["repaired_copies"] > 5 and run["unrecoverable_extents"] == 0, run
     assert run["errors"] == [], run
@@ -366,18 +421,7 @@ def test_a_scheduled_scrub_repairs_a_damaged_mirror_unasked(make_server, workdir
 def test_a_scheduled_scrub_that_finds_data_with_no_good_copy_turns_health_red(make_server, workdir):
     """One data directory, damaged: the scheduled scrub cannot repair it, and health says so
     with its code until someone acts."""
-    from test_nbd import qemu_io
-
-    data = workdir / "data"
-    srv = make_server([data], extra_args=scrub_config(workdir, 3600))
-    srv.cli("volume", "create", "m", "--size", "16M")
-    qemu_io(srv.nbd_uri("m"), "write -P 0x6d 0 4M", "flush")
-    srv.stop()
-    damage_written_segment(data)
-    time.sleep(2)
-    srv.extra_args = scrub_config(workdir, 2)
-    srv.start()
-    status = wait_for_scheduled_scrub(srv)
+    _, status = damaged_then_scrubbed_on_schedule(make_server, workdir, [workdir / "data"])
     assert status["scrub"]["last"]["unrecoverable_extents"] > 5, status["scrub"]
     assert status["health"] == "HEALTH_ERR", status
     assert any(reason.startswith("KEEL_SCRUB_ERRORS") for reason in status["reasons"]), status["reasons"]

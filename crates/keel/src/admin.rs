@@ -39,6 +39,7 @@ pub struct AppState {
     pub token: String,
     pub jobs: Jobs,
     pub scrub: Arc<crate::scrub_schedule::ScrubSchedule>,
+    pub sync_window: Arc<crate::sync_health::SyncWindow>,
     pub config: Config,
     pub started: Instant,
     pub nbd_metrics: crate::metrics::NbdMetrics,
@@ -350,6 +351,13 @@ pub fn status_report(
             stats.corrupt_reads, stats.repaired_extents
         ));
     }
+    if let Some(finding) = state
+        .sync_window
+        .finding(&stats.sync_latency, state.config.slow_sync_ms)
+    {
+        level = level.max(1);
+        reasons.push(finding);
+    }
     let scrub = state.scrub.status();
     if let Some(run) = scrub
         .last
@@ -434,8 +442,10 @@ async fn metrics(State(state): State<Shared>) -> ApiResult<Response> {
     let cluster = state.cluster.status().await;
     let nbd_metrics = state.nbd_metrics.clone();
     let s3_metrics = state.s3.metrics().clone();
+    let sync_latency = state.store.sync_latency();
     let report = blocking(move || status_report(&state, cluster)).await?;
-    let text = crate::metrics::render(&report, &nbd_metrics, &s3_metrics).map_err(internal)?;
+    let text = crate::metrics::render(&report, &nbd_metrics, &s3_metrics, &sync_latency)
+        .map_err(internal)?;
     Ok((
         [(
             header::CONTENT_TYPE,

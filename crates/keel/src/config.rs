@@ -40,6 +40,9 @@ pub struct Config {
     /// Health turns HEALTH_WARN (`KEEL_NEARFULL`) when a data directory's filesystem is more
     /// than this percent used. Default 95; 100 turns the check off.
     pub nearfull_percent: u8,
+    /// Health turns HEALTH_WARN (`KEEL_SLOW_DEVICE`) when the p99 of the log's fdatasyncs over
+    /// the last few minutes is above this many milliseconds. Default 200; 0 turns the check off.
+    pub slow_sync_ms: f64,
     pub store: StoreTuning,
     pub cluster: ClusterSettings,
     pub scrub: ScrubSettings,
@@ -218,6 +221,7 @@ impl Default for Config {
             admin: parse_default(DEFAULT_ADMIN_ADDR),
             admin_token_file: None,
             nearfull_percent: 95,
+            slow_sync_ms: 200.0,
             store: StoreTuning::default(),
             cluster: ClusterSettings::default(),
             scrub: ScrubSettings::default(),
@@ -257,6 +261,12 @@ impl Config {
             bail!(
                 "nearfull_percent must be 1 to 100 (got {})",
                 self.nearfull_percent
+            );
+        }
+        if !self.slow_sync_ms.is_finite() || self.slow_sync_ms < 0.0 {
+            bail!(
+                "slow_sync_ms must be 0 (off) or a positive number of milliseconds (got {})",
+                self.slow_sync_ms
             );
         }
         if self.scrub.busy_percent == 0 || self.scrub.busy_percent > 100 {
@@ -336,5 +346,17 @@ mod tests {
         assert_eq!(config.store.reserve_bytes, 1024);
         config.validate().unwrap();
         assert!(toml::from_str::<Config>("colour = \"blue\"").is_err());
+    }
+
+    /// `slow_sync_ms` takes whole and fractional milliseconds; a negative one is refused.
+    #[test]
+    fn slow_sync_ms_takes_integers_and_fractions() {
+        for (text, value) in [("slow_sync_ms = 200", 200.0), ("slow_sync_ms = 0.5", 0.5)] {
+            let config: Config = toml::from_str(text).unwrap();
+            assert_eq!(config.slow_sync_ms, value);
+            config.validate().unwrap();
+        }
+        let negative: Config = toml::from_str("slow_sync_ms = -1").unwrap();
+        assert!(negative.validate().is_err());
     }
 }

@@ -13,6 +13,7 @@ mod jobs;
 mod metrics;
 mod scrub_schedule;
 mod server;
+mod sync_health;
 
 use clap::{Parser, Subcommand};
 

@@ -3,10 +3,12 @@
 //! in one scrape comes from the same moment.
 
 use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use std::collections::HashSet;
 use std::sync::atomic::AtomicU64;
@@ -135,6 +137,28 @@ impl NbdMetrics {
     }
 }
 
+/// The store's sync latency snapshot as a Prometheus histogram.
+#[derive(Debug)]
+struct SyncHistogram(keel_store::SyncLatency);
+
+impl EncodeMetric for SyncHistogram {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        let latency = &self.0;
+        let buckets: Vec<(f64, u64)> = latency
+            .bounds_seconds
+            .iter()
+            .copied()
+            .chain(std::iter::once(f64::INFINITY))
+            .zip(latency.counts.iter().copied())
+            .collect();
+        encoder.encode_histogram::<NoLabelSet>(latency.sum_seconds, latency.count(), &buckets, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}
+
 /// Runs `request`, recording how long it took in `series` (whatever its outcome).
 pub fn timed<T>(series: &OpSeries, request: impl FnOnce() -> T) -> T {
     let started = Instant::now();
@@ -149,9 +173,15 @@ pub fn render(
     report: &StatusReport,
     nbd: &NbdMetrics,
     s3: &keel_s3::metrics::S3Metrics,
+    sync_latency: &keel_store::SyncLatency,
 ) -> Result<String, std::fmt::Error> {
     let mut registry = Registry::with_prefix("keel");
     s3.register(&mut registry);
+    registry.register(
+        "store_fdatasync_seconds",
+        "How long each sync of the log (every device) took",
+        SyncHistogram(sync_latency.clone()),
+    );
     registry.register(
         "nbd_request_seconds",
         "NBD request latency in the server, by command",

@@ -185,15 +185,18 @@ impl ScrubSchedule {
         }
     }
 
+    /// Records a finished run, durably first (the one scheduler calls it; `status` readers do
+    /// not wait for the write).
     fn record(&self, run: ScrubRun) -> anyhow::Result<()> {
-        let mut history = self
+        let next = ScrubHistory {
+            last: Some(run),
+            ..self.history()
+        };
+        write_file_atomically(&self.path, &serde_json::to_vec_pretty(&next)?, 0o644)?;
+        *self
             .history
             .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let mut next = history.clone();
-        next.last = Some(run);
-        write_file_atomically(&self.path, &serde_json::to_vec_pretty(&next)?, 0o644)?;
-        *history = next;
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = next;
         Ok(())
     }
 

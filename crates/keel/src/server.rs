@@ -327,6 +327,13 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         stopped.clone(),
     ));
 
+    let sync_window = Arc::new(crate::sync_health::SyncWindow::default());
+    {
+        let (window, store, stop) = (sync_window.clone(), store.clone(), stopped.clone());
+        tokio::spawn(async move {
+            window.sample(store, &keel_clock::SystemClock, stop).await;
+        });
+    }
     let nbd_metrics = crate::metrics::NbdMetrics::new();
     let state = Arc::new(AppState {
         store: store.clone(),
@@ -338,6 +345,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         token,
         jobs,
         scrub,
+        sync_window,
         config: shown,
         started,
         nbd_metrics: nbd_metrics.clone(),

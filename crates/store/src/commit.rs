@@ -19,6 +19,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use crate::error::{StoreError, StoreResult};
 use crate::format::{self, Compression, ExtentHeader};
 use crate::index::{Index, IndexUpdate, Location, Persist, Tail};
+use crate::latency::SyncTimes;
 use crate::segment::{hex, Segment, Segments};
 use crate::{Durability, StoreConfig, StoreStats, WriteAck, WriteOp};
 
@@ -212,6 +213,8 @@ pub(crate) struct Engine {
     pub(crate) repaired_extents: AtomicU64,
     /// Log fdatasync calls (one per device) since open.
     syncs: AtomicU64,
+    /// How long each sync of the log (every device) took.
+    sync_times: SyncTimes,
     /// The background preparation of the next segment, if one was started.
     preparing: Mutex<Option<(u64, std::thread::JoinHandle<StoreResult<()>>)>>,
     /// Serializes scrub and compaction with each other.
@@ -267,6 +270,7 @@ impl Engine {
             corrupt_reads: AtomicU64::new(0),
             repaired_extents: AtomicU64::new(0),
             syncs: AtomicU64::new(0),
+            sync_times: SyncTimes::default(),
             preparing: Mutex::new(None),
             maintenance: Mutex::new(()),
         })
@@ -395,6 +399,14 @@ impl Engine {
             }
         }
         own.unwrap_or_else(|| Err(StoreError::Invalid("leader lost its own write".into())))
+    }
+
+    /// Syncs `segment` on every device, timing it.
+    fn timed_sync(&self, segment: &Segment) -> StoreResult<()> {
+        let started = std::time::Instant::now();
+        let synced = segment.sync();
+        self.sync_times.observe(started.elapsed());
+        synced
     }
 
     fn poison(&self, operation: &str, error: &StoreError) {
@@ -670,7 +682,7 @@ impl Engine {
         // Sync.
         if need_sync && !writer.synced {
             self.syncs.fetch_add(1, Ordering::Relaxed);
-            if let Err(error) = writer.segment.sync() {
+            if let Err(error) = self.timed_sync(&writer.segment) {
                 self.poison("fdatasync", &error);
                 return fail_all(&|| self.poisoned_error());
             }
@@ -724,7 +736,7 @@ impl Engine {
     /// Closes the active segment (synced) and starts the next one.
     fn roll(&self, writer: &mut Writer) -> StoreResult<()> {
         if !writer.synced {
-            if let Err(error) = writer.segment.sync() {
+            if let Err(error) = self.timed_sync(&writer.segment) {
                 self.poison("fdatasync", &error);
                 return Err(self.poisoned_error());
             }
@@ -951,7 +963,12 @@ impl Engine {
         stats.repaired_extents = self.repaired_extents.load(Ordering::Relaxed);
         stats.poisoned = self.poisoned.load(Ordering::SeqCst);
         stats.log_syncs = self.syncs.load(Ordering::Relaxed);
+        stats.sync_latency = self.sync_latency();
         Ok(stats)
+    }
+
+    pub fn sync_latency(&self) -> crate::SyncLatency {
+        self.sync_times.snapshot()
     }
 }
 

@@ -23,6 +23,7 @@ mod error;
 pub mod format;
 pub mod fsinfo;
 mod index;
+mod latency;
 mod scrub;
 mod segment;
 pub mod simdisk;
@@ -34,6 +35,7 @@ pub use commit::RebuildReport;
 pub use compact::CompactReport;
 pub use error::{StoreError, StoreResult};
 pub use format::Compression;
+pub use latency::SyncLatency;
 pub use scrub::ScrubReport;
 
 /// First byte of every key: which part of Keel the key belongs to. Keys sort by keyspace first,
@@ -166,7 +168,7 @@ impl StoreConfig {
 }
 
 /// Counters describing what the store holds. `live_*` count extents the index points to.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct StoreStats {
     pub live_extents: u64,
     /// Bytes of values as written by callers (before compression).
@@ -184,6 +186,8 @@ pub struct StoreStats {
     pub poisoned: bool,
     /// Group-commit syncs of the log since open (each syncs every device).
     pub log_syncs: u64,
+    /// How long syncs of the log (every device) took since open.
+    pub sync_latency: SyncLatency,
 }
 
 impl StoreStats {
@@ -275,6 +279,11 @@ impl Store {
 
     pub fn stats(&self) -> StoreResult<StoreStats> {
         self.engine.stats()
+    }
+
+    /// How long syncs of the log took since open (a cheap part of [`Store::stats`]).
+    pub fn sync_latency(&self) -> SyncLatency {
+        self.engine.sync_latency()
     }
 
     /// Verifies every live extent on every device, repairing bad copies from good ones.
