@@ -632,7 +632,7 @@ impl Primary {
 
     /// Takes the next batch of a replica's queue: writes up to a size, ending at a flush (then
     /// with the position it covers and its count in the stream).
-    fn take_batch(&self, node: NodeId) -> Option<(Batch, Option<(u64, u64)>, usize)> {
+    fn take_batch(&self, node: NodeId) -> Option<(Batch, Option<BatchFlush>, usize)> {
         let mut state = self.state();
         let epoch = state.epoch;
         let peer = state.peers.get_mut(&node)?;
@@ -1467,6 +1467,9 @@ impl Primary {
 
 /// Consecutive blocks of a chunk, as (first, end) block indexes.
 type BlockRun = (usize, usize);
+
+/// The flush a batch ends with: the history position it covers, and its count in the stream.
+type BatchFlush = (u64, u64);
 
 /// A failed call to a replica.
 pub(crate) struct Failure {
