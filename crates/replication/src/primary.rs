@@ -463,13 +463,12 @@ impl Primary {
         upto
     }
 
-    /// Waits until every replica `waits_for` selects has confirmed position `upto` durable.
-    /// Fails once this node may no longer serve, loses its lease for good, or at `deadline`.
-    /// Returns the state, locked.
+    /// Waits until no replica is `pending` (has yet to confirm something durable). Fails once
+    /// this node may no longer serve, loses its lease for good, or at `deadline`. Returns the
+    /// state, locked.
     fn wait_confirmed(
         &self,
-        upto: u64,
-        waits_for: impl Fn(&Peer) -> bool,
+        pending: impl Fn(NodeId, &Peer) -> bool,
         deadline: Option<Instant>,
     ) -> VolumeResult<MutexGuard<'_, State>> {
         let mut state = self.state();
@@ -481,11 +480,7 @@ impl Primary {
                 state = self.state();
                 continue;
             }
-            let pending = state
-                .peers
-                .values()
-                .any(|peer| waits_for(peer) && peer.durable_upto < upto);
-            if !pending {
+            if !state.peers.iter().any(|(node, peer)| pending(*node, peer)) {
                 return Ok(state);
             }
             if deadline.is_some_and(|deadline| self.shared.clock().now() >= deadline) {
@@ -505,7 +500,8 @@ impl Primary {
     /// A FLUSH's wait: every replica counted for FLUSHes confirmed `upto`, and enough of them
     /// are still in sync.
     fn wait_durable(&self, upto: u64) -> VolumeResult<()> {
-        let state = self.wait_confirmed(upto, |peer| peer.counted, None)?;
+        let state =
+            self.wait_confirmed(|_, peer| peer.counted && peer.durable_upto < upto, None)?;
         if state.in_sync.len() < state.in_sync_min {
             return Err(unavailable(
                 &self.name,
@@ -713,7 +709,10 @@ impl Primary {
             Self::queue_flush(&mut state)
         };
         let deadline = self.shared.clock().now() + QUIESCE_WAIT;
-        drop(self.wait_confirmed(upto, |peer| peer.streaming, Some(deadline))?);
+        drop(self.wait_confirmed(
+            |_, peer| peer.streaming && peer.durable_upto < upto,
+            Some(deadline),
+        )?);
         let outcome = change()?;
         let index = self.shared.cluster.applied_index();
         for peer in self.state().peers.values_mut() {
@@ -1226,10 +1225,42 @@ impl Primary {
             }
         }
         // What was shipped is durable on every replica before the report says so.
-        self.flush()?;
+        self.flush_shipped()?;
         report.replicas = self.state().in_sync.len() as u64;
         report.local_blocks_repaired = self.state().repaired_blocks - repaired_before;
         Ok(report)
+    }
+
+    /// Makes what was queued without a history position (a scrub's repairs) durable on every
+    /// replica counted for FLUSHes: a flush is queued, and each replica's wait ends when that
+    /// flush of its stream is confirmed (its position alone may have been confirmed by an
+    /// earlier flush). A replica that fails meanwhile is out of the in-sync set.
+    fn flush_shipped(&self) -> VolumeResult<()> {
+        self.lease()?;
+        let wanted: BTreeMap<NodeId, u64> = {
+            let _order = lock(&self.order);
+            let mut state = self.state();
+            self.check_serving(&state)?;
+            Self::queue_flush(&mut state);
+            state
+                .peers
+                .iter()
+                .filter(|(_, peer)| peer.counted)
+                .map(|(node, peer)| (*node, peer.flushes_queued))
+                .collect()
+        };
+        self.local.flush()?;
+        drop(self.wait_confirmed(
+            |node, peer| {
+                peer.counted
+                    && !peer.failed
+                    && wanted
+                        .get(&node)
+                        .is_some_and(|flush| peer.flushes_confirmed < *flush)
+            },
+            None,
+        )?);
+        Ok(())
     }
 
     /// A read that met a block failing its checksum here: block by block, each damaged block
