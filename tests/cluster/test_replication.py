@@ -915,3 +915,38 @@ def test_a_scheduled_scrub_repairs_both_copies_of_a_replicated_volume_unasked(cl
     other = attach(second, "rot", timeout=60)
     for index, data in expected.items():
         assert other.read(index * BLOCK, BLOCK) == data, f"block {index} wrong on node 2"
+
+
+def test_a_caught_up_replica_has_every_copied_byte_when_it_joins(cluster, workdir):
+    """Volumes of 64 MiB written at R=1 are raised to R=2 with no client: each catch-up copies
+    it all (the copy has no history position: no write was ordered since the primary started
+    serving). The moment the new replica shows in the in-sync set, it has received every byte:
+    a catch-up joins only once the flush behind its last copied data is confirmed, not while
+    batches are still on their way (a primary killed then would lose them). The window is the
+    last batches' time in flight, milliseconds here, so eight rounds: without the fix this
+    caught the early join in one of four runs; only a delay fault in the transport would make
+    it certain."""
+    size = 64 << 20
+    first, second, client = pair_with_one_replica(cluster, workdir, "resync_busy_percent = 100", "join-0", size)
+    received_before = 0  # node 2 hosts nothing yet
+    for round_index in range(8):
+        name = f"join-{round_index}"
+        if round_index > 0:
+            code, created = first.api("POST", "/api/v1/volumes", {"name": name, "size_bytes": size}, timeout=30)
+            assert code == 200, created
+            client = attach(first, name)
+        data = os.urandom(size)
+        for offset in range(0, size, 1 << 20):
+            client.write(offset, data[offset:offset + (1 << 20)])
+        client.flush()
+        client.close()
+        first.cli("volume", "set-replication", name, "--replicas", "2")
+        deadline = time.time() + 60
+        while sorted(replication(first, name)["in_sync"]) != [1, 2]:
+            assert time.time() < deadline, "the new replica never caught up"
+            time.sleep(0.005)
+        code, after = second.api("GET", f"/api/v1/volumes/{name}")
+        assert code == 200, after
+        received = after["replication"]["received_bytes"] - received_before
+        assert received >= size, f"round {round_index}: in sync with {received >> 20} of {size >> 20} MiB received"
+        received_before = after["replication"]["received_bytes"]
