@@ -135,18 +135,22 @@ impl ScrubSchedule {
             schedule_started_unix_ms: clock.wall_unix_ms(),
             last: None,
         };
-        let history = match std::fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_else(|error| {
-                // Only the schedule is lost: it begins again.
-                tracing::warn!(path = %path.display(), %error, "the scrub schedule is unreadable; beginning a new one");
-                begun()
-            }),
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => begun(),
+        // (history, whether the file must be written: it is missing or unreadable)
+        let (history, begins) = match std::fs::read(&path) {
+            Ok(bytes) => match serde_json::from_slice(&bytes) {
+                Ok(history) => (history, false),
+                Err(error) => {
+                    // Only the schedule is lost: it begins again.
+                    tracing::warn!(path = %path.display(), %error, "the scrub schedule is unreadable; beginning a new one");
+                    (begun(), true)
+                }
+            },
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => (begun(), true),
             Err(error) => {
                 return Err(error).with_context(|| format!("reading {}", path.display()));
             }
         };
-        if !interval.is_zero() {
+        if begins && !interval.is_zero() {
             write_file_atomically(&path, &serde_json::to_vec_pretty(&history)?, 0o644)?;
         }
         Ok(ScrubSchedule {
