@@ -167,8 +167,11 @@ class Node:
         except urllib.error.HTTPError as error:
             return error.code, json.loads(error.read() or b"null")
 
-    def faults(self, blocked_node_ids):
-        code, answer = self.api("POST", "/api/v1/debug/faults", {"blocked_nodes": list(blocked_node_ids)})
+    def faults(self, blocked_node_ids, delays=()):
+        """Replaces this node's transport faults: traffic with `blocked_node_ids` dropped, and
+        `delays` ({"node", "method" (optional), "milliseconds"}) on the calls it sends."""
+        code, answer = self.api("POST", "/api/v1/debug/faults",
+                                {"blocked_nodes": list(blocked_node_ids), "delays": list(delays)})
         assert code == 200, answer
 
     def node_id(self):

@@ -21,6 +21,9 @@ from keelcluster import KEEL_BIN, wait_until
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from nbd_client import Client, NbdError  # noqa: E402
 
+# The transport method of the primary's replication batches (crates/replication/src/wire.rs).
+METHOD_REPLICATE = 0x0200
+
 ROUNDS = int(os.environ.get("KEEL_REPLICATION_ROUNDS", "2"))
 BLOCK = 4096
 SIZE = 64 << 20
@@ -918,35 +921,29 @@ def test_a_scheduled_scrub_repairs_both_copies_of_a_replicated_volume_unasked(cl
 
 
 def test_a_caught_up_replica_has_every_copied_byte_when_it_joins(cluster, workdir):
-    """Volumes of 64 MiB written at R=1 are raised to R=2 with no client: each catch-up copies
-    it all (the copy has no history position: no write was ordered since the primary started
-    serving). The moment the new replica shows in the in-sync set, it has received every byte:
-    a catch-up joins only once the flush behind its last copied data is confirmed, not while
-    batches are still on their way (a primary killed then would lose them). The window is the
-    last batches' time in flight, milliseconds here, so eight rounds: without the fix this
-    caught the early join in one of four runs; only a delay fault in the transport would make
-    it certain."""
+    """A 64 MiB volume written at R=1 is raised to R=2 with no client: the catch-up copies it
+    all, and the copy has no history position (no write was ordered since the primary started
+    serving). Node 1's transport delays each replication batch to node 2 by 150 ms, so the
+    last batches are still on their way long after everything is queued. The catch-up must
+    join the in-sync set only once the flush behind its last copied data is confirmed: the
+    moment node 2 shows in sync, node 1 is killed -9, and node 2, taking the volume over,
+    serves every byte. (A catch-up that waited by history position joined at once and lost
+    the batches in flight.)"""
     size = 64 << 20
-    first, second, client = pair_with_one_replica(cluster, workdir, "resync_busy_percent = 100", "join-0", size)
-    received_before = 0  # node 2 hosts nothing yet
-    for round_index in range(8):
-        name = f"join-{round_index}"
-        if round_index > 0:
-            code, created = first.api("POST", "/api/v1/volumes", {"name": name, "size_bytes": size}, timeout=30)
-            assert code == 200, created
-            client = attach(first, name)
-        data = os.urandom(size)
-        for offset in range(0, size, 1 << 20):
-            client.write(offset, data[offset:offset + (1 << 20)])
-        client.flush()
-        client.close()
-        first.cli("volume", "set-replication", name, "--replicas", "2")
-        deadline = time.time() + 60
-        while sorted(replication(first, name)["in_sync"]) != [1, 2]:
-            assert time.time() < deadline, "the new replica never caught up"
-            time.sleep(0.005)
-        code, after = second.api("GET", f"/api/v1/volumes/{name}")
-        assert code == 200, after
-        received = after["replication"]["received_bytes"] - received_before
-        assert received >= size, f"round {round_index}: in sync with {received >> 20} of {size >> 20} MiB received"
-        received_before = after["replication"]["received_bytes"]
+    first, second, client = pair_with_one_replica(cluster, workdir, "resync_busy_percent = 100", "join", size)
+    data = os.urandom(size)
+    for offset in range(0, size, 1 << 20):
+        client.write(offset, data[offset:offset + (1 << 20)])
+    client.flush()
+    client.close()
+    first.faults([], delays=[{"node": second.node_id(), "method": METHOD_REPLICATE, "milliseconds": 150}])
+    first.cli("volume", "set-replication", "join", "--replicas", "2")
+    deadline = time.time() + 120
+    while sorted(replication(first, "join")["in_sync"]) != [1, 2]:
+        assert time.time() < deadline, "the new replica never caught up"
+        time.sleep(0.005)
+    first.kill9()
+    other = attach(second, "join", timeout=60)
+    for offset in range(0, size, 1 << 20):
+        assert other.read(offset, 1 << 20) == data[offset:offset + (1 << 20)], \
+            f"node 2 joined the in-sync set without the MiB at {offset >> 20}"

@@ -6,7 +6,7 @@
 //! the token from `<first data dir>/admin-token`.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::{Path, Query, Request, State};
@@ -1213,6 +1213,19 @@ struct FaultRequest {
     /// Node ids whose traffic with this node is dropped (both directions); empty: heal.
     #[serde(default)]
     blocked_nodes: Vec<u64>,
+    /// Calls this node makes that wait before they are sent; empty: none.
+    #[serde(default)]
+    delays: Vec<DelayRequest>,
+}
+
+#[derive(Deserialize, Serialize)]
+struct DelayRequest {
+    /// The node called.
+    node: u64,
+    /// Only calls of this transport method (all when absent).
+    #[serde(default)]
+    method: Option<u16>,
+    milliseconds: u64,
 }
 
 async fn set_faults(
@@ -1225,9 +1238,18 @@ async fn set_faults(
             "fault injection is off (start the server with --debug-faults)".to_string(),
         ));
     };
-    faults.block_only(&request.blocked_nodes);
-    tracing::warn!(blocked = ?request.blocked_nodes, "debug fault injection changed");
+    let delays: Vec<keel_rpc::Delay> = request
+        .delays
+        .iter()
+        .map(|delay| keel_rpc::Delay {
+            node: delay.node,
+            method: delay.method,
+            by: Duration::from_millis(delay.milliseconds),
+        })
+        .collect();
+    faults.set(&request.blocked_nodes, &delays);
+    tracing::warn!(blocked = ?request.blocked_nodes, ?delays, "debug fault injection changed");
     Ok(Json(
-        serde_json::json!({ "blocked_nodes": request.blocked_nodes }),
+        serde_json::json!({ "blocked_nodes": request.blocked_nodes, "delays": request.delays }),
     ))
 }

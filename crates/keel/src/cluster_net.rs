@@ -79,11 +79,15 @@ pub struct FaultControl {
 }
 
 impl FaultControl {
-    /// Drops all traffic with exactly these nodes (empty: none).
-    pub fn block_only(&self, nodes: &[u64]) {
+    /// Replaces every fault: drops all traffic with exactly the `blocked` nodes and delays the
+    /// calls `delays` name (both empty: heals).
+    pub fn set(&self, blocked: &[u64], delays: &[keel_rpc::Delay]) {
         self.faults.clear();
-        for &node in nodes {
+        for &node in blocked {
             self.faults.block(node);
+        }
+        for &delay in delays {
+            self.faults.delay(delay);
         }
     }
 }

@@ -17,7 +17,8 @@
 //!   have" (a proposal retried after the latter relies on the state machine's deduplication).
 //! - **Reconnects with backoff**: a dead peer costs one dial per backoff period, not a loop.
 //! - **A fault proxy** ([`Faults`]) for partition tests: traffic with blocked nodes is dropped
-//!   in both directions, as silence.
+//!   in both directions, as silence; calls to a node (or one method of it) can be delayed, to
+//!   widen the windows that races live in.
 //!
 //! Malformed input never panics: it closes that connection with a log line naming the peer.
 
@@ -218,10 +219,21 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// Fault injection shared by a node's client and server (partition tests): traffic with a
 /// blocked node is dropped in both directions, so calls to it time out and its calls get no
-/// answer, as in a real partition.
+/// answer, as in a real partition; a delayed call waits before it is sent (within its
+/// deadline), as on a slow link.
 #[derive(Debug, Clone, Default)]
 pub struct Faults {
     blocked: Arc<RwLock<HashSet<NodeId>>>,
+    delays: Arc<RwLock<Vec<Delay>>>,
+}
+
+/// Calls this node makes to `node` wait `by` before they are sent: every call, or only those
+/// of `method`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Delay {
+    pub node: NodeId,
+    pub method: Option<u16>,
+    pub by: Duration,
 }
 
 impl Faults {
@@ -236,11 +248,35 @@ impl Faults {
             .insert(node);
     }
 
+    pub fn delay(&self, delay: Delay) {
+        self.delays
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push(delay);
+    }
+
+    /// Heals everything: no node blocked, no call delayed.
     pub fn clear(&self) {
         self.blocked
             .write()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .clear();
+        self.delays
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clear();
+    }
+
+    /// How long a call of `method` to `node` waits before it is sent (the longest delay that
+    /// matches it).
+    pub fn delay_of(&self, node: NodeId, method: u16) -> Option<Duration> {
+        self.delays
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .iter()
+            .filter(|delay| delay.node == node && delay.method.is_none_or(|m| m == method))
+            .map(|delay| delay.by)
+            .max()
     }
 
     pub fn blocks(&self, node: NodeId) -> bool {
@@ -328,6 +364,16 @@ impl Peers {
                 peer: address,
                 timeout,
             });
+        }
+        if let Some(delay) = self.faults.delay_of(connection.peer_node, method) {
+            if Instant::now() + delay >= deadline {
+                tokio::time::sleep_until(deadline).await;
+                return Err(RpcError::Timeout {
+                    peer: address,
+                    timeout,
+                });
+            }
+            tokio::time::sleep(delay).await;
         }
         connection.call(method, payload, deadline, timeout).await
     }

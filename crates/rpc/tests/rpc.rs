@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keel_rpc::{
-    frame, BoxFuture, Caller, ClusterSecret, Faults, Handler, Identity, LocalIdentity, Peers,
-    RemoteError, RpcConfig, RpcError, Target,
+    frame, BoxFuture, Caller, ClusterSecret, Delay, Faults, Handler, Identity, LocalIdentity,
+    Peers, RemoteError, RpcConfig, RpcError, Target,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -576,6 +576,50 @@ async fn fault_proxy_partitions_and_heals() {
         .call(node(3, &server), 1, b"d".to_vec(), SECOND)
         .await
         .is_ok());
+}
+
+// Proves a delayed call waits before it is sent, only for the node and method it names; a
+// delay longer than the call's deadline times out; clear heals it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_proxy_delays_calls() {
+    let server = server(3).await;
+    let peers = client(5);
+    let timed = |method: u16, timeout: Duration| {
+        let peers = peers.clone();
+        let target = node(3, &server);
+        async move {
+            let started = std::time::Instant::now();
+            let outcome = peers.call(target, method, b"a".to_vec(), timeout).await;
+            (outcome, started.elapsed())
+        }
+    };
+    assert!(timed(1, SECOND).await.0.is_ok());
+    peers.faults().delay(Delay {
+        node: 3,
+        method: Some(1),
+        by: Duration::from_millis(300),
+    });
+    let (outcome, took) = timed(1, SECOND).await;
+    assert!(outcome.is_ok(), "{outcome:?}");
+    assert!(took >= Duration::from_millis(300), "{took:?}");
+    let (outcome, took) = timed(4, SECOND).await;
+    assert!(outcome.is_ok(), "{outcome:?}");
+    assert!(
+        took < Duration::from_millis(300),
+        "another method waited {took:?}"
+    );
+    let (outcome, _) = timed(1, Duration::from_millis(200)).await;
+    assert!(
+        matches!(outcome, Err(RpcError::Timeout { .. })),
+        "{outcome:?}"
+    );
+    peers.faults().clear();
+    let (outcome, took) = timed(1, SECOND).await;
+    assert!(outcome.is_ok(), "{outcome:?}");
+    assert!(
+        took < Duration::from_millis(300),
+        "healed, still waited {took:?}"
+    );
 }
 
 mod decoder {
