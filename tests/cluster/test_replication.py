@@ -449,6 +449,46 @@ def test_snapshots_of_an_r2_volume_cut_the_same_writes_on_both_replicas(cluster)
     assert code == 421, (code, answer)
 
 
+def test_a_snapshot_incomplete_on_a_replica_is_never_served_or_rolled_back_there(cluster, workdir):
+    """An R=1 volume is written and snapshotted, then raised to R=2: node 2 receives the
+    current contents only, so its copy of the snapshot lacks the data (the snapshot says so).
+    The volume is overwritten and rolled back onto the snapshot through node 1: node 2 leaves
+    the in-sync set for the rollback and is caught up again after it. Node 1 is killed; node 2
+    takes over and serves the rolled-back contents, and refuses to export the snapshot it
+    does not hold whole, naming the node that does. (Rolled back in place, node 2 read
+    zeroes: its copy of the snapshot never had the data.)"""
+    first, second, client = pair_with_one_replica(cluster, workdir, "", "undo")
+    original = {index: block("original", index) for index in range(64)}
+    for index, data in original.items():
+        client.write(index * BLOCK, data)
+    client.flush()
+    code, answer = first.api("POST", "/api/v1/volumes/undo/snapshots", {"name": "before"})
+    assert code == 200, answer
+    first.cli("volume", "set-replication", "undo", "--replicas", "2")
+    wait_until("node 2 in sync", lambda: sorted(replication(first, "undo")["in_sync"]) == [1, 2], timeout=60)
+    code, snapshots = first.api("GET", "/api/v1/volumes/undo/snapshots")
+    assert code == 200, snapshots
+    assert [s["incomplete_on"] for s in snapshots] == [[2]], snapshots
+    for index in range(64):
+        client.write(index * BLOCK, block("overwritten", index))
+    client.flush()
+    client.close()
+    code, answer = first.api("POST", "/api/v1/volumes/undo/snapshots/before/rollback")
+    assert code == 200, answer
+    wait_until("node 2 caught up after the rollback",
+               lambda: sorted(replication(first, "undo")["in_sync"]) == [1, 2], timeout=60)
+    first.kill9()
+    other = attach(second, "undo", timeout=60)
+    for index, data in original.items():
+        assert other.read(index * BLOCK, BLOCK) == data, f"block {index} is not the rolled-back data on node 2"
+    other.close()
+    try:
+        Client(second.host, second.nbd_port, "undo@before", timeout=30)
+        raise AssertionError("node 2 exported a snapshot its copy does not hold whole")
+    except NbdError as refused:
+        assert "is incomplete on this node" in str(refused) and "whole on node 1" in str(refused), refused
+
+
 def test_replicas_change_online_and_a_removed_replica_erases_its_copy(cluster):
     """Three storage nodes. An R=1 volume attached through node 1 is raised to R=3 while a
     client writes and flushes through the same NBD connection: the attached connection

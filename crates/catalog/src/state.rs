@@ -22,7 +22,7 @@ use keel_store::{Compression, Store, WriteOp};
 use crate::command::{Command, Event, NodeSpec, Outcome, VolumeSettings};
 use crate::records::{
     self, BucketRecord, ClusterRecord, KeyRecord, NodeRecord, NodeState, Origin, Replication,
-    SnapshotRecord, VolumeRecord, VolumeStatus, VOLUME_RECORD_FORMAT,
+    SnapshotRecord, VolumeRecord, VolumeStatus, SNAPSHOT_RECORD_FORMAT, VOLUME_RECORD_FORMAT,
 };
 use crate::view::{Layer, Truncation};
 use crate::{
@@ -575,6 +575,22 @@ impl CatalogState {
                 let target = entry
                     .snapshot_by_name(snapshot)
                     .ok_or_else(|| snapshot_not_found(volume, snapshot))?;
+                if let Some(node) = entry
+                    .record
+                    .replication
+                    .in_sync
+                    .iter()
+                    .find(|node| !target.complete_on(**node))
+                {
+                    return Err(CatalogError::Invalid {
+                        subject: format!("volume {volume:?}"),
+                        detail: format!(
+                            "snapshot {snapshot:?} is incomplete on node {node}, which is in \
+                             sync: take it out of the in-sync set first, or its copy would \
+                             roll back onto data it never had"
+                        ),
+                    });
+                }
                 let mut record = entry.record.clone();
                 rebase_onto(
                     &mut record,
@@ -1052,9 +1068,34 @@ impl CatalogState {
         record.replication.replicas[slot] = to;
         record.replication.in_sync.retain(|node| *node != from);
         record.replication.epoch = epoch + 1;
-        Ok(Plan::new(Outcome::Done)
-            .event(Event::VolumeChanged { volume_id })
-            .change(Change::PutVolume(record)))
+        let plan = self.snapshots_incomplete_on(
+            Plan::new(Outcome::Done).event(Event::VolumeChanged { volume_id }),
+            volume_id,
+            &[to],
+        );
+        Ok(plan.change(Change::PutVolume(record)))
+    }
+
+    /// Adds to `plan` that every snapshot of the volume is incomplete on the `added` nodes,
+    /// new replicas: they receive the volume's current contents only (and a node that left
+    /// and comes back has erased its copy).
+    fn snapshots_incomplete_on(&self, mut plan: Plan, volume_id: u64, added: &[NodeId]) -> Plan {
+        let Some(entry) = self.volumes.get(&volume_id) else {
+            return plan;
+        };
+        for snapshot in entry.snapshots.values() {
+            let missing: Vec<NodeId> = added
+                .iter()
+                .copied()
+                .filter(|node| snapshot.complete_on(*node))
+                .collect();
+            if !missing.is_empty() {
+                let mut snapshot = snapshot.clone();
+                snapshot.incomplete_on.extend(missing);
+                plan = plan.change(Change::PutSnapshot(snapshot));
+            }
+        }
+        plan
     }
 
     fn plan_set_replicas(
@@ -1109,6 +1150,16 @@ impl CatalogState {
             .copied()
             .filter(|node| replicas.contains(node))
             .collect();
+        let added: Vec<NodeId> = replicas
+            .iter()
+            .copied()
+            .filter(|node| !current.replicas.contains(node))
+            .collect();
+        let plan = self.snapshots_incomplete_on(
+            Plan::new(Outcome::Done).event(Event::VolumeChanged { volume_id }),
+            volume_id,
+            &added,
+        );
         record.replication = Replication {
             factor: replicas.len() as u8,
             in_sync_min,
@@ -1117,9 +1168,7 @@ impl CatalogState {
             primary: current.primary,
             in_sync,
         };
-        Ok(Plan::new(Outcome::Done)
-            .event(Event::VolumeChanged { volume_id })
-            .change(Change::PutVolume(record)))
+        Ok(plan.change(Change::PutVolume(record)))
     }
 
     /// A node may take a new replica of `volume`: a live storage node, not draining.
@@ -1258,8 +1307,26 @@ impl CatalogState {
         let id = self.next_volume_id;
         let mut view = vec![Layer::new(id, 1)];
         view.extend(source.view.iter().cloned());
+        // Each replica of the clone reads the parent's snapshot on its own node: only those
+        // whose copy of it is complete start in sync (the others are caught up by the
+        // clone's primary, which must be one of the former).
         let mut replication = parent_entry.record.replication.clone();
         replication.epoch = 1;
+        replication.in_sync.retain(|node| source.complete_on(*node));
+        if !replication.in_sync.contains(&replication.primary) {
+            match replication.in_sync.first() {
+                Some(&node) => replication.primary = node,
+                None => {
+                    return Err(CatalogError::Invalid {
+                        subject: name.to_string(),
+                        detail: format!(
+                            "snapshot {snapshot:?} of volume {parent:?} is incomplete on every \
+                             in-sync replica"
+                        ),
+                    })
+                }
+            }
+        }
         let mut record =
             Self::new_volume_record(id, &settings, uuid, created_unix_seconds, replication);
         record.view = view;
@@ -1339,8 +1406,9 @@ impl CatalogState {
             });
         }
         let mut record = entry.record.clone();
+        let replication = &record.replication;
         let frozen = SnapshotRecord {
-            format: VOLUME_RECORD_FORMAT,
+            format: SNAPSHOT_RECORD_FORMAT,
             volume_id: record.id,
             name: snapshot.to_string(),
             guid,
@@ -1348,6 +1416,12 @@ impl CatalogState {
             size_bytes: record.size_bytes,
             view: record.view.clone(),
             created_unix_seconds,
+            incomplete_on: replication
+                .replicas
+                .iter()
+                .copied()
+                .filter(|node| !replication.in_sync.contains(node))
+                .collect(),
         };
         let next = record.generation_next;
         record.generation = next;
@@ -1475,7 +1549,7 @@ impl CatalogState {
             };
         frozen_view[0].volume_id = volume_id;
         let snapshot = SnapshotRecord {
-            format: VOLUME_RECORD_FORMAT,
+            format: SNAPSHOT_RECORD_FORMAT,
             volume_id,
             name: target_name.to_string(),
             guid: target_guid,
@@ -1483,6 +1557,7 @@ impl CatalogState {
             size_bytes,
             view: frozen_view,
             created_unix_seconds,
+            incomplete_on: Vec::new(),
         };
         let mut record = entry.record.clone();
         rebase_onto(

@@ -417,6 +417,145 @@ fn replication_changes_compare_the_epoch() {
     );
 }
 
+// Proves a snapshot records the replicas whose copy of it is incomplete (out of sync when it
+// was taken, or placed after it), that no in-sync replica is rolled back onto it, and that a
+// clone of it starts in sync only on the nodes whose copy is complete.
+#[test]
+fn snapshots_know_where_their_data_is_incomplete() {
+    let dir = store_dir("incomplete");
+    let catalog = LocalCatalog::open(open(&dir)).unwrap();
+    catalog.propose(second_node()).unwrap();
+    let Command::NodeAdd { mut node, .. } = second_node() else {
+        unreachable!()
+    };
+    node.name = "third".to_string();
+    node.instance = [6; 16];
+    node.addresses.cluster = "127.0.0.3:3902".to_string();
+    catalog
+        .propose(Command::NodeAdd {
+            node,
+            joined_unix_ms: 4,
+        })
+        .unwrap();
+    catalog
+        .propose(Command::VolumeCreate {
+            settings: VolumeSettings {
+                name: "r2".to_string(),
+                size_bytes: 1 << 20,
+                compression: "none".to_string(),
+                iops_max: None,
+                bandwidth_max_mib_per_second: None,
+            },
+            uuid: [1; 16],
+            created_unix_seconds: 5,
+            replicas: vec![1, 2],
+            status: VolumeStatus::Ready,
+        })
+        .unwrap();
+    let id = catalog.catalog().read().volume("r2").unwrap().record.id;
+    let snapshot = |name: &str| Command::SnapshotCreate {
+        volume: "r2".to_string(),
+        snapshot: name.to_string(),
+        guid: [name.len() as u8; 16],
+        created_unix_seconds: 6,
+    };
+    let incomplete_on = |name: &str| {
+        catalog
+            .catalog()
+            .read()
+            .volume("r2")
+            .unwrap()
+            .snapshot_by_name(name)
+            .unwrap()
+            .incomplete_on
+            .clone()
+    };
+    catalog.propose(snapshot("both")).unwrap();
+    assert_eq!(incomplete_on("both"), Vec::<u64>::new());
+    // Node 2 leaves the in-sync set; a snapshot taken now lacks data there.
+    catalog
+        .propose(Command::VolumeSetReplication {
+            volume_id: id,
+            epoch: 1,
+            primary: 1,
+            in_sync: vec![1],
+        })
+        .unwrap();
+    catalog.propose(snapshot("alone")).unwrap();
+    assert_eq!(incomplete_on("alone"), vec![2]);
+    // A clone of it starts in sync on node 1 only.
+    catalog
+        .propose(Command::VolumeClone {
+            parent: "r2".to_string(),
+            snapshot: "alone".to_string(),
+            name: "copy".to_string(),
+            uuid: [9; 16],
+            created_unix_seconds: 7,
+        })
+        .unwrap();
+    let clone = catalog
+        .catalog()
+        .read()
+        .volume("copy")
+        .unwrap()
+        .record
+        .replication
+        .clone();
+    assert_eq!(
+        (clone.replicas, clone.in_sync, clone.primary),
+        (vec![1, 2], vec![1], 1)
+    );
+    // Node 2 is back in sync (the current contents): rolling it back onto "alone" is refused.
+    catalog
+        .propose(Command::VolumeSetReplication {
+            volume_id: id,
+            epoch: 2,
+            primary: 1,
+            in_sync: vec![1, 2],
+        })
+        .unwrap();
+    let rollback = |name: &str| Command::VolumeRollback {
+        volume: "r2".to_string(),
+        snapshot: name.to_string(),
+    };
+    let refused = catalog.propose(rollback("alone")).unwrap_err();
+    assert!(
+        refused.to_string().contains("incomplete on node 2"),
+        "{refused}"
+    );
+    catalog.propose(rollback("both")).unwrap();
+    // A third replica: every existing snapshot is incomplete on it.
+    catalog
+        .propose(Command::VolumeSetReplicas {
+            volume_id: id,
+            epoch: 3,
+            replicas: vec![1, 2, 3],
+            in_sync_min: 1,
+        })
+        .unwrap();
+    assert_eq!(incomplete_on("both"), vec![3]);
+    assert_eq!(incomplete_on("alone"), vec![2, 3]);
+    // Out of sync on node 2 alone, rolling back onto "both" is fine again.
+    catalog
+        .propose(Command::VolumeSetReplication {
+            volume_id: id,
+            epoch: 4,
+            primary: 1,
+            in_sync: vec![1, 2],
+        })
+        .unwrap();
+    catalog.propose(rollback("both")).unwrap();
+    // Reloading from the store keeps it all.
+    drop(catalog);
+    let reopened = LocalCatalog::open(open(&dir)).unwrap();
+    let state = reopened.catalog().read();
+    let record = state.volume("r2").unwrap();
+    assert_eq!(
+        record.snapshot_by_name("alone").unwrap().incomplete_on,
+        vec![2, 3]
+    );
+}
+
 // Proves new replicas go to the nodes that share the fewest failure-domain labels with the
 // replicas already placed, and never to a node that is down, draining or a witness.
 #[test]

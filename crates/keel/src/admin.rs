@@ -492,6 +492,10 @@ pub struct SnapshotJson {
     pub created_unix_seconds: u64,
     pub referenced_bytes: u64,
     pub unique_bytes: u64,
+    /// Replicas (node ids) whose copy of the snapshot lacks data: it is served, rolled back
+    /// onto and sent only through the others.
+    #[serde(default)]
+    pub incomplete_on: Vec<u64>,
 }
 
 fn volume_json(summary: &keel_namespace::volume::VolumeSummary) -> VolumeJson {
@@ -520,6 +524,7 @@ fn snapshot_json(info: &keel_namespace::volume::SnapshotInfo) -> SnapshotJson {
         created_unix_seconds: info.created_unix_seconds,
         referenced_bytes: info.referenced_bytes,
         unique_bytes: info.unique_bytes,
+        incomplete_on: info.incomplete_on.clone(),
     }
 }
 
@@ -763,9 +768,9 @@ async fn rollback_snapshot(
     Path((name, snapshot)): Path<(String, String)>,
 ) -> ApiResult<Json<serde_json::Value>> {
     blocking(move || {
-        state
-            .replication
-            .quiesce(&name, || state.volumes.rollback(&name, &snapshot))?;
+        state.replication.rollback(&name, &snapshot, || {
+            state.volumes.rollback(&name, &snapshot)
+        })?;
         Ok(Json(
             serde_json::json!({ "rolled_back": format!("{name}@{snapshot}") }),
         ))

@@ -429,16 +429,28 @@ pub fn snapshot(connection: &Connection, command: SnapshotCommand) -> anyhow::Re
                 return print_json(&snapshots);
             }
             println!(
-                "{:<24} {:>10} {:>12} {:>12}",
+                "{:<24} {:>10} {:>12} {:>12}  INCOMPLETE ON",
                 "SNAPSHOT", "SIZE", "REFERENCED", "UNIQUE"
             );
             for s in snapshots.as_array().into_iter().flatten() {
+                let incomplete: Vec<String> = s["incomplete_on"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|node| node.as_u64())
+                    .map(|node| format!("node {node}"))
+                    .collect();
                 println!(
-                    "{:<24} {:>10} {:>12} {:>12}",
+                    "{:<24} {:>10} {:>12} {:>12}  {}",
                     format!("{volume}@{}", s["name"].as_str().unwrap_or("")),
                     human_bytes(s["size_bytes"].as_u64().unwrap_or(0)),
                     human_bytes(s["referenced_bytes"].as_u64().unwrap_or(0)),
-                    human_bytes(s["unique_bytes"].as_u64().unwrap_or(0))
+                    human_bytes(s["unique_bytes"].as_u64().unwrap_or(0)),
+                    if incomplete.is_empty() {
+                        "-".to_string()
+                    } else {
+                        incomplete.join(", ")
+                    }
                 );
             }
         }

@@ -110,6 +110,9 @@ pub struct SnapshotInfo {
     /// Bytes shown by this snapshot and by no other snapshot nor the current contents: what
     /// deleting it frees (exact for the volume's own blocks; hole markers count as blocks).
     pub unique_bytes: u64,
+    /// Replicas whose copy of the snapshot lacks data (out of sync when it was taken, or
+    /// placed after it): they neither serve it nor roll back onto it.
+    pub incomplete_on: Vec<u64>,
 }
 
 /// The volumes of the cluster, as seen from this node.
@@ -369,6 +372,7 @@ impl VolumeManager {
                 created_unix_seconds: snapshot.created_unix_seconds,
                 referenced_bytes: block(usage.snapshot_referenced_blocks.get(&snapshot.generation)),
                 unique_bytes: block(usage.snapshot_unique_blocks.get(&snapshot.generation)),
+                incomplete_on: snapshot.incomplete_on.clone(),
             })
             .collect();
         Ok(VolumeInfo {
@@ -493,6 +497,7 @@ impl VolumeManager {
             created_unix_seconds: frozen.created_unix_seconds,
             referenced_bytes: 0,
             unique_bytes: 0,
+            incomplete_on: frozen.incomplete_on.clone(),
         })
     }
 
@@ -655,6 +660,10 @@ impl VolumeManager {
         };
         let target_snapshot = find(target)?;
         let base_snapshot = base.map(find).transpose()?;
+        let local = self.metadata.local_node();
+        for snapshot in base_snapshot.iter().chain([&target_snapshot]) {
+            keel_volume::check_snapshot_complete(&entry.record, snapshot, local)?;
+        }
         let compression = Compression::from_name(&entry.record.compression).unwrap_or_default();
         SendStream::new(
             self.engine.store().clone(),

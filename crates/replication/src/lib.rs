@@ -306,6 +306,41 @@ impl Replication {
         }
     }
 
+    /// Rolls `volume` back onto `snapshot` through [`Replication::quiesce`] (`rollback` does
+    /// it on this node's copy and in the catalog). In-sync replicas whose copy of the snapshot
+    /// is incomplete ([`keel_catalog::SnapshotRecord::incomplete_on`]) would roll back onto
+    /// data they never had: the primary first takes them out of the in-sync set, and catches
+    /// them up once the rollback is done. Blocking.
+    pub fn rollback<T>(
+        &self,
+        volume: &str,
+        snapshot: &str,
+        rollback: impl FnOnce() -> VolumeResult<T>,
+    ) -> VolumeResult<T> {
+        let incomplete: Vec<NodeId> = {
+            let catalog = self.shared.metadata.catalog().read();
+            let Some(entry) = catalog.volume(volume) else {
+                return rollback();
+            };
+            let Some(frozen) = entry.snapshot_by_name(snapshot) else {
+                return rollback();
+            };
+            entry
+                .record
+                .replication
+                .in_sync
+                .iter()
+                .copied()
+                .filter(|node| !frozen.complete_on(*node))
+                .collect()
+        };
+        if incomplete.is_empty() {
+            return self.quiesce(volume, rollback);
+        }
+        self.scrub_target(volume)?
+            .quiesce_dropping(&incomplete, rollback)
+    }
+
     /// The replicated volumes this node is named primary of: those a scheduled scrub compares.
     pub fn primary_here(&self) -> Vec<String> {
         let local = self.shared.local_node;

@@ -698,8 +698,8 @@ impl Primary {
 
     /// Runs a change of the volume's metadata (snapshot, rollback, resize) at one point of its
     /// write stream on every replica: no write is ordered meanwhile; every replica streaming
-    /// has applied every earlier write before `change` runs, and applies later writes only
-    /// after its catalog has the change.
+    /// has applied every earlier write before `change` runs (and one that failed is out of the
+    /// in-sync set), and applies later writes only after its catalog has the change.
     pub fn quiesce<T>(&self, change: impl FnOnce() -> VolumeResult<T>) -> VolumeResult<T> {
         self.lease()?;
         let _order = lock(&self.order);
@@ -709,8 +709,10 @@ impl Primary {
             Self::queue_flush(&mut state)
         };
         let deadline = self.shared.clock().now() + QUIESCE_WAIT;
+        // A replica that failed is still counted until Raft recorded it out of the in-sync
+        // set: wait for that too, so a snapshot never names it complete.
         drop(self.wait_confirmed(
-            |_, peer| peer.streaming && peer.durable_upto < upto,
+            |_, peer| (peer.streaming || peer.counted) && peer.durable_upto < upto,
             Some(deadline),
         )?);
         let outcome = change()?;
@@ -723,6 +725,39 @@ impl Primary {
             }
         }
         Ok(outcome)
+    }
+
+    /// [`Primary::quiesce`], with the replicas `drop` out of the in-sync set (Raft records
+    /// it first) and their streams stopped while `change` runs; each is caught up afterwards,
+    /// whatever `change` answered. For a change those replicas cannot make on their own copy
+    /// (a rollback onto a snapshot that is incomplete there). Blocking.
+    pub fn quiesce_dropping<T>(
+        self: &Arc<Self>,
+        drop: &[NodeId],
+        change: impl FnOnce() -> VolumeResult<T>,
+    ) -> VolumeResult<T> {
+        for &node in drop {
+            let member = self.state().in_sync.contains(&node);
+            if member {
+                self.shared
+                    .runtime
+                    .block_on(self.propose_in_sync(InSyncChange::Drop(node)))
+                    .map_err(|error| unavailable(&self.name, error))?;
+            }
+            let mut state = self.state();
+            if let Some(peer) = state.peers.get_mut(&node) {
+                peer.counted = false;
+                peer.streaming = false;
+                peer.queue.clear();
+                peer.queued_bytes = 0;
+            }
+        }
+        self.changed.notify_all();
+        let outcome = self.quiesce(change);
+        for &node in drop {
+            self.spawn_resync(node);
+        }
+        outcome
     }
 
     /// Moves a replica off a node that has been down for `after`, is draining or was removed,

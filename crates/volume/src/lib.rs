@@ -238,6 +238,39 @@ impl VolumeState {
     }
 }
 
+/// Refuses a snapshot whose copy on `node` lacks data ([`SnapshotRecord::incomplete_on`]),
+/// naming the replicas that hold it whole.
+pub fn check_snapshot_complete(
+    record: &VolumeRecord,
+    snapshot: &SnapshotRecord,
+    node: NodeId,
+) -> VolumeResult<()> {
+    if snapshot.complete_on(node) {
+        return Ok(());
+    }
+    let whole: Vec<String> = record
+        .replication
+        .replicas
+        .iter()
+        .filter(|replica| snapshot.complete_on(**replica))
+        .map(|replica| format!("node {replica}"))
+        .collect();
+    Err(VolumeError::Unavailable {
+        volume: record.name.clone(),
+        detail: format!(
+            "snapshot {:?} is incomplete on this node (node {node}): its replica here was out \
+             of sync when the snapshot was taken, or placed after it, and catching up copies \
+             the current contents only; {}",
+            snapshot.name,
+            if whole.is_empty() {
+                "no replica holds it whole any more".to_string()
+            } else {
+                format!("it is whole on {}", whole.join(", "))
+            }
+        ),
+    })
+}
+
 /// Local activity on a volume that the catalog does not know about.
 #[derive(Default)]
 pub(crate) struct Activity {
@@ -495,13 +528,15 @@ impl Engine {
         };
         let frozen = {
             let state = read(&shared.state);
-            state
-                .snapshot_by_name(snapshot)
-                .ok_or_else(|| VolumeError::SnapshotNotFound {
-                    volume: shared.name.clone(),
-                    snapshot: snapshot.to_string(),
-                })?
-                .clone()
+            let frozen =
+                state
+                    .snapshot_by_name(snapshot)
+                    .ok_or_else(|| VolumeError::SnapshotNotFound {
+                        volume: shared.name.clone(),
+                        snapshot: snapshot.to_string(),
+                    })?;
+            check_snapshot_complete(&state.record, frozen, self.local_node)?;
+            frozen.clone()
         };
         let user = shared.use_snapshot(frozen.generation);
         Ok(Some(Arc::new(VolumeHandle::new(
