@@ -449,6 +449,36 @@ def test_snapshots_of_an_r2_volume_cut_the_same_writes_on_both_replicas(cluster)
     assert code == 421, (code, answer)
 
 
+def test_batches_in_flight_together_are_applied_in_order(cluster):
+    """The primary keeps several batches of a replica's stream in flight; node 1's transport
+    delays each by a random time (up to 40 ms), so they reach node 2 out of order. Six times:
+    sixteen 512 KiB writes to the same range, each its own batch, a FLUSH and a snapshot, read
+    through node 2 (its own copy): it holds the burst's last write, as node 1 does, because
+    node 2 applies batches in stream order, waiting for the earlier ones. It never refuses the
+    later ones either: the in-sync set and its epoch never change."""
+    first, second = two_nodes_and_witness(cluster)
+    create_r2(first, "order")
+    client = attach(first, "order")
+    wait_until("both replicas in sync", lambda: sorted(replication(first, "order")["in_sync"]) == [1, 2])
+    epoch = replication(first, "order")["epoch"]
+    first.faults([], delays=[{"node": second.node_id(), "method": METHOD_REPLICATE, "milliseconds": 40,
+                              "jitter": True}])
+    length = 512 << 10
+    for burst in range(6):
+        for index in range(16):
+            client.write(0, (f"{burst}/{index:02} ".encode() * (length // 6 + 1))[:length])
+        client.flush()
+        code, answer = first.api("POST", "/api/v1/volumes/order/snapshots", {"name": f"s{burst}"})
+        assert code == 200, answer
+        snapshot = Client(second.host, second.nbd_port, f"order@s{burst}")
+        got = snapshot.read(0, length)
+        snapshot.close()
+        assert got.startswith(f"{burst}/15 ".encode()), f"burst {burst}: node 2 holds {got[:6]!r} last"
+    info = replication(first, "order")
+    assert (info["epoch"], sorted(info["in_sync"])) == (epoch, [1, 2]), \
+        f"node 2 refused a batch and was resynced: {info}"
+
+
 def test_a_snapshot_incomplete_on_a_replica_is_never_served_or_rolled_back_there(cluster, workdir):
     """An R=1 volume is written and snapshotted, then raised to R=2: node 2 receives the
     current contents only, so its copy of the snapshot lacks the data (the snapshot says so).

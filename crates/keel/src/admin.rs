@@ -1231,6 +1231,10 @@ struct DelayRequest {
     #[serde(default)]
     method: Option<u16>,
     milliseconds: u64,
+    /// Each call waits a random time up to `milliseconds` instead (calls sent together then
+    /// arrive out of order).
+    #[serde(default)]
+    jitter: bool,
 }
 
 async fn set_faults(
@@ -1250,6 +1254,7 @@ async fn set_faults(
             node: delay.node,
             method: delay.method,
             by: Duration::from_millis(delay.milliseconds),
+            jitter: delay.jitter,
         })
         .collect();
     faults.set(&request.blocked_nodes, &delays);

@@ -488,7 +488,7 @@ impl Replication {
         // Under the replica slot: no batch of an older stream is being applied while this
         // node takes over, and none is accepted after (the catalog names this node).
         let slot = self.shared.replicas.slot(record.id);
-        let mut slot = lock(&slot);
+        let mut slot = lock(&slot.state);
         Replicas::forget(&mut slot);
         self.shared
             .metadata

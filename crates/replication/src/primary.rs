@@ -24,6 +24,9 @@ use crate::{lock, Shared, RESYNC_CHUNK_BYTES, RESYNC_PROBE_BYTES};
 const QUEUE_BYTES_MAX: usize = 64 << 20;
 /// Most bytes of writes in one batch.
 const BATCH_BYTES_MAX: usize = 4 << 20;
+/// Batches of one replica's stream in flight at once: the next travels and is decoded while
+/// the replica applies one.
+const BATCHES_IN_FLIGHT: usize = 4;
 /// A batch not answered within this is a failed replica (it is then taken out of the
 /// in-sync set). Covers a replica's fdatasync on a busy shared disk.
 const BATCH_TIMEOUT: Duration = Duration::from_secs(2);
@@ -529,9 +532,12 @@ impl Primary {
         });
     }
 
-    /// Sends one replica's stream, a batch at a time, until it fails or the primary closes.
+    /// Sends one replica's stream until it fails or the primary closes: up to
+    /// [`BATCHES_IN_FLIGHT`] batches at once (the replica applies them in order), their
+    /// answers taken in order.
     async fn send_loop(self: Arc<Self>, node: NodeId) {
         let mut lingered = false;
+        let mut in_flight: VecDeque<tokio::task::JoinHandle<Sent>> = VecDeque::new();
         loop {
             let wake = {
                 let mut state = self.state();
@@ -546,80 +552,131 @@ impl Primary {
                 peer.wake.clone()
             };
             let notified = wake.notified();
-            match self.readiness(node) {
-                Readiness::Empty => {
-                    notified.await;
-                    continue;
-                }
-                // Writes without a FLUSH behind them: wait a moment for more (a QD1 client's
-                // FLUSH follows its write within microseconds), so they travel together.
-                Readiness::Linger if !lingered => {
-                    lingered = true;
-                    tokio::select! {
-                        _ = notified => {}
-                        _ = self.shared.clock().sleep(LINGER) => {}
+            if in_flight.len() < BATCHES_IN_FLIGHT {
+                match self.readiness(node, in_flight.len()) {
+                    Readiness::Empty if in_flight.is_empty() => {
+                        notified.await;
+                        continue;
                     }
-                    continue;
+                    // Writes without a FLUSH behind them: wait a moment for more (a QD1
+                    // client's FLUSH follows its write within microseconds), so they travel
+                    // together; with batches in flight, until one is answered.
+                    Readiness::Linger if in_flight.is_empty() && !lingered => {
+                        lingered = true;
+                        tokio::select! {
+                            _ = notified => {}
+                            _ = self.shared.clock().sleep(LINGER) => {}
+                        }
+                        continue;
+                    }
+                    Readiness::Empty | Readiness::Linger if !in_flight.is_empty() => {}
+                    _ => {
+                        lingered = false;
+                        if let Some((batch, flush, bytes)) = self.take_batch(node) {
+                            let this = self.clone();
+                            in_flight.push_back(self.shared.runtime.spawn(async move {
+                                let outcome = this.send_batch(node, &batch).await;
+                                Sent {
+                                    stream: batch.stream,
+                                    flush,
+                                    bytes,
+                                    outcome,
+                                }
+                            }));
+                        }
+                        continue;
+                    }
                 }
-                _ => lingered = false,
             }
-            let Some((batch, flush_upto, sent_bytes)) = self.take_batch(node) else {
+            let room = in_flight.len() < BATCHES_IN_FLIGHT;
+            let Some(oldest) = in_flight.front_mut() else {
                 continue;
             };
-            let outcome = self.send_batch(node, &batch).await;
-            let mut state = self.state();
-            let epoch = state.epoch;
-            let Some(peer) = state.peers.get_mut(&node) else {
-                return;
+            let sent = tokio::select! {
+                sent = oldest => sent,
+                _ = notified, if room => continue,
             };
-            peer.queued_bytes = peer.queued_bytes.saturating_sub(sent_bytes);
-            match outcome {
-                Ok(_) => {
-                    // An answer of a stream a resync has since replaced confirms nothing.
-                    if let (Some((upto, count)), true) = (flush_upto, peer.stream == batch.stream) {
-                        peer.durable_upto = peer.durable_upto.max(upto);
-                        peer.flushes_confirmed = peer.flushes_confirmed.max(count);
-                    }
-                    drop(state);
-                    self.changed.notify_all();
-                }
-                Err(failure) if failure.code == Some(CODE_FENCED) => {
-                    drop(state);
-                    self.close(format!("a replica fenced this node: {}", failure.message));
-                    return;
-                }
-                Err(failure) => {
-                    tracing::warn!(volume = %self.name, node, epoch, error = %failure.message, "a replica failed; taking it out of the in-sync set");
-                    peer.failed = true;
-                    peer.streaming = false;
-                    peer.sender_running = false;
-                    peer.queue.clear();
-                    peer.queued_bytes = 0;
-                    drop(state);
-                    self.changed.notify_all();
-                    let this = self.clone();
-                    self.shared.runtime.spawn(async move {
-                        this.drop_replica(node).await;
-                    });
-                    return;
-                }
+            in_flight.pop_front();
+            let sent = match sent {
+                Ok(sent) => sent,
+                Err(error) => Sent {
+                    stream: 0,
+                    flush: None,
+                    bytes: 0,
+                    outcome: Err(Failure {
+                        code: None,
+                        message: format!("sending a batch failed: {error}"),
+                    }),
+                },
+            };
+            if !self.settle(node, sent) {
+                return;
             }
         }
     }
 
-    fn readiness(&self, node: NodeId) -> Readiness {
+    /// Takes in a batch's answer; false once the stream is over (the replica failed, or
+    /// fenced this node).
+    fn settle(self: &Arc<Self>, node: NodeId, sent: Sent) -> bool {
+        let mut state = self.state();
+        let epoch = state.epoch;
+        let Some(peer) = state.peers.get_mut(&node) else {
+            return false;
+        };
+        peer.queued_bytes = peer.queued_bytes.saturating_sub(sent.bytes);
+        match sent.outcome {
+            Ok(_) => {
+                // An answer of a stream a resync has since replaced confirms nothing.
+                if let (Some((upto, count)), true) = (sent.flush, peer.stream == sent.stream) {
+                    peer.durable_upto = peer.durable_upto.max(upto);
+                    peer.flushes_confirmed = peer.flushes_confirmed.max(count);
+                }
+                drop(state);
+                self.changed.notify_all();
+                true
+            }
+            Err(failure) if failure.code == Some(CODE_FENCED) => {
+                drop(state);
+                self.close(format!("a replica fenced this node: {}", failure.message));
+                false
+            }
+            Err(failure) => {
+                tracing::warn!(volume = %self.name, node, epoch, error = %failure.message, "a replica failed; taking it out of the in-sync set");
+                peer.failed = true;
+                peer.streaming = false;
+                peer.sender_running = false;
+                peer.queue.clear();
+                peer.queued_bytes = 0;
+                drop(state);
+                self.changed.notify_all();
+                let this = self.clone();
+                self.shared.runtime.spawn(async move {
+                    this.drop_replica(node).await;
+                });
+                false
+            }
+        }
+    }
+
+    /// Whether a replica's queue is worth a batch now: with none in flight, once it holds a
+    /// FLUSH or [`LINGER_BYTES_MAX`]; alongside batches in flight, only a FLUSH or a full
+    /// batch (small batches at once cost more CPU than the overlap gains: writes pile up
+    /// into the next batch meanwhile).
+    fn readiness(&self, node: NodeId, in_flight: usize) -> Readiness {
         let state = self.state();
         let Some(peer) = state.peers.get(&node) else {
             return Readiness::Empty;
         };
+        let enough = if in_flight == 0 {
+            LINGER_BYTES_MAX
+        } else {
+            BATCH_BYTES_MAX
+        };
+        // A FLUSH is queued when more were queued than taken (the counts restart with the
+        // queue at each resync): no scan of the queue, which the sender checks at every push.
         if peer.queue.is_empty() {
             Readiness::Empty
-        } else if peer.queued_bytes >= LINGER_BYTES_MAX
-            || peer
-                .queue
-                .iter()
-                .any(|item| matches!(item, Item::Flush { .. }))
-        {
+        } else if peer.queued_bytes >= enough || peer.flushes_queued > peer.flushes_taken {
             Readiness::Now
         } else {
             Readiness::Linger
@@ -1052,27 +1109,52 @@ impl Primary {
         let mut shipped = 0u64;
         let clock = self.shared.clock();
         let started = clock.now();
-        // The end of the stretch already known to hold writes (compared chunk by chunk).
+        // The end of the stretch already known to hold writes (compared chunk by chunk), and
+        // whether the replica had never written it when asked: then its chunks read as zeroes
+        // there, and are compared with zeroes without asking for hashes (a client write to
+        // the stretch since then is on the replica's stream and on this copy alike).
         let mut probed_to = 0u64;
+        let mut theirs_unwritten = false;
+        // The next chunk's hashes, asked for while this chunk is read and queued.
+        let mut prefetched: Option<(u64, HashesAsked)> = None;
         let busy_percent = u32::from(self.shared.resync_busy_percent.clamp(1, 100));
         let mut requests_seen = self.client_requests.load(Ordering::Relaxed);
         while offset < size {
             let chunk_started = clock.now();
             if offset >= probed_to {
                 let stretch = RESYNC_PROBE_BYTES.min(size - offset);
-                if self.stretch_unwritten(node, offset, stretch).await? {
-                    offset += stretch;
-                    let mut state = self.state();
-                    state.resync_skipped_bytes += stretch;
-                    if let Some(peer) = state.peers.get_mut(&node) {
-                        peer.resync_compared = offset;
+                match self.probe_stretch(node, offset, stretch).await? {
+                    Stretch::Unwritten => {
+                        offset += stretch;
+                        let mut state = self.state();
+                        state.resync_skipped_bytes += stretch;
+                        if let Some(peer) = state.peers.get_mut(&node) {
+                            peer.resync_compared = offset;
+                        }
+                        continue;
                     }
-                    continue;
+                    Stretch::TheirsUnwritten => theirs_unwritten = true,
+                    Stretch::Written => theirs_unwritten = false,
                 }
                 probed_to = offset + stretch;
             }
             let length = RESYNC_CHUNK_BYTES.min(size - offset);
-            let theirs = self.remote_hashes(node, offset, length).await?;
+            let theirs = match prefetched.take() {
+                _ if theirs_unwritten => Vec::new(),
+                Some((at, hashes)) if at == offset => {
+                    hashes.await.map_err(|error| error.to_string())??
+                }
+                _ => self.remote_hashes(node, offset, length).await?,
+            };
+            let next = offset + length;
+            if !theirs_unwritten && next < probed_to {
+                let this = self.clone();
+                let next_length = RESYNC_CHUNK_BYTES.min(size - next);
+                prefetched = Some((
+                    next,
+                    tokio::spawn(async move { this.remote_hashes(node, next, next_length).await }),
+                ));
+            }
             // Room first (never wait for the queue with the order lock held).
             loop {
                 {
@@ -1209,8 +1291,9 @@ impl Primary {
                     unwritten &= self
                         .shared
                         .runtime
-                        .block_on(self.stretch_unwritten(*node, offset, stretch))
-                        .map_err(failed)?;
+                        .block_on(self.probe_stretch(*node, offset, stretch))
+                        .map_err(failed)?
+                        == Stretch::Unwritten;
                 }
                 if unwritten && self.local.range_unwritten(offset, stretch)? {
                     offset += stretch;
@@ -1360,30 +1443,35 @@ impl Primary {
         })
     }
 
-    /// Whether neither the replica nor this node ever wrote `[offset, offset + length)`: the
-    /// replica is asked first, then the local copy is looked at under the order lock, so a
-    /// write that lands after that is on the replica's stream (as in `queue_differences`).
-    async fn stretch_unwritten(
+    /// Which of the replica and this node ever wrote `[offset, offset + length)`: the replica
+    /// is asked first, then the local copy is looked at under the order lock, so a write that
+    /// lands after that is on the replica's stream (as in `queue_differences`).
+    async fn probe_stretch(
         self: &Arc<Self>,
         node: NodeId,
         offset: u64,
         length: u64,
-    ) -> Result<bool, String> {
+    ) -> Result<Stretch, String> {
         let answer: UnwrittenAnswer = self
             .ask_range(node, METHOD_UNWRITTEN, offset, length)
             .await?;
         if !answer.unwritten {
-            return Ok(false);
+            return Ok(Stretch::Written);
         }
         let this = self.clone();
-        tokio::task::spawn_blocking(move || {
+        let ours_unwritten = tokio::task::spawn_blocking(move || {
             let _order = lock(&this.order);
             this.local
                 .range_unwritten(offset, length)
                 .map_err(|error| error.to_string())
         })
         .await
-        .map_err(|error| error.to_string())?
+        .map_err(|error| error.to_string())??;
+        Ok(if ours_unwritten {
+            Stretch::Unwritten
+        } else {
+            Stretch::TheirsUnwritten
+        })
     }
 
     async fn remote_hashes(
@@ -1534,8 +1622,31 @@ impl Primary {
 /// Consecutive blocks of a chunk, as (first, end) block indexes.
 type BlockRun = (usize, usize);
 
+/// Who ever wrote a stretch of the volume ([`Primary::probe_stretch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stretch {
+    /// Neither the replica nor this node.
+    Unwritten,
+    /// This node, not the replica.
+    TheirsUnwritten,
+    /// The replica (and maybe this node).
+    Written,
+}
+
 /// The flush a batch ends with: the history position it covers, and its count in the stream.
 type BatchFlush = (u64, u64);
+
+/// A replica's block hashes of a chunk, asked for ahead of their use.
+type HashesAsked = tokio::task::JoinHandle<Result<Vec<u8>, String>>;
+
+/// A batch sent, and what its replica answered.
+struct Sent {
+    stream: u64,
+    flush: Option<BatchFlush>,
+    /// Its share of the replica's queue.
+    bytes: usize,
+    outcome: Result<BatchAck, Failure>,
+}
 
 /// A failed call to a replica.
 pub(crate) struct Failure {

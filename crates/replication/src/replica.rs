@@ -2,7 +2,7 @@
 //! the sender is the volume's primary in this node's view of the catalog (epoch fencing).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use keel_catalog::NodeId;
@@ -45,7 +45,15 @@ struct Replica {
 /// applied, so hashes, batches and a take-over never interleave.
 #[derive(Default)]
 pub(crate) struct Replicas {
-    volumes: Mutex<HashMap<u64, Arc<Mutex<ReplicaSlot>>>>,
+    volumes: Mutex<HashMap<u64, Arc<Slot>>>,
+}
+
+/// One volume's replica state, and the turn of the batches waiting for the ones before them
+/// (a primary keeps several in flight; they may arrive, or be scheduled, out of order).
+#[derive(Default)]
+pub(crate) struct Slot {
+    pub(crate) state: Mutex<ReplicaSlot>,
+    turn: Condvar,
 }
 
 #[derive(Default)]
@@ -56,8 +64,11 @@ pub(crate) struct ReplicaSlot {
 /// How long a replica waits for its catalog to apply an epoch a primary already uses.
 const CATALOG_CATCH_UP: Duration = Duration::from_secs(1);
 
+/// How long a batch waits for the batches of its stream before it (in flight at once).
+const TURN_WAIT: Duration = Duration::from_secs(2);
+
 impl Replicas {
-    pub(crate) fn slot(&self, volume_id: u64) -> Arc<Mutex<ReplicaSlot>> {
+    pub(crate) fn slot(&self, volume_id: u64) -> Arc<Slot> {
         lock(&self.volumes).entry(volume_id).or_default().clone()
     }
 
@@ -200,41 +211,88 @@ fn wait_for_catalog(shared: &Shared, index: u64) -> Result<(), Refusal> {
     Ok(())
 }
 
-/// Applies one batch of a primary's stream (blocking: store I/O).
+/// Applies one batch of a primary's stream (blocking: store I/O). A batch that comes before
+/// the one it follows waits its turn (the primary keeps several in flight); one whose
+/// predecessor never comes, or that follows nothing this node holds, is refused.
 pub(crate) fn apply(shared: &Shared, sender: NodeId, batch: Batch) -> Result<BatchAck, Refusal> {
     wait_for_catalog(shared, batch.catalog_index)?;
     let slot = shared.replicas.slot(batch.volume_id);
-    let mut slot = lock(&slot);
+    let mut state = lock(&slot.state);
+    // After the wait: a take-over may have happened while this batch waited.
+    state = wait_for_turn(shared, &slot, state, &batch)?;
     let name = check_sender(shared, batch.volume_id, batch.epoch, sender)?;
-    let continues = match &slot.replica.position {
-        _ if batch.index == 0 => true,
-        Some(position) => position.stream == batch.stream && position.next_index == batch.index,
-        None => false,
-    };
-    if !continues {
-        slot.replica.position = None;
-        return Err(refusal(
-            CODE_OUT_OF_ORDER,
-            format!(
-                "batch {} of stream {:x} for volume {name:?} does not continue what this node \
-                 holds (it restarted or missed a batch); it needs a resync",
-                batch.index, batch.stream
-            ),
-        ));
-    }
     // A failure below leaves the position unset: the primary must resync this replica.
-    slot.replica.position = None;
-    let volume = handle(shared, &mut slot, &name, batch.epoch)?;
+    state.replica.position = None;
+    let applied = apply_batch(shared, &mut state, &name, &batch);
+    if applied.is_ok() {
+        state.replica.position = Some(Position {
+            stream: batch.stream,
+            next_index: batch.index + 1,
+        });
+    }
+    drop(state);
+    slot.turn.notify_all();
+    applied
+}
+
+fn apply_batch(
+    shared: &Shared,
+    state: &mut ReplicaSlot,
+    name: &str,
+    batch: &Batch,
+) -> Result<BatchAck, Refusal> {
+    let volume = handle(shared, state, name, batch.epoch)?;
     let bytes = apply_ops(volume.as_ref(), &batch.ops, batch.flush)
         .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
     shared.counters.received(bytes);
-    slot.replica.position = Some(Position {
-        stream: batch.stream,
-        next_index: batch.index + 1,
-    });
     Ok(BatchAck {
         durable: batch.flush,
     })
+}
+
+/// Waits until `batch` continues what this node holds: the first of a stream, or the next of
+/// the stream it holds. A batch further on in that stream, or of another stream (its first
+/// batch may still be on its way), waits for the ones before it, at most [`TURN_WAIT`]; any
+/// other (an earlier index: a repeat) is refused, as is one still waiting then.
+fn wait_for_turn<'a>(
+    shared: &Shared,
+    slot: &'a Slot,
+    mut state: MutexGuard<'a, ReplicaSlot>,
+    batch: &Batch,
+) -> Result<MutexGuard<'a, ReplicaSlot>, Refusal> {
+    let clock = shared.clock();
+    let deadline = clock.now() + TURN_WAIT;
+    loop {
+        let waits = match &state.replica.position {
+            _ if batch.index == 0 => return Ok(state),
+            Some(position) if position.stream == batch.stream => {
+                if position.next_index == batch.index {
+                    return Ok(state);
+                }
+                position.next_index < batch.index
+            }
+            _ => true,
+        };
+        let now = clock.now();
+        if !waits || now >= deadline {
+            state.replica.position = None;
+            drop(state);
+            slot.turn.notify_all();
+            return Err(refusal(
+                CODE_OUT_OF_ORDER,
+                format!(
+                    "batch {} of stream {:x} for volume #{} does not continue what this node \
+                     holds (it restarted or missed a batch); it needs a resync",
+                    batch.index, batch.stream, batch.volume_id
+                ),
+            ));
+        }
+        state = slot
+            .turn
+            .wait_timeout(state, deadline - now)
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .0;
+    }
 }
 
 /// The volume a range request is about, once the sender's epoch is checked and the range is
@@ -273,7 +331,7 @@ pub(crate) fn unwritten(
     request: HashRequest,
 ) -> Result<UnwrittenAnswer, Refusal> {
     let slot = shared.replicas.slot(request.volume_id);
-    let mut slot = lock(&slot);
+    let mut slot = lock(&slot.state);
     let volume = range_volume(
         shared,
         &mut slot,
@@ -313,7 +371,7 @@ fn with_chunk<T>(
     work: impl FnOnce(&dyn VolumeIo) -> Result<T, Refusal>,
 ) -> Result<T, Refusal> {
     let slot = shared.replicas.slot(request.volume_id);
-    let mut slot = lock(&slot);
+    let mut slot = lock(&slot.state);
     let volume = range_volume(
         shared,
         &mut slot,

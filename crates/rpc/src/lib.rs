@@ -228,12 +228,14 @@ pub struct Faults {
 }
 
 /// Calls this node makes to `node` wait `by` before they are sent: every call, or only those
-/// of `method`.
+/// of `method`; with `jitter`, a random wait up to `by` each (so calls sent together arrive
+/// out of order).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Delay {
     pub node: NodeId,
     pub method: Option<u16>,
     pub by: Duration,
+    pub jitter: bool,
 }
 
 impl Faults {
@@ -268,14 +270,20 @@ impl Faults {
     }
 
     /// How long a call of `method` to `node` waits before it is sent (the longest delay that
-    /// matches it).
+    /// matches it; a jittered one drawn anew per call).
     pub fn delay_of(&self, node: NodeId, method: u16) -> Option<Duration> {
         self.delays
             .read()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .iter()
             .filter(|delay| delay.node == node && delay.method.is_none_or(|m| m == method))
-            .map(|delay| delay.by)
+            .map(|delay| {
+                if delay.jitter {
+                    delay.by.mul_f64(rand::random::<f64>())
+                } else {
+                    delay.by
+                }
+            })
             .max()
     }
 

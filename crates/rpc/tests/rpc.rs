@@ -598,6 +598,7 @@ async fn fault_proxy_delays_calls() {
         node: 3,
         method: Some(1),
         by: Duration::from_millis(300),
+        jitter: false,
     });
     let (outcome, took) = timed(1, SECOND).await;
     assert!(outcome.is_ok(), "{outcome:?}");
