@@ -519,6 +519,40 @@ def test_a_snapshot_incomplete_on_a_replica_is_never_served_or_rolled_back_there
         assert "is incomplete on this node" in str(refused) and "whole on node 1" in str(refused), refused
 
 
+def test_a_rollback_during_a_catch_up_restarts_it(cluster, workdir):
+    """As above, but the rollback comes while node 2 is still catching up (paced to 16 MiB/s):
+    the chunks it already compared hold the current data, which the rollback hides on node 2
+    (its copy of the snapshot lacks the data). The catch-up starts over after the rollback, so
+    node 2, once in sync and taking over, serves the rolled-back contents. (Continued instead,
+    it joined with the chunks compared before the rollback reading as zeroes.)"""
+    size = 64 << 20
+    first, second, client = pair_with_one_replica(cluster, workdir, "resync_mib_per_second = 16", "midway", size)
+    original = os.urandom(size)
+    for offset in range(0, size, 1 << 20):
+        client.write(offset, original[offset:offset + (1 << 20)])
+    client.flush()
+    code, answer = first.api("POST", "/api/v1/volumes/midway/snapshots", {"name": "before"})
+    assert code == 200, answer
+    for offset in range(0, size, 1 << 20):
+        client.write(offset, b"\xee" * (1 << 20))
+    client.flush()
+    client.close()
+    first.cli("volume", "set-replication", "midway", "--replicas", "2")
+    wait_until("node 2 half caught up",
+               lambda: second.api("GET", "/api/v1/volumes/midway")[1]["replication"]["received_bytes"] >= size // 2,
+               timeout=60, interval=0.05)
+    assert sorted(replication(first, "midway")["in_sync"]) == [1], "caught up before the rollback"
+    code, answer = first.api("POST", "/api/v1/volumes/midway/snapshots/before/rollback")
+    assert code == 200, answer
+    wait_until("node 2 in sync after the rollback",
+               lambda: sorted(replication(first, "midway")["in_sync"]) == [1, 2], timeout=60)
+    first.kill9()
+    other = attach(second, "midway", timeout=60)
+    for offset in range(0, size, 1 << 20):
+        assert other.read(offset, 1 << 20) == original[offset:offset + (1 << 20)], \
+            f"the MiB at {offset >> 20} is not the rolled-back data on node 2"
+
+
 def test_replicas_change_online_and_a_removed_replica_erases_its_copy(cluster):
     """Three storage nodes. An R=1 volume attached through node 1 is raised to R=3 while a
     client writes and flushes through the same NBD connection: the attached connection

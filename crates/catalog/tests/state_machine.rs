@@ -273,6 +273,39 @@ proptest! {
     }
 }
 
+fn third_node() -> Command {
+    let Command::NodeAdd { mut node, .. } = second_node() else {
+        unreachable!()
+    };
+    node.name = "third".to_string();
+    node.instance = [6; 16];
+    node.addresses.cluster = "127.0.0.3:3902".to_string();
+    Command::NodeAdd {
+        node,
+        joined_unix_ms: 4,
+    }
+}
+
+/// Creates volume "r2" on nodes 1 and 2; returns its id.
+fn create_r2(catalog: &LocalCatalog) -> u64 {
+    catalog
+        .propose(Command::VolumeCreate {
+            settings: VolumeSettings {
+                name: "r2".to_string(),
+                size_bytes: 1 << 20,
+                compression: "none".to_string(),
+                iops_max: None,
+                bandwidth_max_mib_per_second: None,
+            },
+            uuid: [1; 16],
+            created_unix_seconds: 5,
+            replicas: vec![1, 2],
+            status: VolumeStatus::Ready,
+        })
+        .unwrap();
+    catalog.catalog().read().volume("r2").unwrap().record.id
+}
+
 fn replication_of(catalog: &LocalCatalog) -> keel_catalog::Replication {
     catalog
         .catalog()
@@ -291,22 +324,7 @@ fn replication_changes_compare_the_epoch() {
     let dir = store_dir("replication");
     let catalog = LocalCatalog::open(open(&dir)).unwrap();
     catalog.propose(second_node()).unwrap();
-    catalog
-        .propose(Command::VolumeCreate {
-            settings: VolumeSettings {
-                name: "r2".to_string(),
-                size_bytes: 1 << 20,
-                compression: "none".to_string(),
-                iops_max: None,
-                bandwidth_max_mib_per_second: None,
-            },
-            uuid: [1; 16],
-            created_unix_seconds: 5,
-            replicas: vec![1, 2],
-            status: VolumeStatus::Ready,
-        })
-        .unwrap();
-    let id = catalog.catalog().read().volume("r2").unwrap().record.id;
+    let id = create_r2(&catalog);
     let set = |epoch, primary, in_sync: Vec<u64>| Command::VolumeSetReplication {
         volume_id: id,
         epoch,
@@ -341,18 +359,7 @@ fn replication_changes_compare_the_epoch() {
     assert!(catalog.propose(moving(3, 1, 3)).is_err(), "an old epoch");
     assert!(catalog.propose(moving(4, 1, 2)).is_err(), "onto a replica");
     assert!(catalog.propose(moving(4, 1, 9)).is_err(), "onto a stranger");
-    let Command::NodeAdd { mut node, .. } = second_node() else {
-        unreachable!()
-    };
-    node.name = "third".to_string();
-    node.instance = [6; 16];
-    node.addresses.cluster = "127.0.0.3:3902".to_string();
-    catalog
-        .propose(Command::NodeAdd {
-            node,
-            joined_unix_ms: 4,
-        })
-        .unwrap();
+    catalog.propose(third_node()).unwrap();
     catalog.propose(moving(4, 1, 3)).unwrap();
     let replication = replication_of(&catalog);
     assert_eq!(replication.replicas, vec![3, 2]);
@@ -425,34 +432,8 @@ fn snapshots_know_where_their_data_is_incomplete() {
     let dir = store_dir("incomplete");
     let catalog = LocalCatalog::open(open(&dir)).unwrap();
     catalog.propose(second_node()).unwrap();
-    let Command::NodeAdd { mut node, .. } = second_node() else {
-        unreachable!()
-    };
-    node.name = "third".to_string();
-    node.instance = [6; 16];
-    node.addresses.cluster = "127.0.0.3:3902".to_string();
-    catalog
-        .propose(Command::NodeAdd {
-            node,
-            joined_unix_ms: 4,
-        })
-        .unwrap();
-    catalog
-        .propose(Command::VolumeCreate {
-            settings: VolumeSettings {
-                name: "r2".to_string(),
-                size_bytes: 1 << 20,
-                compression: "none".to_string(),
-                iops_max: None,
-                bandwidth_max_mib_per_second: None,
-            },
-            uuid: [1; 16],
-            created_unix_seconds: 5,
-            replicas: vec![1, 2],
-            status: VolumeStatus::Ready,
-        })
-        .unwrap();
-    let id = catalog.catalog().read().volume("r2").unwrap().record.id;
+    catalog.propose(third_node()).unwrap();
+    let id = create_r2(&catalog);
     let snapshot = |name: &str| Command::SnapshotCreate {
         volume: "r2".to_string(),
         snapshot: name.to_string(),

@@ -307,16 +307,18 @@ impl Replication {
     }
 
     /// Rolls `volume` back onto `snapshot` through [`Replication::quiesce`] (`rollback` does
-    /// it on this node's copy and in the catalog). In-sync replicas whose copy of the snapshot
-    /// is incomplete ([`keel_catalog::SnapshotRecord::incomplete_on`]) would roll back onto
-    /// data they never had: the primary first takes them out of the in-sync set, and catches
-    /// them up once the rollback is done. Blocking.
+    /// it on this node's copy and in the catalog). Replicas whose copy of the snapshot is
+    /// incomplete ([`keel_catalog::SnapshotRecord::incomplete_on`]) would roll back onto data
+    /// they never had: the primary first takes them out of the in-sync set, and catches them
+    /// up from the start once the rollback is done. Refused on a primary whose own copy is
+    /// incomplete. Blocking.
     pub fn rollback<T>(
         &self,
         volume: &str,
         snapshot: &str,
         rollback: impl FnOnce() -> VolumeResult<T>,
     ) -> VolumeResult<T> {
+        let local = self.shared.local_node;
         let incomplete: Vec<NodeId> = {
             let catalog = self.shared.metadata.catalog().read();
             let Some(entry) = catalog.volume(volume) else {
@@ -325,13 +327,18 @@ impl Replication {
             let Some(frozen) = entry.snapshot_by_name(snapshot) else {
                 return rollback();
             };
+            if entry.record.replication.primary == local {
+                keel_volume::check_snapshot_complete(&entry.record, frozen, local)?;
+            }
+            // Every other replica, in sync or catching up: a catch-up under way must start
+            // over after the rollback.
             entry
                 .record
                 .replication
-                .in_sync
+                .replicas
                 .iter()
                 .copied()
-                .filter(|node| !frozen.complete_on(*node))
+                .filter(|node| *node != local && !frozen.complete_on(*node))
                 .collect()
         };
         if incomplete.is_empty() {

@@ -785,14 +785,28 @@ impl Primary {
     }
 
     /// [`Primary::quiesce`], with the replicas `drop` out of the in-sync set (Raft records
-    /// it first) and their streams stopped while `change` runs; each is caught up afterwards,
-    /// whatever `change` answered. For a change those replicas cannot make on their own copy
-    /// (a rollback onto a snapshot that is incomplete there). Blocking.
+    /// it first) and their streams stopped while `change` runs; each is caught up afterwards
+    /// from the start, whatever `change` answered (a catch-up already under way would keep
+    /// the chunks it copied before `change`). For a change those replicas cannot make on their
+    /// own copy (a rollback onto a snapshot that is incomplete there). Blocking.
     pub fn quiesce_dropping<T>(
         self: &Arc<Self>,
         drop: &[NodeId],
         change: impl FnOnce() -> VolumeResult<T>,
     ) -> VolumeResult<T> {
+        let outcome = self.drop_for_change(drop).and_then(|()| {
+            let outcome = self.quiesce(change);
+            // A catch-up that restarted meanwhile compared chunks before the change.
+            self.stop_streams(drop);
+            outcome
+        });
+        for &node in drop {
+            self.spawn_resync(node);
+        }
+        outcome
+    }
+
+    fn drop_for_change(self: &Arc<Self>, drop: &[NodeId]) -> VolumeResult<()> {
         for &node in drop {
             let member = self.state().in_sync.contains(&node);
             if member {
@@ -801,20 +815,25 @@ impl Primary {
                     .block_on(self.propose_in_sync(InSyncChange::Drop(node)))
                     .map_err(|error| unavailable(&self.name, error))?;
             }
-            let mut state = self.state();
-            if let Some(peer) = state.peers.get_mut(&node) {
+            self.stop_streams(&[node]);
+        }
+        Ok(())
+    }
+
+    /// Ends these replicas' streams: not counted for FLUSHes, nothing queued; a catch-up
+    /// under way fails (and retries).
+    fn stop_streams(&self, nodes: &[NodeId]) {
+        let mut state = self.state();
+        for node in nodes {
+            if let Some(peer) = state.peers.get_mut(node) {
                 peer.counted = false;
                 peer.streaming = false;
                 peer.queue.clear();
                 peer.queued_bytes = 0;
             }
         }
+        drop(state);
         self.changed.notify_all();
-        let outcome = self.quiesce(change);
-        for &node in drop {
-            self.spawn_resync(node);
-        }
-        outcome
     }
 
     /// Moves a replica off a node that has been down for `after`, is draining or was removed,
