@@ -537,7 +537,8 @@ impl Primary {
     /// answers taken in order.
     async fn send_loop(self: Arc<Self>, node: NodeId) {
         let mut lingered = false;
-        let mut in_flight: VecDeque<tokio::task::JoinHandle<Sent>> = VecDeque::new();
+        // Each batch's stream, and its send.
+        let mut in_flight: VecDeque<(u64, tokio::task::JoinHandle<Sent>)> = VecDeque::new();
         loop {
             let wake = {
                 let mut state = self.state();
@@ -574,7 +575,8 @@ impl Primary {
                         lingered = false;
                         if let Some((batch, flush, bytes)) = self.take_batch(node) {
                             let this = self.clone();
-                            in_flight.push_back(self.shared.runtime.spawn(async move {
+                            let stream = batch.stream;
+                            let send = self.shared.runtime.spawn(async move {
                                 let outcome = this.send_batch(node, &batch).await;
                                 Sent {
                                     stream: batch.stream,
@@ -582,16 +584,18 @@ impl Primary {
                                     bytes,
                                     outcome,
                                 }
-                            }));
+                            });
+                            in_flight.push_back((stream, send));
                         }
                         continue;
                     }
                 }
             }
             let room = in_flight.len() < BATCHES_IN_FLIGHT;
-            let Some(oldest) = in_flight.front_mut() else {
+            let Some((stream, oldest)) = in_flight.front_mut() else {
                 continue;
             };
+            let stream = *stream;
             let sent = tokio::select! {
                 sent = oldest => sent,
                 _ = notified, if room => continue,
@@ -600,7 +604,7 @@ impl Primary {
             let sent = match sent {
                 Ok(sent) => sent,
                 Err(error) => Sent {
-                    stream: 0,
+                    stream,
                     flush: None,
                     bytes: 0,
                     outcome: Err(Failure {
@@ -640,6 +644,9 @@ impl Primary {
                 self.close(format!("a replica fenced this node: {}", failure.message));
                 false
             }
+            // A batch of a stream a resync has since replaced (the replica refuses it once
+            // the new stream began): the new stream is not at fault.
+            Err(_) if peer.stream != sent.stream => true,
             Err(failure) => {
                 tracing::warn!(volume = %self.name, node, epoch, error = %failure.message, "a replica failed; taking it out of the in-sync set");
                 peer.failed = true;
