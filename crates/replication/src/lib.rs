@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use keel_catalog::{Command, Metadata, MetadataError, NodeId};
+use keel_catalog::{Command, Metadata, MetadataError, NodeId, VolumeRecord};
 use keel_volume::{VolumeError, VolumeIo, VolumeResult};
 
 use crate::attached::Attached;
@@ -137,7 +137,7 @@ impl Shared {
     }
 
     /// A volume's catalog record, by name.
-    fn volume_record(&self, name: &str) -> VolumeResult<keel_catalog::VolumeRecord> {
+    fn volume_record(&self, name: &str) -> VolumeResult<VolumeRecord> {
         self.metadata
             .catalog()
             .read()
@@ -319,7 +319,7 @@ impl Replication {
         rollback: impl FnOnce() -> VolumeResult<T>,
     ) -> VolumeResult<T> {
         let local = self.shared.local_node;
-        let incomplete: Vec<NodeId> = {
+        let (record, incomplete): (VolumeRecord, Vec<NodeId>) = {
             let catalog = self.shared.metadata.catalog().read();
             let Some(entry) = catalog.volume(volume) else {
                 return rollback();
@@ -332,19 +332,20 @@ impl Replication {
             }
             // Every other replica, in sync or catching up: a catch-up under way must start
             // over after the rollback.
-            entry
+            let incomplete = entry
                 .record
                 .replication
                 .replicas
                 .iter()
                 .copied()
                 .filter(|node| *node != local && !frozen.complete_on(*node))
-                .collect()
+                .collect();
+            (entry.record.clone(), incomplete)
         };
         if incomplete.is_empty() {
             return self.quiesce(volume, rollback);
         }
-        self.scrub_target(volume)?
+        self.primary_served_here(volume, &record)?
             .quiesce_dropping(&incomplete, rollback)
     }
 
@@ -378,6 +379,13 @@ impl Replication {
                     .to_string(),
             });
         }
+        self.primary_served_here(name, &record)
+    }
+
+    /// The primary of a replicated volume named primary here: served already, or served from
+    /// now on (as if a client attached). Another node is refused with the primary's address.
+    /// Blocking.
+    fn primary_served_here(&self, name: &str, record: &VolumeRecord) -> VolumeResult<Arc<Primary>> {
         if record.replication.primary != self.shared.local_node {
             return Err(self.shared.elsewhere(name, record.replication.primary));
         }

@@ -135,6 +135,13 @@ impl Peer {
         }
     }
 
+    /// Stops the stream: nothing more is queued or sent to it.
+    fn end_stream(&mut self) {
+        self.streaming = false;
+        self.queue.clear();
+        self.queued_bytes = 0;
+    }
+
     fn push(&mut self, item: Item) {
         if matches!(item, Item::Flush { .. }) {
             self.flushes_queued += 1;
@@ -650,10 +657,8 @@ impl Primary {
             Err(failure) => {
                 tracing::warn!(volume = %self.name, node, epoch, error = %failure.message, "a replica failed; taking it out of the in-sync set");
                 peer.failed = true;
-                peer.streaming = false;
                 peer.sender_running = false;
-                peer.queue.clear();
-                peer.queued_bytes = 0;
+                peer.end_stream();
                 drop(state);
                 self.changed.notify_all();
                 let this = self.clone();
@@ -791,30 +796,30 @@ impl Primary {
         Ok(outcome)
     }
 
-    /// [`Primary::quiesce`], with the replicas `drop` out of the in-sync set (Raft records
+    /// [`Primary::quiesce`], with the replicas `nodes` out of the in-sync set (Raft records
     /// it first) and their streams stopped while `change` runs; each is caught up afterwards
     /// from the start, whatever `change` answered (a catch-up already under way would keep
     /// the chunks it copied before `change`). For a change those replicas cannot make on their
     /// own copy (a rollback onto a snapshot that is incomplete there). Blocking.
     pub fn quiesce_dropping<T>(
         self: &Arc<Self>,
-        drop: &[NodeId],
+        nodes: &[NodeId],
         change: impl FnOnce() -> VolumeResult<T>,
     ) -> VolumeResult<T> {
-        let outcome = self.drop_for_change(drop).and_then(|()| {
+        let outcome = self.drop_for_change(nodes).and_then(|()| {
             let outcome = self.quiesce(change);
             // A catch-up that restarted meanwhile compared chunks before the change.
-            self.stop_streams(drop);
+            self.stop_streams(nodes);
             outcome
         });
-        for &node in drop {
+        for &node in nodes {
             self.spawn_resync(node);
         }
         outcome
     }
 
-    fn drop_for_change(self: &Arc<Self>, drop: &[NodeId]) -> VolumeResult<()> {
-        for &node in drop {
+    fn drop_for_change(self: &Arc<Self>, nodes: &[NodeId]) -> VolumeResult<()> {
+        for &node in nodes {
             let member = self.state().in_sync.contains(&node);
             if member {
                 self.shared
@@ -834,9 +839,7 @@ impl Primary {
         for node in nodes {
             if let Some(peer) = state.peers.get_mut(node) {
                 peer.counted = false;
-                peer.streaming = false;
-                peer.queue.clear();
-                peer.queued_bytes = 0;
+                peer.end_stream();
             }
         }
         drop(state);
