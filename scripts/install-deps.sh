@@ -14,6 +14,7 @@ apt_packages=(
   postgresql     # initdb, pg_ctl, pgbench, pg_amcheck on a Keel volume
   postgresql-contrib
   rclone         # S3 client
+  prometheus     # promtool: checks /metrics and deploy/monitoring's alert rules
   procps
   unzip          # unpacks the Go toolchain that builds csi-sanity
   ca-certificates

@@ -32,7 +32,7 @@ SECRET = "keel-bench-secret-0123456789abcdefghij"
 
 
 class Server:
-    def __init__(self, binary, data):
+    def __init__(self, binary, data, extra_args=()):
         shutil.rmtree(data, ignore_errors=True)
         data.mkdir(parents=True)
         env = dict(os.environ, KEEL_ACCESS_KEY_ID=ACCESS_KEY_ID, KEEL_SECRET_ACCESS_KEY=SECRET, KEEL_LOG="error")
@@ -41,6 +41,7 @@ class Server:
         help_text = subprocess.run([binary, "server", "--help"], capture_output=True, text=True).stdout
         if "--cluster" in help_text:
             args += ["--cluster", "127.0.0.1:0"]
+        args += list(extra_args)
         self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         self.data = data
         deadline = time.time() + 60

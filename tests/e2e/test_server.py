@@ -118,10 +118,17 @@ def test_status_metrics_dashboard_and_token(workdir, make_server):
     code, metrics = http("GET", f"http://{server.admin}/metrics")
     assert code == 200 and b"keel_store_live_extents" in metrics and b"keel_health 0" in metrics
     # Counts since start are counters (issue 14), so rate() works on them; levels are gauges.
+    # Without asking, the classic text format (counter families named NAME_total); asked for,
+    # OpenMetrics (families named without the suffix, ending in # EOF).
     text = metrics.decode()
+    openmetrics = urllib.request.urlopen(urllib.request.Request(
+        f"http://{server.admin}/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"}),
+        timeout=30).read().decode()
     for name in ("keel_store_log_syncs", "keel_store_corrupt_reads", "keel_store_repaired_extents"):
-        assert f"# TYPE {name} counter" in text and re.search(rf"^{name}_total \d+$", text, re.M), name
+        assert f"# TYPE {name}_total counter" in text and re.search(rf"^{name}_total \d+$", text, re.M), name
+        assert f"# TYPE {name} counter" in openmetrics and re.search(rf"^{name}_total \d+$", openmetrics, re.M)
     assert "# TYPE keel_store_live_extents gauge" in text
+    assert openmetrics.endswith("# EOF\n") and "# EOF" not in text
     code, page = http("GET", f"http://{server.admin}/")
     assert code == 200 and b"<title>Keel</title>" in page
     code, _ = http("POST", f"http://{server.admin}/api/v1/volumes", body={"name": "x", "size_bytes": 4096})

@@ -43,15 +43,23 @@ pub async fn serve<F>(
 where
     F: Future,
 {
-    serve_with(listener, exports, shutdown, Limits::default()).await
+    serve_with(
+        listener,
+        exports,
+        shutdown,
+        Limits::default(),
+        keel_ops::Ops::disabled(),
+    )
+    .await
 }
 
-/// [`serve`] with other [`Limits`].
+/// [`serve`] with other [`Limits`], registering every request with `ops` (`keel ops`).
 pub async fn serve_with<F>(
     listener: TcpListener,
     exports: Arc<dyn Exports>,
     shutdown: F,
     limits: Limits,
+    ops: keel_ops::Ops,
 ) -> io::Result<()>
 where
     F: Future,
@@ -98,13 +106,14 @@ where
                     };
                     let exports = Arc::clone(&exports);
                     let sessions = Arc::clone(&sessions);
+                    let tracing = Tracing { ops: ops.clone(), peer: Some(peer) };
                     let (done, finished) = oneshot::channel::<()>();
                     let spawned = std::thread::Builder::new()
                         .name("nbd-conn".into())
                         .spawn(move || {
                             let socket: Arc<dyn Socket> = Arc::new(stream);
                             if let Some((id, activity)) = sessions.register(&socket) {
-                                let ended = run_session(socket, &exports, HANDSHAKE_TIMEOUT, Some(activity));
+                                let ended = run_session(socket, &exports, HANDSHAKE_TIMEOUT, Some(activity), tracing);
                                 sessions.remove(id);
                                 log_end(peer, ended);
                             }
@@ -156,7 +165,17 @@ pub fn serve_stream<S: Socket>(
     exports: Arc<dyn Exports>,
     handshake_timeout: Duration,
 ) -> Result<(), NbdError> {
-    run_session(Arc::new(stream), &exports, handshake_timeout, None)
+    let tracing = Tracing {
+        ops: keel_ops::Ops::disabled(),
+        peer: None,
+    };
+    run_session(Arc::new(stream), &exports, handshake_timeout, None, tracing)
+}
+
+/// Where a session registers its requests, and the client they come from.
+pub(crate) struct Tracing {
+    pub ops: keel_ops::Ops,
+    pub peer: Option<std::net::SocketAddr>,
 }
 
 fn run_session(
@@ -164,6 +183,7 @@ fn run_session(
     exports: &Arc<dyn Exports>,
     handshake_timeout: Duration,
     activity: Option<Arc<Activity>>,
+    tracing: Tracing,
 ) -> Result<(), NbdError> {
     // One buffered reader for both phases: bytes a client pipelines right after NBD_OPT_GO stay
     // in the buffer for the transmission phase.
@@ -190,7 +210,7 @@ fn run_session(
                 .set_read_timeout(None)
                 .and_then(|()| socket.set_write_timeout(None))
                 .map_err(NbdError::io("clearing the handshake timeout"))?;
-            transmit(reader, socket, selected)
+            transmit(reader, socket, selected, tracing)
         }
     }
 }

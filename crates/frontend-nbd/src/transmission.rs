@@ -38,10 +38,12 @@ use crate::protocol::{
     check_request, encode_simple_reply, error_code_from_io, Command, ExportGeometry, RequestHeader,
     EIO, REQUEST_HEADER_BYTES, SIMPLE_REPLY_HEADER_BYTES,
 };
+use crate::server::Tracing;
 use crate::socket::{write_all_vectored, Socket, SocketReader};
 use crate::{
     CONNECTION_BUFFER_MAX_BYTES, CONNECTION_REQUESTS_IN_FLIGHT_MAX, WRITE_DISCARD_MAX_BYTES,
 };
+use keel_ops::phase;
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
@@ -56,13 +58,18 @@ pub(crate) fn transmit(
     reader: BufReader<SocketReader>,
     socket: Arc<dyn Socket>,
     selected: Selected,
+    tracing: Tracing,
 ) -> Result<(), NbdError> {
     let Selected {
-        export, geometry, ..
+        export,
+        geometry,
+        name,
     } = selected;
     let connection = Arc::new(Connection {
         export,
         geometry,
+        name: Arc::from(name),
+        tracing,
         socket,
         read_side: Mutex::new(ReadSide {
             reader,
@@ -104,6 +111,9 @@ struct ReadSide {
 struct Connection {
     export: Arc<dyn Export>,
     geometry: ExportGeometry,
+    /// The export's name, for `keel ops`.
+    name: Arc<str>,
+    tracing: Tracing,
     socket: Arc<dyn Socket>,
     read_side: Mutex<ReadSide>,
     /// Workers waiting for `read_side`; when none is, a worker taking a request starts another.
@@ -147,6 +157,8 @@ enum Request<'a> {
         ticket: Option<WriteTicket<'a>>,
         /// For a flush: the writes with a lower sequence number came before it.
         barrier: u64,
+        /// The request in `keel ops`, finished once its reply is queued.
+        op: keel_ops::OpGuard,
     },
 }
 
@@ -234,8 +246,11 @@ impl Connection {
         if command == Command::Disconnect {
             return Ok(None);
         }
+        let op = self.tracing.ops.start(self.describe(command));
         let buffer_bytes = u64::from(command.buffer_bytes());
+        op.phase(phase::QUEUED);
         self.buffers.acquire(buffer_bytes);
+        op.phase(phase::RECEIVING);
         let payload = match command {
             Command::Write { length, .. } => {
                 let mut payload = vec![0u8; length as usize];
@@ -260,7 +275,30 @@ impl Connection {
             buffer_bytes,
             ticket,
             barrier: self.tracker.barrier(),
+            op,
         }))
+    }
+
+    /// A request as `keel ops` shows it.
+    fn describe(&self, command: Command) -> keel_ops::Start {
+        let (operation, offset, length) = match command {
+            Command::Read { offset, length } => ("read", offset, length),
+            Command::Write { offset, length, .. } => ("write", offset, length),
+            Command::Trim { offset, length, .. } => ("trim", offset, length),
+            Command::WriteZeroes { offset, length, .. } => ("write_zeroes", offset, length),
+            Command::Flush => ("flush", 0, 0),
+            Command::Disconnect => ("disconnect", 0, 0),
+        };
+        keel_ops::Start {
+            frontend: "nbd",
+            operation,
+            target: keel_ops::Target::Volume {
+                name: Arc::clone(&self.name),
+                offset,
+                length: u64::from(length),
+            },
+            client: self.tracing.peer,
+        }
     }
 
     /// Starts one more worker, up to the bound.
@@ -293,11 +331,19 @@ impl Connection {
                 buffer_bytes,
                 ticket,
                 barrier,
+                op,
             } => {
                 if command == Command::Flush {
+                    op.phase(phase::QUEUED);
                     self.tracker.wait_for_writes_before(barrier);
                 }
-                let reply = execute(&*self.export, command, payload, cookie);
+                op.phase(match command {
+                    Command::Read { .. } => phase::READING,
+                    Command::Flush => phase::FLUSHING,
+                    _ => phase::WRITING,
+                });
+                let reply = op.enter(|| execute(&*self.export, command, payload, cookie));
+                op.phase(phase::REPLYING);
                 self.send(reply, buffer_bytes, ticket);
             }
         }

@@ -1013,3 +1013,58 @@ async fn idle_connections_give_their_slot_to_new_clients_when_full() {
     drop((first, second, newcomer));
     server.stop().await;
 }
+
+// Proves every request is registered for `keel ops`: a write whose payload has not all arrived
+// is in flight, in phase "receiving", with its export, range and client; once answered it is
+// among the slowest, with the time it spent receiving, writing and replying.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_are_visible_in_flight_and_after_with_their_phases() {
+    let (server, _exports) = Server::start_memory().await;
+    let mut client = Client::connect_go(server.address).await;
+    let client_address = client.stream.local_addr().unwrap().to_string();
+    let payload = vec![7u8; 8192];
+    let request = Client::request_bytes(0, CMD_WRITE, 9, 4096, 8192, &payload);
+    client.send(&request[..REQUEST_HEADER_BYTES + 100]).await;
+    let deadline = std::time::Instant::now() + common::IO_TIMEOUT;
+    let in_flight = loop {
+        let report = server.ops.report();
+        if let Some(op) = report.in_flight.into_iter().next() {
+            break op;
+        }
+        assert!(std::time::Instant::now() < deadline, "the write shows up");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert_eq!(in_flight.frontend, "nbd");
+    assert_eq!(in_flight.operation, "write");
+    assert_eq!(in_flight.target, "mem offset 4096 length 8192");
+    assert_eq!(in_flight.client.as_deref(), Some(client_address.as_str()));
+    assert_eq!(in_flight.phase, Some(keel_ops::phase::RECEIVING));
+
+    client.send(&request[REQUEST_HEADER_BYTES + 100..]).await;
+    let (error, cookie, _) = client.simple_reply(0).await;
+    assert_eq!((error, cookie), (0, 9));
+    let deadline = std::time::Instant::now() + common::IO_TIMEOUT;
+    let report = loop {
+        let report = server.ops.report();
+        if report.in_flight.is_empty() {
+            break report;
+        }
+        assert!(std::time::Instant::now() < deadline, "the write finishes");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let done = &report.slowest[0];
+    assert_eq!(done.id, in_flight.id);
+    assert_eq!(done.phase, None);
+    let phases: Vec<&str> = done.phases.iter().map(|p| p.phase).collect();
+    assert_eq!(
+        phases,
+        [
+            keel_ops::phase::RECEIVING,
+            keel_ops::phase::QUEUED,
+            keel_ops::phase::WRITING,
+            keel_ops::phase::REPLYING
+        ]
+    );
+    drop(client);
+    server.stop().await;
+}

@@ -302,6 +302,7 @@ impl Lanes {
     }
 
     async fn drain(&mut self) -> S3Result<()> {
+        crate::unread::mark_phase(keel_ops::phase::WRITING);
         self.finish_hashing().await?;
         while !self.writes.is_empty() {
             self.finish_oldest_write().await?;

@@ -67,6 +67,7 @@ pub struct KeyInfo {
 pub struct S3Frontend {
     objects: Arc<Objects>,
     metrics: S3Metrics,
+    ops: keel_ops::Ops,
 }
 
 impl S3Frontend {
@@ -83,7 +84,14 @@ impl S3Frontend {
         S3Frontend {
             objects,
             metrics: S3Metrics::default(),
+            ops: keel_ops::Ops::disabled(),
         }
+    }
+
+    /// Registers every request [`serve`] answers with `ops` (`keel ops`).
+    pub fn with_ops(mut self, ops: keel_ops::Ops) -> S3Frontend {
+        self.ops = ops;
+        self
     }
 
     pub fn objects(&self) -> &Arc<Objects> {
@@ -272,6 +280,8 @@ pub async fn serve(
     let service = unread::CloseOnUnreadBody {
         service: frontend.service(),
         metrics: frontend.metrics.clone(),
+        ops: frontend.ops.clone(),
+        peer: None,
     };
     // Free chunks orphaned by a crash or an abandoned upload, once per start, in the background
     // (safe beside live uploads: they pin what they rely on).
@@ -314,7 +324,13 @@ pub async fn serve(
             .keep_alive(true)
             .timer(TokioTimer::new())
             .header_read_timeout(HEADER_READ_TIMEOUT)
-            .serve_connection(io, service.clone());
+            .serve_connection(
+                io,
+                unread::CloseOnUnreadBody {
+                    peer: Some(peer),
+                    ..service.clone()
+                },
+            );
         let watched = graceful.watch(connection);
         tokio::spawn(async move {
             if let Err(error) = watched.await {

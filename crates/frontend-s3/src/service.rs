@@ -35,16 +35,24 @@ pub struct KeelS3 {
     pub(crate) objects: Arc<Objects>,
 }
 
-/// Runs blocking object-layer work off the async threads.
+/// Runs blocking object-layer work off the async threads, as work of the request being
+/// answered (`keel ops`).
 async fn blocking<T, F>(f: F) -> S3Result<T>
 where
     T: Send + 'static,
     F: FnOnce() -> Result<T, ObjectError> + Send + 'static,
 {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(join_error)?
-        .map_err(s3_error)
+    let op = crate::unread::current_op();
+    tokio::task::spawn_blocking(move || match op {
+        Some(op) => op.enter(|| {
+            let _phase = keel_ops::Phase::enter(keel_ops::phase::HANDLING);
+            f()
+        }),
+        None => f(),
+    })
+    .await
+    .map_err(join_error)?
+    .map_err(s3_error)
 }
 
 fn caller<T>(req: &S3Request<T>) -> S3Result<String> {

@@ -7,7 +7,8 @@
 //! `SignatureDoesNotMatch`. So an answer given before its request's body ended closes the
 //! connection (`Connection: close`), as HTTP/1.1 allows.
 //!
-//! The same layer measures each request for `/metrics` ([`crate::metrics`]).
+//! The same layer measures each request for `/metrics` ([`crate::metrics`]) and registers it
+//! for `keel ops` until its answer's head is ready (a GET's body streams after that).
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -24,11 +25,42 @@ use s3s::{HttpError, HttpResponse};
 
 use crate::metrics::S3Metrics;
 
+tokio::task_local! {
+    /// The request the current task answers.
+    static CURRENT_OP: keel_ops::OpHandle;
+}
+
+/// The request the current task answers, to carry into blocking work.
+pub(crate) fn current_op() -> Option<keel_ops::OpHandle> {
+    CURRENT_OP.try_with(Clone::clone).ok()
+}
+
+/// Moves the request the current task answers to `phase`.
+pub(crate) fn mark_phase(phase: &'static str) {
+    let _ = CURRENT_OP.try_with(|op| op.phase(phase));
+}
+
 /// The S3 service, with connections closed after answers that left a body unread.
 #[derive(Clone)]
 pub struct CloseOnUnreadBody {
     pub service: S3Service,
     pub metrics: S3Metrics,
+    pub ops: keel_ops::Ops,
+    /// The connection's client (set per connection).
+    pub peer: Option<std::net::SocketAddr>,
+}
+
+/// The method as a static name for `keel ops`.
+fn method_name(method: &http::Method) -> &'static str {
+    match *method {
+        http::Method::GET => "GET",
+        http::Method::PUT => "PUT",
+        http::Method::POST => "POST",
+        http::Method::DELETE => "DELETE",
+        http::Method::HEAD => "HEAD",
+        http::Method::OPTIONS => "OPTIONS",
+        _ => "other",
+    }
 }
 
 impl hyper::service::Service<http::Request<Incoming>> for CloseOnUnreadBody {
@@ -39,6 +71,12 @@ impl hyper::service::Service<http::Request<Incoming>> for CloseOnUnreadBody {
     fn call(&self, request: http::Request<Incoming>) -> Self::Future {
         let (parts, body) = request.into_parts();
         let measured = self.metrics.start(parts.uri.path(), parts.method.as_str());
+        let op = self.ops.start(keel_ops::Start {
+            frontend: "s3",
+            operation: method_name(&parts.method),
+            target: keel_ops::Target::Path(parts.uri.path().trim_start_matches('/').to_string()),
+            client: self.peer,
+        });
         let ended = Arc::new(AtomicBool::new(body.is_end_stream()));
         let read_bytes = Arc::new(AtomicU64::new(0));
         let tracked = Tracked {
@@ -50,7 +88,8 @@ impl hyper::service::Service<http::Request<Incoming>> for CloseOnUnreadBody {
         let service = self.service.clone();
         let metrics = self.metrics.clone();
         Box::pin(async move {
-            let mut response = service.call(request).await?;
+            let mut response = CURRENT_OP.scope(op.handle(), service.call(request)).await?;
+            op.phase(keel_ops::phase::REPLYING);
             let body_out = response
                 .headers()
                 .get(CONTENT_LENGTH)
@@ -66,6 +105,7 @@ impl hyper::service::Service<http::Request<Incoming>> for CloseOnUnreadBody {
                     .headers_mut()
                     .insert(CONNECTION, HeaderValue::from_static("close"));
             }
+            drop(op);
             Ok(response)
         })
     }

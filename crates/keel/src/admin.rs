@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::{Path, Query, Request, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
@@ -40,9 +40,12 @@ pub struct AppState {
     pub jobs: Jobs,
     pub scrub: Arc<crate::scrub_schedule::ScrubSchedule>,
     pub sync_window: Arc<crate::sync_health::SyncWindow>,
+    pub fill_window: Arc<crate::fill_rate::FillWindow>,
     pub config: Config,
     pub started: Instant,
     pub nbd_metrics: crate::metrics::NbdMetrics,
+    /// NBD and S3 requests in flight and the recent slowest (`keel ops`).
+    pub ops: keel_ops::Ops,
 }
 
 pub type Shared = Arc<AppState>;
@@ -160,6 +163,7 @@ pub fn router(state: Shared) -> Router {
         .route("/api/v1/store/scrub", post(start_scrub))
         .route("/api/v1/store/compact", post(start_compact))
         .route("/api/v1/jobs", get(list_jobs))
+        .route("/api/v1/ops", get(list_ops))
         .route("/api/v1/jobs/{id}", get(job_status))
         .route("/api/v1/cluster", get(cluster_status))
         .route("/api/v1/cluster/token", get(cluster_token))
@@ -265,6 +269,10 @@ pub struct StoreStatus {
     pub repaired_extents: u64,
     pub poisoned: bool,
     pub available_bytes: u64,
+    pub location_cache_hits: u64,
+    pub location_cache_misses: u64,
+    /// How fast the fullest data directory fills, once sampled for ten minutes.
+    pub fill: Option<crate::fill_rate::FillEstimate>,
 }
 
 /// Replicated volumes with fewer replicas in sync than wanted: (code, severity, message,
@@ -376,6 +384,7 @@ pub fn status_report(
         level = level.max(1);
         reasons.push("running --ephemeral: data may be on a volatile filesystem".to_string());
     }
+    let fill = state.fill_window.estimate();
     let mut available = u64::MAX;
     for dir in &state.config.data {
         if let Ok(info) = keel_store::fsinfo::filesystem_info(dir) {
@@ -384,9 +393,14 @@ pub fn status_report(
             let used = info.total_bytes.saturating_sub(info.available_bytes);
             if limit < 100 && info.total_bytes > 0 && used * 100 > info.total_bytes * limit {
                 level = level.max(1);
+                let days = fill
+                    .as_ref()
+                    .and_then(|fill| fill.days_to_full)
+                    .map(|days| format!(", full in about {days:.1} days at the recent rate"))
+                    .unwrap_or_default();
                 reasons.push(format!(
-                    "KEEL_NEARFULL: {} is {}% used, over the {limit}% warning level (free space \
-                     or add a device; keel store compact returns what deleted data held)",
+                    "KEEL_NEARFULL: {} is {}% used, over the {limit}% warning level{days} (free \
+                     space or add a device; keel store compact returns what deleted data held)",
                     dir.display(),
                     used * 100 / info.total_bytes
                 ));
@@ -425,6 +439,9 @@ pub fn status_report(
             repaired_extents: stats.repaired_extents,
             poisoned: stats.poisoned,
             available_bytes: if available == u64::MAX { 0 } else { available },
+            location_cache_hits: stats.location_cache_hits,
+            location_cache_misses: stats.location_cache_misses,
+            fill,
         },
         volumes: state.volumes.list().len(),
         buckets: state.s3.list_buckets().len(),
@@ -438,22 +455,39 @@ async fn status(State(state): State<Shared>) -> ApiResult<Json<StatusReport>> {
     blocking(move || status_report(&state, cluster).map(Json)).await
 }
 
-async fn metrics(State(state): State<Shared>) -> ApiResult<Response> {
+/// `/metrics`: OpenMetrics for scrapers that ask for it (Prometheus does), the classic text
+/// format otherwise.
+async fn metrics(State(state): State<Shared>, headers: HeaderMap) -> ApiResult<Response> {
+    let openmetrics = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .any(|value| value.contains("application/openmetrics-text"));
     let cluster = state.cluster.status().await;
     let nbd_metrics = state.nbd_metrics.clone();
     let s3_metrics = state.s3.metrics().clone();
-    let sync_latency = state.store.sync_latency();
+    let store = crate::metrics::StoreHistograms {
+        sync_latency: state.store.sync_latency(),
+        commit_batches: state.store.commit_batches(),
+    };
+    let process = crate::process::read()
+        .inspect_err(|error| tracing::warn!(%error, "reading /proc/self for /metrics"))
+        .ok();
     let report = blocking(move || status_report(&state, cluster)).await?;
-    let text = crate::metrics::render(&report, &nbd_metrics, &s3_metrics, &sync_latency)
+    let text = crate::metrics::render(&report, &nbd_metrics, &s3_metrics, &store, process.as_ref())
         .map_err(internal)?;
-    Ok((
-        [(
-            header::CONTENT_TYPE,
+    let (content_type, text) = if openmetrics {
+        (
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        text,
-    )
-        .into_response())
+            text,
+        )
+    } else {
+        (
+            "text/plain; version=0.0.4; charset=utf-8",
+            crate::metrics::classic_text(&text),
+        )
+    };
+    Ok(([(header::CONTENT_TYPE, content_type)], text).into_response())
 }
 
 async fn dashboard() -> Html<&'static str> {
@@ -1094,6 +1128,10 @@ async fn start_compact(
         }))
     });
     Ok(Json(serde_json::json!({ "job": job })))
+}
+
+async fn list_ops(State(state): State<Shared>) -> Json<keel_ops::OpsReport> {
+    Json(state.ops.report())
 }
 
 async fn list_jobs(State(state): State<Shared>) -> Json<Vec<crate::jobs::JobStatus>> {

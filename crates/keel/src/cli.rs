@@ -772,6 +772,101 @@ pub fn status(connection: &Connection, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What `keel ops` shows.
+#[derive(clap::Args, Debug)]
+pub struct OpsView {
+    /// The slowest requests of the last 10 minutes (and how many were over the slow
+    /// threshold) instead of those in flight.
+    #[arg(long)]
+    pub slow: bool,
+    /// Show again every second until interrupted.
+    #[arg(long)]
+    pub watch: bool,
+    /// The whole report as JSON (in flight, slowest, over the threshold).
+    #[arg(long, conflicts_with = "watch")]
+    pub json: bool,
+    /// Show at most this many requests.
+    #[arg(long, default_value_t = 20)]
+    pub limit: usize,
+}
+
+pub fn ops(connection: &Connection, view: &OpsView) -> anyhow::Result<()> {
+    let client = Client::connect(connection)?;
+    loop {
+        let report: Value = client.get("/api/v1/ops")?;
+        if view.json {
+            return print_json(&report);
+        }
+        if view.watch {
+            // Clear the screen and go home, as watch(1) does.
+            print!("\x1b[2J\x1b[H");
+        }
+        print!("{}", ops_table(&report, view));
+        if !view.watch {
+            return Ok(());
+        }
+        std::thread::sleep(std::time::Duration::from_secs(1));
+    }
+}
+
+/// The table `keel ops` prints.
+fn ops_table(report: &Value, view: &OpsView) -> String {
+    if report["tracking"] == Value::Bool(false) {
+        return "request tracking is off (track_ops = false in the configuration)\n".to_string();
+    }
+    let (list, heading) = if view.slow {
+        let over = report["over_threshold"].as_array().map_or(0, Vec::len);
+        let heading = format!(
+            "slowest of the last {}; {over} over {} ms kept",
+            human_duration(report["window_seconds"].as_u64().unwrap_or(0)),
+            report["slow_threshold_ms"].as_f64().unwrap_or(0.0),
+        );
+        (&report["slowest"], heading)
+    } else {
+        (&report["in_flight"], "in flight, oldest first".to_string())
+    };
+    let ops = list.as_array().map(Vec::as_slice).unwrap_or_default();
+    let mut out = format!("{} requests {heading}\n", ops.len());
+    if ops.is_empty() {
+        return out;
+    }
+    out += &format!(
+        "{:>10}  {:<4} {:<12} {:<36} {:<21} {}\n",
+        if view.slow { "TOOK ms" } else { "AGE ms" },
+        "API",
+        "OP",
+        "TARGET",
+        "CLIENT",
+        "PHASES (ms)"
+    );
+    for op in ops.iter().take(view.limit) {
+        let current = op["phase"].as_str();
+        let phases: Vec<String> = op["phases"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|phase| {
+                let name = phase["phase"].as_str().unwrap_or("");
+                let marker = if current == Some(name) { "*" } else { "" };
+                format!("{marker}{name} {:.2}", phase["ms"].as_f64().unwrap_or(0.0))
+            })
+            .collect();
+        out += &format!(
+            "{:>10.2}  {:<4} {:<12} {:<36} {:<21} {}\n",
+            op["duration_ms"].as_f64().unwrap_or(0.0),
+            op["frontend"].as_str().unwrap_or(""),
+            op["operation"].as_str().unwrap_or(""),
+            op["target"].as_str().unwrap_or(""),
+            op["client"].as_str().unwrap_or("-"),
+            phases.join(", "),
+        );
+    }
+    if !view.slow && ops.iter().any(|op| op["phase"].is_string()) {
+        out += "(* the phase it is in now)\n";
+    }
+    out
+}
+
 /// The scheduled scrubs as `keel status` shows them.
 fn scrub_line(scrub: &Value, now_unix_ms: i64) -> String {
     let interval = scrub["interval_seconds"].as_u64().unwrap_or(0);

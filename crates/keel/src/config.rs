@@ -43,6 +43,12 @@ pub struct Config {
     /// Health turns HEALTH_WARN (`KEEL_SLOW_DEVICE`) when the p99 of the log's fdatasyncs over
     /// the last few minutes is above this many milliseconds. Default 200; 0 turns the check off.
     pub slow_sync_ms: f64,
+    /// Register every NBD and S3 request for `keel ops` (in flight, the slowest of the last 10
+    /// minutes, and the last 1000 slower than `slow_op_ms`). Default true.
+    pub track_ops: bool,
+    /// Requests slower than this many milliseconds are kept by `keel ops --slow` whatever
+    /// else was slower. Default 1000.
+    pub slow_op_ms: f64,
     pub store: StoreTuning,
     pub cluster: ClusterSettings,
     pub scrub: ScrubSettings,
@@ -222,6 +228,8 @@ impl Default for Config {
             admin_token_file: None,
             nearfull_percent: 95,
             slow_sync_ms: 200.0,
+            track_ops: true,
+            slow_op_ms: 1000.0,
             store: StoreTuning::default(),
             cluster: ClusterSettings::default(),
             scrub: ScrubSettings::default(),
@@ -267,6 +275,12 @@ impl Config {
             bail!(
                 "slow_sync_ms must be 0 (off) or a positive number of milliseconds (got {})",
                 self.slow_sync_ms
+            );
+        }
+        if !self.slow_op_ms.is_finite() || self.slow_op_ms <= 0.0 {
+            bail!(
+                "slow_op_ms must be a positive number of milliseconds (got {})",
+                self.slow_op_ms
             );
         }
         if self.scrub.busy_percent == 0 || self.scrub.busy_percent > 100 {

@@ -9,8 +9,10 @@ mod config;
 mod csi;
 mod doctor;
 mod files;
+mod fill_rate;
 mod jobs;
 mod metrics;
+mod process;
 mod scrub_schedule;
 mod server;
 mod sync_health;
@@ -38,6 +40,14 @@ enum Command {
         connection: cli::Connection,
         #[arg(long)]
         json: bool,
+    },
+    /// NBD and S3 requests in flight (oldest first), or the slowest of the last 10 minutes,
+    /// with the time each spent in each phase.
+    Ops {
+        #[command(flatten)]
+        connection: cli::Connection,
+        #[command(flatten)]
+        view: cli::OpsView,
     },
     /// Examine what the disk under a data directory really guarantees. Exits non-zero when
     /// the directory is not durable storage (tmpfs, ramfs).
@@ -147,6 +157,7 @@ fn main() {
     let result = match cli.command {
         Command::Server(args) => server::run(args),
         Command::Status { connection, json } => cli::status(&connection, json),
+        Command::Ops { connection, view } => cli::ops(&connection, &view),
         Command::Doctor(args) => doctor::run(args),
         Command::Volume {
             connection,

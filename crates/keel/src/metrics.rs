@@ -137,6 +137,48 @@ impl NbdMetrics {
     }
 }
 
+/// Prometheus' standard process metrics (no `keel_` prefix, as every exporter names them).
+fn register_process(registry: &mut Registry, process: &crate::process::ProcessStats) {
+    let counter = Counter::<f64, AtomicU64>::default();
+    counter.inc_by(process.cpu_seconds);
+    registry.register(
+        "process_cpu_seconds",
+        "User and system CPU time spent",
+        counter,
+    );
+    gauge_u64(
+        registry,
+        "process_resident_memory_bytes",
+        "Resident memory size",
+        process.resident_bytes,
+    );
+    gauge_u64(
+        registry,
+        "process_virtual_memory_bytes",
+        "Virtual memory size",
+        process.virtual_bytes,
+    );
+    gauge_u64(
+        registry,
+        "process_open_fds",
+        "Open file descriptors",
+        process.open_fds,
+    );
+    gauge_u64(
+        registry,
+        "process_max_fds",
+        "The limit on open file descriptors",
+        process.max_fds,
+    );
+    gauge_u64(registry, "process_threads", "OS threads", process.threads);
+    gauge_f64(
+        registry,
+        "process_start_time_seconds",
+        "When the process started (Unix time)",
+        process.start_time_seconds,
+    );
+}
+
 /// The store's sync latency snapshot as a Prometheus histogram.
 #[derive(Debug)]
 struct SyncHistogram(keel_store::SyncLatency);
@@ -169,18 +211,57 @@ pub fn timed<T>(series: &OpSeries, request: impl FnOnce() -> T) -> T {
     outcome
 }
 
+/// The store's histograms, read at the scrape.
+pub struct StoreHistograms {
+    pub sync_latency: keel_store::SyncLatency,
+    pub commit_batches: keel_store::CommitBatches,
+}
+
+/// The store's group-commit batch sizes as a Prometheus histogram.
+#[derive(Debug)]
+struct BatchHistogram(keel_store::CommitBatches);
+
+impl EncodeMetric for BatchHistogram {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        let batches = &self.0;
+        let buckets: Vec<(f64, u64)> = batches
+            .bounds
+            .iter()
+            .map(|&bound| bound as f64)
+            .chain(std::iter::once(f64::INFINITY))
+            .zip(batches.counts.iter().copied())
+            .collect();
+        let count = batches.counts.iter().sum();
+        encoder.encode_histogram::<NoLabelSet>(batches.writes as f64, count, &buckets, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}
+
 pub fn render(
     report: &StatusReport,
     nbd: &NbdMetrics,
     s3: &keel_s3::metrics::S3Metrics,
-    sync_latency: &keel_store::SyncLatency,
+    store_histograms: &StoreHistograms,
+    process: Option<&crate::process::ProcessStats>,
 ) -> Result<String, std::fmt::Error> {
-    let mut registry = Registry::with_prefix("keel");
-    s3.register(&mut registry);
+    let mut root = Registry::default();
+    if let Some(process) = process {
+        register_process(&mut root, process);
+    }
+    let registry = root.sub_registry_with_prefix("keel");
+    s3.register(registry);
     registry.register(
         "store_fdatasync_seconds",
         "How long each sync of the log (every device) took",
-        SyncHistogram(sync_latency.clone()),
+        SyncHistogram(store_histograms.sync_latency.clone()),
+    );
+    registry.register(
+        "store_commit_batch_writes",
+        "Writes each group commit carried (one pwrite and one fdatasync per device for all)",
+        BatchHistogram(store_histograms.commit_batches.clone()),
     );
     registry.register(
         "nbd_request_seconds",
@@ -204,122 +285,192 @@ pub fn render(
         _ => 2,
     };
     gauge_u64(
-        &mut registry,
+        registry,
         "health",
         "0 = HEALTH_OK, 1 = HEALTH_WARN, 2 = HEALTH_ERR",
         health,
     );
     gauge_u64(
-        &mut registry,
+        registry,
         "uptime_seconds",
         "Seconds since the server started",
         report.uptime_seconds,
     );
     gauge_u64(
-        &mut registry,
+        registry,
         "store_live_extents",
         "Extents the index points to",
         store.live_extents,
     );
     gauge_u64(
-        &mut registry,
+        registry,
         "store_live_raw_bytes",
         "Bytes of live values before compression",
         store.live_raw_bytes,
     );
     gauge_u64(
-        &mut registry,
+        registry,
         "store_live_stored_bytes",
         "Bytes of live values as stored",
         store.live_stored_bytes,
     );
     gauge_f64(
-        &mut registry,
+        registry,
         "store_compression_ratio",
         "Live raw bytes over stored bytes",
         store.compression_ratio,
     );
     gauge_u64(
-        &mut registry,
+        registry,
         "store_log_bytes",
         "Bytes of segment files on one device",
         store.log_bytes,
     );
+    gauge_u64(registry, "store_segments", "Segment files", store.segments);
     gauge_u64(
-        &mut registry,
-        "store_segments",
-        "Segment files",
-        store.segments,
-    );
-    gauge_u64(
-        &mut registry,
+        registry,
         "store_last_seq",
         "Sequence number of the last write",
         store.last_seq,
     );
     counter_u64(
-        &mut registry,
+        registry,
         "store_log_syncs",
         "Group-commit fdatasyncs since start",
         store.log_syncs,
     );
     counter_u64(
-        &mut registry,
+        registry,
         "store_corrupt_reads",
         "Checksum failures seen on read since start",
         store.corrupt_reads,
     );
     counter_u64(
-        &mut registry,
+        registry,
         "store_repaired_extents",
         "Extent copies repaired from a mirror since start",
         store.repaired_extents,
     );
     gauge_u64(
-        &mut registry,
+        registry,
         "store_poisoned",
         "1 when a failed sync stopped writes",
         store.poisoned as u64,
     );
     gauge_u64(
-        &mut registry,
+        registry,
         "store_available_bytes",
         "Free bytes on the fullest data directory",
         store.available_bytes,
     );
-    gauge_u64(
-        &mut registry,
-        "volumes",
-        "Block volumes",
-        report.volumes as u64,
-    );
-    gauge_u64(
-        &mut registry,
-        "buckets",
-        "S3 buckets",
-        report.buckets as u64,
-    );
+    gauge_u64(registry, "volumes", "Block volumes", report.volumes as u64);
+    gauge_u64(registry, "buckets", "S3 buckets", report.buckets as u64);
     if let Some(run) = &report.scrub.last {
         gauge_u64(
-            &mut registry,
+            registry,
             "scrub_last_finished_timestamp_seconds",
             "When the last scheduled scrub finished (Unix time)",
             u64::try_from(run.finished_unix_ms / 1000).unwrap_or(0),
         );
         gauge_u64(
-            &mut registry,
+            registry,
             "scrub_last_repaired",
             "Extent copies and replica blocks the last scheduled scrub repaired",
             run.repaired_copies + run.volume_blocks_repaired,
         );
         gauge_u64(
-            &mut registry,
+            registry,
             "scrub_last_unrecoverable_extents",
             "Extents the last scheduled scrub found with no good copy",
             run.unrecoverable_extents,
         );
     }
+    counter_u64(
+        registry,
+        "store_location_cache_hits",
+        "Index lookups the in-memory location cache answered",
+        store.location_cache_hits,
+    );
+    counter_u64(
+        registry,
+        "store_location_cache_misses",
+        "Index lookups that read the on-disk index",
+        store.location_cache_misses,
+    );
+    if let Some(fill) = &store.fill {
+        gauge_f64(
+            registry,
+            "store_fill_rate_bytes_per_second",
+            "How fast the fullest data directory's free space shrinks (negative: grows), over \
+             the last hours",
+            fill.bytes_per_day / 86_400.0,
+        );
+    }
     let mut out = String::new();
-    encode(&mut out, &registry)?;
+    encode(&mut out, &root)?;
     Ok(out)
+}
+
+/// The OpenMetrics text `render` gives, in Prometheus' classic text format (version 0.0.4) for
+/// scrapers that do not ask for OpenMetrics (`promtool check metrics`, older agents): a
+/// counter family is named with its `_total` suffix, and `# UNIT` and `# EOF` lines go.
+/// Samples are the same in both.
+pub fn classic_text(openmetrics: &str) -> String {
+    let mut out = String::with_capacity(openmetrics.len());
+    let mut help: Option<&str> = None;
+    for line in openmetrics.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            // Held until the TYPE line says whether the family is a counter.
+            help = Some(rest);
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap_or((rest, "untyped"));
+            let name = if kind == "counter" && !name.ends_with("_total") {
+                format!("{name}_total")
+            } else {
+                name.to_string()
+            };
+            if let Some(text) = help.take() {
+                let text = text.split_once(' ').map_or("", |(_, text)| text);
+                out += &format!("# HELP {name} {text}\n");
+            }
+            out += &format!("# TYPE {name} {kind}\n");
+            continue;
+        }
+        if line.starts_with("# UNIT ") || line == "# EOF" {
+            continue;
+        }
+        out += line;
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Proves counters get their `_total` family name in HELP and TYPE, other families keep
+    // theirs, samples are untouched, and the OpenMetrics-only lines go.
+    #[test]
+    fn openmetrics_becomes_the_classic_text_format() {
+        let openmetrics = "# HELP keel_store_log_syncs Group-commit fdatasyncs since start.\n\
+                           # TYPE keel_store_log_syncs counter\n\
+                           keel_store_log_syncs_total 12\n\
+                           # HELP keel_uptime_seconds Seconds since start.\n\
+                           # TYPE keel_uptime_seconds gauge\n\
+                           # UNIT keel_uptime_seconds seconds\n\
+                           keel_uptime_seconds 5\n\
+                           # EOF\n";
+        assert_eq!(
+            classic_text(openmetrics),
+            "# HELP keel_store_log_syncs_total Group-commit fdatasyncs since start.\n\
+             # TYPE keel_store_log_syncs_total counter\n\
+             keel_store_log_syncs_total 12\n\
+             # HELP keel_uptime_seconds Seconds since start.\n\
+             # TYPE keel_uptime_seconds gauge\n\
+             keel_uptime_seconds 5\n"
+        );
+    }
 }

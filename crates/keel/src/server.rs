@@ -231,12 +231,23 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         let handler: Arc<dyn keel_rpc::Handler> = replication.clone();
         let _ = membership.above.set(handler);
     }
+    let ops = if config.track_ops {
+        keel_ops::Ops::new(
+            Arc::new(keel_clock::SystemClock),
+            std::time::Duration::from_secs_f64(config.slow_op_ms / 1000.0),
+        )
+    } else {
+        keel_ops::Ops::disabled()
+    };
     let s3 = {
         let store = store.clone();
         let metadata = metadata.clone();
+        let ops = ops.clone();
         Arc::new(
-            tokio::task::spawn_blocking(move || keel_s3::S3Frontend::open(store, metadata))
-                .await??,
+            tokio::task::spawn_blocking(move || {
+                keel_s3::S3Frontend::open(store, metadata).map(|s3| s3.with_ops(ops))
+            })
+            .await??,
         )
     };
     // Keys are cluster-wide: only the node that formed the cluster makes the first one (or
@@ -334,6 +345,13 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             window.sample(store, &keel_clock::SystemClock, stop).await;
         });
     }
+    let fill_window = Arc::new(crate::fill_rate::FillWindow::default());
+    {
+        let (window, dirs, stop) = (fill_window.clone(), config.data.clone(), stopped.clone());
+        tokio::spawn(async move {
+            window.sample(dirs, &keel_clock::SystemClock, stop).await;
+        });
+    }
     let nbd_metrics = crate::metrics::NbdMetrics::new();
     let state = Arc::new(AppState {
         store: store.clone(),
@@ -346,16 +364,18 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         jobs,
         scrub,
         sync_window,
+        fill_window,
         config: shown,
         started,
         nbd_metrics: nbd_metrics.clone(),
+        ops: ops.clone(),
     });
     let admin = axum::serve(admin_listener, crate::admin::router(state))
         .with_graceful_shutdown(shutdown(stopped.clone()));
     let nbd = async {
         match nbd_listener {
             Some(listener) => {
-                keel_nbd::serve(
+                keel_nbd::serve_with(
                     listener,
                     Arc::new(VolumeExports {
                         volumes: volumes.clone(),
@@ -363,6 +383,8 @@ async fn serve(config: Config) -> anyhow::Result<()> {
                         metrics: nbd_metrics.clone(),
                     }),
                     shutdown(stopped.clone()),
+                    keel_nbd::Limits::default(),
+                    ops.clone(),
                 )
                 .await
             }

@@ -209,6 +209,7 @@ impl Forwarded {
         let payload = postcard::to_allocvec(&request)
             .map_err(|error| Lost::Failed(unavailable(&self.name, error.to_string())))?;
         let shared = &self.shared;
+        let _phase = keel_ops::Phase::enter(keel_ops::phase::FORWARDED);
         let reply = shared
             .runtime
             .block_on(shared.call(route.node, METHOD_FORWARD_IO, payload, IO_TIMEOUT))

@@ -419,6 +419,7 @@ impl Primary {
     /// Waits (without the order lock) until every streaming replica has room in its queue.
     fn wait_for_room(&self) -> VolumeResult<()> {
         let mut state = self.state();
+        let mut _waiting = None;
         loop {
             self.check_serving(&state)?;
             let full = state
@@ -428,6 +429,7 @@ impl Primary {
             if !full {
                 return Ok(());
             }
+            _waiting.get_or_insert_with(|| keel_ops::Phase::enter(keel_ops::phase::QUEUED));
             state = self
                 .changed
                 .wait_timeout(state, WAIT_ROUND)
@@ -482,6 +484,7 @@ impl Primary {
         deadline: Option<Instant>,
     ) -> VolumeResult<MutexGuard<'_, State>> {
         let mut state = self.state();
+        let mut _waiting = None;
         loop {
             self.check_serving(&state)?;
             if !self.shared.holds_lease() {
@@ -499,6 +502,7 @@ impl Primary {
                     "a replica did not confirm its writes in time; try again".to_string(),
                 ));
             }
+            _waiting.get_or_insert_with(|| keel_ops::Phase::enter(keel_ops::phase::REPLICATING));
             state = self
                 .changed
                 .wait_timeout(state, WAIT_ROUND)

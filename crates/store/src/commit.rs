@@ -19,7 +19,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use crate::error::{StoreError, StoreResult};
 use crate::format::{self, Compression, ExtentHeader};
 use crate::index::{Index, IndexUpdate, Location, Persist, Tail};
-use crate::latency::SyncTimes;
+use crate::latency::{BatchSizes, SyncTimes};
 use crate::segment::{hex, Segment, Segments};
 use crate::{Durability, StoreConfig, StoreStats, WriteAck, WriteOp};
 
@@ -215,6 +215,8 @@ pub(crate) struct Engine {
     syncs: AtomicU64,
     /// How long each sync of the log (every device) took.
     sync_times: SyncTimes,
+    /// Writes each group commit carried.
+    batch_sizes: BatchSizes,
     /// The background preparation of the next segment, if one was started.
     preparing: Mutex<Option<(u64, std::thread::JoinHandle<StoreResult<()>>)>>,
     /// Serializes scrub and compaction with each other.
@@ -271,6 +273,7 @@ impl Engine {
             repaired_extents: AtomicU64::new(0),
             syncs: AtomicU64::new(0),
             sync_times: SyncTimes::default(),
+            batch_sizes: BatchSizes::default(),
             preparing: Mutex::new(None),
             maintenance: Mutex::new(()),
         })
@@ -334,6 +337,8 @@ impl Engine {
         may_use_reserve: bool,
         checkpoint: Option<Vec<u64>>,
     ) -> StoreResult<WriteAck> {
+        // Until a leader has written this request, or this thread leads.
+        let _wait = keel_ops::Phase::enter(keel_ops::phase::COMMIT_WAIT);
         let slot = Arc::new(Slot {
             state: Mutex::new(SlotState::Waiting),
             ready: Condvar::new(),
@@ -403,6 +408,7 @@ impl Engine {
 
     /// Syncs `segment` on every device, timing it.
     fn timed_sync(&self, segment: &Segment) -> StoreResult<()> {
+        let _sync = keel_ops::Phase::enter(keel_ops::phase::FDATASYNC);
         let started = std::time::Instant::now();
         let synced = segment.sync();
         self.sync_times.observe(started.elapsed());
@@ -503,6 +509,7 @@ impl Engine {
             return fail_all(&|| self.poisoned_error());
         }
         let mut writer = lock(&self.writer);
+        self.batch_sizes.observe(batch.len());
 
         // Admission: writes that add data are refused below the reserve; deletes, compaction
         // and checkpoints go through so that space can be freed.
@@ -659,6 +666,7 @@ impl Engine {
         );
 
         // Write.
+        let pwrite = keel_ops::Phase::enter(keel_ops::phase::PWRITE);
         if !buffer.is_empty() {
             if let Err(error) = writer.segment.write_all_at(&buffer, base) {
                 if let Err(undo) = writer.segment.truncate(base) {
@@ -678,6 +686,8 @@ impl Engine {
         writer.appended_since_space_check_bytes += appended;
         let checkpoint_due = writer.since_checkpoint_bytes >= self.config.checkpoint_interval_bytes;
         need_sync |= checkpoint_due || checkpoint.is_some();
+
+        drop(pwrite);
 
         // Sync.
         if need_sync && !writer.synced {
@@ -712,6 +722,7 @@ impl Engine {
             next_seq: writer.next_seq,
         };
         if !updates.is_empty() || durable {
+            let _apply = keel_ops::Phase::enter(keel_ops::phase::APPLYING);
             let dropped = checkpoint.unwrap_or_default();
             if let Err(error) = self.index.apply(&updates, tail, persist, &dropped) {
                 // The log holds the batch durably; reopening replays it into the index.
@@ -964,11 +975,16 @@ impl Engine {
         stats.poisoned = self.poisoned.load(Ordering::SeqCst);
         stats.log_syncs = self.syncs.load(Ordering::Relaxed);
         stats.sync_latency = self.sync_latency();
+        (stats.location_cache_hits, stats.location_cache_misses) = self.index.cache_lookups();
         Ok(stats)
     }
 
     pub fn sync_latency(&self) -> crate::SyncLatency {
         self.sync_times.snapshot()
+    }
+
+    pub fn commit_batches(&self) -> crate::CommitBatches {
+        self.batch_sizes.snapshot()
     }
 }
 

@@ -509,6 +509,11 @@ impl Index {
         self.shared.write_set(&set, true).map_err(StoreError::Index)
     }
 
+    /// Lookups the location cache answered, and those it did not, since open.
+    pub fn cache_lookups(&self) -> (u64, u64) {
+        (self.shared.locations.hits(), self.shared.locations.misses())
+    }
+
     pub fn get(&self, key: &[u8]) -> StoreResult<Option<Location>> {
         let shared = &*self.shared;
         // A cached location is the key's newest: `apply` overwrites or removes it before the

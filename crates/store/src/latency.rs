@@ -1,19 +1,60 @@
-//! How long the log's fdatasyncs take: a lock-free histogram the commit path records into, read
-//! as a snapshot by `Store::stats` (`/metrics` exports it, health compares its recent p99 with a
-//! threshold). Buckets double from 50 µs to about 1.6 s, plus one for anything longer.
+//! Histograms the commit path records into without a lock, read as snapshots: how long the
+//! log's fdatasyncs take (`Store::stats`; `/metrics` exports it, health compares its recent p99
+//! with a threshold) and how many writes each group commit carried (`/metrics`). Buckets
+//! double from a first bound (50 µs for syncs, 1 write for batches), plus one for anything
+//! larger.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-/// Upper bound of the first bucket.
-const FIRST_BOUND_NANOS: u64 = 50_000;
 /// Buckets with a bound (the last one, unbounded, comes on top).
 const BOUNDED_BUCKETS: usize = 16;
 
-#[derive(Debug, Default)]
-pub(crate) struct SyncTimes {
+/// Counts of values in buckets whose bounds double from `first_bound`.
+#[derive(Debug)]
+struct Doubling {
+    first_bound: u64,
     counts: [AtomicU64; BOUNDED_BUCKETS + 1],
-    sum_nanos: AtomicU64,
+    sum: AtomicU64,
+}
+
+impl Doubling {
+    fn new(first_bound: u64) -> Doubling {
+        Doubling {
+            first_bound,
+            counts: Default::default(),
+            sum: AtomicU64::new(0),
+        }
+    }
+
+    fn observe(&self, value: u64) {
+        let bucket = (0..BOUNDED_BUCKETS)
+            .find(|&index| value <= self.first_bound << index)
+            .unwrap_or(BOUNDED_BUCKETS);
+        self.counts[bucket].fetch_add(1, Ordering::Relaxed);
+        self.sum.fetch_add(value, Ordering::Relaxed);
+    }
+
+    fn bounds(&self) -> impl Iterator<Item = u64> + '_ {
+        (0..BOUNDED_BUCKETS).map(|index| self.first_bound << index)
+    }
+
+    fn counts(&self) -> Vec<u64> {
+        self.counts
+            .iter()
+            .map(|count| count.load(Ordering::Relaxed))
+            .collect()
+    }
+}
+
+/// Sync durations, in nanoseconds from 50 µs.
+#[derive(Debug)]
+pub(crate) struct SyncTimes(Doubling);
+
+impl Default for SyncTimes {
+    fn default() -> SyncTimes {
+        SyncTimes(Doubling::new(50_000))
+    }
 }
 
 /// A snapshot of the sync latency histogram.
@@ -28,25 +69,50 @@ pub struct SyncLatency {
 
 impl SyncTimes {
     pub(crate) fn observe(&self, took: Duration) {
-        let nanos = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
-        let bucket = (0..BOUNDED_BUCKETS)
-            .find(|&index| nanos <= FIRST_BOUND_NANOS << index)
-            .unwrap_or(BOUNDED_BUCKETS);
-        self.counts[bucket].fetch_add(1, Ordering::Relaxed);
-        self.sum_nanos.fetch_add(nanos, Ordering::Relaxed);
+        self.0
+            .observe(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX));
     }
 
     pub(crate) fn snapshot(&self) -> SyncLatency {
         SyncLatency {
-            bounds_seconds: (0..BOUNDED_BUCKETS)
-                .map(|index| (FIRST_BOUND_NANOS << index) as f64 / 1e9)
-                .collect(),
-            counts: self
-                .counts
-                .iter()
-                .map(|count| count.load(Ordering::Relaxed))
-                .collect(),
-            sum_seconds: self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9,
+            bounds_seconds: self.0.bounds().map(|nanos| nanos as f64 / 1e9).collect(),
+            counts: self.0.counts(),
+            sum_seconds: self.0.sum.load(Ordering::Relaxed) as f64 / 1e9,
+        }
+    }
+}
+
+/// Writes per group commit, from 1.
+#[derive(Debug)]
+pub(crate) struct BatchSizes(Doubling);
+
+impl Default for BatchSizes {
+    fn default() -> BatchSizes {
+        BatchSizes(Doubling::new(1))
+    }
+}
+
+/// A snapshot of the group-commit batch-size histogram.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CommitBatches {
+    /// Upper bound (writes) of each bucket but the last.
+    pub bounds: Vec<u64>,
+    /// Group commits per bucket (not cumulative); the last is unbounded.
+    pub counts: Vec<u64>,
+    /// Writes in all group commits.
+    pub writes: u64,
+}
+
+impl BatchSizes {
+    pub(crate) fn observe(&self, writes: usize) {
+        self.0.observe(writes as u64);
+    }
+
+    pub(crate) fn snapshot(&self) -> CommitBatches {
+        CommitBatches {
+            bounds: self.0.bounds().collect(),
+            counts: self.0.counts(),
+            writes: self.0.sum.load(Ordering::Relaxed),
         }
     }
 }
@@ -126,5 +192,22 @@ mod tests {
         assert_eq!(window.quantile_seconds(0.5), Some((0.2048, 0.4096)));
         assert_eq!(window.quantile_seconds(0.99), Some((1.6384, f64::INFINITY)));
         assert_eq!(SyncLatency::default().quantile_seconds(0.99), None);
+    }
+
+    // Proves group commits land in the bucket of their size (bounds 1, 2, 4, ...) and the
+    // writes add up.
+    #[test]
+    fn batch_sizes_by_doubling_buckets() {
+        let batches = BatchSizes::default();
+        for writes in [1, 1, 3, 40, 100_000] {
+            batches.observe(writes);
+        }
+        let snapshot = batches.snapshot();
+        assert_eq!(&snapshot.bounds[..4], &[1, 2, 4, 8]);
+        assert_eq!(snapshot.counts[0], 2);
+        assert_eq!(snapshot.counts[2], 1);
+        assert_eq!(snapshot.counts[6], 1);
+        assert_eq!(snapshot.counts[BOUNDED_BUCKETS], 1);
+        assert_eq!(snapshot.writes, 100_045);
     }
 }

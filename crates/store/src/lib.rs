@@ -35,7 +35,7 @@ pub use commit::RebuildReport;
 pub use compact::CompactReport;
 pub use error::{StoreError, StoreResult};
 pub use format::Compression;
-pub use latency::SyncLatency;
+pub use latency::{CommitBatches, SyncLatency};
 pub use scrub::ScrubReport;
 
 /// First byte of every key: which part of Keel the key belongs to. Keys sort by keyspace first,
@@ -188,6 +188,10 @@ pub struct StoreStats {
     pub log_syncs: u64,
     /// How long syncs of the log (every device) took since open.
     pub sync_latency: SyncLatency,
+    /// Index lookups the in-memory location cache answered since open.
+    pub location_cache_hits: u64,
+    /// Index lookups that went to the on-disk index since open.
+    pub location_cache_misses: u64,
 }
 
 impl StoreStats {
@@ -284,6 +288,11 @@ impl Store {
     /// How long syncs of the log took since open (a cheap part of [`Store::stats`]).
     pub fn sync_latency(&self) -> SyncLatency {
         self.engine.sync_latency()
+    }
+
+    /// How many writes each group commit carried since open.
+    pub fn commit_batches(&self) -> CommitBatches {
+        self.engine.commit_batches()
     }
 
     /// Verifies every live extent on every device, repairing bad copies from good ones.

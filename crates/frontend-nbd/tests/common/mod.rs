@@ -23,6 +23,8 @@ pub const MEM_SIZE_BYTES: u64 = 4 << 20;
 
 pub struct Server {
     pub address: SocketAddr,
+    /// Every request the server registered (`keel ops`).
+    pub ops: keel_ops::Ops,
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<std::io::Result<()>>,
 }
@@ -41,9 +43,17 @@ impl Server {
         let shutdown = async move {
             let _ = stopped.await;
         };
-        let task = tokio::spawn(keel_nbd::serve_with(listener, exports, shutdown, limits));
+        let ops = keel_ops::Ops::new(Arc::new(keel_clock::SystemClock), Duration::from_secs(1));
+        let task = tokio::spawn(keel_nbd::serve_with(
+            listener,
+            exports,
+            shutdown,
+            limits,
+            ops.clone(),
+        ));
         Server {
             address,
+            ops,
             stop: Some(stop),
             task,
         }
