@@ -15,6 +15,7 @@ apt_packages=(
   postgresql-contrib
   rclone         # S3 client
   prometheus     # promtool: checks /metrics and deploy/monitoring's alert rules
+  chromium       # headless: the dashboard test loads the page and reads its DOM
   procps
   unzip          # unpacks the Go toolchain that builds csi-sanity
   ca-certificates
