@@ -268,9 +268,28 @@ def test_nearly_full_data_directory_warns_with_its_code(workdir, make_server):
     assert status["health"] == "HEALTH_WARN", status["reasons"]
     [reason] = [r for r in status["reasons"] if r.startswith("KEEL_NEARFULL")]
     assert "over the 1% warning level" in reason and "keel store compact" in reason
+    # The same check, structured: code, severity, message, action; an info check alone (one
+    # data directory) would not have made it HEALTH_WARN.
+    checks = {c["code"]: c for c in status["checks"]}
+    assert checks["KEEL_NEARFULL"]["severity"] == "warn"
+    assert "keel store compact" in checks["KEEL_NEARFULL"]["action"]
+    assert checks["KEEL_NO_LOCAL_MIRROR"]["severity"] == "info"
+    [device] = status["devices"]
+    assert device["dir"] == str(server.data_dirs[0]) and device["total_bytes"] == used.total
     code, metrics = http("GET", f"http://{server.admin}/metrics")
     assert code == 200 and re.search(rb"^keel_health 1$", metrics, re.M)
+    assert re.search(rb'^keel_health_check\{code="KEEL_NEARFULL",severity="warn"\} 1$', metrics, re.M)
+    assert re.search(rb'^keel_device_size_bytes\{dir="[^"]+"\} %d$' % used.total, metrics, re.M)
     server.stop()
+    relaxed = make_server(extra_args=["--config", str(health_config(workdir, 100))])
+    status = json.loads(relaxed.cli("status", "--json").stdout)
+    assert status["health"] == "HEALTH_OK", status["reasons"]
+    # Only information left: no mirror, and (where the disk has one) the volatile write cache.
+    volatile = status["devices"][0]["write_cache"] == "write back"
+    expected = {"KEEL_NO_LOCAL_MIRROR"} | ({"KEEL_VOLATILE_WRITE_CACHE"} if volatile else set())
+    assert {c["code"] for c in status["checks"]} == expected, status["checks"]
+    assert {c["severity"] for c in status["checks"]} == {"info"}
+    relaxed.stop()
     bad = subprocess.run(
         [KEEL_BIN, "server", "--data", str(workdir / "data"), "--config", str(health_config(workdir, 0))],
         capture_output=True, text=True, timeout=30,

@@ -237,7 +237,12 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 #[derive(Serialize, Deserialize, Debug, Clone)]
 pub struct StatusReport {
     pub health: String,
+    /// One line per check: `CODE: what (what to do)`.
     pub reasons: Vec<String>,
+    /// The same checks with their code, severity (`error`, `warn`, `info`), message and action.
+    pub checks: Vec<keel_cluster::HealthCheck>,
+    /// Each data directory's filesystem, device and write cache.
+    pub devices: Vec<DeviceStatus>,
     pub version: String,
     pub uptime_seconds: u64,
     pub data: Vec<String>,
@@ -253,6 +258,18 @@ pub struct StatusReport {
     pub cluster: keel_cluster::ClusterStatus,
     /// Scheduled scrubs: the interval, when the next is due, the last one's outcome.
     pub scrub: crate::scrub_schedule::ScrubStatus,
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone)]
+pub struct DeviceStatus {
+    pub dir: String,
+    pub filesystem: String,
+    /// The block device under it, when it is one.
+    pub device: Option<String>,
+    /// Its write cache: `write back` (volatile) or `write through`.
+    pub write_cache: Option<String>,
+    pub total_bytes: u64,
+    pub available_bytes: u64,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone)]
@@ -328,43 +345,56 @@ fn volume_redundancy(state: &AppState) -> Vec<(&'static str, &'static str, Strin
     findings
 }
 
+/// One health finding.
+fn check(
+    code: &str,
+    severity: &str,
+    message: String,
+    action: impl Into<String>,
+) -> keel_cluster::HealthCheck {
+    keel_cluster::HealthCheck {
+        code: code.to_string(),
+        severity: severity.to_string(),
+        message,
+        action: action.into(),
+    }
+}
+
 pub fn status_report(
     state: &AppState,
     cluster: keel_cluster::ClusterStatus,
 ) -> ApiResult<StatusReport> {
     let stats = state.store.stats().map_err(internal)?;
-    let mut reasons = Vec::new();
-    let mut level = 0;
-    for check in &cluster.health {
-        level = level.max(if check.severity == "error" { 2 } else { 1 });
-        reasons.push(format!(
-            "{}: {} ({})",
-            check.code, check.message, check.action
-        ));
-    }
+    let mut checks: Vec<keel_cluster::HealthCheck> = cluster.health.clone();
     for (code, severity, message, action) in volume_redundancy(state) {
-        level = level.max(if severity == "error" { 2 } else { 1 });
-        reasons.push(format!("{code}: {message} ({action})"));
+        checks.push(check(code, severity, message, action));
     }
     if stats.poisoned {
-        level = 2;
-        reasons.push(
-            "store is poisoned after a failed sync: writes refused until restart".to_string(),
-        );
+        checks.push(check(
+            "KEEL_STORE_POISONED",
+            "error",
+            "a failed sync stopped the store's writes (the kernel may have dropped the data it \
+             held); reads still work"
+                .to_string(),
+            "check the device (dmesg, SMART), then restart the server: it replays the log",
+        ));
     }
     if stats.corrupt_reads > stats.repaired_extents {
-        level = level.max(1);
-        reasons.push(format!(
-            "{} checksum failures on read, {} repaired from a mirror; run `keel store scrub`",
-            stats.corrupt_reads, stats.repaired_extents
+        checks.push(check(
+            "KEEL_CHECKSUM_FAILURES",
+            "warn",
+            format!(
+                "{} checksum failures on read, {} repaired from a mirror",
+                stats.corrupt_reads, stats.repaired_extents
+            ),
+            "run keel store scrub; replace the device if failures keep coming",
         ));
     }
     if let Some(finding) = state
         .sync_window
         .finding(&stats.sync_latency, state.config.slow_sync_ms)
     {
-        level = level.max(1);
-        reasons.push(finding);
+        checks.push(finding);
     }
     let scrub = state.scrub.status();
     if let Some(run) = scrub
@@ -372,47 +402,103 @@ pub fn status_report(
         .as_ref()
         .filter(|run| run.unrecoverable_extents > 0)
     {
-        level = 2;
-        reasons.push(format!(
-            "KEEL_SCRUB_ERRORS: the last scheduled scrub found {} extents with no good copy on \
-             this node (restore what they hold from a backup or a replica; keel store scrub \
-             lists their keys)",
-            run.unrecoverable_extents
+        checks.push(check(
+            "KEEL_SCRUB_ERRORS",
+            "error",
+            format!(
+                "the last scheduled scrub found {} extents with no good copy on this node",
+                run.unrecoverable_extents
+            ),
+            "restore what they hold from a backup or a replica; keel store scrub lists their keys",
         ));
     }
     if state.config.ephemeral {
-        level = level.max(1);
-        reasons.push("running --ephemeral: data may be on a volatile filesystem".to_string());
+        checks.push(check(
+            "KEEL_EPHEMERAL",
+            "warn",
+            "running --ephemeral: data may be on a volatile filesystem".to_string(),
+            "throwaway data only: restart without --ephemeral on a real disk to keep data",
+        ));
     }
     let fill = state.fill_window.estimate();
     let mut available = u64::MAX;
+    let mut devices = Vec::new();
     for dir in &state.config.data {
-        if let Ok(info) = keel_store::fsinfo::filesystem_info(dir) {
-            available = available.min(info.available_bytes);
-            let limit = u64::from(state.config.nearfull_percent);
-            let used = info.total_bytes.saturating_sub(info.available_bytes);
-            if limit < 100 && info.total_bytes > 0 && used * 100 > info.total_bytes * limit {
-                level = level.max(1);
-                let days = fill
-                    .as_ref()
-                    .and_then(|fill| fill.days_to_full)
-                    .map(|days| format!(", full in about {days:.1} days at the recent rate"))
-                    .unwrap_or_default();
-                reasons.push(format!(
-                    "KEEL_NEARFULL: {} is {}% used, over the {limit}% warning level{days} (free \
-                     space or add a device; keel store compact returns what deleted data held)",
+        let Ok(info) = keel_store::fsinfo::filesystem_info(dir) else {
+            continue;
+        };
+        available = available.min(info.available_bytes);
+        let limit = u64::from(state.config.nearfull_percent);
+        let used = info.total_bytes.saturating_sub(info.available_bytes);
+        if limit < 100 && info.total_bytes > 0 && used * 100 > info.total_bytes * limit {
+            let days = fill
+                .as_ref()
+                .and_then(|fill| fill.days_to_full)
+                .map(|days| format!(", full in about {days:.1} days at the recent rate"))
+                .unwrap_or_default();
+            checks.push(check(
+                "KEEL_NEARFULL",
+                "warn",
+                format!(
+                    "{} is {}% used, over the {limit}% warning level{days}",
                     dir.display(),
                     used * 100 / info.total_bytes
-                ));
-            }
+                ),
+                "free space or add a device; keel store compact returns what deleted data held",
+            ));
         }
+        let cache = keel_store::fsinfo::write_cache(dir);
+        if let Some(cache) = cache.as_ref().filter(|cache| cache.volatile()) {
+            checks.push(check(
+                "KEEL_VOLATILE_WRITE_CACHE",
+                "info",
+                format!(
+                    "{} under {} has a volatile write cache ({}): acknowledged writes survive a \
+                     power cut only if the drive honours the cache flushes Keel's fdatasync sends",
+                    cache.device,
+                    dir.display(),
+                    cache.mode
+                ),
+                "use drives with power-loss protection; keel doctor examines the device",
+            ));
+        }
+        devices.push(DeviceStatus {
+            dir: dir.display().to_string(),
+            filesystem: info.filesystem.clone(),
+            device: cache.as_ref().map(|cache| cache.device.clone()),
+            write_cache: cache.as_ref().map(|cache| cache.mode.clone()),
+            total_bytes: info.total_bytes,
+            available_bytes: info.available_bytes,
+        });
     }
     if state.config.data.len() == 1 {
-        reasons.push("single data directory: no local mirror (info)".to_string());
+        checks.push(check(
+            "KEEL_NO_LOCAL_MIRROR",
+            "info",
+            "a single data directory: a failed device loses the data only this node holds"
+                .to_string(),
+            "give a second --data directory on another device for a local mirror, or keep \
+             volumes on several nodes (keel volume set-replication NAME --replicas 2)",
+        ));
     }
+    let level = checks
+        .iter()
+        .map(|check| match check.severity.as_str() {
+            "error" => 2,
+            "warn" => 1,
+            _ => 0,
+        })
+        .max()
+        .unwrap_or(0);
+    let reasons = checks
+        .iter()
+        .map(|check| format!("{}: {} ({})", check.code, check.message, check.action))
+        .collect();
     Ok(StatusReport {
         health: ["HEALTH_OK", "HEALTH_WARN", "HEALTH_ERR"][level].to_string(),
         reasons,
+        checks,
+        devices,
         version: env!("CARGO_PKG_VERSION").to_string(),
         uptime_seconds: state.started.elapsed().as_secs(),
         data: state

@@ -406,6 +406,57 @@ pub fn render(
             fill.bytes_per_day / 86_400.0,
         );
     }
+    // One series per active health check, so alerts can name codes.
+    let checks = Family::<[(&'static str, String); 2], Gauge>::default();
+    for check in &report.checks {
+        checks
+            .get_or_create(&[
+                ("code", check.code.clone()),
+                ("severity", check.severity.clone()),
+            ])
+            .set(1);
+    }
+    registry.register(
+        "health_check",
+        "1 for each health check that fails now, by code and severity (error, warn, info)",
+        checks,
+    );
+    let device_total = Family::<[(&'static str, String); 1], Gauge>::default();
+    let device_available = Family::<[(&'static str, String); 1], Gauge>::default();
+    let device_cache = Family::<[(&'static str, String); 3], Gauge>::default();
+    for device in &report.devices {
+        let dir = [("dir", device.dir.clone())];
+        device_total
+            .get_or_create(&dir)
+            .set(i64::try_from(device.total_bytes).unwrap_or(i64::MAX));
+        device_available
+            .get_or_create(&dir)
+            .set(i64::try_from(device.available_bytes).unwrap_or(i64::MAX));
+        if let (Some(name), Some(mode)) = (&device.device, &device.write_cache) {
+            device_cache
+                .get_or_create(&[
+                    ("dir", device.dir.clone()),
+                    ("device", name.clone()),
+                    ("mode", mode.clone()),
+                ])
+                .set(i64::from(mode == "write back"));
+        }
+    }
+    registry.register(
+        "device_size_bytes",
+        "Size of each data directory's filesystem",
+        device_total,
+    );
+    registry.register(
+        "device_available_bytes",
+        "Free bytes of each data directory's filesystem",
+        device_available,
+    );
+    registry.register(
+        "device_volatile_write_cache",
+        "1 when the block device under a data directory caches writes volatilely (write back)",
+        device_cache,
+    );
     let mut out = String::new();
     encode(&mut out, &root)?;
     Ok(out)

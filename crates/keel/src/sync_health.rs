@@ -57,7 +57,11 @@ impl SyncWindow {
     }
 
     /// The health finding, if the device is slow: `slow_sync_ms` of 0 turns the check off.
-    pub fn finding(&self, now: &SyncLatency, slow_sync_ms: f64) -> Option<String> {
+    pub fn finding(
+        &self,
+        now: &SyncLatency,
+        slow_sync_ms: f64,
+    ) -> Option<keel_cluster::HealthCheck> {
         if slow_sync_ms <= 0.0 {
             return None;
         }
@@ -75,11 +79,17 @@ impl SyncWindow {
         } else {
             format!("over {:.0} ms", lower * 1000.0)
         };
-        Some(format!(
-            "KEEL_SLOW_DEVICE: the log's fdatasync p99 is {range} over the last {syncs} syncs, \
-             above slow_sync_ms ({slow_sync_ms} ms) (check the device with keel doctor, what \
-             else writes to it, and its health; every flushed write waits for it)"
-        ))
+        Some(keel_cluster::HealthCheck {
+            code: "KEEL_SLOW_DEVICE".to_string(),
+            severity: "warn".to_string(),
+            message: format!(
+                "the log's fdatasync p99 is {range} over the last {syncs} syncs, above \
+                 slow_sync_ms ({slow_sync_ms} ms)"
+            ),
+            action: "check the device with keel doctor, what else writes to it, and its health; \
+                     every flushed write waits for it"
+                .to_string(),
+        })
     }
 }
 
@@ -108,24 +118,21 @@ mod tests {
         // 100 syncs, the slowest 2 in (204.8, 409.6] ms: p99 there.
         let slow = latency(&[(4, 98), (13, 2)]);
         let finding = window.finding(&slow, 200.0).unwrap();
+        assert_eq!(finding.code, "KEEL_SLOW_DEVICE");
+        assert_eq!(finding.severity, "warn");
+        assert!(finding.message.contains("204.8–409.6 ms"), "{finding:?}");
         assert!(
-            finding.starts_with("KEEL_SLOW_DEVICE") && finding.contains("204.8–409.6 ms"),
-            "{finding}"
-        );
-        assert_eq!(
-            window.finding(&slow, 300.0),
-            None,
+            window.finding(&slow, 300.0).is_none(),
             "p99 may be under 300 ms"
         );
-        assert_eq!(window.finding(&slow, 0.0), None, "off");
-        assert_eq!(
-            window.finding(&latency(&[(13, 19)]), 200.0),
-            None,
+        assert!(window.finding(&slow, 0.0).is_none(), "off");
+        assert!(
+            window.finding(&latency(&[(13, 19)]), 200.0).is_none(),
             "too few syncs"
         );
         // The slow syncs are older than the window: the recent ones are fast.
         window.record(slow.clone());
         let later = latency(&[(4, 198), (13, 2)]);
-        assert_eq!(window.finding(&later, 200.0), None);
+        assert!(window.finding(&later, 200.0).is_none());
     }
 }
