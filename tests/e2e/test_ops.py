@@ -3,9 +3,11 @@ in and the time each spent in each phase, through the real CLI against a running
 
 import hashlib
 import json
+import re
 import socket
 import struct
 import time
+import urllib.request
 
 import boto3
 from botocore.auth import S3SigV4Auth
@@ -163,3 +165,27 @@ def test_tracking_can_be_turned_off(make_server, workdir):
     assert report["tracking"] is False
     assert report["slowest"] == [] and report["in_flight"] == []
     assert "request tracking is off" in srv.cli("ops", "--slow").stdout
+
+
+def test_qos_throttling_shows_as_a_phase_and_in_metrics(server):
+    # Proves time a volume's IOPS limit holds requests back is visible: as the "throttled"
+    # phase of those requests in `keel ops`, and summed in keel_volume_throttled_seconds_total.
+    server.cli("volume", "create", "slowvol", "--size", "4M", "--iops", "20")
+    server.cli("volume", "create", "fastvol", "--size", "4M")
+    host, port = server.nbd.rsplit(":", 1)
+    for name in ("slowvol", "fastvol"):
+        client = Client(host, int(port), name)
+        try:
+            for i in range(30):
+                client.write(i * 4096, b"t" * 4096)
+        finally:
+            client.close()
+    slowest = ops_json(server)["slowest"]
+    throttled = [phases(op).get("throttled", 0) for op in slowest if op["target"].startswith("slowvol ")]
+    assert sum(throttled) > 1000, throttled  # 30 writes at 20 per second: about 1.5 s held back
+    assert not [op for op in slowest if op["target"].startswith("fastvol ") and "throttled" in phases(op)]
+    with urllib.request.urlopen(f"http://{server.admin}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    held = re.search(r'^keel_volume_throttled_seconds_total\{volume="slowvol"\} (\S+)$', text, re.M)
+    assert held and float(held.group(1)) > 1.0, text
+    assert 'keel_volume_throttled_seconds_total{volume="fastvol"}' not in text

@@ -556,12 +556,20 @@ async fn metrics(State(state): State<Shared>, headers: HeaderMap) -> ApiResult<R
         sync_latency: state.store.sync_latency(),
         commit_batches: state.store.commit_batches(),
     };
+    let throttled = state.volumes.throttled();
     let process = crate::process::read()
         .inspect_err(|error| tracing::warn!(%error, "reading /proc/self for /metrics"))
         .ok();
     let report = blocking(move || status_report(&state, cluster)).await?;
-    let text = crate::metrics::render(&report, &nbd_metrics, &s3_metrics, &store, process.as_ref())
-        .map_err(internal)?;
+    let text = crate::metrics::render(
+        &report,
+        &nbd_metrics,
+        &s3_metrics,
+        &store,
+        &throttled,
+        process.as_ref(),
+    )
+    .map_err(internal)?;
     let (content_type, text) = if openmetrics {
         (
             "application/openmetrics-text; version=1.0.0; charset=utf-8",

@@ -245,6 +245,7 @@ pub fn render(
     nbd: &NbdMetrics,
     s3: &keel_s3::metrics::S3Metrics,
     store_histograms: &StoreHistograms,
+    throttled: &[(String, std::time::Duration)],
     process: Option<&crate::process::ProcessStats>,
 ) -> Result<String, std::fmt::Error> {
     let mut root = Registry::default();
@@ -406,6 +407,22 @@ pub fn render(
             fill.bytes_per_day / 86_400.0,
         );
     }
+    // QoS: only volumes that were held back, bounded like the other per-volume series.
+    let held_back = Family::<[(&'static str, String); 1], Counter<f64, AtomicU64>>::default();
+    for (volume, waited) in throttled
+        .iter()
+        .filter(|(_, waited)| !waited.is_zero())
+        .take(VOLUME_SERIES_MAX)
+    {
+        held_back
+            .get_or_create(&[("volume", volume.clone())])
+            .inc_by(waited.as_secs_f64());
+    }
+    registry.register(
+        "volume_throttled_seconds",
+        "Time requests were held back by the volume's QoS limits (IOPS, bandwidth)",
+        held_back,
+    );
     // One series per active health check, so alerts can name codes.
     let checks = Family::<[(&'static str, String); 2], Gauge>::default();
     for check in &report.checks {

@@ -342,6 +342,11 @@ impl VolumeManager {
     }
 
     /// Every ready volume of the cluster, by name.
+    /// Per volume hosted here: how long its requests were held back by its QoS limits.
+    pub fn throttled(&self) -> Vec<(String, std::time::Duration)> {
+        self.engine.throttled()
+    }
+
     pub fn list(&self) -> Vec<VolumeSummary> {
         let mut entries: Vec<VolumeEntry> = self
             .metadata

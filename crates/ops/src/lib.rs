@@ -41,6 +41,8 @@ pub mod phase {
     pub const QUEUED: &str = "queued";
     /// In the object layer (S3): metadata, reads, and writes before the store's own phases.
     pub const HANDLING: &str = "handling";
+    /// Held back by the volume's QoS limits (IOPS, bandwidth).
+    pub const THROTTLED: &str = "throttled";
     /// Reading data (the store's index and log).
     pub const READING: &str = "reading";
     /// Writing, before the store's own phases (splitting into blocks, compressing).

@@ -148,7 +148,13 @@ impl VolumeHandle {
     fn throttle(&self, bytes: u64) {
         let limiter = read(&self.shared.limiter).clone();
         if let Some(limiter) = limiter {
-            limiter.acquire(bytes);
+            let waited = limiter.acquire(bytes);
+            if !waited.is_zero() {
+                let nanos = u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX);
+                self.shared
+                    .throttled_nanos
+                    .fetch_add(nanos, Ordering::Relaxed);
+            }
         }
     }
 

@@ -29,10 +29,11 @@ mod volume_io;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{
     Arc, Condvar, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard,
 };
+use std::time::Duration;
 
 use keel_catalog::{
     CatalogError, CatalogState, Event, NodeId, Observer, SnapshotRecord, VolumeEntry, VolumeRecord,
@@ -286,6 +287,8 @@ pub struct VolumeShared {
     /// Per-block-stripe locks: aligned writes take them shared, read-modify-write exclusive.
     pub(crate) stripes: Box<[RwLock<()>]>,
     pub(crate) limiter: RwLock<Option<Arc<limiter::RateLimiter>>>,
+    /// Nanoseconds requests spent held back by the limits since the volume was opened here.
+    pub(crate) throttled_nanos: AtomicU64,
     pub(crate) deleted: AtomicBool,
     pub(crate) activity: Mutex<Activity>,
     /// One garbage collection at a time per volume.
@@ -344,6 +347,7 @@ impl VolumeShared {
             }),
             stripes: (0..LOCK_STRIPES).map(|_| RwLock::new(())).collect(),
             limiter: RwLock::new(limiter),
+            throttled_nanos: AtomicU64::new(0),
             activity: Mutex::new(Activity::default()),
             collecting: Mutex::new(()),
         }
@@ -497,6 +501,20 @@ impl Engine {
     /// A hosted volume by id (any status).
     pub fn get(&self, volume_id: u64) -> Option<Arc<VolumeShared>> {
         read(&self.volumes).get(&volume_id).cloned()
+    }
+
+    /// Per hosted volume (by name): how long its requests were held back by its QoS limits
+    /// since it was opened here.
+    pub fn throttled(&self) -> Vec<(String, Duration)> {
+        let mut volumes: Vec<(String, Duration)> = read(&self.volumes)
+            .values()
+            .map(|shared| {
+                let nanos = shared.throttled_nanos.load(Ordering::Relaxed);
+                (shared.name.clone(), Duration::from_nanos(nanos))
+            })
+            .collect();
+        volumes.sort();
+        volumes
     }
 
     /// Ids of the volumes hosted here.

@@ -99,8 +99,9 @@ impl RateLimiter {
         }
     }
 
-    /// Blocks until one operation of `bytes` bytes is within the volume's limits.
-    pub fn acquire(&self, bytes: u64) {
+    /// Blocks until one operation of `bytes` bytes is within the volume's limits; returns how
+    /// long it waited.
+    pub fn acquire(&self, bytes: u64) -> Duration {
         let wait = {
             // A poisoned limiter (a panic while holding it) must not stop I/O: limits are QoS,
             // not safety.
@@ -122,9 +123,12 @@ impl RateLimiter {
             }
             wait
         };
+        let wait = wait.min(WAIT_MAX);
         if !wait.is_zero() {
-            self.clock.sleep(wait.min(WAIT_MAX));
+            let _phase = keel_ops::Phase::enter(keel_ops::phase::THROTTLED);
+            self.clock.sleep(wait);
         }
+        wait
     }
 }
 
