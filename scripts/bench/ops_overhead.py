@@ -19,10 +19,12 @@ Prints the medians and the on/off ratio of medians per workload, with the per-ro
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -46,13 +48,28 @@ def fio(server, profile, seconds, extra=()):
     return json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
 
 
+def group_commits(server):
+    """(group commits, writes they carried) so far, from /metrics."""
+    with urllib.request.urlopen(f"http://{server.admin}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    count = re.search(r"^keel_store_commit_batch_writes_count (\S+)$", text, re.M)
+    writes = re.search(r"^keel_store_commit_batch_writes_sum (\S+)$", text, re.M)
+    return float(count.group(1)), float(writes.group(1))
+
+
 def run(server, seconds):
     server.cli("volume", "create", "bench", "--size", str(VOLUME_BYTES))
     # Written whole first, so reads find data (not holes).
     fio(server, ["--rw=write", "--bs=1m", "--iodepth=8"], 0)
     values = {}
     for metric, (direction, profile) in WORKLOADS.items():
+        before = group_commits(server)
         values[metric] = fio(server, profile, seconds)[direction]["iops"]
+        after = group_commits(server)
+        if direction == "write" and after[0] > before[0]:
+            # How many writes each group commit carried: batching explains write throughput.
+            values[metric.replace("_iops", "_writes_per_commit")] = \
+                (after[1] - before[1]) / (after[0] - before[0])
     values["s3_put_4k_c32_ops"] = s3_put(server, seconds, 32)
     return values
 
@@ -86,7 +103,7 @@ def main():
             for metric, value in values.items():
                 results[label].setdefault(metric, []).append(value)
             print(f"round {round_index + 1} tracking {label}: "
-                  + ", ".join(f"{m} {v:.0f}" for m, v in values.items()), flush=True)
+                  + ", ".join(f"{m} {v:.1f}" for m, v in values.items()), flush=True)
     report = {"rounds": args.rounds, "seconds": args.seconds, "metrics": {}}
     for metric in results["on"]:
         on = statistics.median(results["on"][metric])

@@ -479,6 +479,11 @@ def test_a_server_stops_at_once_while_a_slow_scheduled_scrub_runs(make_server, w
     while not scrubbing():
         assert time.time() < deadline, "no scheduled scrub started"
         time.sleep(0.2)
+    # /metrics shows the running job and how far it is (issue 14: scrub progress).
+    code, metrics = http("GET", f"http://{srv.admin}/metrics")
+    assert re.search(rb'^keel_jobs_running\{kind="scheduled scrub"\} 1$', metrics, re.M), metrics
+    ratio = re.search(rb'^keel_jobs_progress_ratio\{kind="scheduled scrub"\} (\S+)$', metrics, re.M)
+    assert ratio and 0 < float(ratio.group(1)) < 1, ratio
     proc = srv.proc
     started = time.time()
     srv.stop()

@@ -557,6 +557,7 @@ async fn metrics(State(state): State<Shared>, headers: HeaderMap) -> ApiResult<R
         commit_batches: state.store.commit_batches(),
     };
     let throttled = state.volumes.throttled();
+    let jobs = state.jobs.list();
     let process = crate::process::read()
         .inspect_err(|error| tracing::warn!(%error, "reading /proc/self for /metrics"))
         .ok();
@@ -567,6 +568,7 @@ async fn metrics(State(state): State<Shared>, headers: HeaderMap) -> ApiResult<R
         &s3_metrics,
         &store,
         &throttled,
+        &jobs,
         process.as_ref(),
     )
     .map_err(internal)?;

@@ -246,6 +246,7 @@ pub fn render(
     s3: &keel_s3::metrics::S3Metrics,
     store_histograms: &StoreHistograms,
     throttled: &[(String, std::time::Duration)],
+    jobs: &[crate::jobs::JobStatus],
     process: Option<&crate::process::ProcessStats>,
 ) -> Result<String, std::fmt::Error> {
     let mut root = Registry::default();
@@ -422,6 +423,36 @@ pub fn render(
         "volume_throttled_seconds",
         "Time requests were held back by the volume's QoS limits (IOPS, bandwidth)",
         held_back,
+    );
+    // Long work (scrub, compaction, volume deletion) by kind: how many run, and how far the
+    // running ones are together.
+    let running = Family::<[(&'static str, String); 1], Gauge>::default();
+    let progress = Family::<[(&'static str, String); 1], Gauge<f64, AtomicU64>>::default();
+    let mut by_kind: std::collections::BTreeMap<&str, (i64, u64, u64)> = Default::default();
+    for job in jobs.iter().filter(|job| job.state == "running") {
+        let entry = by_kind.entry(job.kind.as_str()).or_default();
+        entry.0 += 1;
+        entry.1 += job.done;
+        entry.2 += job.total;
+    }
+    for (kind, (count, done, total)) in by_kind {
+        let label = [("kind", kind.to_string())];
+        running.get_or_create(&label).set(count);
+        if total > 0 {
+            progress
+                .get_or_create(&label)
+                .set(done.min(total) as f64 / total as f64);
+        }
+    }
+    registry.register(
+        "jobs_running",
+        "Jobs running now (scrub, compact, volume scrub, volume delete), by kind",
+        running,
+    );
+    registry.register(
+        "jobs_progress_ratio",
+        "How far the running jobs of a kind are, 0 to 1 (work done over work known)",
+        progress,
     );
     // One series per active health check, so alerts can name codes.
     let checks = Family::<[(&'static str, String); 2], Gauge>::default();
