@@ -4,7 +4,7 @@ the 4 KiB paths): one binary, run with `track_ops = true` and with `track_ops = 
 alternated on / off, off / on, ...
 
     python3 scripts/bench/ops_overhead.py [--binary target/release/keel] [--rounds 5]
-        [--seconds 10] [--json out.json]
+        [--seconds 10] [--json out.json] [--s3-only]
 
 Per round and setting, on a fresh data directory under /var/tmp (a real filesystem):
   - NBD 4 KiB random reads at queue depth 32 (fio's nbd engine; a 256 MiB volume written
@@ -57,7 +57,15 @@ def group_commits(server):
     return float(count.group(1)), float(writes.group(1))
 
 
-def run(server, seconds):
+def run(server, seconds, only_s3):
+    values = {}
+    if not only_s3:
+        values = run_nbd(server, seconds)
+    values["s3_put_4k_c32_ops"] = s3_put(server, seconds, 32)
+    return values
+
+
+def run_nbd(server, seconds):
     server.cli("volume", "create", "bench", "--size", str(VOLUME_BYTES))
     # Written whole first, so reads find data (not holes).
     fio(server, ["--rw=write", "--bs=1m", "--iodepth=8"], 0)
@@ -70,7 +78,6 @@ def run(server, seconds):
             # How many writes each group commit carried: batching explains write throughput.
             values[metric.replace("_iops", "_writes_per_commit")] = \
                 (after[1] - before[1]) / (after[0] - before[0])
-    values["s3_put_4k_c32_ops"] = s3_put(server, seconds, 32)
     return values
 
 
@@ -81,6 +88,7 @@ def main():
     parser.add_argument("--seconds", type=int, default=10)
     parser.add_argument("--dir", default="/var/tmp/keel-bench-ops")
     parser.add_argument("--json")
+    parser.add_argument("--s3-only", action="store_true", help="only the S3 PUT workload (more rounds in the time)")
     args = parser.parse_args()
     if not S3LOAD.exists():
         sys.exit(f"{S3LOAD} is missing: cargo build --release -p keel-s3 --examples")
@@ -97,7 +105,7 @@ def main():
             os.sync()
             server = Server(args.binary, data, ["--config", str(config)])
             try:
-                values = run(server, args.seconds)
+                values = run(server, args.seconds, args.s3_only)
             finally:
                 server.stop()
             for metric, value in values.items():
