@@ -562,6 +562,21 @@ async fn metrics(State(state): State<Shared>, headers: HeaderMap) -> ApiResult<R
         .inspect_err(|error| tracing::warn!(%error, "reading /proc/self for /metrics"))
         .ok();
     let report = blocking(move || status_report(&state, cluster)).await?;
+    let disks: Vec<crate::metrics::DeviceCounters> = report
+        .devices
+        .iter()
+        .filter_map(|device| {
+            let name = device.device.as_ref()?;
+            let stats = crate::diskstats::read(name)
+                .inspect_err(|error| tracing::warn!(%error, "reading /proc/diskstats"))
+                .ok()??;
+            Some(crate::metrics::DeviceCounters {
+                dir: device.dir.clone(),
+                device: name.clone(),
+                stats,
+            })
+        })
+        .collect();
     let text = crate::metrics::render(
         &report,
         &nbd_metrics,
@@ -569,6 +584,7 @@ async fn metrics(State(state): State<Shared>, headers: HeaderMap) -> ApiResult<R
         &store,
         &throttled,
         &jobs,
+        &disks,
         process.as_ref(),
     )
     .map_err(internal)?;

@@ -7,6 +7,7 @@ mod cli;
 mod cluster_net;
 mod config;
 mod csi;
+mod diskstats;
 mod doctor;
 mod files;
 mod fill_rate;

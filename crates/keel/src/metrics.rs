@@ -217,6 +217,71 @@ pub struct StoreHistograms {
     pub commit_batches: keel_store::CommitBatches,
 }
 
+/// The kernel's counters of the block device under one data directory.
+pub struct DeviceCounters {
+    pub dir: String,
+    pub device: String,
+    pub stats: crate::diskstats::DiskStats,
+}
+
+/// Per data directory's device, iostat's view: requests, bytes, queue, busy time, flushes.
+fn register_disks(registry: &mut Registry, disks: &[DeviceCounters]) {
+    type DiskLabels = [(&'static str, String); 2];
+    let counters: [(&str, &str, fn(&crate::diskstats::DiskStats) -> Option<f64>); 7] = [
+        ("device_reads", "Read requests the device completed", |s| {
+            Some(s.reads as f64)
+        }),
+        ("device_read_bytes", "Bytes the device read", |s| {
+            Some(s.read_bytes as f64)
+        }),
+        (
+            "device_writes",
+            "Write requests the device completed",
+            |s| Some(s.writes as f64),
+        ),
+        ("device_written_bytes", "Bytes the device wrote", |s| {
+            Some(s.written_bytes as f64)
+        }),
+        (
+            "device_busy_seconds",
+            "Time the device had requests in flight (its utilization as a rate)",
+            |s| Some(s.busy_ms as f64 / 1000.0),
+        ),
+        (
+            "device_flushes",
+            "Cache flushes the device completed (fdatasync sends them)",
+            |s| s.flushes.map(|flushes| flushes as f64),
+        ),
+        (
+            "device_flush_seconds",
+            "Time the device's cache flushes took (over device_flushes: the mean flush time)",
+            |s| s.flush_ms.map(|ms| ms as f64 / 1000.0),
+        ),
+    ];
+    for (name, help, value) in counters {
+        let family = Family::<DiskLabels, Counter<f64, AtomicU64>>::default();
+        for disk in disks {
+            if let Some(value) = value(&disk.stats) {
+                family
+                    .get_or_create(&[("dir", disk.dir.clone()), ("device", disk.device.clone())])
+                    .inc_by(value);
+            }
+        }
+        registry.register(name, help, family);
+    }
+    let queue = Family::<DiskLabels, Gauge>::default();
+    for disk in disks {
+        queue
+            .get_or_create(&[("dir", disk.dir.clone()), ("device", disk.device.clone())])
+            .set(i64::try_from(disk.stats.in_progress).unwrap_or(i64::MAX));
+    }
+    registry.register(
+        "device_queue_depth",
+        "Requests in the device's queue at the scrape",
+        queue,
+    );
+}
+
 /// The store's group-commit batch sizes as a Prometheus histogram.
 #[derive(Debug)]
 struct BatchHistogram(keel_store::CommitBatches);
@@ -247,6 +312,7 @@ pub fn render(
     store_histograms: &StoreHistograms,
     throttled: &[(String, std::time::Duration)],
     jobs: &[crate::jobs::JobStatus],
+    disks: &[DeviceCounters],
     process: Option<&crate::process::ProcessStats>,
 ) -> Result<String, std::fmt::Error> {
     let mut root = Registry::default();
@@ -424,6 +490,7 @@ pub fn render(
         "Time requests were held back by the volume's QoS limits (IOPS, bandwidth)",
         held_back,
     );
+    register_disks(registry, disks);
     // Long work (scrub, compaction, volume deletion) by kind: how many run, and how far the
     // running ones are together.
     let running = Family::<[(&'static str, String); 1], Gauge>::default();
