@@ -552,10 +552,8 @@ async fn metrics(State(state): State<Shared>, headers: HeaderMap) -> ApiResult<R
     let cluster = state.cluster.status().await;
     let nbd_metrics = state.nbd_metrics.clone();
     let s3_metrics = state.s3.metrics().clone();
-    let store = crate::metrics::StoreHistograms {
-        sync_latency: state.store.sync_latency(),
-        commit_batches: state.store.commit_batches(),
-    };
+    let sync_latency = state.store.sync_latency();
+    let commit_batches = state.store.commit_batches();
     let throttled = state.volumes.throttled();
     let jobs = state.jobs.list();
     let process = crate::process::read()
@@ -577,17 +575,16 @@ async fn metrics(State(state): State<Shared>, headers: HeaderMap) -> ApiResult<R
             })
         })
         .collect();
-    let text = crate::metrics::render(
-        &report,
-        &nbd_metrics,
-        &s3_metrics,
-        &store,
-        &throttled,
-        &jobs,
-        &disks,
-        process.as_ref(),
-    )
-    .map_err(internal)?;
+    let readings = crate::metrics::Readings {
+        sync_latency,
+        commit_batches,
+        throttled,
+        jobs,
+        disks,
+        process,
+    };
+    let text =
+        crate::metrics::render(&report, &nbd_metrics, &s3_metrics, &readings).map_err(internal)?;
     let (content_type, text) = if openmetrics {
         (
             "application/openmetrics-text; version=1.0.0; charset=utf-8",

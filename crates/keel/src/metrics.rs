@@ -211,11 +211,23 @@ pub fn timed<T>(series: &OpSeries, request: impl FnOnce() -> T) -> T {
     outcome
 }
 
-/// The store's histograms, read at the scrape.
-pub struct StoreHistograms {
+/// What is read at each scrape besides the status report.
+pub struct Readings {
     pub sync_latency: keel_store::SyncLatency,
     pub commit_batches: keel_store::CommitBatches,
+    /// Per volume hosted here, the time its QoS limits held requests back.
+    pub throttled: Vec<(String, std::time::Duration)>,
+    pub jobs: Vec<crate::jobs::JobStatus>,
+    pub disks: Vec<DeviceCounters>,
+    pub process: Option<crate::process::ProcessStats>,
 }
+
+/// One kernel counter of a device: its name, help, and how to read it.
+type DiskCounter = (
+    &'static str,
+    &'static str,
+    fn(&crate::diskstats::DiskStats) -> Option<f64>,
+);
 
 /// The kernel's counters of the block device under one data directory.
 pub struct DeviceCounters {
@@ -227,7 +239,7 @@ pub struct DeviceCounters {
 /// Per data directory's device, iostat's view: requests, bytes, queue, busy time, flushes.
 fn register_disks(registry: &mut Registry, disks: &[DeviceCounters]) {
     type DiskLabels = [(&'static str, String); 2];
-    let counters: [(&str, &str, fn(&crate::diskstats::DiskStats) -> Option<f64>); 7] = [
+    let counters: [DiskCounter; 7] = [
         ("device_reads", "Read requests the device completed", |s| {
             Some(s.reads as f64)
         }),
@@ -309,14 +321,10 @@ pub fn render(
     report: &StatusReport,
     nbd: &NbdMetrics,
     s3: &keel_s3::metrics::S3Metrics,
-    store_histograms: &StoreHistograms,
-    throttled: &[(String, std::time::Duration)],
-    jobs: &[crate::jobs::JobStatus],
-    disks: &[DeviceCounters],
-    process: Option<&crate::process::ProcessStats>,
+    readings: &Readings,
 ) -> Result<String, std::fmt::Error> {
     let mut root = Registry::default();
-    if let Some(process) = process {
+    if let Some(process) = &readings.process {
         register_process(&mut root, process);
     }
     let registry = root.sub_registry_with_prefix("keel");
@@ -324,12 +332,12 @@ pub fn render(
     registry.register(
         "store_fdatasync_seconds",
         "How long each sync of the log (every device) took",
-        SyncHistogram(store_histograms.sync_latency.clone()),
+        SyncHistogram(readings.sync_latency.clone()),
     );
     registry.register(
         "store_commit_batch_writes",
         "Writes each group commit carried (one pwrite and one fdatasync per device for all)",
-        BatchHistogram(store_histograms.commit_batches.clone()),
+        BatchHistogram(readings.commit_batches.clone()),
     );
     registry.register(
         "nbd_request_seconds",
@@ -476,7 +484,8 @@ pub fn render(
     }
     // QoS: only volumes that were held back, bounded like the other per-volume series.
     let held_back = Family::<[(&'static str, String); 1], Counter<f64, AtomicU64>>::default();
-    for (volume, waited) in throttled
+    for (volume, waited) in readings
+        .throttled
         .iter()
         .filter(|(_, waited)| !waited.is_zero())
         .take(VOLUME_SERIES_MAX)
@@ -490,13 +499,13 @@ pub fn render(
         "Time requests were held back by the volume's QoS limits (IOPS, bandwidth)",
         held_back,
     );
-    register_disks(registry, disks);
+    register_disks(registry, &readings.disks);
     // Long work (scrub, compaction, volume deletion) by kind: how many run, and how far the
     // running ones are together.
     let running = Family::<[(&'static str, String); 1], Gauge>::default();
     let progress = Family::<[(&'static str, String); 1], Gauge<f64, AtomicU64>>::default();
     let mut by_kind: std::collections::BTreeMap<&str, (i64, u64, u64)> = Default::default();
-    for job in jobs.iter().filter(|job| job.state == "running") {
+    for job in readings.jobs.iter().filter(|job| job.state == "running") {
         let entry = by_kind.entry(job.kind.as_str()).or_default();
         entry.0 += 1;
         entry.1 += job.done;
