@@ -1051,3 +1051,29 @@ def test_a_caught_up_replica_has_every_copied_byte_when_it_joins(cluster, workdi
     for offset in range(0, size, 1 << 20):
         assert other.read(offset, 1 << 20) == data[offset:offset + (1 << 20)], \
             f"node 2 joined the in-sync set without the MiB at {offset >> 20}"
+
+
+def test_keel_ops_shows_each_replicas_confirmation_of_a_flush(cluster, workdir):
+    """`keel ops` on the primary shows, for a FLUSH of a replicated volume, how long it waited
+    for each replica (issue 14: "replicated per replica"). Node 1 delays its replication
+    batches to node 2 by 300 ms, so node 2's confirmation comes at least that late: the flush
+    spends that time in the "replicating" phase and records "replica on node 2" after it."""
+    first, second, client = pair_with_one_replica(cluster, workdir, "resync_busy_percent = 100", "opsr2")
+    first.cli("volume", "set-replication", "opsr2", "--replicas", "2")
+    wait_until("node 2 in sync", lambda: sorted(replication(first, "opsr2")["in_sync"]) == [1, 2], timeout=120)
+    first.faults([], delays=[{"node": second.node_id(), "method": METHOD_REPLICATE, "milliseconds": 300}])
+    client.write(0, block("ops", 0))
+    client.flush()
+    client.close()
+    first.faults([])
+    code, report = first.api("GET", "/api/v1/ops")
+    assert code == 200, report
+    flushes = [op for op in report["slowest"] if op["operation"] == "flush" and op["target"] == "opsr2"]
+    assert flushes, report["slowest"]
+    slowest = max(flushes, key=lambda op: op["duration_ms"])
+    waits = {wait["what"]: wait["ms"] for wait in slowest.get("waited_for", [])}
+    assert waits.get(f"replica on node {second.node_id()}", 0) >= 290, slowest
+    spent = {phase["phase"]: phase["ms"] for phase in slowest["phases"]}
+    assert spent.get("replicating", 0) >= 250, slowest
+    table = first.cli("ops", "--slow").stdout
+    assert f"replica on node {second.node_id()}" in table, table

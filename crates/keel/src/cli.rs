@@ -850,6 +850,19 @@ fn ops_table(report: &Value, view: &OpsView) -> String {
                 let marker = if current == Some(name) { "*" } else { "" };
                 format!("{marker}{name} {:.2}", phase["ms"].as_f64().unwrap_or(0.0))
             })
+            .chain(
+                op["waited_for"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|wait| {
+                        format!(
+                            "{} {:.2}",
+                            wait["what"].as_str().unwrap_or(""),
+                            wait["ms"].as_f64().unwrap_or(0.0)
+                        )
+                    }),
+            )
             .collect();
         out += &format!(
             "{:>10.2}  {:<4} {:<12} {:<36} {:<21} {}\n",

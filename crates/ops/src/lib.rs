@@ -158,6 +158,8 @@ struct PhaseLog {
     /// Time spent per phase, in the order first entered (the current phase's running time is
     /// not in it yet).
     spent: Vec<(&'static str, Duration)>,
+    /// Waits for others that overlap the phases (each replica's confirmation), as marked.
+    waited_for: Vec<(String, Duration)>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -255,6 +257,7 @@ impl Ops {
                 current: phase::RECEIVING,
                 since: now,
                 spent: Vec::with_capacity(6),
+                waited_for: Vec::new(),
             }),
         });
         lock(inner.shard(op.id)).insert(op.id, Arc::clone(&op));
@@ -411,6 +414,14 @@ impl Op {
             duration_ms: millis(duration),
             phase: in_flight.then_some(log.current),
             phases,
+            waited_for: log
+                .waited_for
+                .iter()
+                .map(|(what, took)| WaitTime {
+                    what: what.clone(),
+                    ms: millis(*took),
+                })
+                .collect(),
         }
     }
 
@@ -517,6 +528,29 @@ impl Drop for Phase {
     }
 }
 
+/// Whether the calling thread works for a tracked request (so marks reach one).
+pub fn tracking() -> bool {
+    CURRENT.with(|current| current.borrow().is_some())
+}
+
+/// Records that the calling thread's request (if any) waited `took` for `what` (built only
+/// when there is a request): waits that overlap each other and the phases, such as each
+/// replica's confirmation of a flush.
+pub fn waited_for(what: impl FnOnce() -> String, took: Duration) {
+    CURRENT.with(|current| {
+        if let Some((_, op)) = current.borrow().as_ref() {
+            lock(&op.log).waited_for.push((what(), took));
+        }
+    });
+}
+
+/// How long a request waited for something that overlaps its phases.
+#[derive(Debug, Clone, Serialize)]
+pub struct WaitTime {
+    pub what: String,
+    pub ms: f64,
+}
+
 /// Time spent in one phase.
 #[derive(Debug, Clone, Serialize)]
 pub struct PhaseTime {
@@ -539,6 +573,10 @@ pub struct OpReport {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub phase: Option<&'static str>,
     pub phases: Vec<PhaseTime>,
+    /// Waits that overlap the phases: `replica on node N` (a flush's wait for each replica
+    /// counted for flushes, from the flush's start until that replica confirmed).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub waited_for: Vec<WaitTime>,
 }
 
 /// `GET /api/v1/ops`.
@@ -630,7 +668,13 @@ mod tests {
             }
             advance(Duration::from_millis(5));
         });
+        guard.enter(|| {
+            assert!(tracking());
+            waited_for(|| "replica on node 2".to_string(), Duration::from_millis(9));
+        });
         // Outside `enter`, marks reach no request.
+        assert!(!tracking());
+        waited_for(|| unreachable!("built only for a request"), Duration::ZERO);
         drop(Phase::enter(phase::PWRITE));
         let report = ops.report();
         let op = &report.in_flight[0];
@@ -642,6 +686,11 @@ mod tests {
         assert_eq!(ms(op, phase::FDATASYNC), 7.0);
         assert_eq!(ms(op, phase::PWRITE), 0.0);
         assert_eq!(op.duration_ms, 35.0);
+        assert_eq!(op.waited_for.len(), 1);
+        assert_eq!(
+            (op.waited_for[0].what.as_str(), op.waited_for[0].ms),
+            ("replica on node 2", 9.0)
+        );
         drop(guard);
         let report = ops.report();
         assert!(report.in_flight.is_empty());

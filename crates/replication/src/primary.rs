@@ -483,8 +483,29 @@ impl Primary {
         pending: impl Fn(NodeId, &Peer) -> bool,
         deadline: Option<Instant>,
     ) -> VolumeResult<MutexGuard<'_, State>> {
+        self.wait_confirmed_since(pending, deadline, None)
+    }
+
+    /// [`Self::wait_confirmed`]; with `since`, a request being tracked (`keel ops`) records for
+    /// each replica counted for FLUSHes when, after `since`, it was seen confirmed.
+    fn wait_confirmed_since(
+        &self,
+        pending: impl Fn(NodeId, &Peer) -> bool,
+        deadline: Option<Instant>,
+        since: Option<Instant>,
+    ) -> VolumeResult<MutexGuard<'_, State>> {
         let mut state = self.state();
         let mut _waiting = None;
+        let since = since.filter(|_| keel_ops::tracking());
+        let mut unconfirmed: Vec<NodeId> = match since {
+            Some(_) => state
+                .peers
+                .iter()
+                .filter(|(_, peer)| peer.counted)
+                .map(|(node, _)| *node)
+                .collect(),
+            None => Vec::new(),
+        };
         loop {
             self.check_serving(&state)?;
             if !self.shared.holds_lease() {
@@ -492,6 +513,22 @@ impl Primary {
                 self.lease()?;
                 state = self.state();
                 continue;
+            }
+            if let Some(since) = since {
+                let now = self.shared.clock().now();
+                unconfirmed.retain(|node| {
+                    let still = state
+                        .peers
+                        .get(node)
+                        .is_some_and(|peer| pending(*node, peer));
+                    if !still {
+                        keel_ops::waited_for(
+                            || format!("replica on node {node}"),
+                            now.saturating_duration_since(since),
+                        );
+                    }
+                    still
+                });
             }
             if !state.peers.iter().any(|(node, peer)| pending(*node, peer)) {
                 return Ok(state);
@@ -513,9 +550,12 @@ impl Primary {
 
     /// A FLUSH's wait: every replica counted for FLUSHes confirmed `upto`, and enough of them
     /// are still in sync.
-    fn wait_durable(&self, upto: u64) -> VolumeResult<()> {
-        let state =
-            self.wait_confirmed(|_, peer| peer.counted && peer.durable_upto < upto, None)?;
+    fn wait_durable(&self, upto: u64, since: Instant) -> VolumeResult<()> {
+        let state = self.wait_confirmed_since(
+            |_, peer| peer.counted && peer.durable_upto < upto,
+            None,
+            Some(since),
+        )?;
         if state.in_sync.len() < state.in_sync_min {
             return Err(unavailable(
                 &self.name,
@@ -1729,6 +1769,7 @@ impl VolumeIo for Primary {
     }
 
     fn flush(&self) -> VolumeResult<()> {
+        let started = self.shared.clock().now();
         self.client_request()?;
         let upto = {
             let _order = lock(&self.order);
@@ -1737,7 +1778,7 @@ impl VolumeIo for Primary {
             Self::queue_flush(&mut state)
         };
         self.local.flush()?;
-        self.wait_durable(upto)
+        self.wait_durable(upto, started)
     }
 
     fn trim(&self, offset: u64, length: u64) -> VolumeResult<()> {
