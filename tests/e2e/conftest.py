@@ -25,6 +25,26 @@ def require(tool, package):
         pytest.fail(f"{tool} is not installed (Debian package {package}); scripts/test.sh installs it")
 
 
+def wait_for(what, probe, timeout=30, interval=0.05):
+    """Polls `probe` until it returns something true, and returns that; fails after `timeout`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = probe()
+        if found:
+            return found
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def s3_client(srv):
+    """boto3 on `srv`'s S3 endpoint with the key the tests start it with."""
+    import boto3
+    return boto3.client(
+        "s3", endpoint_url=f"http://{srv.s3}", region_name="us-east-1",
+        aws_access_key_id=srv.env["KEEL_ACCESS_KEY_ID"],
+        aws_secret_access_key=srv.env["KEEL_SECRET_ACCESS_KEY"])
+
+
 def fs_type(path):
     return subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True, check=True).stdout.strip()
 

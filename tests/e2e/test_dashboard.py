@@ -7,10 +7,9 @@ import json
 import threading
 import time
 
-import boto3
 
 from browser import Browser
-from conftest import require
+from conftest import require, s3_client, wait_for
 from nbd_client import Client
 
 STATE = """JSON.stringify({
@@ -34,23 +33,11 @@ def state(browser, session):
     return json.loads(raw) if raw else None
 
 
-def wait_for(what, probe, timeout=30):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        found = probe()
-        if found:
-            return found
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
-
 
 def test_the_dashboard_shows_live_traffic_and_slow_requests(server, workdir):
     require("chromium", "chromium")
     server.cli("volume", "create", "dashvol", "--size", "16M")
-    s3 = boto3.client(
-        "s3", endpoint_url=f"http://{server.s3}", region_name="us-east-1",
-        aws_access_key_id=server.env["KEEL_ACCESS_KEY_ID"],
-        aws_secret_access_key=server.env["KEEL_SECRET_ACCESS_KEY"])
+    s3 = s3_client(server)
     s3.create_bucket(Bucket="dashbucket")
     stop = threading.Event()
     errors = []
@@ -95,7 +82,7 @@ def test_the_dashboard_shows_live_traffic_and_slow_requests(server, workdir):
             return seen if (seen["volumeOps"] or 0) > 0 and (seen["bucketOps"] or 0) > 0 \
                 and lines.get("IOPS", 0) >= 2 and seen["ops"] else None
 
-        seen = wait_for("the charts and tables to show the traffic", charted)
+        seen = wait_for("the charts and tables to show the traffic", charted, interval=0.5)
         browser.screenshot(signed_in, workdir / "dashboard.png")
         assert seen["health"].startswith("HEALTH_"), seen["health"]
         assert seen["login"] == "none", "signed in: no prompt"
@@ -110,11 +97,13 @@ def test_the_dashboard_shows_live_traffic_and_slow_requests(server, workdir):
         # A tab without the token asks for it and shows no requests; signing in fills them.
         anonymous = browser.open(f"http://{server.admin}/")
         prompted = wait_for("the sign-in prompt",
-                            lambda: (s := state(browser, anonymous)) and s["login"] == "block" and s)
+                            lambda: (s := state(browser, anonymous)) and s["login"] == "block" and s,
+                            interval=0.5)
         assert prompted["ops"] == []
         browser.evaluate(anonymous, f"""document.getElementById("token").value = {json.dumps(token)};
             document.getElementById("login").requestSubmit(); true""")
-        wait_for("requests after signing in", lambda: (state(browser, anonymous) or {}).get("ops"))
+        wait_for("requests after signing in", lambda: (state(browser, anonymous) or {}).get("ops"),
+                 interval=0.5)
         assert state(browser, anonymous)["login"] == "none"
     finally:
         stop.set()

@@ -4,17 +4,13 @@ unit tests, and every metric the rules and the Grafana dashboard use exists on a
 
 import json
 import re
-import shutil
 import subprocess
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
-import boto3
-import pytest
-
-from conftest import require
+from conftest import require, s3_client
 from nbd_client import Client
 
 MONITORING = Path(__file__).resolve().parents[2] / "deploy" / "monitoring"
@@ -36,10 +32,7 @@ def sample(text, name):
 def test_metrics_under_load_pass_promtool_and_cover_the_dashboard_and_alerts(server):
     require("promtool", "prometheus")
     server.cli("volume", "create", "mon", "--size", "16M")
-    s3 = boto3.client(
-        "s3", endpoint_url=f"http://{server.s3}", region_name="us-east-1",
-        aws_access_key_id=server.env["KEEL_ACCESS_KEY_ID"],
-        aws_secret_access_key=server.env["KEEL_SECRET_ACCESS_KEY"])
+    s3 = s3_client(server)
     s3.create_bucket(Bucket="mon")
     stop = threading.Event()
     errors = []

@@ -9,11 +9,11 @@ import struct
 import time
 import urllib.request
 
-import boto3
 from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
+from conftest import s3_client, wait_for
 from nbd_client import Client
 
 CMD_WRITE = 1
@@ -23,15 +23,6 @@ REQUEST_MAGIC = 0x25609513
 def ops_json(srv):
     return json.loads(srv.cli("ops", "--json").stdout)
 
-
-def wait_for(what, probe, timeout=20):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        found = probe()
-        if found:
-            return found
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def phases(op):
@@ -108,10 +99,7 @@ def test_flushes_show_the_store_phases_and_s3_puts_their_key(server):
     assert "fdatasync" in store_phases and "pwrite" in store_phases, store_phases
     assert all(op["operation"] == "write" for op in writes)
 
-    s3 = boto3.client(
-        "s3", endpoint_url=f"http://{server.s3}", region_name="us-east-1",
-        aws_access_key_id=server.env["KEEL_ACCESS_KEY_ID"],
-        aws_secret_access_key=server.env["KEEL_SECRET_ACCESS_KEY"])
+    s3 = s3_client(server)
     s3.create_bucket(Bucket="opsbucket")
     # A PUT whose body arrives in two parts, 1.2 s apart, sent raw so the pause is ours.
     body = b"k" * 100_000

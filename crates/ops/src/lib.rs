@@ -245,7 +245,9 @@ impl Ops {
     /// guard drops.
     pub fn start(&self, start: Start) -> OpGuard {
         let Some(inner) = &self.inner else {
-            return OpGuard { tracked: None };
+            return OpGuard {
+                handle: OpHandle { tracked: None },
+            };
         };
         let now = inner.clock.now();
         let op = Arc::new(Op {
@@ -262,7 +264,9 @@ impl Ops {
         });
         lock(inner.shard(op.id)).insert(op.id, Arc::clone(&op));
         OpGuard {
-            tracked: Some((Arc::clone(inner), op)),
+            handle: OpHandle {
+                tracked: Some((Arc::clone(inner), op)),
+            },
         }
     }
 
@@ -432,33 +436,29 @@ impl Op {
 
 /// A request in flight; finishes when dropped.
 pub struct OpGuard {
-    tracked: Option<Tracked>,
+    handle: OpHandle,
 }
 
 impl OpGuard {
     /// Moves the request to `phase`.
     pub fn phase(&self, phase: &'static str) {
-        if let Some((inner, op)) = &self.tracked {
-            op.switch(phase, inner.clock.now());
-        }
+        self.handle.phase(phase);
     }
 
     /// Runs `work` on this thread as work for this request (see [`Phase::enter`]).
     pub fn enter<T>(&self, work: impl FnOnce() -> T) -> T {
-        self.handle().enter(work)
+        self.handle.enter(work)
     }
 
     /// A handle for other threads and tasks working for this request.
     pub fn handle(&self) -> OpHandle {
-        OpHandle {
-            tracked: self.tracked.clone(),
-        }
+        self.handle.clone()
     }
 }
 
 impl Drop for OpGuard {
     fn drop(&mut self) {
-        if let Some((inner, op)) = self.tracked.take() {
+        if let Some((inner, op)) = self.handle.tracked.take() {
             inner.finish(&op);
         }
     }
