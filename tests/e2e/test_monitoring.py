@@ -127,3 +127,21 @@ def test_alert_rules_pass_promtool_and_their_unit_tests():
     tested = subprocess.run(["promtool", "test", "rules", "keel-alerts.test.yml"], cwd=MONITORING,
                             capture_output=True, text=True)
     assert tested.returncode == 0 and "SUCCESS" in tested.stdout, tested.stdout + tested.stderr
+
+
+def test_each_mirrored_device_has_its_own_fdatasync_histogram(make_server, workdir):
+    # Proves the log's syncs are timed per data directory: with a local mirror, each of the
+    # two directories has a histogram, and each counted every sync of the log.
+    mirror = [workdir / "mirror-a", workdir / "mirror-b"]
+    srv = make_server(mirror)
+    s3 = s3_client(srv)
+    s3.create_bucket(Bucket="synced")
+    for n in range(10):
+        s3.put_object(Bucket="synced", Key=f"k{n}", Body=b"s" * 10_000)
+    _, text = scrape(srv)
+    syncs = sample(text, "keel_store_fdatasync_seconds_count")
+    assert syncs >= 10
+    for directory in mirror:
+        labels = f'{{dir="{directory}"}}'
+        assert sample(text, f"keel_store_device_fdatasync_seconds_count{labels}") == syncs
+        assert sample(text, f'keel_store_device_fdatasync_seconds_bucket{{le="+Inf",dir="{directory}"}}') == syncs

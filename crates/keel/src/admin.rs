@@ -553,6 +553,7 @@ async fn metrics(State(state): State<Shared>, headers: HeaderMap) -> ApiResult<R
     let nbd_metrics = state.nbd_metrics.clone();
     let s3_metrics = state.s3.metrics().clone();
     let sync_latency = state.store.sync_latency();
+    let device_sync_latency = state.store.device_sync_latency();
     let commit_batches = state.store.commit_batches();
     let throttled = state.volumes.throttled();
     let jobs = state.jobs.list();
@@ -577,6 +578,7 @@ async fn metrics(State(state): State<Shared>, headers: HeaderMap) -> ApiResult<R
         .collect();
     let readings = crate::metrics::Readings {
         sync_latency,
+        device_sync_latency,
         commit_batches,
         throttled,
         jobs,

@@ -183,17 +183,51 @@ fn register_process(registry: &mut Registry, process: &crate::process::ProcessSt
 #[derive(Debug)]
 struct SyncHistogram(keel_store::SyncLatency);
 
+/// The buckets of a sync latency snapshot, for `encode_histogram`.
+fn sync_buckets(latency: &keel_store::SyncLatency) -> Vec<(f64, u64)> {
+    latency
+        .bounds_seconds
+        .iter()
+        .copied()
+        .chain(std::iter::once(f64::INFINITY))
+        .zip(latency.counts.iter().copied())
+        .collect()
+}
+
 impl EncodeMetric for SyncHistogram {
     fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
         let latency = &self.0;
-        let buckets: Vec<(f64, u64)> = latency
-            .bounds_seconds
-            .iter()
-            .copied()
-            .chain(std::iter::once(f64::INFINITY))
-            .zip(latency.counts.iter().copied())
-            .collect();
-        encoder.encode_histogram::<NoLabelSet>(latency.sum_seconds, latency.count(), &buckets, None)
+        encoder.encode_histogram::<NoLabelSet>(
+            latency.sum_seconds,
+            latency.count(),
+            &sync_buckets(latency),
+            None,
+        )
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}
+
+/// Per data directory sync latency snapshots as one histogram family, labelled `dir`.
+#[derive(Debug)]
+struct DeviceSyncHistograms(Vec<(std::path::PathBuf, keel_store::SyncLatency)>);
+
+impl EncodeMetric for DeviceSyncHistograms {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        for (dir, latency) in &self.0 {
+            let labels = [("dir", dir.display().to_string())];
+            encoder
+                .encode_family(&labels)?
+                .encode_histogram::<NoLabelSet>(
+                    latency.sum_seconds,
+                    latency.count(),
+                    &sync_buckets(latency),
+                    None,
+                )?;
+        }
+        Ok(())
     }
 
     fn metric_type(&self) -> MetricType {
@@ -214,6 +248,8 @@ pub fn timed<T>(series: &OpSeries, request: impl FnOnce() -> T) -> T {
 /// What is read at each scrape besides the status report.
 pub struct Readings {
     pub sync_latency: keel_store::SyncLatency,
+    /// Each data directory's share of the log syncs.
+    pub device_sync_latency: Vec<(std::path::PathBuf, keel_store::SyncLatency)>,
     pub commit_batches: keel_store::CommitBatches,
     /// Per volume hosted here, the time its QoS limits held requests back.
     pub throttled: Vec<(String, std::time::Duration)>,
@@ -333,6 +369,12 @@ pub fn render(
         "store_fdatasync_seconds",
         "How long each sync of the log (every device) took",
         SyncHistogram(readings.sync_latency.clone()),
+    );
+    registry.register(
+        "store_device_fdatasync_seconds",
+        "How long each data directory's fdatasync of the log took (mirrored devices sync in \
+         parallel; the log's sync waits for the slowest)",
+        DeviceSyncHistograms(readings.device_sync_latency.clone()),
     );
     registry.register(
         "store_commit_batch_writes",

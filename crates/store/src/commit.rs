@@ -217,6 +217,8 @@ pub(crate) struct Engine {
     sync_times: SyncTimes,
     /// Writes each group commit carried.
     batch_sizes: BatchSizes,
+    /// How long each device's fdatasync of the log took, by device.
+    device_sync_times: Vec<SyncTimes>,
     /// The background preparation of the next segment, if one was started.
     preparing: Mutex<Option<(u64, std::thread::JoinHandle<StoreResult<()>>)>>,
     /// Serializes scrub and compaction with each other.
@@ -261,6 +263,11 @@ impl Engine {
             }
         }
         let writer = recover(&segments, &index, tail, config.segment_size_max_bytes)?;
+        let device_sync_times = segments
+            .devices
+            .iter()
+            .map(|_| SyncTimes::default())
+            .collect();
         Ok(Engine {
             config,
             segments,
@@ -274,6 +281,7 @@ impl Engine {
             syncs: AtomicU64::new(0),
             sync_times: SyncTimes::default(),
             batch_sizes: BatchSizes::default(),
+            device_sync_times,
             preparing: Mutex::new(None),
             maintenance: Mutex::new(()),
         })
@@ -410,7 +418,7 @@ impl Engine {
     fn timed_sync(&self, segment: &Segment) -> StoreResult<()> {
         let _sync = keel_ops::Phase::enter(keel_ops::phase::FDATASYNC);
         let started = std::time::Instant::now();
-        let synced = segment.sync();
+        let synced = segment.sync_timed(&self.device_sync_times);
         self.sync_times.observe(started.elapsed());
         synced
     }
@@ -985,6 +993,15 @@ impl Engine {
 
     pub fn commit_batches(&self) -> crate::CommitBatches {
         self.batch_sizes.snapshot()
+    }
+
+    pub fn device_sync_latency(&self) -> Vec<(std::path::PathBuf, crate::SyncLatency)> {
+        self.segments
+            .devices
+            .iter()
+            .zip(&self.device_sync_times)
+            .map(|(device, times)| (device.dir.clone(), times.snapshot()))
+            .collect()
     }
 }
 

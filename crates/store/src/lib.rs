@@ -290,6 +290,11 @@ impl Store {
         self.engine.sync_latency()
     }
 
+    /// How long each device's fdatasyncs of the log took since open, by data directory.
+    pub fn device_sync_latency(&self) -> Vec<(std::path::PathBuf, SyncLatency)> {
+        self.engine.device_sync_latency()
+    }
+
     /// How many writes each group commit carried since open.
     pub fn commit_batches(&self) -> CommitBatches {
         self.engine.commit_batches()

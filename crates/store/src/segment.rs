@@ -34,7 +34,7 @@ pub(crate) struct Segment {
 impl Segment {
     /// Writes `bytes` at `offset` on every device (in parallel when mirrored).
     pub fn write_all_at(&self, bytes: &[u8], offset: u64) -> StoreResult<()> {
-        self.on_every_device(|file, path| {
+        self.on_every_device(|_, file, path| {
             file.write_all_at(bytes, offset)
                 .map_err(|e| StoreError::io(path, e))
         })
@@ -42,12 +42,24 @@ impl Segment {
 
     /// fdatasync on every device (in parallel when mirrored).
     pub fn sync(&self) -> StoreResult<()> {
-        self.on_every_device(|file, path| file.sync_data().map_err(|e| StoreError::io(path, e)))
+        self.on_every_device(|_, file, path| file.sync_data().map_err(|e| StoreError::io(path, e)))
+    }
+
+    /// [`Segment::sync`], timing each device's fdatasync into its entry of `per_device`.
+    pub(crate) fn sync_timed(&self, per_device: &[crate::latency::SyncTimes]) -> StoreResult<()> {
+        self.on_every_device(|device, file, path| {
+            let started = std::time::Instant::now();
+            let synced = file.sync_data().map_err(|e| StoreError::io(path, e));
+            if let Some(times) = per_device.get(device) {
+                times.observe(started.elapsed());
+            }
+            synced
+        })
     }
 
     /// Cuts every copy back to `len` bytes (used to drop the bytes of a failed append).
     pub fn truncate(&self, len: u64) -> StoreResult<()> {
-        self.on_every_device(|file, path| file.set_len(len).map_err(|e| StoreError::io(path, e)))
+        self.on_every_device(|_, file, path| file.set_len(len).map_err(|e| StoreError::io(path, e)))
     }
 
     pub fn read_at(&self, device: usize, offset: u64, len: usize) -> StoreResult<Vec<u8>> {
@@ -60,7 +72,7 @@ impl Segment {
 
     /// Drops every copy's cached pages, so replay reads what the devices hold.
     pub fn drop_cache(&self) -> StoreResult<()> {
-        self.on_every_device(|file, path| file.drop_cache().map_err(|e| StoreError::io(path, e)))
+        self.on_every_device(|_, file, path| file.drop_cache().map_err(|e| StoreError::io(path, e)))
     }
 
     /// Rewrites one device's copy of a range with verified bytes and syncs it.
@@ -78,25 +90,27 @@ impl Segment {
             .map_err(|e| StoreError::io(&self.paths[device], e))
     }
 
+    /// Runs `op(device index, file, path)` for every device's copy.
     fn on_every_device(
         &self,
-        op: impl Fn(&dyn DiskFile, &Path) -> StoreResult<()> + Sync,
+        op: impl Fn(usize, &dyn DiskFile, &Path) -> StoreResult<()> + Sync,
     ) -> StoreResult<()> {
         if self.files.len() == 1 {
-            return op(self.files[0].as_ref(), &self.paths[0]);
+            return op(0, self.files[0].as_ref(), &self.paths[0]);
         }
         std::thread::scope(|scope| {
             let handles: Vec<_> = self
                 .files
                 .iter()
                 .zip(&self.paths)
+                .enumerate()
                 .skip(1)
-                .map(|(file, path)| {
+                .map(|(device, (file, path))| {
                     let op = &op;
-                    scope.spawn(move || op(file.as_ref(), path))
+                    scope.spawn(move || op(device, file.as_ref(), path))
                 })
                 .collect();
-            let first = op(self.files[0].as_ref(), &self.paths[0]);
+            let first = op(0, self.files[0].as_ref(), &self.paths[0]);
             let mut result = first;
             for handle in handles {
                 let other = handle.join().unwrap_or_else(|_| {
