@@ -288,6 +288,10 @@ pub struct StoreStatus {
     pub available_bytes: u64,
     pub location_cache_hits: u64,
     pub location_cache_misses: u64,
+    /// Bytes of closed segments no live extent uses: what compaction can return.
+    pub dead_bytes: u64,
+    /// Free space kept back from writes that add data.
+    pub reserve_bytes: u64,
     /// How fast the fullest data directory fills, once sampled for ten minutes.
     pub fill: Option<crate::fill_rate::FillEstimate>,
 }
@@ -343,6 +347,31 @@ fn volume_redundancy(state: &AppState) -> Vec<(&'static str, &'static str, Strin
         ));
     }
     findings
+}
+
+/// Ready volumes with one replica, on this node: how many, and the first few names.
+fn single_copy_volumes(state: &AppState) -> (usize, Vec<String>) {
+    const NAMES_SHOWN_MAX: usize = 10;
+    let here = state.cluster.node_id();
+    let catalog = state.cluster.catalog().read();
+    let mut names: Vec<String> = catalog
+        .volumes
+        .values()
+        .map(|entry| &entry.record)
+        .filter(|record| {
+            record.status == keel_catalog::VolumeStatus::Ready
+                && record.replication.factor == 1
+                && record.replication.replicas.contains(&here)
+        })
+        .map(|record| record.name.clone())
+        .collect();
+    names.sort();
+    let count = names.len();
+    if count > NAMES_SHOWN_MAX {
+        names.truncate(NAMES_SHOWN_MAX);
+        names.push(format!("and {} more", count - NAMES_SHOWN_MAX));
+    }
+    (count, names)
 }
 
 /// One health finding.
@@ -472,6 +501,20 @@ pub fn status_report(
         });
     }
     if state.config.data.len() == 1 {
+        let (count, names) = single_copy_volumes(state);
+        if count > 0 {
+            checks.push(check(
+                "KEEL_UNPROTECTED_VOLUMES",
+                "info",
+                format!(
+                    "{count} volume(s) have their only copy on this node's single data \
+                     directory: {}",
+                    names.join(", ")
+                ),
+                "a failed device loses them: raise their replicas (keel volume set-replication \
+                 NAME --replicas 2) or add a mirror directory",
+            ));
+        }
         checks.push(check(
             "KEEL_NO_LOCAL_MIRROR",
             "info",
@@ -527,6 +570,8 @@ pub fn status_report(
             available_bytes: if available == u64::MAX { 0 } else { available },
             location_cache_hits: stats.location_cache_hits,
             location_cache_misses: stats.location_cache_misses,
+            dead_bytes: stats.dead_bytes,
+            reserve_bytes: stats.reserve_bytes,
             fill,
         },
         volumes: state.volumes.list().len(),

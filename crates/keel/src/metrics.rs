@@ -515,6 +515,18 @@ pub fn render(
         "Index lookups that read the on-disk index",
         store.location_cache_misses,
     );
+    gauge_u64(
+        registry,
+        "store_dead_bytes",
+        "Bytes of closed segments no live extent uses: what compaction can return",
+        store.dead_bytes,
+    );
+    gauge_u64(
+        registry,
+        "store_reserve_bytes",
+        "Free space kept back from writes that add data (compaction and deletes may use it)",
+        store.reserve_bytes,
+    );
     if let Some(fill) = &store.fill {
         gauge_f64(
             registry,

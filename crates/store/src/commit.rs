@@ -966,17 +966,28 @@ impl Engine {
 
     pub fn stats(&self) -> StoreResult<StoreStats> {
         let mut stats = StoreStats::default();
-        for (_, segment_stats) in self.index.segment_stats()? {
-            stats.live_extents += segment_stats.live_extents;
-            stats.live_raw_bytes += segment_stats.live_raw_bytes;
-            stats.live_stored_bytes += segment_stats.live_stored_bytes;
+        let segment_stats = self.index.segment_stats()?;
+        for per_segment in segment_stats.values() {
+            stats.live_extents += per_segment.live_extents;
+            stats.live_raw_bytes += per_segment.live_raw_bytes;
+            stats.live_stored_bytes += per_segment.live_stored_bytes;
         }
+        let active = self.active_segment();
         for id in self.segments.ids() {
             if let Some(segment) = self.segments.get(id) {
-                stats.log_bytes += segment.len(0)?;
+                let len = segment.len(0)?;
+                stats.log_bytes += len;
                 stats.segments += 1;
+                // The active segment grows (and may be preallocated): only closed ones count.
+                if id < active {
+                    let live = segment_stats.get(&id).map_or(0, |s| s.live_record_bytes);
+                    stats.dead_bytes += len
+                        .saturating_sub(format::SEGMENT_HEADER_LEN as u64)
+                        .saturating_sub(live);
+                }
             }
         }
+        stats.reserve_bytes = self.config.reserve_bytes.max(INDEX_HEADROOM_BYTES);
         stats.last_seq = lock(&self.writer).next_seq.saturating_sub(1);
         stats.corrupt_reads = self.corrupt_reads.load(Ordering::Relaxed);
         stats.repaired_extents = self.repaired_extents.load(Ordering::Relaxed);

@@ -188,6 +188,11 @@ pub struct StoreStats {
     pub log_syncs: u64,
     /// How long syncs of the log (every device) took since open.
     pub sync_latency: SyncLatency,
+    /// Bytes of closed segments that no live extent uses (overwritten or deleted data, and
+    /// their headers): what compaction can return.
+    pub dead_bytes: u64,
+    /// Free space kept back from writes that add data (compaction and deletes may use it).
+    pub reserve_bytes: u64,
     /// Index lookups the in-memory location cache answered since open.
     pub location_cache_hits: u64,
     /// Index lookups that went to the on-disk index since open.
