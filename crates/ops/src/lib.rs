@@ -503,27 +503,39 @@ impl Drop for Restore {
 }
 
 /// The calling thread's request in a phase until dropped, then back in the phase before.
+/// Holds no reference to the request (the store enters phases on every write, from many
+/// threads at once): the drop finds it again through the thread's current request, by id.
 pub struct Phase {
-    entered: Option<(Tracked, &'static str)>,
+    /// The request's id and the phase to go back to.
+    entered: Option<(u64, &'static str)>,
+    /// Dropped on the thread that entered it, where the current request is.
+    _same_thread: std::marker::PhantomData<*const ()>,
 }
 
 impl Phase {
     /// Moves the calling thread's request (if any) to `phase`.
     pub fn enter(phase: &'static str) -> Phase {
         let entered = CURRENT.with(|current| {
-            current.borrow().as_ref().map(|(inner, op)| {
-                let left = op.switch(phase, inner.clock.now());
-                ((Arc::clone(inner), Arc::clone(op)), left)
-            })
+            current
+                .borrow()
+                .as_ref()
+                .map(|(inner, op)| (op.id, op.switch(phase, inner.clock.now())))
         });
-        Phase { entered }
+        Phase {
+            entered,
+            _same_thread: std::marker::PhantomData,
+        }
     }
 }
 
 impl Drop for Phase {
     fn drop(&mut self) {
-        if let Some(((inner, op), previous)) = self.entered.take() {
-            op.switch(previous, inner.clock.now());
+        if let Some((id, previous)) = self.entered.take() {
+            CURRENT.with(|current| {
+                if let Some((inner, op)) = current.borrow().as_ref().filter(|(_, op)| op.id == id) {
+                    op.switch(previous, inner.clock.now());
+                }
+            });
         }
     }
 }
