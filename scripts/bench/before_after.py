@@ -126,18 +126,26 @@ def main():
                 results[label][metric].append(value)
             print(f"round {round_index + 1} {label}: " + ", ".join(f"{m} {v:.0f}" for m, v in zip(metrics, values)),
                   flush=True)
-    report = {"rounds": args.rounds, "seconds": args.seconds, "metrics": {}}
-    for metric in metrics:
-        before = statistics.median(results["before"][metric])
-        after = statistics.median(results["after"][metric])
-        ratios = [a / b for a, b in zip(results["after"][metric], results["before"][metric])]
-        report["metrics"][metric] = {"before_median": round(before, 1), "after_median": round(after, 1),
-                                     "ratio_of_medians": round(after / before, 3),
-                                     "per_round_ratios": [round(r, 3) for r in ratios]}
+    report = {"rounds": args.rounds, "seconds": args.seconds,
+              "metrics": compare(results, "after", "before")}
     print(json.dumps(report, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     shutil.rmtree(args.dir, ignore_errors=True)
+
+
+def compare(results, b, a):
+    """Per metric of `results[label][metric] = [value per round]`: the medians of `b` and `a`,
+    the ratio of the medians (b/a) and the per-round ratios (their spread is the noise)."""
+    report = {}
+    for metric in results[a]:
+        median_a = statistics.median(results[a][metric])
+        median_b = statistics.median(results[b][metric])
+        ratios = [y / x for x, y in zip(results[a][metric], results[b][metric])]
+        report[metric] = {f"{b}_median": round(median_b, 1), f"{a}_median": round(median_a, 1),
+                          "ratio_of_medians": round(median_b / median_a, 3),
+                          "per_round_ratios": [round(r, 3) for r in ratios]}
+    return report
 
 
 if __name__ == "__main__":

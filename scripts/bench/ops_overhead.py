@@ -21,14 +21,13 @@ import json
 import os
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from before_after import S3LOAD, Server, s3_put  # noqa: E402
+from before_after import S3LOAD, Server, compare, s3_put  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 VOLUME_BYTES = 256 << 20
@@ -112,14 +111,7 @@ def main():
                 results[label].setdefault(metric, []).append(value)
             print(f"round {round_index + 1} tracking {label}: "
                   + ", ".join(f"{m} {v:.1f}" for m, v in values.items()), flush=True)
-    report = {"rounds": args.rounds, "seconds": args.seconds, "metrics": {}}
-    for metric in results["on"]:
-        on = statistics.median(results["on"][metric])
-        off = statistics.median(results["off"][metric])
-        ratios = [a / b for a, b in zip(results["on"][metric], results["off"][metric])]
-        report["metrics"][metric] = {"on_median": round(on, 1), "off_median": round(off, 1),
-                                     "ratio_of_medians": round(on / off, 3),
-                                     "per_round_ratios": [round(r, 3) for r in ratios]}
+    report = {"rounds": args.rounds, "seconds": args.seconds, "metrics": compare(results, "on", "off")}
     print(json.dumps(report, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
