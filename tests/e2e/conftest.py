@@ -45,6 +45,68 @@ def s3_client(srv):
         aws_secret_access_key=srv.env["KEEL_SECRET_ACCESS_KEY"])
 
 
+class Traffic:
+    """NBD and S3 requests from two threads while the `with` block runs, bounded in count:
+    4 KiB writes to `volume` (a FLUSH after every 8th) each followed by a read of another
+    block, and 4 KiB PUTs to `bucket` each read back; `pause` seconds between rounds. An
+    error in either thread fails the block when it ends."""
+
+    def __init__(self, srv, volume, bucket, pause=0.0):
+        from nbd_client import Client
+        import threading
+        self.srv, self.volume, self.bucket, self.pause = srv, volume, bucket, pause
+        self.client_class = Client
+        self.stop = threading.Event()
+        self.errors = []
+        self.workers = [threading.Thread(target=self._nbd), threading.Thread(target=self._s3)]
+
+    def _nbd(self):
+        host, port = self.srv.nbd.rsplit(":", 1)
+        try:
+            client = self.client_class(host, int(port), self.volume)
+        except Exception as error:  # noqa: BLE001 - reported at the end of the block
+            self.errors.append(error)
+            return
+        try:
+            for n in range(4000):
+                if self.stop.is_set():
+                    break
+                client.write((n % 1024) * 4096, bytes([n % 251]) * 4096)
+                if n % 8 == 0:
+                    client.flush()
+                client.read(((n * 7) % 1024) * 4096, 4096)
+                time.sleep(self.pause)
+        except Exception as error:  # noqa: BLE001 - reported at the end of the block
+            self.errors.append(error)
+        finally:
+            client.close()
+
+    def _s3(self):
+        s3 = s3_client(self.srv)
+        try:
+            for n in range(2000):
+                if self.stop.is_set():
+                    break
+                s3.put_object(Bucket=self.bucket, Key=f"k{n % 50}", Body=b"m" * 4096)
+                s3.get_object(Bucket=self.bucket, Key=f"k{n % 50}")["Body"].read()
+                time.sleep(self.pause)
+        except Exception as error:  # noqa: BLE001 - reported at the end of the block
+            self.errors.append(error)
+
+    def __enter__(self):
+        for worker in self.workers:
+            worker.start()
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        self.stop.set()
+        for worker in self.workers:
+            worker.join(timeout=60)
+        if kind is None:
+            assert not self.errors, self.errors
+        return False
+
+
 def fs_type(path):
     return subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True, check=True).stdout.strip()
 

@@ -4,13 +4,9 @@ table lists the requests, and without the admin token it asks for one. A screens
 in the test's work directory (dashboard.png)."""
 
 import json
-import threading
-import time
-
 
 from browser import Browser
-from conftest import require, s3_client, wait_for
-from nbd_client import Client
+from conftest import Traffic, require, s3_client, wait_for
 
 STATE = """JSON.stringify({
   health: document.getElementById("health").textContent,
@@ -37,78 +33,44 @@ def state(browser, session):
 def test_the_dashboard_shows_live_traffic_and_slow_requests(server, workdir):
     require("chromium", "chromium")
     server.cli("volume", "create", "dashvol", "--size", "16M")
-    s3 = s3_client(server)
-    s3.create_bucket(Bucket="dashbucket")
-    stop = threading.Event()
-    errors = []
-
-    def nbd_load():
-        host, port = server.nbd.rsplit(":", 1)
-        client = Client(host, int(port), "dashvol")
+    s3_client(server).create_bucket(Bucket="dashbucket")
+    with Traffic(server, "dashvol", "dashbucket", pause=0.005):
+        browser = Browser(workdir / "chromium-profile")
         try:
-            for n in range(20_000):
-                if stop.is_set():
-                    break
-                client.write((n % 512) * 4096, bytes([n % 251]) * 4096, fua=n % 16 == 0)
-                time.sleep(0.002)
-        except Exception as error:  # noqa: BLE001 - reported below
-            errors.append(error)
+            token = (server.data_dirs[0] / "admin-token").read_text().strip()
+            signed_in = browser.open(f"http://{server.admin}/#token={token}")
+
+            def charted():
+                seen = state(browser, signed_in)
+                if seen is None:
+                    return None
+                lines = dict(seen["volumeLines"])
+                return seen if (seen["volumeOps"] or 0) > 0 and (seen["bucketOps"] or 0) > 0 \
+                    and lines.get("IOPS", 0) >= 2 and seen["ops"] else None
+
+            seen = wait_for("the charts and tables to show the traffic", charted, interval=0.5)
+            browser.screenshot(signed_in, workdir / "dashboard.png")
+            assert seen["health"].startswith("HEALTH_"), seen["health"]
+            assert seen["login"] == "none", "signed in: no prompt"
+            assert {series for series, _ in seen["volumeLines"]} == {"IOPS", "MiB/s", "p99"}
+            assert dict(seen["bucketLines"]).get("req/s", 0) >= 2, seen["bucketLines"]
+            assert seen["deviceCharts"] == 3
+            frontends = {(frontend, operation) for frontend, operation, _ in seen["ops"]}
+            targets = [target for _, _, target in seen["ops"]]
+            assert ("nbd", "write") in frontends or ("s3", "PUT") in frontends, seen["ops"]
+            assert all(t.startswith("dashvol") or t.startswith("dashbucket") for t in targets), targets
+
+            # A tab without the token asks for it and shows no requests; signing in fills them.
+            anonymous = browser.open(f"http://{server.admin}/")
+            prompted = wait_for("the sign-in prompt",
+                                lambda: (s := state(browser, anonymous)) and s["login"] == "block" and s,
+                                interval=0.5)
+            assert prompted["ops"] == []
+            browser.evaluate(anonymous, f"""document.getElementById("token").value = {json.dumps(token)};
+                document.getElementById("login").requestSubmit(); true""")
+            wait_for("requests after signing in", lambda: (state(browser, anonymous) or {}).get("ops"),
+                     interval=0.5)
+            assert state(browser, anonymous)["login"] == "none"
         finally:
-            client.close()
-
-    def s3_load():
-        try:
-            for n in range(5_000):
-                if stop.is_set():
-                    break
-                s3.put_object(Bucket="dashbucket", Key=f"obj/{n % 20}", Body=b"d" * 8192)
-                time.sleep(0.01)
-        except Exception as error:  # noqa: BLE001 - reported below
-            errors.append(error)
-
-    workers = [threading.Thread(target=nbd_load), threading.Thread(target=s3_load)]
-    for worker in workers:
-        worker.start()
-    browser = Browser(workdir / "chromium-profile")
-    try:
-        token = (server.data_dirs[0] / "admin-token").read_text().strip()
-        signed_in = browser.open(f"http://{server.admin}/#token={token}")
-
-        def charted():
-            seen = state(browser, signed_in)
-            if seen is None:
-                return None
-            lines = dict(seen["volumeLines"])
-            return seen if (seen["volumeOps"] or 0) > 0 and (seen["bucketOps"] or 0) > 0 \
-                and lines.get("IOPS", 0) >= 2 and seen["ops"] else None
-
-        seen = wait_for("the charts and tables to show the traffic", charted, interval=0.5)
-        browser.screenshot(signed_in, workdir / "dashboard.png")
-        assert seen["health"].startswith("HEALTH_"), seen["health"]
-        assert seen["login"] == "none", "signed in: no prompt"
-        assert {series for series, _ in seen["volumeLines"]} == {"IOPS", "MiB/s", "p99"}
-        assert dict(seen["bucketLines"]).get("req/s", 0) >= 2, seen["bucketLines"]
-        assert seen["deviceCharts"] == 3
-        frontends = {(frontend, operation) for frontend, operation, _ in seen["ops"]}
-        targets = [target for _, _, target in seen["ops"]]
-        assert ("nbd", "write") in frontends or ("s3", "PUT") in frontends, seen["ops"]
-        assert all(t.startswith("dashvol") or t.startswith("dashbucket") for t in targets), targets
-
-        # A tab without the token asks for it and shows no requests; signing in fills them.
-        anonymous = browser.open(f"http://{server.admin}/")
-        prompted = wait_for("the sign-in prompt",
-                            lambda: (s := state(browser, anonymous)) and s["login"] == "block" and s,
-                            interval=0.5)
-        assert prompted["ops"] == []
-        browser.evaluate(anonymous, f"""document.getElementById("token").value = {json.dumps(token)};
-            document.getElementById("login").requestSubmit(); true""")
-        wait_for("requests after signing in", lambda: (state(browser, anonymous) or {}).get("ops"),
-                 interval=0.5)
-        assert state(browser, anonymous)["login"] == "none"
-    finally:
-        stop.set()
-        for worker in workers:
-            worker.join(timeout=60)
-        browser.close()
-    assert not errors, errors
+            browser.close()
     assert (workdir / "dashboard.png").stat().st_size > 10_000

@@ -5,13 +5,11 @@ unit tests, and every metric the rules and the Grafana dashboard use exists on a
 import json
 import re
 import subprocess
-import threading
 import time
 import urllib.request
 from pathlib import Path
 
-from conftest import require, s3_client
-from nbd_client import Client
+from conftest import Traffic, require, s3_client
 
 MONITORING = Path(__file__).resolve().parents[2] / "deploy" / "monitoring"
 METRIC = re.compile(r"\b((?:keel|process)_[a-z0-9_]+)")
@@ -32,49 +30,11 @@ def sample(text, name):
 def test_metrics_under_load_pass_promtool_and_cover_the_dashboard_and_alerts(server):
     require("promtool", "prometheus")
     server.cli("volume", "create", "mon", "--size", "16M")
-    s3 = s3_client(server)
-    s3.create_bucket(Bucket="mon")
-    stop = threading.Event()
-    errors = []
-
-    def s3_load():
-        try:
-            n = 0
-            while not stop.is_set() and n < 2000:
-                s3.put_object(Bucket="mon", Key=f"k{n % 50}", Body=b"m" * 4096)
-                s3.get_object(Bucket="mon", Key=f"k{n % 50}")["Body"].read()
-                n += 1
-        except Exception as error:  # noqa: BLE001 - reported below
-            errors.append(error)
-
-    def nbd_load():
-        host, port = server.nbd.rsplit(":", 1)
-        client = Client(host, int(port), "mon")
-        try:
-            n = 0
-            while not stop.is_set() and n < 4000:
-                client.write((n % 1024) * 4096, bytes([n % 251]) * 4096)
-                if n % 8 == 0:
-                    client.flush()
-                client.read(((n * 7) % 1024) * 4096, 4096)
-                n += 1
-        except Exception as error:  # noqa: BLE001 - reported below
-            errors.append(error)
-        finally:
-            client.close()
-
-    workers = [threading.Thread(target=s3_load), threading.Thread(target=nbd_load)]
-    for worker in workers:
-        worker.start()
-    try:
+    s3_client(server).create_bucket(Bucket="mon")
+    with Traffic(server, "mon", "mon"):
         time.sleep(1.5)
         content_type, text = scrape(server)
         _, openmetrics = scrape(server, "application/openmetrics-text; version=1.0.0")
-    finally:
-        stop.set()
-        for worker in workers:
-            worker.join(timeout=60)
-    assert not errors, errors
     assert content_type.startswith("text/plain; version=0.0.4")
     checked = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
     assert checked.returncode == 0 and checked.stdout.strip() == "", checked.stdout + checked.stderr
