@@ -71,6 +71,15 @@ def pair_with_one_replica(cluster, workdir, settings, name, size=SIZE):
     return first, second, attach(first, name)
 
 
+def write_random(client, size):
+    """Writes `size` random bytes from offset 0 in 1 MiB requests, flushes, returns them."""
+    data = os.urandom(size)
+    for offset in range(0, size, 1 << 20):
+        client.write(offset, data[offset:offset + (1 << 20)])
+    client.flush()
+    return data
+
+
 def block(tag, index):
     seed = f"{tag}:{index}:".encode()
     return (seed * (BLOCK // len(seed) + 1))[:BLOCK]
@@ -527,10 +536,7 @@ def test_a_rollback_during_a_catch_up_restarts_it(cluster, workdir):
     it joined with the chunks compared before the rollback reading as zeroes.)"""
     size = 64 << 20
     first, second, client = pair_with_one_replica(cluster, workdir, "resync_mib_per_second = 16", "midway", size)
-    original = os.urandom(size)
-    for offset in range(0, size, 1 << 20):
-        client.write(offset, original[offset:offset + (1 << 20)])
-    client.flush()
+    original = write_random(client, size)
     code, answer = first.api("POST", "/api/v1/volumes/midway/snapshots", {"name": "before"})
     assert code == 200, answer
     for offset in range(0, size, 1 << 20):
@@ -697,10 +703,7 @@ def test_a_resync_yields_to_a_volumes_active_clients(cluster, workdir):
     assert refused.returncode != 0 and "resync_busy_percent must be 1 to 100" in refused.stderr, refused.stderr
     size = 128 << 20
     first, second, client = pair_with_one_replica(cluster, workdir, "resync_busy_percent = 1", "busy", size)
-    data = os.urandom(size)
-    for offset in range(0, size, 1 << 20):
-        client.write(offset, data[offset:offset + (1 << 20)])
-    client.flush()
+    data = write_random(client, size)
 
     stop = threading.Event()
     reads = []
@@ -1035,10 +1038,7 @@ def test_a_caught_up_replica_has_every_copied_byte_when_it_joins(cluster, workdi
     the batches in flight.)"""
     size = 64 << 20
     first, second, client = pair_with_one_replica(cluster, workdir, "resync_busy_percent = 100", "join", size)
-    data = os.urandom(size)
-    for offset in range(0, size, 1 << 20):
-        client.write(offset, data[offset:offset + (1 << 20)])
-    client.flush()
+    data = write_random(client, size)
     client.close()
     first.faults([], delays=[{"node": second.node_id(), "method": METHOD_REPLICATE, "milliseconds": 150}])
     first.cli("volume", "set-replication", "join", "--replicas", "2")
