@@ -56,8 +56,8 @@ pub use types::{CommandResult, Raft, RaftNode, TypeConfig};
 use messages::{
     JoinRequest, JoinResponse, Proposal, Proposed, CODE_BAD_REQUEST, CODE_FAILED, CODE_NOT_LEADER,
     CODE_NOT_READY, CODE_REFUSED, METHOD_HEARTBEAT, METHOD_JOIN, METHOD_PROPOSE,
-    METHOD_RAFT_APPEND, METHOD_RAFT_SNAPSHOT, METHOD_RAFT_TRANSFER_LEADER, METHOD_RAFT_VOTE,
-    METHOD_SILENCE, METHOD_STATUS,
+    METHOD_RAFT_APPEND, METHOD_RAFT_PRE_VOTE, METHOD_RAFT_SNAPSHOT, METHOD_RAFT_TRANSFER_LEADER,
+    METHOD_RAFT_VOTE, METHOD_SILENCE, METHOD_STATUS,
 };
 
 const IDENTITY_SUFFIX: &[u8] = b"l/identity";
@@ -304,11 +304,16 @@ pub struct Cluster {
     /// When this node last sent a report that the leader acknowledged (the leader itself: its
     /// last round with a quorum). Its lease runs from there ([`Cluster::holds_lease`]).
     lease_from: Mutex<Option<std::time::Instant>>,
+    /// When this node last heard from a leader (a Raft append or snapshot; its start before
+    /// any): it acknowledged no leader after that. Told to the candidates it votes for.
+    heard_leader_at: Mutex<std::time::Instant>,
+    /// The votes granted to this node, with what their voters had last heard from a leader.
+    grants: Arc<Mutex<network::Grants>>,
     stopping: watch::Sender<bool>,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -419,9 +424,12 @@ impl Cluster {
         let catalog = Catalog::new(state);
         let state_machine =
             StateMachine::open(store.clone(), catalog.clone()).map_err(store_error)?;
+        let grants = Arc::new(Mutex::new(network::Grants::default()));
         let network = network::NetworkFactory {
             transport: transport.clone(),
             local_node: identity.node_id,
+            clock: config.clock.clone(),
+            grants: grants.clone(),
         };
         let raft = Raft::new(
             identity.node_id,
@@ -434,6 +442,7 @@ impl Cluster {
         .map_err(raft_error)?;
 
         let addresses = config.addresses.clone();
+        let started = config.clock.now();
         let cluster = Arc::new(Cluster {
             identity,
             config,
@@ -444,6 +453,8 @@ impl Cluster {
             runtime: tokio::runtime::Handle::current(),
             liveness: Mutex::new(Liveness::default()),
             lease_from: Mutex::new(None),
+            heard_leader_at: Mutex::new(started),
+            grants,
             addresses: Mutex::new(addresses),
             reporter: OnceLock::new(),
             stopping: watch::channel(false).0,
@@ -996,15 +1007,29 @@ impl Cluster {
         match method {
             METHOD_RAFT_APPEND => {
                 let request = decode_request(&payload).map_err(bad_request)?;
+                self.heard_from_a_leader();
                 encode_answer(&self.raft.append_entries(request).await)
             }
             METHOD_RAFT_VOTE => {
                 let request = decode_request(&payload).map_err(bad_request)?;
-                encode_answer(&self.raft.vote(request).await)
+                let vote = self.raft.vote(request).await;
+                // Read after voting: every append Raft handled before this vote was noted
+                // before Raft saw it, and once the vote is granted, an older leader's appends
+                // are refused (a higher term).
+                let heard = *lock(&self.heard_leader_at);
+                let ago = self.config.clock.now().saturating_duration_since(heard);
+                let answer: Result<network::VoteAnswer, RaftError<TypeConfig>> =
+                    vote.map(|response| (response, ago.as_millis() as u64));
+                encode_answer(&answer)
+            }
+            METHOD_RAFT_PRE_VOTE => {
+                let request = decode_request(&payload).map_err(bad_request)?;
+                encode_answer(&self.raft.pre_vote(request).await)
             }
             METHOD_RAFT_SNAPSHOT => {
                 let (vote, meta, data): (types::Vote, types::SnapshotMeta, Vec<u8>) =
                     decode_request(&payload).map_err(bad_request)?;
+                self.heard_from_a_leader();
                 let snapshot = types::Snapshot {
                     meta,
                     snapshot: data,
@@ -1039,7 +1064,13 @@ impl Cluster {
                     }
                 }
                 self.record_report(report);
-                encode_answer(&())
+                // The reporter's lease runs from this leader's last quorum acknowledgement at
+                // the latest: a leader cut off from its quorum renews nobody's lease.
+                let now = self.config.clock.now();
+                let acked_ms_ago: Option<u64> = self
+                    .quorum_acked_at()
+                    .map(|acked| now.saturating_duration_since(acked).as_millis() as u64);
+                encode_answer(&acked_ms_ago)
             }
             METHOD_STATUS => encode_answer(&self.liveness_view()),
             METHOD_SILENCE => {
@@ -1064,20 +1095,42 @@ impl Cluster {
         lock(&self.lease_from).is_some_and(|from| now.saturating_duration_since(from) < lease)
     }
 
-    /// As leader with a quorum: how long no report came from `node`, at most how long this
-    /// node has led (a new leader knows nothing older).
+    /// As leader with a quorum: how long no report came from `node`, at most how long since an
+    /// earlier leader can last have renewed its lease ([`Cluster::earlier_leaders_quiet_since`]).
     fn local_silence(&self, node: NodeId) -> Option<Duration> {
         if self.leads_with_quorum() != Some(true) {
             return None;
         }
+        let since = self.earlier_leaders_quiet_since()?;
         let now = self.config.clock.now();
         let liveness = lock(&self.liveness);
-        let since = liveness.leading_since?;
         let last = liveness
             .last_report
             .get(&node)
             .map_or(since, |at| (*at).max(since));
         Some(now.saturating_duration_since(last))
+    }
+
+    /// As leader: an instant after which no earlier leader renewed any lease. Every lease an
+    /// earlier leader gave runs from a moment a quorum of voters acknowledged it (its own; a
+    /// follower's is capped by the leader's acknowledgement it came with, see the report
+    /// loop); that quorum shares a voter with the one that elected this node, and that voter
+    /// told with its vote when it last heard a leader ([`network::Grants`]). So the latest of
+    /// those instants, and of this node's own, bounds them all: a primary that was the old
+    /// leader is taken over a lease after its death, not a lease after the election. Without
+    /// grants (a single voter), from when this node started leading.
+    fn earlier_leaders_quiet_since(&self) -> Option<std::time::Instant> {
+        let vote = self.metrics().vote;
+        let own = *lock(&self.heard_leader_at);
+        match lock(&self.grants).heard_leader_by_voters_of(&vote) {
+            Some(voters) => Some(own.max(voters)),
+            None => lock(&self.liveness).leading_since,
+        }
+    }
+
+    /// This node handles a Raft message only a leader sends.
+    fn heard_from_a_leader(&self) {
+        *lock(&self.heard_leader_at) = self.config.clock.now();
     }
 
     /// How long the leader has heard nothing from `node` (asked of the leader).
@@ -1396,7 +1449,18 @@ async fn report_loop(cluster: Weak<Cluster>) {
                         .call_node(leader, METHOD_HEARTBEAT, payload, interval * 2)
                         .await
                     {
-                        Ok(_) => *lock(&strong.lease_from) = Some(sent),
+                        Ok(answer) => match postcard::from_bytes::<Option<u64>>(&answer) {
+                            Ok(Some(acked_ms_ago)) => {
+                                let acked = strong_clock
+                                    .now()
+                                    .checked_sub(Duration::from_millis(acked_ms_ago));
+                                if let Some(acked) = acked {
+                                    *lock(&strong.lease_from) = Some(sent.min(acked));
+                                }
+                            }
+                            Ok(None) => tracing::debug!("the leader has no quorum: no lease"),
+                            Err(error) => tracing::warn!(%error, "bad answer to a report"),
+                        },
                         Err(error) => tracing::debug!(%error, "could not report to the leader"),
                     }
                 }

@@ -10,6 +10,7 @@ pub const METHOD_RAFT_APPEND: u16 = 1;
 pub const METHOD_RAFT_VOTE: u16 = 2;
 pub const METHOD_RAFT_SNAPSHOT: u16 = 3;
 pub const METHOD_RAFT_TRANSFER_LEADER: u16 = 4;
+pub const METHOD_RAFT_PRE_VOTE: u16 = 5;
 pub const METHOD_JOIN: u16 = 10;
 pub const METHOD_PROPOSE: u16 = 11;
 pub const METHOD_HEARTBEAT: u16 = 12;

@@ -488,3 +488,121 @@ async fn removed_nodes_leave_and_ids_are_never_reused() {
     .await;
     assert!(d.cluster.node_id() > 3, "fresh id {}", d.cluster.node_id());
 }
+
+/// How long a primary's lease lasts (keel-replication's `LEASE`).
+const LEASE: Duration = Duration::from_secs(2);
+
+// Proves a leader cut off from its quorum, together with a follower, renews nobody's lease: the
+// follower reports to it (it still believes it leads) but the lease it gets runs from the
+// leader's last quorum acknowledgement, so both lose their leases while the majority elects a
+// leader of its own (which then hands their volumes to others). Without the cap, the follower
+// kept a lease for as long as the partition lasted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_cut_off_with_a_follower_renews_no_lease() {
+    let network = LocalNetwork::new();
+    let test = "stale_leader";
+    let five = Options {
+        voters: 5,
+        ..Options::default()
+    };
+    let mut nodes = vec![start(&network, node_dir(test, "a"), "a", five).await];
+    for name in ["b", "c", "d", "e"] {
+        let join = Some(nodes[0].address.clone());
+        let options = Options {
+            join,
+            voters: 5,
+            ..Options::default()
+        };
+        nodes.push(start(&network, node_dir(test, name), name, options).await);
+    }
+    let all: Vec<_> = nodes.iter().map(|n| n.cluster.node_id()).collect();
+    wait_for("five voters everywhere", SETTLE, || {
+        nodes.iter().all(|n| voters(n).len() == 5)
+    })
+    .await;
+    let leader_id = nodes[0].cluster.leader().unwrap();
+    let leader = nodes
+        .iter()
+        .find(|n| n.cluster.node_id() == leader_id)
+        .unwrap();
+    let follower = nodes
+        .iter()
+        .find(|n| n.cluster.node_id() != leader_id)
+        .unwrap();
+    wait_for("the follower holds a lease", SETTLE, || {
+        follower.cluster.holds_lease(LEASE)
+    })
+    .await;
+    let minority = [leader_id, follower.cluster.node_id()];
+    network.partition(&minority, &all);
+    let cut_at = tokio::time::Instant::now();
+    let majority: Vec<&TestNode> = nodes
+        .iter()
+        .filter(|n| !minority.contains(&n.cluster.node_id()))
+        .collect();
+    wait_for("a leader on the majority side", SETTLE, || {
+        majority[0]
+            .cluster
+            .leader()
+            .is_some_and(|id| !minority.contains(&id))
+    })
+    .await;
+    tokio::time::sleep_until(cut_at + LEASE + Duration::from_millis(300)).await;
+    assert_eq!(
+        follower.cluster.leader(),
+        Some(leader_id),
+        "the follower must still report to the cut-off leader for this test to mean anything"
+    );
+    assert!(
+        !leader.cluster.holds_lease(LEASE),
+        "the cut-off leader kept its lease"
+    );
+    assert!(
+        !follower.cluster.holds_lease(LEASE),
+        "the cut-off leader renewed its follower's lease"
+    );
+    network.heal();
+}
+
+// Proves a leader elected after its predecessor died counts that leader's silence from the
+// predecessor's last contact with the voters that elected it, not from its own election: a
+// volume whose primary was the old leader is taken over a lease after the death rather than a
+// lease after the election (which itself waits for the voters' own Raft leases to run out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_counts_the_old_leaders_silence_from_its_death() {
+    let network = LocalNetwork::new();
+    let mut nodes = form_three(&network, "old_leader_silence").await;
+    let all: Vec<_> = nodes.iter().map(|n| n.cluster.node_id()).collect();
+    let leader_id = nodes[0].cluster.leader().unwrap();
+    let index = nodes
+        .iter()
+        .position(|n| n.cluster.node_id() == leader_id)
+        .unwrap();
+    let leader = nodes.remove(index);
+    // Dead to the others from here (cut off both ways, as a crash is).
+    network.partition(&[leader_id], &all);
+    let died = tokio::time::Instant::now();
+    let (silence, since_death) = loop {
+        assert!(died.elapsed() < SETTLE, "no new leader with a quorum");
+        let new_leader = nodes
+            .iter()
+            .find(|n| n.cluster.leader() == Some(n.cluster.node_id()));
+        if let Some(new_leader) = new_leader {
+            if let Ok(silence) = new_leader.cluster.silent_for(leader_id).await {
+                break (silence, died.elapsed());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    // The election alone takes the voters' Raft lease (600 ms here) after the death.
+    assert!(
+        since_death >= Duration::from_millis(600),
+        "elected {since_death:?} after the death"
+    );
+    assert!(
+        silence + Duration::from_millis(200) >= since_death,
+        "the old leader's silence counted {silence:?} where it died {since_death:?} ago"
+    );
+    network.heal();
+    leader.crash(&network).await;
+}
