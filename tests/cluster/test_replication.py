@@ -165,17 +165,31 @@ def test_no_flushed_write_is_lost_when_the_primary_is_killed(cluster, workdir):
     primary is killed -9; the volume is attached through the other node, which takes over
     after the primary's lease, and `keel bench durability verify` finds every write that was
     acknowledged as flushed. The killed node then returns, catches up and is the replica of
-    the next round."""
+    the next round. In the first round the primary is also the Raft leader, so the survivors
+    must elect a leader before that leader can hand the volume over."""
     nodes = list(two_nodes_and_witness(cluster))
-    create_r2(nodes[0], "dur")
-    primary = 0
+    witness = cluster.nodes[2]
+    # The first node bootstrapped the cluster and usually still leads; if the witness took over,
+    # restarting it moves the leadership back to a storage node.
+    while cluster.leader() == witness.node_id():
+        witness.stop()
+        wait_until("a storage node leading", lambda: cluster.leader(via=nodes[0]) in (1, 2), timeout=30)
+        witness.start()
+    primary = [node.node_id() for node in nodes].index(cluster.leader())
+    create_r2(nodes[primary], "dur")
     client = attach(nodes[primary], "dur")
     client.close()
     failovers = []
+    leader_killed = []
     for round_index in range(ROUNDS):
         node = nodes[primary]
         other = nodes[1 - primary]
         wait_until("both replicas in sync", lambda: sorted(replication(node, "dur")["in_sync"]) == [1, 2], timeout=60)
+        killed_id = node.node_id()
+        assert replication(node, "dur")["primary"] == killed_id
+        led = cluster.leader(via=other) == killed_id
+        assert led or round_index > 0, "the first round must kill the Raft leader"
+        leader_killed.append(led)
         log = workdir / f"durability-{round_index}.log"
         writer = subprocess.Popen(
             [KEEL_BIN, "bench", "durability", "write", "--target", f"nbd://{node.host}:{node.nbd_port}/dur",
@@ -188,6 +202,9 @@ def test_no_flushed_write_is_lost_when_the_primary_is_killed(cluster, workdir):
         output, _ = writer.communicate(timeout=120)
         attach(other, "dur", timeout=60).close()
         failovers.append(time.time() - killed)
+        assert replication(other, "dur")["primary"] == other.node_id()
+        if led:
+            assert cluster.leader(via=other) != killed_id
         verify = subprocess.run(
             [KEEL_BIN, "bench", "durability", "verify", "--target", f"nbd://{other.host}:{other.nbd_port}/dur",
              "--log", str(log)], capture_output=True, text=True, timeout=300)
@@ -195,8 +212,8 @@ def test_no_flushed_write_is_lost_when_the_primary_is_killed(cluster, workdir):
         assert "PASS: every acknowledged write survived" in verify.stdout, verify.stdout
         node.start()
         primary = 1 - primary
-    print(f"failover (kill to serving through the other node): {['%.2f' % t for t in failovers]} s "
-          f"(nodes share one disk)")
+    print(f"failover (kill to serving through the other node): {['%.2f' % t for t in failovers]} s, "
+          f"the primary also led Raft: {leader_killed} (nodes share one disk)")
 
 
 def test_a_partitioned_primary_is_fenced(cluster):
