@@ -16,6 +16,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from keelcluster import KEEL_BIN, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
@@ -707,12 +709,16 @@ def test_a_resync_ships_no_faster_than_its_configured_rate(cluster, workdir):
     assert other.read(0, len(data)) == data
 
 
-def test_a_resync_yields_to_a_volumes_active_clients(cluster, workdir):
+@pytest.mark.parametrize("clients_of", ["the volume", "another volume on its node",
+                                        "another volume on the new replica's node"])
+def test_a_resync_yields_to_clients_on_either_node(cluster, workdir, clients_of):
     """A server refuses `resync_busy_percent = 0` (a resync that never works). With
-    `resync_busy_percent = 1`, raising a written 128 MiB volume from R=1 to R=2
-    while a client reads from it keeps the catch-up to 1% of the time: 5 s later the new
-    replica is still catching up (unpaced, the whole copy takes a second or two here). Once
-    the client stops, the catch-up goes at full speed and the replica holds the data."""
+    `resync_busy_percent = 1`, raising a written 128 MiB volume from R=1 to R=2 while a client
+    reads — from that volume, from another volume on the same node (the same disks), or from
+    a volume on the node the new replica goes to — keeps the catch-up to 1% of the time: 5 s
+    later the new replica is still catching up (unpaced, the whole copy takes a second or two
+    here). Once the client stops, the catch-up goes at full speed and the replica holds the
+    data."""
     bad = workdir / "never-resync.toml"
     bad.write_text("[cluster]\nresync_busy_percent = 0\n")
     refused = subprocess.run([KEEL_BIN, "server", "--data", str(workdir / "refused"), "--config", str(bad)],
@@ -721,15 +727,26 @@ def test_a_resync_yields_to_a_volumes_active_clients(cluster, workdir):
     size = 128 << 20
     first, second, client = pair_with_one_replica(cluster, workdir, "resync_busy_percent = 1", "busy", size)
     data = write_random(client, size)
+    if clients_of == "the volume":
+        read_through, read_name, read_data = first, "busy", data
+    else:
+        read_through = first if clients_of == "another volume on its node" else second
+        read_name = "neighbour"
+        code, created = read_through.api("POST", "/api/v1/volumes", {"name": read_name, "size_bytes": SIZE})
+        assert code == 200, created
+        assert replication(read_through, read_name)["replicas"] == [read_through.node_id()]
+        writer = attach(read_through, read_name)
+        read_data = write_random(writer, SIZE)
+        writer.close()
 
     stop = threading.Event()
     reads = []
 
     def read_until_stopped():
-        reader = attach(first, "busy")
+        reader = attach(read_through, read_name)
         while not stop.is_set():
-            offset = random.randrange(size // BLOCK) * BLOCK
-            assert reader.read(offset, BLOCK) == data[offset:offset + BLOCK]
+            offset = random.randrange(len(read_data) // BLOCK) * BLOCK
+            assert reader.read(offset, BLOCK) == read_data[offset:offset + BLOCK]
             reads.append(offset)
         reader.close()
 
@@ -742,7 +759,8 @@ def test_a_resync_yields_to_a_volumes_active_clients(cluster, workdir):
         info = replication(first, "busy")
         catching_up = info["served_here"]["catching_up"]
         assert info["in_sync"] == [1] and catching_up and catching_up[0]["compared_bytes"] < size, info
-        print(f"after 5 s under a reader: {catching_up[0]['compared_bytes'] >> 20} of 128 MiB compared")
+        print(f"after 5 s under a reader of {clients_of}: {catching_up[0]['compared_bytes'] >> 20} of 128 MiB "
+              f"compared")
     finally:
         stop.set()
         thread.join(timeout=60)

@@ -120,9 +120,10 @@ pub struct ClusterSettings {
     /// absence, a replica added or moved), so a rebuild leaves the disk and network to the
     /// clients. Default 0: unlimited.
     pub resync_mib_per_second: u64,
-    /// While a volume's clients are active, a resync of it works only this share of the time
-    /// (1 to 100 %; it sleeps between 1 MiB chunks), so a rebuild does not take their
-    /// latency with it; when they are idle it goes at full speed. Default 25; 100: never yields.
+    /// While clients are active on either node of a resync (any volume or bucket), it works
+    /// only this share of the time (1 to 100 %; it sleeps between 1 MiB chunks), so a rebuild
+    /// does not take their latency with it; when they are idle it goes at full speed. Default
+    /// 25; 100: never yields.
     pub resync_busy_percent: u8,
     /// Enables `POST /api/v1/debug/faults` (dropping traffic to chosen nodes, for partition
     /// tests). Never on in production. Default false.

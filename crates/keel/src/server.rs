@@ -213,6 +213,14 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         let metadata = metadata.clone();
         Arc::new(tokio::task::spawn_blocking(move || VolumeManager::open(store, metadata)).await??)
     };
+    let ops = if config.track_ops {
+        keel_ops::Ops::new(
+            Arc::new(keel_clock::SystemClock),
+            std::time::Duration::from_secs_f64(config.slow_op_ms / 1000.0),
+        )
+    } else {
+        keel_ops::Ops::disabled()
+    };
     let replication = keel_replication::Replication::new(
         cluster.clone(),
         membership.peers.clone(),
@@ -226,19 +234,12 @@ async fn serve(config: Config) -> anyhow::Result<()> {
                 .then_some(config.cluster.resync_mib_per_second << 20),
             resync_busy_percent: config.cluster.resync_busy_percent,
         },
+        ops.clone(),
     );
     {
         let handler: Arc<dyn keel_rpc::Handler> = replication.clone();
         let _ = membership.above.set(handler);
     }
-    let ops = if config.track_ops {
-        keel_ops::Ops::new(
-            Arc::new(keel_clock::SystemClock),
-            std::time::Duration::from_secs_f64(config.slow_op_ms / 1000.0),
-        )
-    } else {
-        keel_ops::Ops::disabled()
-    };
     let s3 = {
         let store = store.clone();
         let metadata = metadata.clone();

@@ -109,10 +109,12 @@ pub struct Start {
     pub client: Option<SocketAddr>,
 }
 
-/// The tracker of one server; cheap to clone. [`Ops::disabled`] tracks nothing.
+/// The tracker of one server; cheap to clone. [`Ops::disabled`] tracks nothing but still
+/// counts requests ([`Ops::requests_started`]).
 #[derive(Clone)]
 pub struct Ops {
     inner: Option<Arc<Inner>>,
+    started: Arc<AtomicU64>,
 }
 
 struct Inner {
@@ -233,17 +235,28 @@ impl Ops {
                 floor_nanos: AtomicU64::new(0),
                 oldest_finished_ms: AtomicU64::new(u64::MAX),
             })),
+            started: Arc::default(),
         }
     }
 
     /// A tracker that tracks nothing (tests, benchmarks of the cost of tracking).
     pub fn disabled() -> Ops {
-        Ops { inner: None }
+        Ops {
+            inner: None,
+            started: Arc::default(),
+        }
+    }
+
+    /// How many client requests (of every frontend, volume and bucket) this server has
+    /// started: background work that sees it move yields to clients of the same disks.
+    pub fn requests_started(&self) -> u64 {
+        self.started.load(Ordering::Relaxed)
     }
 
     /// Registers a request in flight, in phase [`phase::RECEIVING`]; it finishes when the
     /// guard drops.
     pub fn start(&self, start: Start) -> OpGuard {
+        self.started.fetch_add(1, Ordering::Relaxed);
         let Some(inner) = &self.inner else {
             return OpGuard {
                 handle: OpHandle { tracked: None },

@@ -91,8 +91,8 @@ pub struct Settings {
     pub move_after: Duration,
     /// Most bytes per second a resync ships to one replica; `None`: unlimited.
     pub resync_bytes_per_second: Option<u64>,
-    /// The share of the time (1 to 100 %) a resync works while the volume's clients are
-    /// active; 100: it never yields.
+    /// The share of the time (1 to 100 %) a resync works while clients are active on the
+    /// primary's node or the replica's (any volume or bucket); 100: it never yields.
     pub resync_busy_percent: u8,
 }
 
@@ -108,6 +108,8 @@ pub(crate) struct Shared {
     pub counters: Counters,
     pub resync_bytes_per_second: Option<u64>,
     pub resync_busy_percent: u8,
+    /// Counts this node's client requests (every frontend): a resync yields while they come.
+    pub activity: keel_ops::Ops,
     /// Per volume, what the clients forwarding through this node left unflushed.
     pub forwarding: Mutex<HashMap<String, Weak<forward::Unflushed>>>,
 }
@@ -231,13 +233,15 @@ pub(crate) fn change_error(volume: &str, error: MetadataError) -> VolumeError {
 }
 
 impl Replication {
-    /// Starts the engine.
+    /// Starts the engine. `activity` is the server's request tracker: resyncs yield to the
+    /// clients it counts, of any volume or bucket on the node's disks.
     pub fn new(
         cluster: Arc<keel_cluster::Cluster>,
         peers: Arc<keel_rpc::Peers>,
         local: Arc<dyn LocalVolumes>,
         runtime: tokio::runtime::Handle,
         settings: Settings,
+        activity: keel_ops::Ops,
     ) -> Arc<Replication> {
         let metadata: Arc<dyn Metadata> = cluster.clone();
         let local_node = metadata.local_node();
@@ -253,6 +257,7 @@ impl Replication {
                 counters: Counters::default(),
                 resync_bytes_per_second: settings.resync_bytes_per_second,
                 resync_busy_percent: settings.resync_busy_percent,
+                activity,
                 forwarding: Mutex::new(HashMap::new()),
             }),
             primaries: Mutex::new(HashMap::new()),

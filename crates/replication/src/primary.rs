@@ -39,6 +39,8 @@ const RESYNC_READ_ATTEMPTS: u32 = 3;
 const LINGER: Duration = Duration::from_millis(1);
 /// Queued bytes that are sent at once, without lingering.
 const LINGER_BYTES_MAX: usize = 256 << 10;
+/// A resync to a replica whose node served clients within this (as its answers tell) yields.
+const REPLICA_BUSY_WINDOW: Duration = Duration::from_secs(1);
 /// How long an I/O waits for this node's lease to come back before it fails.
 const LEASE_WAIT: Duration = Duration::from_secs(3);
 /// How long a metadata change waits for the replicas to apply the writes before it.
@@ -104,6 +106,10 @@ struct Peer {
     resync_started: Option<Instant>,
     resync_compared: u64,
     resync_total: u64,
+    /// The client requests its node had started at its last answer ([`BatchAck`]), and when
+    /// an answer last showed that count grow.
+    client_requests: u64,
+    client_requests_grew: Option<Instant>,
     /// The chunk its resync reads without the order lock: `(start, end, touched)`, touched
     /// when a change ordered meanwhile overlaps it (the read is then done again).
     resync_reading: Option<(u64, u64, bool)>,
@@ -130,6 +136,8 @@ impl Peer {
             resync_started: None,
             resync_compared: 0,
             resync_total: 0,
+            client_requests: 0,
+            client_requests_grew: None,
             resync_reading: None,
             wake: Arc::new(tokio::sync::Notify::new()),
         }
@@ -371,6 +379,23 @@ impl Primary {
             return Err(unavailable(&self.name, why));
         }
         Ok(())
+    }
+
+    /// Client requests served on this node's disks: this volume's (forwarded ones included)
+    /// and every frontend's. Both counts only grow, so the sum moves when either does.
+    fn local_requests(&self) -> u64 {
+        self.client_requests.load(Ordering::Relaxed) + self.shared.activity.requests_started()
+    }
+
+    /// Whether the node of replica `node` served clients lately: its answers showed its count
+    /// grow within [`REPLICA_BUSY_WINDOW`] (they come a batch or a few behind its clients).
+    fn replica_node_busy(&self, node: NodeId) -> bool {
+        let now = self.shared.clock_now();
+        self.state()
+            .peers
+            .get(&node)
+            .and_then(|peer| peer.client_requests_grew)
+            .is_some_and(|grew| now.saturating_duration_since(grew) < REPLICA_BUSY_WINDOW)
     }
 
     /// A client's request arrives: counted (a resync yields while they do), then
@@ -680,7 +705,11 @@ impl Primary {
         };
         peer.queued_bytes = peer.queued_bytes.saturating_sub(sent.bytes);
         match sent.outcome {
-            Ok(_) => {
+            Ok(ack) => {
+                if ack.client_requests > peer.client_requests {
+                    peer.client_requests = ack.client_requests;
+                    peer.client_requests_grew = Some(self.shared.clock_now());
+                }
                 // An answer of a stream a resync has since replaced confirms nothing.
                 if let (Some((upto, count)), true) = (sent.flush, peer.stream == sent.stream) {
                     peer.durable_upto = peer.durable_upto.max(upto);
@@ -1191,7 +1220,7 @@ impl Primary {
         // The next chunk's hashes, asked for while this chunk is read and queued.
         let mut prefetched: Option<(u64, HashesAsked)> = None;
         let busy_percent = u32::from(self.shared.resync_busy_percent.clamp(1, 100));
-        let mut requests_seen = self.client_requests.load(Ordering::Relaxed);
+        let mut requests_seen = self.local_requests();
         while offset < size {
             let chunk_started = clock.now();
             if offset >= probed_to {
@@ -1262,13 +1291,14 @@ impl Primary {
                     clock.sleep(due - elapsed).await;
                 }
             }
-            // Clients came meanwhile: work only `busy_percent` of the time while they do.
-            let requests = self.client_requests.load(Ordering::Relaxed);
-            if requests != requests_seen && busy_percent < 100 {
+            // Clients came meanwhile, on either node: work only `busy_percent` of the time
+            // while they do.
+            let requests = self.local_requests();
+            if (requests != requests_seen || self.replica_node_busy(node)) && busy_percent < 100 {
                 clock
                     .sleep(worked * (100 - busy_percent) / busy_percent)
                     .await;
-                requests_seen = self.client_requests.load(Ordering::Relaxed);
+                requests_seen = self.local_requests();
             }
             if let Some(peer) = self.state().peers.get_mut(&node) {
                 peer.resync_compared = offset;

@@ -247,6 +247,7 @@ fn apply_batch(
     shared.counters.received(bytes);
     Ok(BatchAck {
         durable: batch.flush,
+        client_requests: shared.activity.requests_started(),
     })
 }
 

@@ -165,6 +165,9 @@ pub struct Batch {
 pub struct BatchAck {
     /// The replica flushed (the batch asked, and it succeeded).
     pub durable: bool,
+    /// Client requests the replica's node has started (all its frontends, every volume and
+    /// bucket): a resync to it yields while this moves.
+    pub client_requests: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
