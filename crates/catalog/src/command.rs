@@ -212,6 +212,18 @@ pub enum Command {
         replicas: Vec<NodeId>,
         in_sync_min: u8,
     },
+
+    // ---- bucket settings (appended) ----
+    /// Replaces a bucket's tags (empty: none).
+    BucketSetTags {
+        bucket: String,
+        tags: Vec<(String, String)>,
+    },
+    /// Replaces a bucket's CORS rules (empty: none).
+    BucketSetCors {
+        bucket: String,
+        rules: Vec<crate::records::CorsRule>,
+    },
 }
 
 impl Command {
@@ -245,6 +257,8 @@ impl Command {
             Command::BucketDelete { .. } => "bucket-delete",
             Command::BucketGrant { .. } => "bucket-grant",
             Command::BucketSetCompression { .. } => "bucket-set-compression",
+            Command::BucketSetTags { .. } => "bucket-set-tags",
+            Command::BucketSetCors { .. } => "bucket-set-cors",
         }
     }
 }

@@ -9,6 +9,7 @@
 //! | `v/snap/<volume id, 16 hex>/<gen, 16 hex>`   | [`SnapshotRecord`]                      |
 //! | `s3/key/<access key id>`                     | [`KeyRecord`] (version byte + postcard) |
 //! | `s3/bucket/<bucket>`                         | [`BucketRecord`] (version byte + ...)   |
+//! | `s3/bucket-settings/<bucket>`                | [`BucketSettings`] (version byte + ...) |
 //!
 //! The `v/` and `s3/` layouts are the ones single-node Keel wrote before the cluster existed, so
 //! an existing data directory becomes a one-node cluster without a migration step; volume
@@ -39,10 +40,17 @@ pub const VOLUME_PREFIX: &[u8] = b"v/vol/";
 pub const SNAPSHOT_PREFIX: &[u8] = b"v/snap/";
 pub const KEY_PREFIX: &[u8] = b"s3/key/";
 pub const BUCKET_PREFIX: &[u8] = b"s3/bucket/";
+pub const BUCKET_SETTINGS_PREFIX: &[u8] = b"s3/bucket-settings/";
 
 /// Every prefix the catalog owns: installing a Raft snapshot replaces exactly the records under
 /// these (and nothing else of the store).
-pub const CATALOG_PREFIXES: [&[u8]; 4] = [b"c/", b"v/", KEY_PREFIX, BUCKET_PREFIX];
+pub const CATALOG_PREFIXES: [&[u8]; 5] = [
+    b"c/",
+    b"v/",
+    KEY_PREFIX,
+    BUCKET_PREFIX,
+    BUCKET_SETTINGS_PREFIX,
+];
 
 // ---- cluster and nodes ----
 
@@ -403,6 +411,37 @@ pub struct BucketRecord {
     pub compression_code: u8,
 }
 
+/// A bucket's optional settings, apart from its [`BucketRecord`] (whose encoding predates
+/// them): its tags and its CORS rules. No record: neither.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BucketSettings {
+    pub name: String,
+    /// Key and value, sorted by key (S3's bucket tagging).
+    pub tags: Vec<(String, String)>,
+    /// In the order given: the first rule that matches a request applies.
+    pub cors: Vec<CorsRule>,
+}
+
+impl BucketSettings {
+    pub fn is_empty(&self) -> bool {
+        self.tags.is_empty() && self.cors.is_empty()
+    }
+}
+
+/// One CORS rule of a bucket (S3's `CORSRule`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CorsRule {
+    pub id: Option<String>,
+    /// Origins, each may hold one `*` wildcard.
+    pub allowed_origins: Vec<String>,
+    /// `GET`, `PUT`, `POST`, `DELETE`, `HEAD`.
+    pub allowed_methods: Vec<String>,
+    /// Request headers a preflight may ask for; each may hold one `*` wildcard.
+    pub allowed_headers: Vec<String>,
+    pub expose_headers: Vec<String>,
+    pub max_age_seconds: Option<i32>,
+}
+
 // ---- keys ----
 
 fn hex16(value: u64) -> String {
@@ -446,6 +485,10 @@ pub fn key_record_key(access_key_id: &str) -> Vec<u8> {
 
 pub fn bucket_key(bucket: &str) -> Vec<u8> {
     meta(BUCKET_PREFIX, bucket.as_bytes())
+}
+
+pub fn bucket_settings_key(bucket: &str) -> Vec<u8> {
+    meta(BUCKET_SETTINGS_PREFIX, bucket.as_bytes())
 }
 
 /// `meta_key(prefix)` and the first key past every key starting with it.

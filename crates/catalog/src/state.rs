@@ -21,8 +21,9 @@ use keel_store::{Compression, Store, WriteOp};
 
 use crate::command::{Command, Event, NodeSpec, Outcome, VolumeSettings};
 use crate::records::{
-    self, BucketRecord, ClusterRecord, KeyRecord, NodeRecord, NodeState, Origin, Replication,
-    SnapshotRecord, VolumeRecord, VolumeStatus, SNAPSHOT_RECORD_FORMAT, VOLUME_RECORD_FORMAT,
+    self, BucketRecord, BucketSettings, ClusterRecord, KeyRecord, NodeRecord, NodeState, Origin,
+    Replication, SnapshotRecord, VolumeRecord, VolumeStatus, SNAPSHOT_RECORD_FORMAT,
+    VOLUME_RECORD_FORMAT,
 };
 use crate::view::{Layer, Truncation};
 use crate::{
@@ -62,6 +63,10 @@ pub struct CatalogState {
     pub volumes: BTreeMap<u64, VolumeEntry>,
     pub keys: BTreeMap<String, KeyRecord>,
     pub buckets: BTreeMap<String, BucketRecord>,
+    /// Encoded after the rest in a snapshot ([`CatalogState::encode`]), so snapshots from
+    /// before bucket settings existed still decode.
+    #[serde(skip)]
+    pub bucket_settings: BTreeMap<String, BucketSettings>,
 }
 
 /// One record-level change a command makes.
@@ -78,6 +83,8 @@ pub enum Change {
     DeleteKey(String),
     PutBucket(BucketRecord),
     DeleteBucket(String),
+    PutBucketSettings(BucketSettings),
+    DeleteBucketSettings(String),
 }
 
 impl Change {
@@ -125,6 +132,13 @@ impl Change {
             ),
             Change::DeleteBucket(name) => WriteOp::Delete {
                 key: records::bucket_key(name),
+            },
+            Change::PutBucketSettings(settings) => put(
+                records::bucket_settings_key(&settings.name),
+                records::encode_versioned(settings),
+            ),
+            Change::DeleteBucketSettings(name) => WriteOp::Delete {
+                key: records::bucket_settings_key(name),
             },
         }
     }
@@ -235,6 +249,11 @@ impl CatalogState {
                 } else if suffix.starts_with(records::BUCKET_PREFIX) {
                     let record: BucketRecord = records::decode_versioned(&key, &value)?;
                     state.buckets.insert(record.name.clone(), record);
+                } else if suffix.starts_with(records::BUCKET_SETTINGS_PREFIX) {
+                    let settings: BucketSettings = records::decode_versioned(&key, &value)?;
+                    state
+                        .bucket_settings
+                        .insert(settings.name.clone(), settings);
                 } else {
                     tracing::warn!(
                         record = %String::from_utf8_lossy(suffix),
@@ -279,16 +298,41 @@ impl CatalogState {
         }
         changes.extend(self.keys.values().cloned().map(Change::PutKey));
         changes.extend(self.buckets.values().cloned().map(Change::PutBucket));
+        changes.extend(
+            self.bucket_settings
+                .values()
+                .cloned()
+                .map(Change::PutBucketSettings),
+        );
         ops.extend(changes.iter().map(Change::store_op));
         Ok(ops)
     }
 
+    /// A snapshot's encoding: the state (versioned), then the bucket settings (postcard),
+    /// which snapshots written before they existed lack.
     pub fn encode(&self) -> Vec<u8> {
-        records::encode_versioned(self)
+        let mut out = records::encode_versioned(self);
+        out.extend_from_slice(&records::encode_plain(&self.bucket_settings));
+        out
     }
 
     pub fn decode(bytes: &[u8]) -> Result<CatalogState, CatalogError> {
-        records::decode_versioned(b"\x01snapshot", bytes)
+        let corrupt = |detail: String| CatalogError::Corrupt {
+            record: "snapshot".to_string(),
+            detail,
+        };
+        let body = match bytes.split_first() {
+            Some((&records::RECORD_VERSION, body)) => body,
+            Some((version, _)) => return Err(corrupt(format!("unknown record version {version}"))),
+            None => return Err(corrupt("empty record".to_string())),
+        };
+        let (mut state, rest): (CatalogState, &[u8]) =
+            postcard::take_from_bytes(body).map_err(|error| corrupt(error.to_string()))?;
+        if !rest.is_empty() {
+            state.bucket_settings =
+                postcard::from_bytes(rest).map_err(|error| corrupt(error.to_string()))?;
+        }
+        Ok(state)
     }
 
     // ---- lookups ----
@@ -718,9 +762,22 @@ impl CatalogState {
                 if !self.buckets.contains_key(name) {
                     return Err(CatalogError::NoSuchBucket { name: name.clone() });
                 }
-                Ok(Plan::new(Outcome::Done)
-                    .change(Change::DeleteBucket(name.clone()))
-                    .event(Event::BucketChanged { name: name.clone() }))
+                let mut plan = Plan::new(Outcome::Done).change(Change::DeleteBucket(name.clone()));
+                if self.bucket_settings.contains_key(name) {
+                    plan = plan.change(Change::DeleteBucketSettings(name.clone()));
+                }
+                Ok(plan.event(Event::BucketChanged { name: name.clone() }))
+            }
+            Command::BucketSetTags { bucket, tags } => {
+                let mut settings = self.settings_of(bucket)?;
+                settings.tags = tags.clone();
+                settings.tags.sort();
+                Ok(self.put_settings(settings))
+            }
+            Command::BucketSetCors { bucket, rules } => {
+                let mut settings = self.settings_of(bucket)?;
+                settings.cors = rules.clone();
+                Ok(self.put_settings(settings))
             }
             Command::BucketGrant {
                 bucket,
@@ -822,8 +879,45 @@ impl CatalogState {
                 Change::DeleteBucket(name) => {
                     self.buckets.remove(name);
                 }
+                Change::PutBucketSettings(settings) => {
+                    self.bucket_settings
+                        .insert(settings.name.clone(), settings.clone());
+                }
+                Change::DeleteBucketSettings(name) => {
+                    self.bucket_settings.remove(name);
+                }
             }
         }
+    }
+
+    /// A bucket's settings as they are (default when it has none yet).
+    fn settings_of(&self, bucket: &str) -> Result<BucketSettings, CatalogError> {
+        if !self.buckets.contains_key(bucket) {
+            return Err(CatalogError::NoSuchBucket {
+                name: bucket.to_string(),
+            });
+        }
+        Ok(self
+            .bucket_settings
+            .get(bucket)
+            .cloned()
+            .unwrap_or_else(|| BucketSettings {
+                name: bucket.to_string(),
+                ..BucketSettings::default()
+            }))
+    }
+
+    /// Records `settings` (or drops the record when nothing is set).
+    fn put_settings(&self, settings: BucketSettings) -> Plan {
+        let name = settings.name.clone();
+        let change = if settings.is_empty() {
+            Change::DeleteBucketSettings(name.clone())
+        } else {
+            Change::PutBucketSettings(settings)
+        };
+        Plan::new(Outcome::Done)
+            .change(change)
+            .event(Event::BucketChanged { name })
     }
 
     fn live_node(&self, id: NodeId) -> Result<&NodeRecord, CatalogError> {

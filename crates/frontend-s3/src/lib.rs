@@ -12,6 +12,7 @@
 //! [`CONNECTIONS_MAX`].
 
 pub mod auth;
+mod cors;
 pub mod error;
 pub mod ingest;
 pub mod keys;
@@ -281,6 +282,7 @@ pub async fn serve(
         service: frontend.service(),
         metrics: frontend.metrics.clone(),
         ops: frontend.ops.clone(),
+        objects: frontend.objects.clone(),
         peer: None,
     };
     // Free chunks orphaned by a crash or an abandoned upload, once per start, in the background

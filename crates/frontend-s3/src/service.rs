@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use futures::StreamExt;
+use keel_catalog::CorsRule;
 use keel_namespace::object::list::{ListRequest, ListResult, ListStart, LIST_ENTRIES_MAX};
 use keel_namespace::object::multipart::PARTS_MAX;
 use keel_namespace::object::{
@@ -549,6 +550,133 @@ impl S3 for KeelS3 {
     ) -> S3Result<S3Response<GetBucketLocationOutput>> {
         self.require_bucket(&req.input.bucket)?;
         Ok(S3Response::new(GetBucketLocationOutput::default()))
+    }
+
+    async fn get_bucket_tagging(
+        &self,
+        req: S3Request<GetBucketTaggingInput>,
+    ) -> S3Result<S3Response<GetBucketTaggingOutput>> {
+        self.require_bucket(&req.input.bucket)?;
+        let tags = self
+            .objects
+            .bucket_settings(&req.input.bucket)
+            .map(|settings| settings.tags)
+            .unwrap_or_default();
+        if tags.is_empty() {
+            return Err(s3_error!(NoSuchTagSet, "The TagSet does not exist"));
+        }
+        Ok(S3Response::new(GetBucketTaggingOutput {
+            tag_set: tags
+                .into_iter()
+                .map(|(key, value)| Tag {
+                    key: Some(key),
+                    value: Some(value),
+                })
+                .collect(),
+        }))
+    }
+
+    async fn put_bucket_tagging(
+        &self,
+        req: S3Request<PutBucketTaggingInput>,
+    ) -> S3Result<S3Response<PutBucketTaggingOutput>> {
+        let input = req.input;
+        self.require_bucket(&input.bucket)?;
+        let tags: Tags = input
+            .tagging
+            .tag_set
+            .into_iter()
+            .map(|tag| (tag.key.unwrap_or_default(), tag.value.unwrap_or_default()))
+            .collect();
+        let objects = self.objects.clone();
+        blocking(move || objects.set_bucket_tags(&input.bucket, tags)).await?;
+        Ok(S3Response::new(PutBucketTaggingOutput::default()))
+    }
+
+    async fn delete_bucket_tagging(
+        &self,
+        req: S3Request<DeleteBucketTaggingInput>,
+    ) -> S3Result<S3Response<DeleteBucketTaggingOutput>> {
+        let bucket = req.input.bucket;
+        self.require_bucket(&bucket)?;
+        let objects = self.objects.clone();
+        blocking(move || objects.set_bucket_tags(&bucket, Tags::new())).await?;
+        Ok(S3Response::new(DeleteBucketTaggingOutput::default()))
+    }
+
+    async fn get_bucket_cors(
+        &self,
+        req: S3Request<GetBucketCorsInput>,
+    ) -> S3Result<S3Response<GetBucketCorsOutput>> {
+        self.require_bucket(&req.input.bucket)?;
+        let rules = self
+            .objects
+            .bucket_settings(&req.input.bucket)
+            .map(|settings| settings.cors)
+            .unwrap_or_default();
+        if rules.is_empty() {
+            return Err(s3_error!(
+                NoSuchCORSConfiguration,
+                "The CORS configuration does not exist"
+            ));
+        }
+        let optional = |list: Vec<String>| (!list.is_empty()).then_some(list);
+        Ok(S3Response::new(GetBucketCorsOutput {
+            cors_rules: Some(
+                rules
+                    .into_iter()
+                    .map(|rule| CORSRule {
+                        allowed_headers: optional(rule.allowed_headers),
+                        allowed_methods: rule.allowed_methods,
+                        allowed_origins: rule.allowed_origins,
+                        expose_headers: optional(rule.expose_headers),
+                        id: rule.id,
+                        max_age_seconds: rule.max_age_seconds,
+                    })
+                    .collect(),
+            ),
+        }))
+    }
+
+    async fn put_bucket_cors(
+        &self,
+        req: S3Request<PutBucketCorsInput>,
+    ) -> S3Result<S3Response<PutBucketCorsOutput>> {
+        let input = req.input;
+        self.require_bucket(&input.bucket)?;
+        let rules: Vec<CorsRule> = input
+            .cors_configuration
+            .cors_rules
+            .into_iter()
+            .map(|rule| CorsRule {
+                id: rule.id,
+                allowed_origins: rule.allowed_origins,
+                allowed_methods: rule.allowed_methods,
+                allowed_headers: rule.allowed_headers.unwrap_or_default(),
+                expose_headers: rule.expose_headers.unwrap_or_default(),
+                max_age_seconds: rule.max_age_seconds,
+            })
+            .collect();
+        if rules.is_empty() {
+            return Err(s3_error!(
+                MalformedXML,
+                "a CORS configuration needs a CORSRule"
+            ));
+        }
+        let objects = self.objects.clone();
+        blocking(move || objects.set_bucket_cors(&input.bucket, rules)).await?;
+        Ok(S3Response::new(PutBucketCorsOutput::default()))
+    }
+
+    async fn delete_bucket_cors(
+        &self,
+        req: S3Request<DeleteBucketCorsInput>,
+    ) -> S3Result<S3Response<DeleteBucketCorsOutput>> {
+        let bucket = req.input.bucket;
+        self.require_bucket(&bucket)?;
+        let objects = self.objects.clone();
+        blocking(move || objects.set_bucket_cors(&bucket, Vec::new())).await?;
+        Ok(S3Response::new(DeleteBucketCorsOutput::default()))
     }
 
     async fn get_bucket_versioning(

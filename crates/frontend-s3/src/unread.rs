@@ -7,8 +7,9 @@
 //! `SignatureDoesNotMatch`. So an answer given before its request's body ended closes the
 //! connection (`Connection: close`), as HTTP/1.1 allows.
 //!
-//! The same layer measures each request for `/metrics` ([`crate::metrics`]) and registers it
-//! for `keel ops` until its answer's head is ready (a GET's body streams after that).
+//! The same layer measures each request for `/metrics` ([`crate::metrics`]), registers it for
+//! `keel ops` until its answer's head is ready (a GET's body streams after that), and applies
+//! the bucket's CORS rules ([`crate::cors`]).
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -17,7 +18,7 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use futures::future::BoxFuture;
-use http::header::{HeaderValue, CONNECTION, CONTENT_LENGTH};
+use http::header::{HeaderValue, CONNECTION, CONTENT_LENGTH, ORIGIN};
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use s3s::service::S3Service;
@@ -46,6 +47,8 @@ pub struct CloseOnUnreadBody {
     pub service: S3Service,
     pub metrics: S3Metrics,
     pub ops: keel_ops::Ops,
+    /// For the buckets' CORS rules.
+    pub objects: Arc<keel_namespace::object::Objects>,
     /// The connection's client (set per connection).
     pub peer: Option<std::net::SocketAddr>,
 }
@@ -77,6 +80,28 @@ impl hyper::service::Service<http::Request<Incoming>> for CloseOnUnreadBody {
             target: keel_ops::Target::Path(parts.uri.path().trim_start_matches('/').to_string()),
             client: self.peer,
         });
+        if let Some(answer) = crate::cors::preflight(
+            &self.objects,
+            &parts.method,
+            parts.uri.path(),
+            &parts.headers,
+        ) {
+            measured.finish(&self.metrics, answer.status().as_u16(), 0, Some(0));
+            return Box::pin(async move { Ok(answer) });
+        }
+        let origin = parts
+            .headers
+            .get(ORIGIN)
+            .and_then(|origin| origin.to_str().ok())
+            .map(str::to_string);
+        let cors = origin.map(|origin| {
+            (
+                self.objects.clone(),
+                parts.method.clone(),
+                parts.uri.path().to_string(),
+                origin,
+            )
+        });
         let ended = Arc::new(AtomicBool::new(body.is_end_stream()));
         let read_bytes = Arc::new(AtomicU64::new(0));
         let tracked = Tracked {
@@ -90,6 +115,9 @@ impl hyper::service::Service<http::Request<Incoming>> for CloseOnUnreadBody {
         Box::pin(async move {
             let mut response = CURRENT_OP.scope(op.handle(), service.call(request)).await?;
             op.phase(keel_ops::phase::REPLYING);
+            if let Some((objects, method, path, origin)) = cors {
+                crate::cors::decorate(&objects, &method, &path, &origin, &mut response);
+            }
             let body_out = response
                 .headers()
                 .get(CONTENT_LENGTH)

@@ -19,6 +19,7 @@
 //! - every method blocks (store I/O): async callers run them in `spawn_blocking`.
 
 pub mod chunks;
+pub mod cors;
 pub mod list;
 pub mod multipart;
 pub mod records;
@@ -29,7 +30,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use keel_catalog::{CatalogError, Command, Metadata, MetadataError};
+use keel_catalog::{BucketSettings, CatalogError, Command, CorsRule, Metadata, MetadataError};
 use keel_store::{Compression, Durability, Store, StoreError, WriteOp};
 
 pub use chunks::{ChunkStore, LocalChunkStore, PinSet, PinTable, Stripes};
@@ -175,9 +176,20 @@ const TAG_VALUE_MAX_CHARS: usize = 256;
 /// S3's rules for an object's tags: at most [`TAGS_MAX`], keys of 1 to 128 characters and
 /// values of at most 256, each key once.
 pub fn validate_tags(tags: &Tags) -> Result<(), ObjectError> {
-    if tags.len() > TAGS_MAX {
+    validate_tag_set(tags, TAGS_MAX, "an object")
+}
+
+/// Most tags a bucket carries (S3's limit).
+pub const BUCKET_TAGS_MAX: usize = 50;
+
+pub fn validate_bucket_tags(tags: &Tags) -> Result<(), ObjectError> {
+    validate_tag_set(tags, BUCKET_TAGS_MAX, "a bucket")
+}
+
+fn validate_tag_set(tags: &Tags, max: usize, owner: &str) -> Result<(), ObjectError> {
+    if tags.len() > max {
         return Err(ObjectError::InvalidTag(format!(
-            "an object may carry at most {TAGS_MAX} tags ({} given)",
+            "{owner} may carry at most {max} tags ({} given)",
             tags.len()
         )));
     }
@@ -554,6 +566,34 @@ impl Objects {
         self.propose(Command::BucketSetCompression {
             bucket: bucket.to_string(),
             compression_code: compression.code(),
+        })
+    }
+
+    /// A bucket's tags and CORS rules (none set: `None`).
+    pub fn bucket_settings(&self, name: &str) -> Option<BucketSettings> {
+        self.metadata
+            .catalog()
+            .read()
+            .bucket_settings
+            .get(name)
+            .cloned()
+    }
+
+    /// Replaces a bucket's tags (empty: removes them).
+    pub fn set_bucket_tags(&self, bucket: &str, tags: Tags) -> Result<(), ObjectError> {
+        validate_bucket_tags(&tags)?;
+        self.propose(Command::BucketSetTags {
+            bucket: bucket.to_string(),
+            tags,
+        })
+    }
+
+    /// Replaces a bucket's CORS rules (empty: removes them).
+    pub fn set_bucket_cors(&self, bucket: &str, rules: Vec<CorsRule>) -> Result<(), ObjectError> {
+        cors::validate_cors(&rules)?;
+        self.propose(Command::BucketSetCors {
+            bucket: bucket.to_string(),
+            rules,
         })
     }
 

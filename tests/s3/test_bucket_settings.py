@@ -1,0 +1,196 @@
+"""Bucket tagging and CORS through boto3, the aws cli and plain HTTP (a browser's preflight
+carries no signature): set, read back, replaced, deleted, kept across a kill -9, refused when
+invalid, dropped with the bucket; preflights answered by the first matching rule and refused
+for other origins, methods and headers; allowed origins get the Access-Control-* headers on
+real answers."""
+
+import json
+import os
+import subprocess
+import tempfile
+import uuid
+
+import botocore
+import pytest
+import requests
+
+from conftest import ACCESS_KEY_ID, SECRET_ACCESS_KEY, error_code, http_status, make_client, require_tool
+
+CORS = {
+    "CORSRules": [
+        {"ID": "app", "AllowedOrigins": ["https://app.example.com"], "AllowedMethods": ["GET", "PUT"],
+         "AllowedHeaders": ["Content-*", "x-amz-*"], "ExposeHeaders": ["ETag"], "MaxAgeSeconds": 600},
+        {"AllowedOrigins": ["https://*.cdn.example.net"], "AllowedMethods": ["GET"]},
+    ]
+}
+
+
+def bucket_tags(s3, bucket):
+    return {t["Key"]: t["Value"] for t in s3.get_bucket_tagging(Bucket=bucket)["TagSet"]}
+
+
+def preflight(endpoint, path, origin, method, headers=None):
+    asked = {"Origin": origin, "Access-Control-Request-Method": method}
+    if headers:
+        asked["Access-Control-Request-Headers"] = headers
+    return requests.options(f"{endpoint}{path}", headers=asked, timeout=30)
+
+
+def test_bucket_tags_are_set_replaced_and_deleted(s3, bucket):
+    # Proves PutBucketTagging, GetBucketTagging (NoSuchTagSet before and after), replacing the
+    # whole set, DeleteBucketTagging, and that bucket tags are not object tags.
+    with pytest.raises(botocore.exceptions.ClientError) as none:
+        s3.get_bucket_tagging(Bucket=bucket)
+    assert error_code(none) == "NoSuchTagSet" and http_status(none) == 404
+    s3.put_bucket_tagging(Bucket=bucket, Tagging={"TagSet": [{"Key": "team", "Value": "db"},
+                                                             {"Key": "cost-center", "Value": "42"}]})
+    assert bucket_tags(s3, bucket) == {"team": "db", "cost-center": "42"}
+    s3.put_object(Bucket=bucket, Key="obj", Body=b"x")
+    assert s3.get_object_tagging(Bucket=bucket, Key="obj")["TagSet"] == []
+    s3.put_bucket_tagging(Bucket=bucket, Tagging={"TagSet": [{"Key": "team", "Value": "web"}]})
+    assert bucket_tags(s3, bucket) == {"team": "web"}
+    s3.delete_bucket_tagging(Bucket=bucket)
+    with pytest.raises(botocore.exceptions.ClientError) as gone:
+        s3.get_bucket_tagging(Bucket=bucket)
+    assert error_code(gone) == "NoSuchTagSet"
+
+
+def test_invalid_bucket_tags_are_refused_and_change_nothing(s3, bucket):
+    # Proves S3's limits on bucket tags (50 tags, keys of 1 to 128 characters, values of at most
+    # 256, each key once) are refused with InvalidTag, leaving the tags as they were.
+    s3.put_bucket_tagging(Bucket=bucket, Tagging={"TagSet": [{"Key": "keep", "Value": "me"}]})
+    fifty = [{"Key": f"k{i}", "Value": "v"} for i in range(50)]
+    s3.put_bucket_tagging(Bucket=bucket, Tagging={"TagSet": fifty})
+    assert len(bucket_tags(s3, bucket)) == 50
+    s3.put_bucket_tagging(Bucket=bucket, Tagging={"TagSet": [{"Key": "keep", "Value": "me"}]})
+    for bad in ([{"Key": f"k{i}", "Value": "v"} for i in range(51)],
+                [{"Key": "k" * 129, "Value": "v"}],
+                [{"Key": "k", "Value": "v" * 257}],
+                [{"Key": "twice", "Value": "1"}, {"Key": "twice", "Value": "2"}]):
+        with pytest.raises(botocore.exceptions.ClientError) as refused:
+            s3.put_bucket_tagging(Bucket=bucket, Tagging={"TagSet": bad})
+        assert error_code(refused) == "InvalidTag", bad[:2]
+        assert bucket_tags(s3, bucket) == {"keep": "me"}
+
+
+def test_cors_rules_are_stored_replaced_and_deleted(s3, bucket):
+    # Proves PutBucketCors and GetBucketCors round-trip every field, NoSuchCORSConfiguration
+    # before and after DeleteBucketCors, and invalid rules refused without changing the stored
+    # ones.
+    with pytest.raises(botocore.exceptions.ClientError) as none:
+        s3.get_bucket_cors(Bucket=bucket)
+    assert error_code(none) == "NoSuchCORSConfiguration" and http_status(none) == 404
+    s3.put_bucket_cors(Bucket=bucket, CORSConfiguration=CORS)
+    assert s3.get_bucket_cors(Bucket=bucket)["CORSRules"] == CORS["CORSRules"]
+    for bad in ({"AllowedOrigins": ["*"], "AllowedMethods": ["PATCH"]},
+                {"AllowedOrigins": ["https://*.*.example.com"], "AllowedMethods": ["GET"]}):
+        with pytest.raises(botocore.exceptions.ClientError) as refused:
+            s3.put_bucket_cors(Bucket=bucket, CORSConfiguration={"CORSRules": [bad]})
+        assert http_status(refused) == 400, bad
+    assert s3.get_bucket_cors(Bucket=bucket)["CORSRules"] == CORS["CORSRules"]
+    s3.delete_bucket_cors(Bucket=bucket)
+    with pytest.raises(botocore.exceptions.ClientError) as gone:
+        s3.get_bucket_cors(Bucket=bucket)
+    assert error_code(gone) == "NoSuchCORSConfiguration"
+
+
+def test_preflights_follow_the_buckets_rules(server, s3, bucket):
+    # Proves a preflight (unsigned OPTIONS) is refused (403) while the bucket has no rules and
+    # for an origin, method or header no rule allows; answered 200 with what the first matching
+    # rule allows otherwise; and a request without Origin is a 400.
+    path = f"/{bucket}/photo.jpg"
+    denied = preflight(server.endpoint, path, "https://app.example.com", "GET")
+    assert denied.status_code == 403 and "CORS is not enabled" in denied.text
+    s3.put_bucket_cors(Bucket=bucket, CORSConfiguration=CORS)
+
+    ok = preflight(server.endpoint, path, "https://app.example.com", "PUT", "content-type, X-Amz-Date")
+    assert ok.status_code == 200, ok.text
+    assert ok.headers["Access-Control-Allow-Origin"] == "https://app.example.com"
+    assert ok.headers["Access-Control-Allow-Methods"] == "GET, PUT"
+    assert ok.headers["Access-Control-Allow-Headers"] == "content-type, X-Amz-Date"
+    assert ok.headers["Access-Control-Expose-Headers"] == "ETag"
+    assert ok.headers["Access-Control-Max-Age"] == "600"
+    assert "Origin" in ok.headers["Vary"]
+
+    cdn = preflight(server.endpoint, path, "https://eu.cdn.example.net", "GET")
+    assert cdn.status_code == 200 and cdn.headers["Access-Control-Allow-Origin"] == "https://eu.cdn.example.net"
+
+    for origin, method, headers in (("https://evil.example.org", "GET", None),
+                                    ("https://eu.cdn.example.net", "PUT", None),
+                                    ("https://app.example.com", "DELETE", None),
+                                    ("https://app.example.com", "PUT", "authorization")):
+        refused = preflight(server.endpoint, path, origin, method, headers)
+        assert refused.status_code == 403, (origin, method, headers)
+        assert "Access-Control-Allow-Origin" not in refused.headers
+    bad = requests.options(f"{server.endpoint}{path}", timeout=30)
+    assert bad.status_code == 400
+
+
+def test_allowed_origins_get_cors_headers_on_real_answers(s3, bucket):
+    # Proves a signed request carrying an allowed Origin gets Access-Control-Allow-Origin on its
+    # answer, and one from another origin (or another method) does not, while it is served the
+    # same either way.
+    s3.put_bucket_cors(Bucket=bucket, CORSConfiguration=CORS)
+    s3.put_object(Bucket=bucket, Key="page.html", Body=b"<p>hi</p>")
+
+    def get_with_origin(origin):
+        def add_origin(request, **_):
+            request.headers["Origin"] = origin
+        s3.meta.events.register_first("before-sign.s3.GetObject", add_origin)
+        try:
+            return s3.get_object(Bucket=bucket, Key="page.html")
+        finally:
+            s3.meta.events.unregister("before-sign.s3.GetObject", add_origin)
+
+    allowed = get_with_origin("https://app.example.com")
+    headers = allowed["ResponseMetadata"]["HTTPHeaders"]
+    assert allowed["Body"].read() == b"<p>hi</p>"
+    assert headers["access-control-allow-origin"] == "https://app.example.com"
+    assert headers["access-control-expose-headers"] == "ETag"
+    other = get_with_origin("https://evil.example.org")
+    assert other["Body"].read() == b"<p>hi</p>"
+    assert "access-control-allow-origin" not in other["ResponseMetadata"]["HTTPHeaders"]
+
+
+def test_bucket_settings_survive_a_kill_and_go_with_the_bucket(fresh_server):
+    # Proves tags and CORS rules are durable once acknowledged (kill -9, restart), that the aws
+    # cli reads and writes them, and that deleting the bucket drops them (a new bucket of the
+    # same name starts without).
+    require_tool("aws", "awscli")
+    fresh_server.start()
+    s3 = make_client(fresh_server.endpoint)
+    bucket = f"t-{uuid.uuid4().hex[:12]}"
+    s3.create_bucket(Bucket=bucket)
+    s3.put_bucket_tagging(Bucket=bucket, Tagging={"TagSet": [{"Key": "team", "Value": "db"}]})
+    s3.put_bucket_cors(Bucket=bucket, CORSConfiguration=CORS)
+    fresh_server.kill9()
+    fresh_server.start()
+    s3 = make_client(fresh_server.endpoint)
+    assert bucket_tags(s3, bucket) == {"team": "db"}
+    assert s3.get_bucket_cors(Bucket=bucket)["CORSRules"] == CORS["CORSRules"]
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
+        config = os.path.join(tmp, "aws-config")
+        with open(config, "w") as f:
+            f.write("[default]\nregion = us-east-1\ns3 =\n    addressing_style = path\n")
+        env = dict(os.environ, AWS_CONFIG_FILE=config, AWS_SHARED_CREDENTIALS_FILE=os.path.join(tmp, "none"),
+                   AWS_ACCESS_KEY_ID=ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY=SECRET_ACCESS_KEY)
+
+        def aws(*args):
+            done = subprocess.run(["aws", "--endpoint-url", fresh_server.endpoint, "s3api", *args, "--bucket", bucket],
+                                  env=env, capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stderr
+            return done.stdout
+
+        aws("put-bucket-tagging", "--tagging", "TagSet=[{Key=cli,Value=yes}]")
+        assert json.loads(aws("get-bucket-tagging"))["TagSet"] == [{"Key": "cli", "Value": "yes"}]
+        rules = json.loads(aws("get-bucket-cors"))["CORSRules"]
+        assert [rule["AllowedOrigins"] for rule in rules] == [["https://app.example.com"],
+                                                              ["https://*.cdn.example.net"]]
+    s3.delete_bucket(Bucket=bucket)
+    s3.create_bucket(Bucket=bucket)
+    with pytest.raises(botocore.exceptions.ClientError) as tags:
+        s3.get_bucket_tagging(Bucket=bucket)
+    assert error_code(tags) == "NoSuchTagSet"
+    with pytest.raises(botocore.exceptions.ClientError) as cors:
+        s3.get_bucket_cors(Bucket=bucket)
+    assert error_code(cors) == "NoSuchCORSConfiguration"
