@@ -3,7 +3,8 @@
 its primary the volume is served again through the other node, and how long a client's
 writes stall when a replica is killed instead.
 
-    python3 scripts/bench/failover.py [--kills 100] [--replica-kills 20] [--json out.json]
+    python3 scripts/bench/failover.py [--kills 100] [--leader-kills 100] [--replica-kills 20]
+        [--json out.json]
 
 One loopback cluster: two storage nodes and a witness, an R=2 volume. Each primary kill runs
 `keel bench durability write` (a FLUSH every 4 writes, 4 writers) through the primary, kills
@@ -11,7 +12,9 @@ it -9 after 1-3 s, then attaches through the other node, retrying every 50 ms un
 a read (the take-over), and runs `keel bench durability verify` there: a round with a lost
 flushed write fails the benchmark. The killed node restarts, catches up and is the replica of
 the next round, so the roles alternate (and so does which node leads Raft: each round records
-whether the killed primary also led it). Each replica kill writes and flushes 4 KiB blocks
+whether the killed primary also led it). --leader-kills rounds first hand Raft leadership to
+the primary (`POST /api/v1/cluster/leader`), so the survivors must elect a leader before the
+volume can be handed over. Each replica kill writes and flushes 4 KiB blocks
 through the primary (QD1) and reports the longest gap between two acknowledged FLUSHes around
 the kill (the primary drops the replica through Raft before a FLUSH completes without it).
 
@@ -68,10 +71,14 @@ def served_after(node, since):
     raise AssertionError(f"{node.name} did not serve {NAME} within 60 s of the kill")
 
 
-def kill_primary(nodes, primary, round_index, leader_id):
+def kill_primary(nodes, primary, round_index, leader_id, make_leader):
     node, other = nodes[primary], nodes[1 - primary]
     both_in_sync(node)
+    if make_leader:
+        code, answer = node.api("POST", "/api/v1/cluster/leader", {"node": str(node.node_id())})
+        assert code == 200, answer
     killed_led = leader_id() == node.node_id()
+    assert killed_led or not make_leader
     log = WORK / f"durability-{round_index}.log"
     writer = subprocess.Popen(
         [KEEL_BIN, "bench", "durability", "write", "--target", f"nbd://{node.host}:{node.nbd_port}/{NAME}",
@@ -148,6 +155,8 @@ def summarize(values):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kills", type=int, default=100, help="primary kills")
+    parser.add_argument("--leader-kills", type=int, default=0,
+                        help="primary kills where the primary also leads Raft")
     parser.add_argument("--replica-kills", type=int, default=20)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -170,11 +179,12 @@ def main():
             stalls.append(stall)
             print(f"replica kill {round_index + 1}/{args.replica_kills}: longest FLUSH gap {stall:.2f} s",
                   flush=True)
-        for round_index in range(args.kills):
+        for round_index in range(args.kills + args.leader_kills):
             alive = nodes[1 - primary]
-            took, led = kill_primary(nodes, primary, round_index, lambda: cluster.leader(via=alive))
+            make_leader = round_index >= args.kills
+            took, led = kill_primary(nodes, primary, round_index, lambda: cluster.leader(via=alive), make_leader)
             (leader_takeovers if led else takeovers).append(took)
-            print(f"primary kill {round_index + 1}/{args.kills}: served through the other node "
+            print(f"primary kill {round_index + 1}/{args.kills + args.leader_kills}: served through the other node "
                   f"{took:.2f} s after the kill{' (it also led Raft)' if led else ''}", flush=True)
             primary = 1 - primary
     finally:

@@ -235,6 +235,31 @@ def test_drain_and_remove(cluster):
     assert all(n["record"]["id"] != removed_id or n["record"]["removed"] for n in status["nodes"])
 
 
+def test_leadership_moves_to_the_voter_asked(cluster):
+    """`keel cluster transfer-leader` hands Raft leadership to the voter named (asked of a
+    follower, which asks the leader), and back by id; a learner or an unknown node is refused
+    and the leader stays."""
+    nodes = [cluster.add() for _ in range(4)]
+    wait_until("three voters", lambda: len(cluster.voters()) == 3)
+    voters = cluster.voters()
+    learner = next(n for n in nodes if n.node_id() not in voters)
+    leader = cluster.leader()
+    followers = [n for n in nodes if n.node_id() in voters and n.node_id() != leader]
+    asked, target = followers
+    done = asked.cli("cluster", "transfer-leader", target.name)
+    assert f"node {target.node_id()} ({target.name}) leads" in done.stdout, done.stdout
+    wait_until("every node sees the new leader",
+               lambda: all(cluster.leader(via=n) == target.node_id() for n in nodes))
+    back = target.cli("cluster", "transfer-leader", str(leader))
+    assert f"node {leader} " in back.stdout, back.stdout
+    wait_until("the old leader leads again", lambda: cluster.leader(via=asked) == leader)
+    refused = asked.cli("cluster", "transfer-leader", learner.name, check=False)
+    assert refused.returncode != 0 and "only a metadata voter can lead" in refused.stderr, refused.stderr
+    unknown = asked.cli("cluster", "transfer-leader", "no-such-node", check=False)
+    assert unknown.returncode != 0 and "not found" in unknown.stderr, unknown.stderr
+    assert cluster.leader(via=asked) == leader
+
+
 def test_force_primary_after_losing_both_other_voters(cluster):
     """Two storage nodes and a witness, both others lost: the survivor refuses metadata writes;
     force-primary (refused without confirmation) makes it the only voter and writes resume."""

@@ -57,7 +57,7 @@ use messages::{
     JoinRequest, JoinResponse, Proposal, Proposed, CODE_BAD_REQUEST, CODE_FAILED, CODE_NOT_LEADER,
     CODE_NOT_READY, CODE_REFUSED, METHOD_HEARTBEAT, METHOD_JOIN, METHOD_PROPOSE,
     METHOD_RAFT_APPEND, METHOD_RAFT_PRE_VOTE, METHOD_RAFT_SNAPSHOT, METHOD_RAFT_TRANSFER_LEADER,
-    METHOD_RAFT_VOTE, METHOD_SILENCE, METHOD_STATUS,
+    METHOD_RAFT_VOTE, METHOD_SILENCE, METHOD_STATUS, METHOD_TRANSFER_LEADERSHIP,
 };
 
 const IDENTITY_SUFFIX: &[u8] = b"l/identity";
@@ -1073,6 +1073,24 @@ impl Cluster {
                 encode_answer(&acked_ms_ago)
             }
             METHOD_STATUS => encode_answer(&self.liveness_view()),
+            METHOD_TRANSFER_LEADERSHIP => {
+                let to: NodeId = decode_request(&payload).map_err(bad_request)?;
+                if !self.is_leader() {
+                    return Err(RemoteFailure {
+                        code: CODE_NOT_LEADER,
+                        message: "not the leader".to_string(),
+                    });
+                }
+                self.raft
+                    .trigger()
+                    .transfer_leader(to)
+                    .await
+                    .map_err(|error| RemoteFailure {
+                        code: CODE_FAILED,
+                        message: error.to_string(),
+                    })?;
+                encode_answer(&())
+            }
             METHOD_SILENCE => {
                 let node: NodeId = decode_request(&payload).map_err(bad_request)?;
                 match self.local_silence(node) {
@@ -1297,6 +1315,55 @@ impl Cluster {
         self.propose_async(Command::NodeSetDraining { id: node, draining })
             .await
             .map(|_| ())
+    }
+
+    /// Hands Raft leadership to the voter `to` (before maintenance on the leader's machine, or
+    /// to place it): the leader starts an election on `to`, which the other voters join at
+    /// once. Returns once this node sees `to` lead; asked of a follower, it asks the leader.
+    pub async fn transfer_leadership(&self, to: NodeId) -> Result<(), MetadataError> {
+        let metrics = self.metrics();
+        if !metrics.membership_config.voter_ids().any(|id| id == to) {
+            return Err(MetadataError::Refused(
+                keel_catalog::CatalogError::Invalid {
+                    subject: format!("node {to}"),
+                    detail: "only a metadata voter can lead (see `keel node list`)".to_string(),
+                },
+            ));
+        }
+        let unavailable = |detail: String| MetadataError::Unavailable { detail };
+        match metrics.current_leader {
+            Some(leader) if leader == to => return Ok(()),
+            Some(leader) if leader == self.identity.node_id => self
+                .raft
+                .trigger()
+                .transfer_leader(to)
+                .await
+                .map_err(|error| unavailable(error.to_string()))?,
+            Some(leader) => {
+                let payload =
+                    postcard::to_allocvec(&to).map_err(|error| unavailable(error.to_string()))?;
+                self.call_node(
+                    leader,
+                    METHOD_TRANSFER_LEADERSHIP,
+                    payload,
+                    self.config.timing.call_timeout,
+                )
+                .await
+                .map_err(|error| unavailable(error.to_string()))?;
+            }
+            None => return Err(unavailable("no leader".to_string())),
+        }
+        let clock = self.config.clock.clone();
+        let deadline = clock.now() + self.config.timing.propose_timeout;
+        while self.leader() != Some(to) {
+            if clock.now() >= deadline {
+                return Err(MetadataError::Timeout {
+                    detail: format!("node {to} did not take the leadership over"),
+                });
+            }
+            clock.sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
     }
 
     /// Removes a node from the cluster for good (its id is never reused).

@@ -17,6 +17,8 @@ pub const METHOD_HEARTBEAT: u16 = 12;
 pub const METHOD_STATUS: u16 = 13;
 /// How long the leader has heard nothing from a node (a failover waits out its lease).
 pub const METHOD_SILENCE: u16 = 14;
+/// Asks the leader to hand its leadership to a voter (a node id).
+pub const METHOD_TRANSFER_LEADERSHIP: u16 = 15;
 /// Methods from this number up belong to the layers above the cluster (replication).
 pub const METHOD_FIRST_ABOVE: u16 = 256;
 

@@ -167,6 +167,7 @@ pub fn router(state: Shared) -> Router {
         .route("/api/v1/jobs/{id}", get(job_status))
         .route("/api/v1/cluster", get(cluster_status))
         .route("/api/v1/cluster/token", get(cluster_token))
+        .route("/api/v1/cluster/leader", post(transfer_leadership))
         .route("/api/v1/nodes", get(list_nodes))
         .route("/api/v1/nodes/{name}", get(node_info).delete(remove_node))
         .route("/api/v1/nodes/{name}/drain", post(drain_node))
@@ -1331,6 +1332,28 @@ async fn cluster_token(State(state): State<Shared>) -> ApiResult<Json<serde_json
     let token = std::fs::read_to_string(&path)
         .map_err(|error| internal(format!("reading {}: {error}", path.display())))?;
     Ok(Json(serde_json::json!({ "token": token.trim() })))
+}
+
+#[derive(Deserialize)]
+struct LeaderRequest {
+    /// The node to lead: a name or an id.
+    node: String,
+}
+
+/// Hands Raft leadership to a voter; answers once this node sees it lead.
+async fn transfer_leadership(
+    State(state): State<Shared>,
+    Json(request): Json<LeaderRequest>,
+) -> ApiResult<Json<serde_json::Value>> {
+    let record = find_node(&state, &request.node)?;
+    state
+        .cluster
+        .transfer_leadership(record.id)
+        .await
+        .map_err(metadata_error)?;
+    Ok(Json(
+        serde_json::json!({ "leader": record.id, "name": record.name }),
+    ))
 }
 
 async fn list_nodes(State(state): State<Shared>) -> Json<Vec<keel_cluster::NodeStatus>> {

@@ -957,6 +957,9 @@ pub enum ClusterCommand {
     },
     /// Print the join token other nodes need (`keel server --join ADDR --join-token TOKEN`).
     Token,
+    /// Hand Raft leadership to a voter (by name or id), e.g. before maintenance on the
+    /// leader's machine. Volumes keep their primaries.
+    TransferLeader { node: String },
 }
 
 #[derive(clap::Subcommand, Debug)]
@@ -1067,6 +1070,17 @@ pub fn cluster(connection: &Connection, command: ClusterCommand) -> anyhow::Resu
         ClusterCommand::Token => {
             let token: Value = client.get("/api/v1/cluster/token")?;
             println!("{}", token["token"].as_str().unwrap_or(""));
+        }
+        ClusterCommand::TransferLeader { node } => {
+            let answer: Value = client.post(
+                "/api/v1/cluster/leader",
+                serde_json::json!({ "node": node }),
+            )?;
+            println!(
+                "node {} ({}) leads",
+                answer["leader"],
+                answer["name"].as_str().unwrap_or("")
+            );
         }
     }
     Ok(())
