@@ -194,3 +194,58 @@ def test_bucket_settings_survive_a_kill_and_go_with_the_bucket(fresh_server):
     with pytest.raises(botocore.exceptions.ClientError) as cors:
         s3.get_bucket_cors(Bucket=bucket)
     assert error_code(cors) == "NoSuchCORSConfiguration"
+
+
+def test_a_public_read_bucket_serves_anonymous_reads_and_nothing_else(server, s3, bucket):
+    # Proves the canned ACLs: unsigned requests are refused on a private bucket; after
+    # PutBucketAcl public-read, an unsigned boto3 client lists the bucket and reads (GET, HEAD)
+    # its objects, but cannot write, delete, read the ACL or list buckets; GetBucketAcl and
+    # GetObjectAcl show the AllUsers READ grant; back to private, anonymous reads are refused
+    # again; CreateBucket with public-read starts public; other canned ACLs are NotImplemented.
+    from botocore import UNSIGNED
+
+    anonymous = make_client(server.endpoint, signature_version=UNSIGNED)
+    s3.put_object(Bucket=bucket, Key="site/index.html", Body=b"<h1>public</h1>")
+
+    def refused(call, **kwargs):
+        with pytest.raises(botocore.exceptions.ClientError) as denied:
+            call(**kwargs)
+        assert http_status(denied) == 403, call
+        return denied
+
+    refused(anonymous.get_object, Bucket=bucket, Key="site/index.html")
+    refused(anonymous.list_objects_v2, Bucket=bucket)
+    assert [g["Permission"] for g in s3.get_bucket_acl(Bucket=bucket)["Grants"]] == ["FULL_CONTROL"]
+
+    s3.put_bucket_acl(Bucket=bucket, ACL="public-read")
+    assert anonymous.get_object(Bucket=bucket, Key="site/index.html")["Body"].read() == b"<h1>public</h1>"
+    assert anonymous.head_object(Bucket=bucket, Key="site/index.html")["ContentLength"] == 15
+    listed = anonymous.list_objects_v2(Bucket=bucket, Prefix="site/")
+    assert [o["Key"] for o in listed["Contents"]] == ["site/index.html"]
+    assert anonymous.list_objects(Bucket=bucket)["Contents"][0]["Key"] == "site/index.html"
+    plain = requests.get(f"{server.endpoint}/{bucket}/site/index.html", timeout=30)
+    assert plain.status_code == 200 and plain.content == b"<h1>public</h1>"
+    refused(anonymous.put_object, Bucket=bucket, Key="site/evil.html", Body=b"x")
+    refused(anonymous.delete_object, Bucket=bucket, Key="site/index.html")
+    refused(anonymous.get_bucket_acl, Bucket=bucket)
+    refused(anonymous.put_bucket_acl, Bucket=bucket, ACL="private")
+    refused(anonymous.list_buckets)
+    assert s3.head_object(Bucket=bucket, Key="site/index.html")["ContentLength"] == 15
+    grants = s3.get_bucket_acl(Bucket=bucket)["Grants"]
+    assert {(g["Grantee"]["Type"], g["Permission"]) for g in grants} == {("CanonicalUser", "FULL_CONTROL"),
+                                                                        ("Group", "READ")}
+    assert any(g["Grantee"].get("URI") == "http://acs.amazonaws.com/groups/global/AllUsers" for g in grants)
+    assert len(s3.get_object_acl(Bucket=bucket, Key="site/index.html")["Grants"]) == 2
+
+    s3.put_bucket_acl(Bucket=bucket, ACL="private")
+    refused(anonymous.get_object, Bucket=bucket, Key="site/index.html")
+    with pytest.raises(botocore.exceptions.ClientError) as unsupported:
+        s3.put_bucket_acl(Bucket=bucket, ACL="public-read-write")
+    assert http_status(unsupported) == 501
+
+    public = f"t-{uuid.uuid4().hex[:12]}"
+    s3.create_bucket(Bucket=public, ACL="public-read")
+    s3.put_object(Bucket=public, Key="a", Body=b"open")
+    assert anonymous.get_object(Bucket=public, Key="a")["Body"].read() == b"open"
+    s3.delete_object(Bucket=public, Key="a")
+    s3.delete_bucket(Bucket=public)

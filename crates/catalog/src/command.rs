@@ -224,6 +224,11 @@ pub enum Command {
         bucket: String,
         rules: Vec<crate::records::CorsRule>,
     },
+    /// Sets a bucket's canned ACL: `public-read` (true) or `private`.
+    BucketSetPublicRead {
+        bucket: String,
+        public_read: bool,
+    },
 }
 
 impl Command {
@@ -259,6 +264,7 @@ impl Command {
             Command::BucketSetCompression { .. } => "bucket-set-compression",
             Command::BucketSetTags { .. } => "bucket-set-tags",
             Command::BucketSetCors { .. } => "bucket-set-cors",
+            Command::BucketSetPublicRead { .. } => "bucket-set-public-read",
         }
     }
 }

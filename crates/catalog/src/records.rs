@@ -412,7 +412,7 @@ pub struct BucketRecord {
 }
 
 /// A bucket's optional settings, apart from its [`BucketRecord`] (whose encoding predates
-/// them): its tags and its CORS rules. No record: neither.
+/// them): its tags, its CORS rules and whether anyone may read it. No record: none of them.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BucketSettings {
     pub name: String,
@@ -420,11 +420,14 @@ pub struct BucketSettings {
     pub tags: Vec<(String, String)>,
     /// In the order given: the first rule that matches a request applies.
     pub cors: Vec<CorsRule>,
+    /// The canned ACL `public-read`: anyone, unsigned, may list the bucket and read its
+    /// objects (never write). Otherwise `private`.
+    pub public_read: bool,
 }
 
 impl BucketSettings {
     pub fn is_empty(&self) -> bool {
-        self.tags.is_empty() && self.cors.is_empty()
+        self.tags.is_empty() && self.cors.is_empty() && !self.public_read
     }
 }
 

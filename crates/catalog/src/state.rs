@@ -779,6 +779,14 @@ impl CatalogState {
                 settings.cors = rules.clone();
                 Ok(self.put_settings(settings))
             }
+            Command::BucketSetPublicRead {
+                bucket,
+                public_read,
+            } => {
+                let mut settings = self.settings_of(bucket)?;
+                settings.public_read = *public_read;
+                Ok(self.put_settings(settings))
+            }
             Command::BucketGrant {
                 bucket,
                 access_key_id,

@@ -161,6 +161,12 @@ fn command() -> impl Strategy<Value = Command> {
                 .map(|i| (format!("k{i}"), format!("v{i}")))
                 .collect(),
         }),
+        (bucket.clone(), any::<bool>()).prop_map(|(bucket, public_read)| {
+            Command::BucketSetPublicRead {
+                bucket,
+                public_read,
+            }
+        }),
         (bucket, 0usize..2).prop_map(|(bucket, count)| Command::BucketSetCors {
             bucket,
             rules: (0..count)
@@ -632,6 +638,7 @@ fn snapshots_with_and_without_bucket_settings_decode() {
             name: "photos".to_string(),
             tags: vec![("team".to_string(), "web".to_string())],
             cors: Vec::new(),
+            public_read: true,
         },
     );
     let decoded = CatalogState::decode(&state.encode()).unwrap();

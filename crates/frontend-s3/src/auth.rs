@@ -1,7 +1,8 @@
 //! Who may do what: SigV4 secrets come from the access-key records (s3s verifies signatures,
 //! presigned URLs and streaming chunk signatures with them), and every request must be signed by
 //! a key that owns the bucket it names or was granted it (and, when the request names the owner
-//! it expects, by a bucket that owner owns).
+//! it expects, by a bucket that owner owns). The one exception: anyone, unsigned, may list and
+//! read a bucket whose canned ACL is `public-read` ([`ANONYMOUS_READS`]).
 
 use std::sync::Arc;
 
@@ -35,12 +36,19 @@ pub struct BucketAccess {
 #[async_trait::async_trait]
 impl S3Access for BucketAccess {
     async fn check(&self, cx: &mut S3AccessContext<'_>) -> S3Result<()> {
+        let bucket = match cx.s3_path() {
+            S3Path::Root => None,
+            S3Path::Bucket { bucket } | S3Path::Object { bucket, .. } => Some(bucket),
+        };
         let Some(credentials) = cx.credentials() else {
+            let public = bucket.is_some_and(|bucket| self.objects.bucket_is_public(bucket));
+            if public && ANONYMOUS_READS.contains(&cx.s3_op().name()) {
+                return Ok(());
+            }
             return Err(s3_error!(AccessDenied, "Anonymous access is not allowed"));
         };
-        let bucket = match cx.s3_path() {
-            S3Path::Root => return Ok(()),
-            S3Path::Bucket { bucket } | S3Path::Object { bucket, .. } => bucket,
+        let Some(bucket) = bucket else {
+            return Ok(());
         };
         if cx.s3_op().name() == "CreateBucket" {
             return Ok(());
@@ -68,3 +76,12 @@ impl S3Access for BucketAccess {
 }
 
 const EXPECTED_BUCKET_OWNER: &str = "x-amz-expected-bucket-owner";
+
+/// What an unsigned request may do in a `public-read` bucket: list it and read its objects.
+const ANONYMOUS_READS: [&str; 5] = [
+    "GetObject",
+    "HeadObject",
+    "ListObjects",
+    "ListObjectsV2",
+    "HeadBucket",
+];

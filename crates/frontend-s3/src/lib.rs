@@ -6,8 +6,8 @@
 //! and [`S3Frontend::serve`]; `keel key …` and `keel bucket …` go through the admin methods of
 //! [`S3Frontend`] (all blocking: call them from `spawn_blocking` in async code).
 //!
-//! Invariants: every request is signed by a known key (anonymous requests are refused) and names
-//! only buckets the key owns or was granted; accepted sockets use TCP_NODELAY (a GET's small
+//! Invariants: every request is signed by a known key and names only buckets the key owns or
+//! was granted (unsigned requests may only list and read `public-read` buckets); accepted sockets use TCP_NODELAY (a GET's small
 //! response must not wait for a delayed ACK); connections in flight are bounded by
 //! [`CONNECTIONS_MAX`].
 

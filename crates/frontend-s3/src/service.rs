@@ -357,6 +357,22 @@ fn tags_from_header(header: Option<&str>) -> S3Result<Tags> {
 }
 
 /// The tags of a PutObjectTagging body, checked against S3's rules.
+/// The grantee S3 names "everyone".
+const ALL_USERS: &str = "http://acs.amazonaws.com/groups/global/AllUsers";
+
+/// A canned ACL Keel supports: `private` (false) or `public-read` (true); none given: `None`.
+fn canned_public_read(acl: Option<&BucketCannedACL>) -> S3Result<Option<bool>> {
+    match acl.map(BucketCannedACL::as_str) {
+        None => Ok(None),
+        Some(BucketCannedACL::PRIVATE) => Ok(Some(false)),
+        Some(BucketCannedACL::PUBLIC_READ) => Ok(Some(true)),
+        Some(other) => Err(s3_error!(
+            NotImplemented,
+            "the canned ACL {other:?} is not supported: use private or public-read"
+        )),
+    }
+}
+
 fn tags_from_body(tagging: Tagging) -> S3Result<Tags> {
     let tags: Tags = tagging
         .tag_set
@@ -423,6 +439,42 @@ impl KeelS3 {
         check_key(&key)?;
         let objects = self.objects.clone();
         blocking(move || objects.set_object_tags(&bucket, &key, tags)).await
+    }
+
+    /// A bucket's ACL as S3 shows it (its objects have the same): the owner (the access key
+    /// that created it) with FULL_CONTROL, and everyone with READ when it is `public-read`.
+    fn acl_of(&self, bucket: &str) -> S3Result<(Owner, Vec<Grant>)> {
+        let record = self
+            .objects
+            .bucket(bucket)
+            .ok_or_else(|| s3_error!(NoSuchBucket, "The specified bucket does not exist"))?;
+        let owner = Owner {
+            display_name: Some(record.owner.clone()),
+            id: Some(record.owner.clone()),
+        };
+        let mut grants = vec![Grant {
+            grantee: Some(Grantee {
+                display_name: Some(record.owner.clone()),
+                email_address: None,
+                id: Some(record.owner),
+                type_: Type::from_static(Type::CANONICAL_USER),
+                uri: None,
+            }),
+            permission: Some(Permission::from_static(Permission::FULL_CONTROL)),
+        }];
+        if self.objects.bucket_is_public(bucket) {
+            grants.push(Grant {
+                grantee: Some(Grantee {
+                    display_name: None,
+                    email_address: None,
+                    id: None,
+                    type_: Type::from_static(Type::GROUP),
+                    uri: Some(ALL_USERS.to_string()),
+                }),
+                permission: Some(Permission::from_static(Permission::READ)),
+            });
+        }
+        Ok((owner, grants))
     }
 
     /// NoSuchBucket unless `bucket` exists (access was checked by the auth layer).
@@ -516,11 +568,20 @@ impl S3 for KeelS3 {
         req: S3Request<CreateBucketInput>,
     ) -> S3Result<S3Response<CreateBucketOutput>> {
         let caller = caller(&req)?;
+        let public_read = canned_public_read(req.input.acl.as_ref())?;
         let bucket = req.input.bucket.clone();
         let objects = self.objects.clone();
         let name = bucket.clone();
-        blocking(move || objects.create_bucket(&name, &caller, crate::DEFAULT_BUCKET_COMPRESSION))
-            .await?;
+        blocking(move || {
+            objects.create_bucket(&name, &caller, crate::DEFAULT_BUCKET_COMPRESSION)?;
+            // A second change: a crash between the two leaves the bucket private, never the
+            // other way round.
+            if public_read == Some(true) {
+                objects.set_bucket_public_read(&name, true)?;
+            }
+            Ok(())
+        })
+        .await?;
         Ok(S3Response::new(CreateBucketOutput {
             location: Some(format!("/{bucket}")),
         }))
@@ -550,6 +611,49 @@ impl S3 for KeelS3 {
     ) -> S3Result<S3Response<GetBucketLocationOutput>> {
         self.require_bucket(&req.input.bucket)?;
         Ok(S3Response::new(GetBucketLocationOutput::default()))
+    }
+
+    async fn get_bucket_acl(
+        &self,
+        req: S3Request<GetBucketAclInput>,
+    ) -> S3Result<S3Response<GetBucketAclOutput>> {
+        let bucket = req.input.bucket;
+        let (owner, grants) = self.acl_of(&bucket)?;
+        Ok(S3Response::new(GetBucketAclOutput {
+            grants: Some(grants),
+            owner: Some(owner),
+        }))
+    }
+
+    async fn put_bucket_acl(
+        &self,
+        req: S3Request<PutBucketAclInput>,
+    ) -> S3Result<S3Response<PutBucketAclOutput>> {
+        let input = req.input;
+        self.require_bucket(&input.bucket)?;
+        let Some(public_read) = canned_public_read(input.acl.as_ref())? else {
+            return Err(s3_error!(
+                NotImplemented,
+                "Keel sets a bucket's ACL only through x-amz-acl: private or public-read"
+            ));
+        };
+        let objects = self.objects.clone();
+        blocking(move || objects.set_bucket_public_read(&input.bucket, public_read)).await?;
+        Ok(S3Response::new(PutBucketAclOutput::default()))
+    }
+
+    async fn get_object_acl(
+        &self,
+        req: S3Request<GetObjectAclInput>,
+    ) -> S3Result<S3Response<GetObjectAclOutput>> {
+        let input = req.input;
+        self.manifest(&input.bucket, &input.key).await?;
+        let (owner, grants) = self.acl_of(&input.bucket)?;
+        Ok(S3Response::new(GetObjectAclOutput {
+            grants: Some(grants),
+            owner: Some(owner),
+            ..GetObjectAclOutput::default()
+        }))
     }
 
     async fn get_bucket_tagging(

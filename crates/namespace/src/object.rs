@@ -588,6 +588,28 @@ impl Objects {
         })
     }
 
+    /// Sets a bucket's canned ACL: `public-read` (anyone may list and read it) or `private`.
+    pub fn set_bucket_public_read(
+        &self,
+        bucket: &str,
+        public_read: bool,
+    ) -> Result<(), ObjectError> {
+        self.propose(Command::BucketSetPublicRead {
+            bucket: bucket.to_string(),
+            public_read,
+        })
+    }
+
+    /// Whether anyone, unsigned, may read `bucket` (its canned ACL is `public-read`).
+    pub fn bucket_is_public(&self, bucket: &str) -> bool {
+        self.metadata
+            .catalog()
+            .read()
+            .bucket_settings
+            .get(bucket)
+            .is_some_and(|settings| settings.public_read)
+    }
+
     /// Replaces a bucket's CORS rules (empty: removes them).
     pub fn set_bucket_cors(&self, bucket: &str, rules: Vec<CorsRule>) -> Result<(), ObjectError> {
         cors::validate_cors(&rules)?;
