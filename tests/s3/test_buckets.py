@@ -108,6 +108,22 @@ def test_expected_bucket_owner_is_checked(s3):
             s3.list_objects_v2(Bucket=name, ExpectedBucketOwner=owner + "x")
         assert error_code(e) == "AccessDenied"
         assert s3.get_object(Bucket=name, Key="k")["Body"].read() == b"v1"
+        # The copy source's owner (ExpectedSourceBucketOwner), on CopyObject and UploadPartCopy.
+        source = {"Bucket": name, "Key": "k"}
+        s3.copy_object(Bucket=name, Key="copy", CopySource=source, ExpectedSourceBucketOwner=owner)
+        with pytest.raises(botocore.exceptions.ClientError) as e:
+            s3.copy_object(Bucket=name, Key="stolen", CopySource=source, ExpectedSourceBucketOwner="111122223333")
+        assert error_code(e) == "AccessDenied" and http_status(e) == 403
+        upload = s3.create_multipart_upload(Bucket=name, Key="parts")["UploadId"]
+        try:
+            with pytest.raises(botocore.exceptions.ClientError) as e:
+                s3.upload_part_copy(Bucket=name, Key="parts", UploadId=upload, PartNumber=1, CopySource=source,
+                                    ExpectedSourceBucketOwner="111122223333")
+            assert error_code(e) == "AccessDenied"
+        finally:
+            s3.abort_multipart_upload(Bucket=name, Key="parts", UploadId=upload)
+        assert "stolen" not in [o["Key"] for o in s3.list_objects_v2(Bucket=name)["Contents"]]
     finally:
-        s3.delete_object(Bucket=name, Key="k")
+        for key in ("k", "copy"):
+            s3.delete_object(Bucket=name, Key=key)
         s3.delete_bucket(Bucket=name)

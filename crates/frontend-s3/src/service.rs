@@ -488,12 +488,29 @@ impl KeelS3 {
         Ok(())
     }
 
-    fn check_source_access(&self, caller: &str, bucket: &str) -> S3Result<()> {
+    /// The caller may read the copy source's bucket, and it is owned by the owner the request
+    /// expects (`x-amz-source-expected-bucket-owner`), if it names one.
+    fn check_source_access(
+        &self,
+        caller: &str,
+        bucket: &str,
+        expected_owner: Option<&str>,
+    ) -> S3Result<()> {
         match self.objects.can_access(bucket, caller) {
-            None => Err(s3_error!(NoSuchBucket, "The source bucket does not exist")),
-            Some(false) => Err(s3_error!(AccessDenied, "Access Denied to the copy source")),
-            Some(true) => Ok(()),
+            None => return Err(s3_error!(NoSuchBucket, "The source bucket does not exist")),
+            Some(false) => return Err(s3_error!(AccessDenied, "Access Denied to the copy source")),
+            Some(true) => {}
         }
+        if let Some(expected) = expected_owner {
+            let owner = self.objects.bucket(bucket).map(|record| record.owner);
+            if owner.as_deref() != Some(expected) {
+                return Err(s3_error!(
+                    AccessDenied,
+                    "The copy source bucket is not owned by the expected bucket owner"
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -1082,7 +1099,11 @@ impl S3 for KeelS3 {
         let input = req.input;
         check_key(&input.key)?;
         let (source_bucket, source_key) = copy_source_parts(&input.copy_source)?;
-        self.check_source_access(&caller, &source_bucket)?;
+        self.check_source_access(
+            &caller,
+            &source_bucket,
+            input.expected_source_bucket_owner.as_deref(),
+        )?;
         let replace = input
             .metadata_directive
             .as_ref()
@@ -1491,7 +1512,11 @@ impl S3 for KeelS3 {
         let input = req.input;
         let part_number = part_number(input.part_number)?;
         let (source_bucket, source_key) = copy_source_parts(&input.copy_source)?;
-        self.check_source_access(&caller, &source_bucket)?;
+        self.check_source_access(
+            &caller,
+            &source_bucket,
+            input.expected_source_bucket_owner.as_deref(),
+        )?;
         {
             let objects = self.objects.clone();
             let (bucket, key, upload_id) = (
