@@ -47,8 +47,15 @@ pub const CONNECTIONS_MAX: usize = 1024;
 /// Largest XML request body (CompleteMultipartUpload with 10 000 parts, DeleteObjects with 1 000
 /// keys of 1 KiB fit well below it).
 pub const XML_BODY_SIZE_MAX_BYTES: usize = 4 << 20;
-/// Largest browser-form (POST Object) request s3s will read; the operation itself is refused.
+/// A browser-form (POST Object) upload's fields: each, and all together (the policy document
+/// and its signature among them).
 pub const FORM_SIZE_MAX_BYTES: usize = 64 << 10;
+/// Largest file a browser-form upload carries: s3s reads it whole into memory before Keel
+/// stores it, so it is bounded, and so are the uploads read at once ([`POST_UPLOADS_MAX`]).
+/// Larger files: PUT or multipart upload.
+pub const POST_FILE_SIZE_MAX_BYTES: usize = 32 << 20;
+/// Browser-form uploads read at once; more wait.
+pub const POST_UPLOADS_MAX: usize = 4;
 /// A client must send a request's headers within this time (idle keep-alive connections too),
 /// so slow or silent clients cannot hold the [`CONNECTIONS_MAX`] slots.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(60);
@@ -251,9 +258,9 @@ impl S3Frontend {
         });
         let mut config = S3Config::default();
         config.xml_max_body_size = XML_BODY_SIZE_MAX_BYTES;
-        // Browser-form POST uploads are not supported; s3s would buffer the whole file (before
-        // any access check) up to this size, so keep it tiny.
-        config.post_object_max_file_size = FORM_SIZE_MAX_BYTES as u64;
+        // s3s reads a browser-form upload's file whole into memory: bounded in size here and in
+        // number by `unread`.
+        config.post_object_max_file_size = POST_FILE_SIZE_MAX_BYTES as u64;
         config.form_max_field_size = FORM_SIZE_MAX_BYTES;
         config.form_max_fields_size = FORM_SIZE_MAX_BYTES;
         builder.set_config(Arc::new(StaticConfigProvider::new(Arc::new(config))));
@@ -283,6 +290,7 @@ pub async fn serve(
         metrics: frontend.metrics.clone(),
         ops: frontend.ops.clone(),
         objects: frontend.objects.clone(),
+        form_uploads: Arc::new(tokio::sync::Semaphore::new(POST_UPLOADS_MAX)),
         peer: None,
     };
     // Free chunks orphaned by a crash or an abandoned upload, once per start, in the background

@@ -357,6 +357,57 @@ fn tags_from_header(header: Option<&str>) -> S3Result<Tags> {
 }
 
 /// The tags of a PutObjectTagging body, checked against S3's rules.
+/// What PutObject and PostObject have in common: everything [`KeelS3::store_upload`] stores.
+struct Upload {
+    bucket: String,
+    key: String,
+    body: Option<StreamingBlob>,
+    content_length: Option<i64>,
+    checksum_algorithm: Option<ChecksumAlgorithm>,
+    checksums: Checksums,
+    content_md5: Option<String>,
+    metadata: Option<Metadata>,
+    tagging: Option<String>,
+    if_none_match: Option<IfNoneMatch>,
+    if_match: Option<IfMatch>,
+    headers: StoredHeaders,
+}
+
+/// An [`Upload`] from a `PutObjectInput` or a `PostObjectInput` (s3s gives both the same
+/// fields).
+macro_rules! upload_of {
+    ($input:expr) => {{
+        let input = $input;
+        Upload {
+            checksums: Checksums {
+                crc32: input.checksum_crc32,
+                crc32c: input.checksum_crc32c,
+                crc64nvme: input.checksum_crc64nvme,
+                sha1: input.checksum_sha1,
+                sha256: input.checksum_sha256,
+            },
+            headers: StoredHeaders {
+                content_type: input.content_type,
+                content_encoding: input.content_encoding,
+                content_disposition: input.content_disposition,
+                content_language: input.content_language,
+                cache_control: input.cache_control,
+                expires_unix_ms: input.expires.as_ref().map(unix_ms),
+            },
+            bucket: input.bucket,
+            key: input.key,
+            body: input.body,
+            content_length: input.content_length,
+            checksum_algorithm: input.checksum_algorithm,
+            content_md5: input.content_md5,
+            metadata: input.metadata,
+            tagging: input.tagging,
+            if_none_match: input.if_none_match,
+            if_match: input.if_match,
+        }
+    }};
+}
+
 /// The grantee S3 names "everyone".
 const ALL_USERS: &str = "http://acs.amazonaws.com/groups/global/AllUsers";
 
@@ -477,6 +528,82 @@ impl KeelS3 {
         Ok((owner, grants))
     }
 
+    /// Stores one object from a PutObject or a PostObject: its body streamed in (checksums and
+    /// `Content-MD5` verified), then its manifest committed under the request's conditions.
+    async fn store_upload(
+        &self,
+        upload: Upload,
+        headers: &http::HeaderMap,
+        trailing_headers: Option<s3s::TrailingHeaders>,
+    ) -> S3Result<Manifest> {
+        check_key(&upload.key)?;
+        let compression = self
+            .objects
+            .bucket_compression(&upload.bucket)
+            .map_err(s3_error)?;
+        let request = checksum_request(
+            upload.checksum_algorithm.as_ref(),
+            upload.checksums,
+            upload.content_md5,
+            headers,
+        )?;
+        let metadata = user_metadata(upload.metadata)?;
+        let tags = tags_from_header(upload.tagging.as_deref())?;
+        let condition = PutCondition {
+            if_none_match_any: upload
+                .if_none_match
+                .as_ref()
+                .is_some_and(ETagCondition::is_any),
+            if_match_etag: upload
+                .if_match
+                .as_ref()
+                .map(|c| condition_value(c).unwrap_or_else(|| "*".into())),
+        };
+        let body = upload.body.unwrap_or_else(|| {
+            StreamingBlob::wrap(futures::stream::empty::<Result<bytes::Bytes, std::io::Error>>())
+        });
+        let ingested = ingest(
+            self.objects.clone(),
+            compression,
+            body,
+            &request,
+            true,
+            PUT_SIZE_MAX_BYTES,
+            trailing_checksums(trailing_headers),
+        )
+        .await?;
+        if let Some(expected) = upload.content_length {
+            if expected >= 0 && expected as u64 != ingested.size_bytes {
+                return Err(s3_error!(
+                    IncompleteBody,
+                    "The body is shorter or longer than Content-Length"
+                ));
+            }
+        }
+        let manifest = Manifest {
+            size_bytes: ingested.size_bytes,
+            etag: ingested.md5_hex.clone(),
+            modified_unix_ms: now_unix_ms(),
+            content: ingested.content,
+            part_sizes_bytes: Vec::new(),
+            headers: upload.headers,
+            metadata,
+            checksums: ingested.checksums.clone(),
+            tags,
+        };
+        let pins = ingested.pins;
+        let objects = self.objects.clone();
+        let (bucket, key) = (upload.bucket, upload.key);
+        let committed = manifest.clone();
+        blocking(move || {
+            let result = objects.put_object(&bucket, &key, &committed, &condition);
+            drop(pins);
+            result
+        })
+        .await?;
+        Ok(manifest)
+    }
+
     /// NoSuchBucket unless `bucket` exists (access was checked by the auth layer).
     fn require_bucket(&self, bucket: &str) -> S3Result<()> {
         if self.objects.bucket(bucket).is_none() {
@@ -516,14 +643,33 @@ impl KeelS3 {
 
 #[async_trait::async_trait]
 impl S3 for KeelS3 {
+    /// A browser-form upload: s3s has checked the policy's signature, expiry and conditions
+    /// and read the file (up to [`crate::POST_FILE_SIZE_MAX_BYTES`]); it is stored as a PUT
+    /// would be, and s3s answers as `success_action_status` / `success_action_redirect` ask.
     async fn post_object(
         &self,
-        _req: S3Request<PostObjectInput>,
+        req: S3Request<PostObjectInput>,
     ) -> S3Result<S3Response<PostObjectOutput>> {
-        Err(s3_error!(
-            NotImplemented,
-            "Browser-form POST uploads are not supported; use PUT"
-        ))
+        let S3Request { input, headers, .. } = req;
+        if input.key.contains("${filename}") {
+            // s3s does not hand the file's name on: storing the key literally would surprise.
+            return Err(s3_error!(
+                NotImplemented,
+                "the ${{filename}} variable in a form's key is not supported: give the whole key"
+            ));
+        }
+        let manifest = self.store_upload(upload_of!(input), &headers, None).await?;
+        let (crc32, crc32c, crc64nvme, sha1, sha256) = checksum_fields(&manifest.checksums);
+        Ok(S3Response::new(PostObjectOutput {
+            e_tag: Some(etag(&manifest.etag)),
+            checksum_crc32: crc32,
+            checksum_crc32c: crc32c,
+            checksum_crc64nvme: crc64nvme,
+            checksum_sha1: sha1,
+            checksum_sha256: sha256,
+            size: Some(manifest.size_bytes as i64),
+            ..Default::default()
+        }))
     }
 
     async fn list_buckets(
@@ -818,84 +964,9 @@ impl S3 for KeelS3 {
             trailing_headers,
             ..
         } = req;
-        check_key(&input.key)?;
-        let compression = self
-            .objects
-            .bucket_compression(&input.bucket)
-            .map_err(s3_error)?;
-        let request = checksum_request(
-            input.checksum_algorithm.as_ref(),
-            Checksums {
-                crc32: input.checksum_crc32.clone(),
-                crc32c: input.checksum_crc32c.clone(),
-                crc64nvme: input.checksum_crc64nvme.clone(),
-                sha1: input.checksum_sha1.clone(),
-                sha256: input.checksum_sha256.clone(),
-            },
-            input.content_md5.clone(),
-            &headers,
-        )?;
-        let metadata = user_metadata(input.metadata)?;
-        let tags = tags_from_header(input.tagging.as_deref())?;
-        let condition = PutCondition {
-            if_none_match_any: input
-                .if_none_match
-                .as_ref()
-                .is_some_and(ETagCondition::is_any),
-            if_match_etag: input
-                .if_match
-                .as_ref()
-                .map(|c| condition_value(c).unwrap_or_else(|| "*".into())),
-        };
-        let body = input.body.unwrap_or_else(|| {
-            StreamingBlob::wrap(futures::stream::empty::<Result<bytes::Bytes, std::io::Error>>())
-        });
-        let ingested = ingest(
-            self.objects.clone(),
-            compression,
-            body,
-            &request,
-            true,
-            PUT_SIZE_MAX_BYTES,
-            trailing_checksums(trailing_headers),
-        )
-        .await?;
-        if let Some(expected) = input.content_length {
-            if expected >= 0 && expected as u64 != ingested.size_bytes {
-                return Err(s3_error!(
-                    IncompleteBody,
-                    "The body is shorter or longer than Content-Length"
-                ));
-            }
-        }
-        let manifest = Manifest {
-            size_bytes: ingested.size_bytes,
-            etag: ingested.md5_hex.clone(),
-            modified_unix_ms: now_unix_ms(),
-            content: ingested.content,
-            part_sizes_bytes: Vec::new(),
-            headers: StoredHeaders {
-                content_type: input.content_type,
-                content_encoding: input.content_encoding,
-                content_disposition: input.content_disposition,
-                content_language: input.content_language,
-                cache_control: input.cache_control,
-                expires_unix_ms: input.expires.as_ref().map(unix_ms),
-            },
-            metadata,
-            checksums: ingested.checksums.clone(),
-            tags,
-        };
-        let pins = ingested.pins;
-        let objects = self.objects.clone();
-        let (bucket, key) = (input.bucket, input.key);
-        let committed = manifest.clone();
-        blocking(move || {
-            let result = objects.put_object(&bucket, &key, &committed, &condition);
-            drop(pins);
-            result
-        })
-        .await?;
+        let manifest = self
+            .store_upload(upload_of!(input), &headers, trailing_headers)
+            .await?;
         let (crc32, crc32c, crc64nvme, sha1, sha256) = checksum_fields(&manifest.checksums);
         Ok(S3Response::new(PutObjectOutput {
             e_tag: Some(etag(&manifest.etag)),

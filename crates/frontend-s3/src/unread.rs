@@ -18,7 +18,7 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use futures::future::BoxFuture;
-use http::header::{HeaderValue, CONNECTION, CONTENT_LENGTH, ORIGIN};
+use http::header::{HeaderValue, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, ORIGIN};
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use s3s::service::S3Service;
@@ -49,6 +49,9 @@ pub struct CloseOnUnreadBody {
     pub ops: keel_ops::Ops,
     /// For the buckets' CORS rules.
     pub objects: Arc<keel_namespace::object::Objects>,
+    /// Browser-form uploads read at once ([`crate::POST_UPLOADS_MAX`]: s3s holds each file in
+    /// memory).
+    pub form_uploads: Arc<tokio::sync::Semaphore>,
     /// The connection's client (set per connection).
     pub peer: Option<std::net::SocketAddr>,
 }
@@ -102,17 +105,35 @@ impl hyper::service::Service<http::Request<Incoming>> for CloseOnUnreadBody {
                 origin,
             )
         });
+        let form_upload = parts.method == http::Method::POST
+            && parts
+                .headers
+                .get(CONTENT_TYPE)
+                .and_then(|kind| kind.to_str().ok())
+                .is_some_and(|kind| kind.starts_with("multipart/form-data"));
         let ended = Arc::new(AtomicBool::new(body.is_end_stream()));
         let read_bytes = Arc::new(AtomicU64::new(0));
         let tracked = Tracked {
             inner: body,
             ended: ended.clone(),
             read_bytes: read_bytes.clone(),
+            // s3s's form parser refuses a piece of body over 64 KiB at once (it looks for the
+            // boundary in a 64 KiB buffer), and a body that waited for its turn arrives in
+            // larger pieces.
+            piece_max: form_upload.then_some(FORM_PIECE_MAX_BYTES),
+            held: None,
         };
+        let form_uploads = form_upload.then(|| self.form_uploads.clone());
         let request = http::Request::from_parts(parts, s3s::Body::http_body(tracked));
         let service = self.service.clone();
         let metrics = self.metrics.clone();
         Box::pin(async move {
+            let _form_upload = match form_uploads {
+                Some(permits) => Some(permits.acquire_owned().await.map_err(|_| {
+                    HttpError::new(Box::new(std::io::Error::other("shutting down")))
+                })?),
+                None => None,
+            };
             let mut response = CURRENT_OP.scope(op.handle(), service.call(request)).await?;
             op.phase(keel_ops::phase::REPLYING);
             if let Some((objects, method, path, origin)) = cors {
@@ -139,11 +160,31 @@ impl hyper::service::Service<http::Request<Incoming>> for CloseOnUnreadBody {
     }
 }
 
-/// A request body that records how much of it was read, and when it was read to its end.
+/// The largest piece of a browser-form body handed to s3s at once.
+const FORM_PIECE_MAX_BYTES: usize = 32 << 10;
+
+/// A request body that records how much of it was read, and when it was read to its end; with
+/// `piece_max`, it hands its data on in pieces of at most that size.
 struct Tracked {
     inner: Incoming,
     ended: Arc<AtomicBool>,
     read_bytes: Arc<AtomicU64>,
+    piece_max: Option<usize>,
+    /// What is left of a frame cut into pieces.
+    held: Option<Bytes>,
+}
+
+impl Tracked {
+    /// The next piece of `data` (at most `piece_max`), holding the rest back.
+    fn piece(&mut self, mut data: Bytes) -> Bytes {
+        match self.piece_max {
+            Some(max) if data.len() > max => {
+                self.held = Some(data.split_off(max));
+                data
+            }
+            _ => data,
+        }
+    }
 }
 
 impl Body for Tracked {
@@ -154,6 +195,10 @@ impl Body for Tracked {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        if let Some(held) = self.held.take() {
+            let piece = self.piece(held);
+            return Poll::Ready(Some(Ok(Frame::data(piece))));
+        }
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         if let Poll::Ready(Some(Ok(frame))) = &polled {
             if let Some(data) = frame.data_ref() {
@@ -164,11 +209,20 @@ impl Body for Tracked {
         if matches!(polled, Poll::Ready(None)) || self.inner.is_end_stream() {
             self.ended.store(true, Ordering::Release);
         }
-        polled
+        match polled {
+            Poll::Ready(Some(Ok(frame))) if self.piece_max.is_some() => match frame.into_data() {
+                Ok(data) => {
+                    let piece = self.piece(data);
+                    Poll::Ready(Some(Ok(Frame::data(piece))))
+                }
+                Err(frame) => Poll::Ready(Some(Ok(frame))),
+            },
+            other => other,
+        }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.held.is_none() && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
