@@ -14,6 +14,8 @@ apt_packages=(
   postgresql     # initdb, pg_ctl, pgbench, pg_amcheck on a Keel volume
   postgresql-contrib
   rclone         # S3 client
+  restic         # S3 client: backups end to end
+  s3cmd          # S3 client
   prometheus     # promtool: checks /metrics and deploy/monitoring's alert rules
   chromium       # headless: the dashboard test loads the page and reads its DOM
   procps
