@@ -229,6 +229,11 @@ pub enum Command {
         bucket: String,
         public_read: bool,
     },
+    /// Replaces a bucket's lifecycle rules (empty: none).
+    BucketSetLifecycle {
+        bucket: String,
+        rules: Vec<crate::records::LifecycleRule>,
+    },
 }
 
 impl Command {
@@ -265,6 +270,7 @@ impl Command {
             Command::BucketSetTags { .. } => "bucket-set-tags",
             Command::BucketSetCors { .. } => "bucket-set-cors",
             Command::BucketSetPublicRead { .. } => "bucket-set-public-read",
+            Command::BucketSetLifecycle { .. } => "bucket-set-lifecycle",
         }
     }
 }

@@ -25,8 +25,8 @@ use serde::{Deserialize, Serialize};
 pub use command::{Command, Event, NodeSpec, Outcome, VolumeSettings};
 pub use records::{
     default_in_sync_min, BucketRecord, BucketSettings, ClusterRecord, CorsRule, DeviceRecord,
-    KeyRecord, NodeAddresses, NodeRecord, NodeRole, NodeState, Origin, Replication, SnapshotRecord,
-    VolumeRecord, VolumeStatus, REPLICAS_MAX, SNAPSHOT_RECORD_FORMAT,
+    KeyRecord, LifecycleRule, NodeAddresses, NodeRecord, NodeRole, NodeState, Origin, Replication,
+    SnapshotRecord, VolumeRecord, VolumeStatus, REPLICAS_MAX, SNAPSHOT_RECORD_FORMAT,
 };
 pub use state::{CatalogState, Change, Plan, VolumeEntry};
 

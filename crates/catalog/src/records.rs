@@ -412,7 +412,8 @@ pub struct BucketRecord {
 }
 
 /// A bucket's optional settings, apart from its [`BucketRecord`] (whose encoding predates
-/// them): its tags, its CORS rules and whether anyone may read it. No record: none of them.
+/// them): its tags, its CORS rules, whether anyone may read it and its lifecycle rules. No
+/// record: none of them.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BucketSettings {
     pub name: String,
@@ -423,12 +424,34 @@ pub struct BucketSettings {
     /// The canned ACL `public-read`: anyone, unsigned, may list the bucket and read its
     /// objects (never write). Otherwise `private`.
     pub public_read: bool,
+    /// Applied by the object layer's lifecycle worker.
+    pub lifecycle: Vec<LifecycleRule>,
 }
 
 impl BucketSettings {
     pub fn is_empty(&self) -> bool {
-        self.tags.is_empty() && self.cors.is_empty() && !self.public_read
+        self.tags.is_empty()
+            && self.cors.is_empty()
+            && !self.public_read
+            && self.lifecycle.is_empty()
     }
+}
+
+/// One lifecycle rule of a bucket (S3's `LifecycleRule`, for unversioned buckets): what it
+/// applies to and what it does when.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LifecycleRule {
+    pub id: Option<String>,
+    /// Disabled rules are kept and shown, not applied.
+    pub enabled: bool,
+    /// Keys starting with this ("": every key).
+    pub prefix: String,
+    /// Objects expire this many days after they were last written.
+    pub expiration_days: Option<u32>,
+    /// Or at this moment (ms since the epoch).
+    pub expiration_date_unix_ms: Option<i64>,
+    /// Multipart uploads are aborted this many days after they began.
+    pub abort_incomplete_upload_days: Option<u32>,
 }
 
 /// One CORS rule of a bucket (S3's `CORSRule`).

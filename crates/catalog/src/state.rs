@@ -787,6 +787,11 @@ impl CatalogState {
                 settings.public_read = *public_read;
                 Ok(self.put_settings(settings))
             }
+            Command::BucketSetLifecycle { bucket, rules } => {
+                let mut settings = self.settings_of(bucket)?;
+                settings.lifecycle = rules.clone();
+                Ok(self.put_settings(settings))
+            }
             Command::BucketGrant {
                 bucket,
                 access_key_id,

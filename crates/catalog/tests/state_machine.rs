@@ -167,6 +167,17 @@ fn command() -> impl Strategy<Value = Command> {
                 public_read,
             }
         }),
+        (bucket.clone(), 0u32..3).prop_map(|(bucket, days)| Command::BucketSetLifecycle {
+            bucket,
+            rules: (0..days)
+                .map(|day| keel_catalog::LifecycleRule {
+                    enabled: true,
+                    prefix: format!("logs/{day}"),
+                    expiration_days: Some(day + 1),
+                    ..Default::default()
+                })
+                .collect(),
+        }),
         (bucket, 0usize..2).prop_map(|(bucket, count)| Command::BucketSetCors {
             bucket,
             rules: (0..count)
@@ -639,6 +650,7 @@ fn snapshots_with_and_without_bucket_settings_decode() {
             tags: vec![("team".to_string(), "web".to_string())],
             cors: Vec::new(),
             public_read: true,
+            lifecycle: Vec::new(),
         },
     );
     let decoded = CatalogState::decode(&state.encode()).unwrap();

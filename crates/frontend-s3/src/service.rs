@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use futures::StreamExt;
-use keel_catalog::CorsRule;
+use keel_catalog::{CorsRule, LifecycleRule};
 use keel_namespace::object::list::{ListRequest, ListResult, ListStart, LIST_ENTRIES_MAX};
 use keel_namespace::object::multipart::PARTS_MAX;
 use keel_namespace::object::{
@@ -406,6 +406,99 @@ macro_rules! upload_of {
             if_match: input.if_match,
         }
     }};
+}
+
+/// A lifecycle rule as Keel keeps it; what it cannot apply (versions, transitions, filters on
+/// tags or sizes) is refused, not ignored.
+fn lifecycle_rule_in(rule: s3s::dto::LifecycleRule) -> S3Result<LifecycleRule> {
+    let unsupported = |what: &str| {
+        Err(s3_error!(
+            NotImplemented,
+            "lifecycle rules with {what} are not supported (Keel has no versions or storage classes)"
+        ))
+    };
+    if rule.noncurrent_version_expiration.is_some() || rule.noncurrent_version_transitions.is_some()
+    {
+        return unsupported("noncurrent version actions");
+    }
+    if rule.transitions.is_some() {
+        return unsupported("transitions");
+    }
+    if rule
+        .expiration
+        .as_ref()
+        .is_some_and(|expiration| expiration.expired_object_delete_marker == Some(true))
+    {
+        return unsupported("ExpiredObjectDeleteMarker");
+    }
+    let prefix = match rule.filter {
+        Some(filter) => {
+            if filter.and.is_some()
+                || filter.tag.is_some()
+                || filter.object_size_greater_than.is_some()
+                || filter.object_size_less_than.is_some()
+            {
+                return Err(s3_error!(
+                    NotImplemented,
+                    "lifecycle filters on tags or sizes are not supported: filter by Prefix"
+                ));
+            }
+            filter.prefix.unwrap_or_default()
+        }
+        None => rule.prefix.unwrap_or_default(),
+    };
+    let days = |value: Option<i32>, what: &str| -> S3Result<Option<u32>> {
+        value
+            .map(|days| {
+                u32::try_from(days).map_err(|_| {
+                    s3_error!(InvalidArgument, "{what} must be a positive number of days")
+                })
+            })
+            .transpose()
+    };
+    let expiration = rule.expiration.unwrap_or_default();
+    Ok(LifecycleRule {
+        id: rule.id,
+        enabled: rule.status.as_str() == ExpirationStatus::ENABLED,
+        prefix,
+        expiration_days: days(expiration.days, "Expiration Days")?,
+        expiration_date_unix_ms: expiration.date.as_ref().map(unix_ms),
+        abort_incomplete_upload_days: days(
+            rule.abort_incomplete_multipart_upload
+                .and_then(|abort| abort.days_after_initiation),
+            "DaysAfterInitiation",
+        )?,
+    })
+}
+
+fn lifecycle_rule_out(rule: LifecycleRule) -> s3s::dto::LifecycleRule {
+    let expires = rule.expiration_days.is_some() || rule.expiration_date_unix_ms.is_some();
+    s3s::dto::LifecycleRule {
+        abort_incomplete_multipart_upload: rule.abort_incomplete_upload_days.map(|days| {
+            AbortIncompleteMultipartUpload {
+                days_after_initiation: Some(days as i32),
+            }
+        }),
+        expiration: expires.then(|| LifecycleExpiration {
+            date: rule.expiration_date_unix_ms.map(timestamp),
+            days: rule.expiration_days.map(|days| days as i32),
+            expired_object_delete_marker: None,
+        }),
+        filter: Some(LifecycleRuleFilter {
+            prefix: Some(rule.prefix),
+            ..LifecycleRuleFilter::default()
+        }),
+        id: rule.id,
+        noncurrent_version_expiration: None,
+        noncurrent_version_transitions: None,
+        prefix: None,
+        status: ExpirationStatus::from_static(if rule.enabled {
+            ExpirationStatus::ENABLED
+        } else {
+            ExpirationStatus::DISABLED
+        }),
+        transitions: None,
+    }
 }
 
 /// The grantee S3 names "everyone".
@@ -817,6 +910,65 @@ impl S3 for KeelS3 {
             owner: Some(owner),
             ..GetObjectAclOutput::default()
         }))
+    }
+
+    async fn get_bucket_lifecycle_configuration(
+        &self,
+        req: S3Request<GetBucketLifecycleConfigurationInput>,
+    ) -> S3Result<S3Response<GetBucketLifecycleConfigurationOutput>> {
+        self.require_bucket(&req.input.bucket)?;
+        let rules = self
+            .objects
+            .bucket_settings(&req.input.bucket)
+            .map(|settings| settings.lifecycle)
+            .unwrap_or_default();
+        if rules.is_empty() {
+            return Err(s3_error!(
+                NoSuchLifecycleConfiguration,
+                "The lifecycle configuration does not exist"
+            ));
+        }
+        Ok(S3Response::new(GetBucketLifecycleConfigurationOutput {
+            rules: Some(rules.into_iter().map(lifecycle_rule_out).collect()),
+            transition_default_minimum_object_size: None,
+        }))
+    }
+
+    async fn put_bucket_lifecycle_configuration(
+        &self,
+        req: S3Request<PutBucketLifecycleConfigurationInput>,
+    ) -> S3Result<S3Response<PutBucketLifecycleConfigurationOutput>> {
+        let input = req.input;
+        self.require_bucket(&input.bucket)?;
+        let rules = input
+            .lifecycle_configuration
+            .map(|configuration| configuration.rules)
+            .unwrap_or_default()
+            .into_iter()
+            .map(lifecycle_rule_in)
+            .collect::<S3Result<Vec<_>>>()?;
+        if rules.is_empty() {
+            return Err(s3_error!(
+                MalformedXML,
+                "a lifecycle configuration needs a Rule"
+            ));
+        }
+        let objects = self.objects.clone();
+        blocking(move || objects.set_bucket_lifecycle(&input.bucket, rules)).await?;
+        Ok(S3Response::new(
+            PutBucketLifecycleConfigurationOutput::default(),
+        ))
+    }
+
+    async fn delete_bucket_lifecycle(
+        &self,
+        req: S3Request<DeleteBucketLifecycleInput>,
+    ) -> S3Result<S3Response<DeleteBucketLifecycleOutput>> {
+        let bucket = req.input.bucket;
+        self.require_bucket(&bucket)?;
+        let objects = self.objects.clone();
+        blocking(move || objects.set_bucket_lifecycle(&bucket, Vec::new())).await?;
+        Ok(S3Response::new(DeleteBucketLifecycleOutput::default()))
     }
 
     async fn get_bucket_tagging(

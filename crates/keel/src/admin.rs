@@ -168,6 +168,7 @@ pub fn router(state: Shared) -> Router {
         .route("/api/v1/cluster", get(cluster_status))
         .route("/api/v1/cluster/token", get(cluster_token))
         .route("/api/v1/cluster/leader", post(transfer_leadership))
+        .route("/api/v1/s3/lifecycle", post(run_lifecycle))
         .route("/api/v1/nodes", get(list_nodes))
         .route("/api/v1/nodes/{name}", get(node_info).delete(remove_node))
         .route("/api/v1/nodes/{name}/drain", post(drain_node))
@@ -1332,6 +1333,41 @@ async fn cluster_token(State(state): State<Shared>) -> ApiResult<Json<serde_json
     let token = std::fs::read_to_string(&path)
         .map_err(|error| internal(format!("reading {}: {error}", path.display())))?;
     Ok(Json(serde_json::json!({ "token": token.trim() })))
+}
+
+#[derive(Deserialize, Default)]
+struct LifecycleRequest {
+    /// Apply the rules as of this moment instead of now (tests; only with `--debug-faults`,
+    /// as it expires objects early).
+    as_of_unix_ms: Option<i64>,
+}
+
+/// One pass of every bucket's S3 lifecycle rules, now; answers what it expired and aborted.
+async fn run_lifecycle(
+    State(state): State<Shared>,
+    request: Option<Json<LifecycleRequest>>,
+) -> ApiResult<Json<serde_json::Value>> {
+    let request = request.map(|Json(request)| request).unwrap_or_default();
+    let now = match request.as_of_unix_ms {
+        Some(_) if !state.config.cluster.debug_faults => {
+            return Err(ApiError(
+                StatusCode::BAD_REQUEST,
+                "as_of_unix_ms is for tests: start the server with --debug-faults".to_string(),
+            ))
+        }
+        Some(as_of) => as_of,
+        None => keel_clock::Clock::wall_unix_ms(&keel_clock::SystemClock),
+    };
+    let objects = state.s3.objects().clone();
+    let report = tokio::task::spawn_blocking(move || objects.apply_lifecycle(now))
+        .await
+        .map_err(|error| internal(error.to_string()))?
+        .map_err(|error| internal(error.to_string()))?;
+    Ok(Json(serde_json::json!({
+        "as_of_unix_ms": now,
+        "objects_expired": report.objects_expired,
+        "uploads_aborted": report.uploads_aborted,
+    })))
 }
 
 #[derive(Deserialize)]

@@ -12,6 +12,7 @@ mod doctor;
 mod files;
 mod fill_rate;
 mod jobs;
+mod lifecycle;
 mod metrics;
 mod process;
 mod scrub_schedule;

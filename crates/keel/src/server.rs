@@ -339,6 +339,11 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         stopped.clone(),
     ));
 
+    {
+        let (objects, stop) = (s3.objects().clone(), stopped.clone());
+        tokio::spawn(crate::lifecycle::run(objects, stop));
+    }
+
     let sync_window = Arc::new(crate::sync_health::SyncWindow::default());
     {
         let (window, store, stop) = (sync_window.clone(), store.clone(), stopped.clone());

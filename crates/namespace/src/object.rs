@@ -20,6 +20,7 @@
 
 pub mod chunks;
 pub mod cors;
+pub mod lifecycle;
 pub mod list;
 pub mod multipart;
 pub mod records;
@@ -610,6 +611,19 @@ impl Objects {
             .is_some_and(|settings| settings.public_read)
     }
 
+    /// Replaces a bucket's lifecycle rules (empty: removes them).
+    pub fn set_bucket_lifecycle(
+        &self,
+        bucket: &str,
+        rules: Vec<keel_catalog::LifecycleRule>,
+    ) -> Result<(), ObjectError> {
+        lifecycle::validate_lifecycle(&rules)?;
+        self.propose(Command::BucketSetLifecycle {
+            bucket: bucket.to_string(),
+            rules,
+        })
+    }
+
     /// Replaces a bucket's CORS rules (empty: removes them).
     pub fn set_bucket_cors(&self, bucket: &str, rules: Vec<CorsRule>) -> Result<(), ObjectError> {
         cors::validate_cors(&rules)?;
@@ -982,6 +996,17 @@ impl Objects {
 
     /// Deletes `key`; returns whether it existed (S3 answers 204 either way).
     pub fn delete_object(&self, bucket: &str, key: &str) -> Result<bool, ObjectError> {
+        self.delete_object_if(bucket, key, |_| true)
+    }
+
+    /// Deletes `key` if its manifest passes `still` (checked under the key's lock, so a write
+    /// after the caller looked is never deleted in its place); returns whether it deleted.
+    pub fn delete_object_if(
+        &self,
+        bucket: &str,
+        key: &str,
+        still: impl FnOnce(&Manifest) -> bool,
+    ) -> Result<bool, ObjectError> {
         let (entry, _) = self.open_bucket(bucket)?;
         let _bucket = self.gate(&entry, bucket)?;
         let record_key = records::object_key(bucket, key);
@@ -989,6 +1014,9 @@ impl Objects {
         let Some(old) = self.read_manifest_at(&record_key)? else {
             return Ok(false);
         };
+        if !still(&old) {
+            return Ok(false);
+        }
         let mut deltas: HashMap<[u8; 32], i64> = HashMap::new();
         for chunk in old.content.chunk_refs() {
             *deltas.entry(chunk.hash).or_insert(0) -= 1;

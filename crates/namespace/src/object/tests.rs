@@ -189,6 +189,31 @@ fn refcounts_free_chunks_when_last_reference_goes() {
     assert!(!objects.store().contains(&chunk_key(&hash)).unwrap());
 }
 
+// Proves a conditional delete (the lifecycle worker's) deletes only the object it looked at:
+// one written again since (another modification time) stays, with its chunks.
+#[test]
+fn a_conditional_delete_spares_an_object_written_again() {
+    let (_dir, objects) = with_bucket("conditional_delete");
+    let seen = put(&objects, "bucket", "log", b"old");
+    std::thread::sleep(std::time::Duration::from_millis(5));
+    let newer = put(&objects, "bucket", "log", b"new");
+    assert_ne!(seen.modified_unix_ms, newer.modified_unix_ms);
+    let deleted = objects
+        .delete_object_if("bucket", "log", |m| {
+            m.modified_unix_ms == seen.modified_unix_ms
+        })
+        .unwrap();
+    assert!(!deleted);
+    assert_eq!(read(&objects, "bucket", "log"), b"new");
+    let deleted = objects
+        .delete_object_if("bucket", "log", |m| {
+            m.modified_unix_ms == newer.modified_unix_ms
+        })
+        .unwrap();
+    assert!(deleted);
+    assert!(objects.get_manifest("bucket", "log").is_err());
+}
+
 fn list_all(
     objects: &Objects,
     prefix: &str,
