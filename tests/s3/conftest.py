@@ -246,6 +246,18 @@ def bucket(s3):
         pass
 
 
+def aws(server, *args, config_dir, timeout=120):
+    """Runs the aws cli against `server` with the test key, path-style addressing and a config
+    of its own in `config_dir` (nothing from the user's ~/.aws)."""
+    config = os.path.join(config_dir, "aws-config")
+    with open(config, "w") as f:
+        f.write(f"[default]\nregion = {REGION}\ns3 =\n    addressing_style = path\n")
+    env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY=SECRET_ACCESS_KEY,
+               AWS_CONFIG_FILE=config, AWS_SHARED_CREDENTIALS_FILE=os.path.join(config_dir, "none"))
+    return subprocess.run(["aws", "--endpoint-url", server.endpoint, *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def error_code(excinfo):
     return excinfo.value.response["Error"]["Code"]
 

@@ -5,8 +5,6 @@ for other origins, methods and headers; allowed origins get the Access-Control-*
 real answers."""
 
 import json
-import os
-import subprocess
 import tempfile
 import uuid
 
@@ -14,7 +12,7 @@ import botocore
 import pytest
 import requests
 
-from conftest import ACCESS_KEY_ID, SECRET_ACCESS_KEY, error_code, http_status, make_client, require_tool
+from conftest import aws, error_code, http_status, make_client, require_tool
 
 CORS = {
     "CORSRules": [
@@ -169,21 +167,14 @@ def test_bucket_settings_survive_a_kill_and_go_with_the_bucket(fresh_server):
     assert bucket_tags(s3, bucket) == {"team": "db"}
     assert s3.get_bucket_cors(Bucket=bucket)["CORSRules"] == CORS["CORSRules"]
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
-        config = os.path.join(tmp, "aws-config")
-        with open(config, "w") as f:
-            f.write("[default]\nregion = us-east-1\ns3 =\n    addressing_style = path\n")
-        env = dict(os.environ, AWS_CONFIG_FILE=config, AWS_SHARED_CREDENTIALS_FILE=os.path.join(tmp, "none"),
-                   AWS_ACCESS_KEY_ID=ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY=SECRET_ACCESS_KEY)
-
-        def aws(*args):
-            done = subprocess.run(["aws", "--endpoint-url", fresh_server.endpoint, "s3api", *args, "--bucket", bucket],
-                                  env=env, capture_output=True, text=True, timeout=60)
+        def s3api(*args):
+            done = aws(fresh_server, "s3api", *args, "--bucket", bucket, config_dir=tmp)
             assert done.returncode == 0, done.stderr
             return done.stdout
 
-        aws("put-bucket-tagging", "--tagging", "TagSet=[{Key=cli,Value=yes}]")
-        assert json.loads(aws("get-bucket-tagging"))["TagSet"] == [{"Key": "cli", "Value": "yes"}]
-        rules = json.loads(aws("get-bucket-cors"))["CORSRules"]
+        s3api("put-bucket-tagging", "--tagging", "TagSet=[{Key=cli,Value=yes}]")
+        assert json.loads(s3api("get-bucket-tagging"))["TagSet"] == [{"Key": "cli", "Value": "yes"}]
+        rules = json.loads(s3api("get-bucket-cors"))["CORSRules"]
         assert [rule["AllowedOrigins"] for rule in rules] == [["https://app.example.com"],
                                                               ["https://*.cdn.example.net"]]
     s3.delete_bucket(Bucket=bucket)

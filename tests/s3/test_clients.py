@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from conftest import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY, require_tool
+from conftest import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY, aws, require_tool
 
 MIB = 1024 * 1024
 # A client command that takes longer than this is a failure, not a hang.
@@ -19,16 +19,6 @@ def work_dir():
     path = os.path.join("/var/tmp/keel-s3-tests", f"client-{uuid.uuid4().hex[:8]}")
     os.makedirs(path)
     return path
-
-
-def aws(server, *args, config_dir):
-    config = os.path.join(config_dir, "aws-config")
-    with open(config, "w") as f:
-        f.write(f"[default]\nregion = {REGION}\ns3 =\n    addressing_style = path\n")
-    env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY=SECRET_ACCESS_KEY,
-               AWS_CONFIG_FILE=config, AWS_SHARED_CREDENTIALS_FILE=os.path.join(config_dir, "none"))
-    return subprocess.run(["aws", "--endpoint-url", server.endpoint, *args], env=env,
-                          capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
 
 
 def test_aws_cli(server):

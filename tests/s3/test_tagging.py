@@ -3,14 +3,13 @@ replaced and deleted through the tagging API, counted on GET, kept across a rest
 refused with InvalidTag and nothing changed."""
 
 import os
-import subprocess
 import tempfile
 import uuid
 
 import botocore
 import pytest
 
-from conftest import ACCESS_KEY_ID, SECRET_ACCESS_KEY, error_code, http_status, make_client, require_tool
+from conftest import aws, error_code, http_status, make_client, require_tool
 
 MIB = 1024 * 1024
 
@@ -112,18 +111,11 @@ def test_tags_survive_a_restart_and_the_aws_cli_reads_them(fresh_server):
     assert tag_set(s3, bucket, "small") == {"size": "small"}
     assert tag_set(s3, bucket, "large") == {"size": "large"}
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
-        config = os.path.join(tmp, "aws-config")
-        with open(config, "w") as f:
-            f.write("[default]\nregion = us-east-1\ns3 =\n    addressing_style = path\n")
-        env = dict(os.environ, AWS_CONFIG_FILE=config, AWS_SHARED_CREDENTIALS_FILE=os.path.join(tmp, "none"),
-                   AWS_ACCESS_KEY_ID=ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY=SECRET_ACCESS_KEY)
-        put = subprocess.run(["aws", "--endpoint-url", fresh_server.endpoint, "s3api", "put-object-tagging",
-                              "--bucket", bucket, "--key", "small", "--tagging", "TagSet=[{Key=cli,Value=yes}]"],
-                             env=env, capture_output=True, text=True, timeout=60)
+        put = aws(fresh_server, "s3api", "put-object-tagging", "--bucket", bucket, "--key", "small",
+                  "--tagging", "TagSet=[{Key=cli,Value=yes}]", config_dir=tmp)
         assert put.returncode == 0, put.stderr
-        got = subprocess.run(["aws", "--endpoint-url", fresh_server.endpoint, "s3api", "get-object-tagging",
-                              "--bucket", bucket, "--key", "small", "--output", "text"],
-                             env=env, capture_output=True, text=True, timeout=60)
+        got = aws(fresh_server, "s3api", "get-object-tagging", "--bucket", bucket, "--key", "small",
+                  "--output", "text", config_dir=tmp)
         assert got.returncode == 0, got.stderr
         assert "cli" in got.stdout and "yes" in got.stdout and "size" not in got.stdout, got.stdout
 

@@ -17,7 +17,7 @@ use s3s::dto::*;
 use s3s::{s3_error, S3Error, S3ErrorCode, S3Request, S3Response, S3Result, S3};
 
 use crate::error::{join_error, s3_error};
-use crate::ingest::{ingest, ChecksumKind, ChecksumRequest, PUT_SIZE_MAX_BYTES};
+use crate::ingest::{ingest, ChecksumKind, ChecksumRequest, Ingested, PUT_SIZE_MAX_BYTES};
 use crate::read::{evaluate, parse_copy_range, Conditions, ObjectBody, Precondition};
 use crate::token::{decode_token, encode_token, url_encode};
 
@@ -621,6 +621,48 @@ impl KeelS3 {
         Ok((owner, grants))
     }
 
+    /// Reads the body of a whole object (PUT, POST) or of a part into chunks of `bucket` (an
+    /// absent body is empty), verifying its checksums and that it is as long as its
+    /// `Content-Length` said.
+    async fn ingest_body(
+        &self,
+        bucket: &str,
+        body: Option<StreamingBlob>,
+        content_length: Option<i64>,
+        request: &ChecksumRequest,
+        whole_object: bool,
+        trailing_headers: Option<s3s::TrailingHeaders>,
+    ) -> S3Result<Ingested> {
+        let compression = self.objects.bucket_compression(bucket).map_err(s3_error)?;
+        let size_max_bytes = if whole_object {
+            PUT_SIZE_MAX_BYTES
+        } else {
+            PART_SIZE_MAX_BYTES
+        };
+        let body = body.unwrap_or_else(|| {
+            StreamingBlob::wrap(futures::stream::empty::<Result<bytes::Bytes, std::io::Error>>())
+        });
+        let ingested = ingest(
+            self.objects.clone(),
+            compression,
+            body,
+            request,
+            whole_object,
+            size_max_bytes,
+            trailing_checksums(trailing_headers),
+        )
+        .await?;
+        if let Some(expected) = content_length {
+            if expected >= 0 && expected as u64 != ingested.size_bytes {
+                return Err(s3_error!(
+                    IncompleteBody,
+                    "The body is shorter or longer than Content-Length"
+                ));
+            }
+        }
+        Ok(ingested)
+    }
+
     /// Stores one object from a PutObject or a PostObject: its body streamed in (checksums and
     /// `Content-MD5` verified), then its manifest committed under the request's conditions.
     async fn store_upload(
@@ -630,10 +672,6 @@ impl KeelS3 {
         trailing_headers: Option<s3s::TrailingHeaders>,
     ) -> S3Result<Manifest> {
         check_key(&upload.key)?;
-        let compression = self
-            .objects
-            .bucket_compression(&upload.bucket)
-            .map_err(s3_error)?;
         let request = checksum_request(
             upload.checksum_algorithm.as_ref(),
             upload.checksums,
@@ -652,27 +690,16 @@ impl KeelS3 {
                 .as_ref()
                 .map(|c| condition_value(c).unwrap_or_else(|| "*".into())),
         };
-        let body = upload.body.unwrap_or_else(|| {
-            StreamingBlob::wrap(futures::stream::empty::<Result<bytes::Bytes, std::io::Error>>())
-        });
-        let ingested = ingest(
-            self.objects.clone(),
-            compression,
-            body,
-            &request,
-            true,
-            PUT_SIZE_MAX_BYTES,
-            trailing_checksums(trailing_headers),
-        )
-        .await?;
-        if let Some(expected) = upload.content_length {
-            if expected >= 0 && expected as u64 != ingested.size_bytes {
-                return Err(s3_error!(
-                    IncompleteBody,
-                    "The body is shorter or longer than Content-Length"
-                ));
-            }
-        }
+        let ingested = self
+            .ingest_body(
+                &upload.bucket,
+                upload.body,
+                upload.content_length,
+                &request,
+                true,
+                trailing_headers,
+            )
+            .await?;
         let manifest = Manifest {
             size_bytes: ingested.size_bytes,
             etag: ingested.md5_hex.clone(),
@@ -1657,10 +1684,6 @@ impl S3 for KeelS3 {
             );
             blocking(move || objects.get_upload(&bucket, &key, &upload_id)).await?;
         }
-        let compression = self
-            .objects
-            .bucket_compression(&input.bucket)
-            .map_err(s3_error)?;
         let request = checksum_request(
             input.checksum_algorithm.as_ref(),
             Checksums {
@@ -1673,27 +1696,16 @@ impl S3 for KeelS3 {
             input.content_md5.clone(),
             &headers,
         )?;
-        let body = input.body.unwrap_or_else(|| {
-            StreamingBlob::wrap(futures::stream::empty::<Result<bytes::Bytes, std::io::Error>>())
-        });
-        let ingested = ingest(
-            self.objects.clone(),
-            compression,
-            body,
-            &request,
-            false,
-            PART_SIZE_MAX_BYTES,
-            trailing_checksums(trailing_headers),
-        )
-        .await?;
-        if let Some(expected) = input.content_length {
-            if expected >= 0 && expected as u64 != ingested.size_bytes {
-                return Err(s3_error!(
-                    IncompleteBody,
-                    "The body is shorter or longer than Content-Length"
-                ));
-            }
-        }
+        let ingested = self
+            .ingest_body(
+                &input.bucket,
+                input.body,
+                input.content_length,
+                &request,
+                false,
+                trailing_headers,
+            )
+            .await?;
         let part = PartRecord {
             part_number,
             size_bytes: ingested.size_bytes,
