@@ -1140,7 +1140,8 @@ impl Cluster {
     fn earlier_leaders_quiet_since(&self) -> Option<std::time::Instant> {
         let vote = self.metrics().vote;
         let own = *lock(&self.heard_leader_at);
-        match lock(&self.grants).heard_leader_by_voters_of(&vote) {
+        let voters = lock(&self.grants).heard_leader_by_voters_of(&vote);
+        match voters {
             Some(voters) => Some(own.max(voters)),
             None => lock(&self.liveness).leading_since,
         }
