@@ -87,6 +87,15 @@ def test_lifecycle_rules_expire_objects_and_abort_uploads_when_due(debug_server)
     assert run_pass(debug_server).json()["objects_expired"] == 0
     assert "logs/young.log" in keys(s3, bucket)
 
+    # /metrics counts what the passes did (3 objects, 1 upload) and when the last one ran.
+    metrics = requests.get(f"http://127.0.0.1:{debug_server.admin_port}/metrics", timeout=30).text
+    values = dict(line.rsplit(" ", 1) for line in metrics.splitlines()
+                  if line.startswith("keel_s3_lifecycle_"))
+    assert float(values["keel_s3_lifecycle_objects_expired_total"]) == 3, values
+    assert float(values["keel_s3_lifecycle_uploads_aborted_total"]) == 1, values
+    assert float(values["keel_s3_lifecycle_passes_failed_total"]) == 0, values
+    assert abs(float(values["keel_s3_lifecycle_last_pass_timestamp_seconds"]) - time.time()) < 60, values
+
     s3.abort_multipart_upload(Bucket=bucket, Key="other/big.bin", UploadId=elsewhere)
     s3.delete_bucket_lifecycle(Bucket=bucket)
     with pytest.raises(botocore.exceptions.ClientError) as gone:

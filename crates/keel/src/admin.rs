@@ -41,6 +41,7 @@ pub struct AppState {
     pub scrub: Arc<crate::scrub_schedule::ScrubSchedule>,
     pub sync_window: Arc<crate::sync_health::SyncWindow>,
     pub fill_window: Arc<crate::fill_rate::FillWindow>,
+    pub lifecycle: Arc<crate::lifecycle::LifecycleStats>,
     pub config: Config,
     pub started: Instant,
     pub nbd_metrics: crate::metrics::NbdMetrics,
@@ -604,6 +605,7 @@ async fn metrics(State(state): State<Shared>, headers: HeaderMap) -> ApiResult<R
     let commit_batches = state.store.commit_batches();
     let throttled = state.volumes.throttled();
     let jobs = state.jobs.list();
+    let lifecycle = state.lifecycle.clone();
     let process = crate::process::read()
         .inspect_err(|error| tracing::warn!(%error, "reading /proc/self for /metrics"))
         .ok();
@@ -624,6 +626,7 @@ async fn metrics(State(state): State<Shared>, headers: HeaderMap) -> ApiResult<R
         })
         .collect();
     let readings = crate::metrics::Readings {
+        lifecycle,
         sync_latency,
         device_sync_latency,
         commit_batches,
@@ -1358,11 +1361,12 @@ async fn run_lifecycle(
         Some(as_of) => as_of,
         None => keel_clock::Clock::wall_unix_ms(&keel_clock::SystemClock),
     };
-    let objects = state.s3.objects().clone();
-    let report = tokio::task::spawn_blocking(move || objects.apply_lifecycle(now))
-        .await
-        .map_err(|error| internal(error.to_string()))?
-        .map_err(|error| internal(error.to_string()))?;
+    let (objects, stats) = (state.s3.objects().clone(), state.lifecycle.clone());
+    let report =
+        tokio::task::spawn_blocking(move || stats.pass(&objects, now, &keel_clock::SystemClock))
+            .await
+            .map_err(|error| internal(error.to_string()))?
+            .map_err(|error| internal(error.to_string()))?;
     Ok(Json(serde_json::json!({
         "as_of_unix_ms": now,
         "objects_expired": report.objects_expired,

@@ -247,6 +247,7 @@ pub fn timed<T>(series: &OpSeries, request: impl FnOnce() -> T) -> T {
 
 /// What is read at each scrape besides the status report.
 pub struct Readings {
+    pub lifecycle: std::sync::Arc<crate::lifecycle::LifecycleStats>,
     pub sync_latency: keel_store::SyncLatency,
     /// Each data directory's share of the log syncs.
     pub device_sync_latency: Vec<(std::path::PathBuf, keel_store::SyncLatency)>,
@@ -408,6 +409,34 @@ pub fn render(
         "0 = HEALTH_OK, 1 = HEALTH_WARN, 2 = HEALTH_ERR",
         health,
     );
+    {
+        use std::sync::atomic::Ordering::Relaxed;
+        let lifecycle = &readings.lifecycle;
+        counter_u64(
+            registry,
+            "s3_lifecycle_objects_expired",
+            "Objects S3 lifecycle rules deleted since the server started",
+            lifecycle.objects_expired.load(Relaxed),
+        );
+        counter_u64(
+            registry,
+            "s3_lifecycle_uploads_aborted",
+            "Incomplete multipart uploads S3 lifecycle rules aborted since the server started",
+            lifecycle.uploads_aborted.load(Relaxed),
+        );
+        counter_u64(
+            registry,
+            "s3_lifecycle_passes_failed",
+            "Lifecycle passes that failed (the server log says why)",
+            lifecycle.passes_failed.load(Relaxed),
+        );
+        gauge_f64(
+            registry,
+            "s3_lifecycle_last_pass_timestamp_seconds",
+            "When the last lifecycle pass finished (0: none since the server started)",
+            lifecycle.last_pass_unix_ms.load(Relaxed) as f64 / 1000.0,
+        );
+    }
     gauge_u64(
         registry,
         "uptime_seconds",

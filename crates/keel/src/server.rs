@@ -339,9 +339,10 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         stopped.clone(),
     ));
 
+    let lifecycle = Arc::new(crate::lifecycle::LifecycleStats::default());
     {
-        let (objects, stop) = (s3.objects().clone(), stopped.clone());
-        tokio::spawn(crate::lifecycle::run(objects, stop));
+        let (objects, stats, stop) = (s3.objects().clone(), lifecycle.clone(), stopped.clone());
+        tokio::spawn(crate::lifecycle::run(objects, stats, stop));
     }
 
     let sync_window = Arc::new(crate::sync_health::SyncWindow::default());
@@ -371,6 +372,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         scrub,
         sync_window,
         fill_window,
+        lifecycle,
         config: shown,
         started,
         nbd_metrics: nbd_metrics.clone(),
