@@ -89,7 +89,7 @@ enum Command {
         #[command(subcommand)]
         command: StoreAction,
     },
-    /// The cluster: status, join token, and the force-primary repair.
+    /// The cluster: status, join token, leadership transfer, and the force-primary repair.
     Cluster {
         #[command(flatten)]
         connection: cli::Connection,
