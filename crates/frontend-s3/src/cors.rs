@@ -4,8 +4,6 @@
 //! origin no rule allows is served as it would be without CORS: the browser, not the server,
 //! withholds the answer from the page.
 
-use std::sync::Arc;
-
 use http::header::{
     HeaderName, HeaderValue, ACCESS_CONTROL_ALLOW_HEADERS, ACCESS_CONTROL_ALLOW_METHODS,
     ACCESS_CONTROL_ALLOW_ORIGIN, ACCESS_CONTROL_EXPOSE_HEADERS, ACCESS_CONTROL_MAX_AGE,
@@ -70,7 +68,7 @@ fn refusal(status: StatusCode, code: &str, message: &str) -> HttpResponse {
 /// 200 with what the first matching rule allows, 403 when no rule allows the request (or the
 /// bucket has none), 400 when the request is not a preflight. `None` for any other method.
 pub(crate) fn preflight(
-    objects: &Arc<Objects>,
+    objects: &Objects,
     method: &Method,
     path: &str,
     headers: &HeaderMap,

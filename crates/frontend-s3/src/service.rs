@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use futures::StreamExt;
-use keel_catalog::{CorsRule, LifecycleRule};
+use keel_catalog::{BucketSettings, CorsRule, LifecycleRule};
 use keel_namespace::object::list::{ListRequest, ListResult, ListStart, LIST_ENTRIES_MAX};
 use keel_namespace::object::multipart::PARTS_MAX;
 use keel_namespace::object::{
@@ -517,12 +517,27 @@ fn canned_public_read(acl: Option<&BucketCannedACL>) -> S3Result<Option<bool>> {
     }
 }
 
-fn tags_from_body(tagging: Tagging) -> S3Result<Tags> {
-    let tags: Tags = tagging
+/// A tagging body's pairs, as given (validated by the caller for what it tags).
+fn tag_pairs(tagging: Tagging) -> Tags {
+    tagging
         .tag_set
         .into_iter()
         .map(|tag| (tag.key.unwrap_or_default(), tag.value.unwrap_or_default()))
-        .collect();
+        .collect()
+}
+
+/// Tags as a tagging answer lists them.
+fn tag_set(tags: Tags) -> TagSet {
+    tags.into_iter()
+        .map(|(key, value)| Tag {
+            key: Some(key),
+            value: Some(value),
+        })
+        .collect()
+}
+
+fn tags_from_body(tagging: Tagging) -> S3Result<Tags> {
+    let tags = tag_pairs(tagging);
     validate_tags(&tags).map_err(s3_error)?;
     Ok(tags)
 }
@@ -722,6 +737,12 @@ impl KeelS3 {
         })
         .await?;
         Ok(manifest)
+    }
+
+    /// A bucket's optional settings (all empty when it has none); NoSuchBucket unless it exists.
+    fn settings_of(&self, bucket: &str) -> S3Result<BucketSettings> {
+        self.require_bucket(bucket)?;
+        Ok(self.objects.bucket_settings(bucket).unwrap_or_default())
     }
 
     /// NoSuchBucket unless `bucket` exists (access was checked by the auth layer).
@@ -943,12 +964,7 @@ impl S3 for KeelS3 {
         &self,
         req: S3Request<GetBucketLifecycleConfigurationInput>,
     ) -> S3Result<S3Response<GetBucketLifecycleConfigurationOutput>> {
-        self.require_bucket(&req.input.bucket)?;
-        let rules = self
-            .objects
-            .bucket_settings(&req.input.bucket)
-            .map(|settings| settings.lifecycle)
-            .unwrap_or_default();
+        let rules = self.settings_of(&req.input.bucket)?.lifecycle;
         if rules.is_empty() {
             return Err(s3_error!(
                 NoSuchLifecycleConfiguration,
@@ -1002,23 +1018,12 @@ impl S3 for KeelS3 {
         &self,
         req: S3Request<GetBucketTaggingInput>,
     ) -> S3Result<S3Response<GetBucketTaggingOutput>> {
-        self.require_bucket(&req.input.bucket)?;
-        let tags = self
-            .objects
-            .bucket_settings(&req.input.bucket)
-            .map(|settings| settings.tags)
-            .unwrap_or_default();
+        let tags = self.settings_of(&req.input.bucket)?.tags;
         if tags.is_empty() {
             return Err(s3_error!(NoSuchTagSet, "The TagSet does not exist"));
         }
         Ok(S3Response::new(GetBucketTaggingOutput {
-            tag_set: tags
-                .into_iter()
-                .map(|(key, value)| Tag {
-                    key: Some(key),
-                    value: Some(value),
-                })
-                .collect(),
+            tag_set: tag_set(tags),
         }))
     }
 
@@ -1028,12 +1033,7 @@ impl S3 for KeelS3 {
     ) -> S3Result<S3Response<PutBucketTaggingOutput>> {
         let input = req.input;
         self.require_bucket(&input.bucket)?;
-        let tags: Tags = input
-            .tagging
-            .tag_set
-            .into_iter()
-            .map(|tag| (tag.key.unwrap_or_default(), tag.value.unwrap_or_default()))
-            .collect();
+        let tags = tag_pairs(input.tagging);
         let objects = self.objects.clone();
         blocking(move || objects.set_bucket_tags(&input.bucket, tags)).await?;
         Ok(S3Response::new(PutBucketTaggingOutput::default()))
@@ -1054,12 +1054,7 @@ impl S3 for KeelS3 {
         &self,
         req: S3Request<GetBucketCorsInput>,
     ) -> S3Result<S3Response<GetBucketCorsOutput>> {
-        self.require_bucket(&req.input.bucket)?;
-        let rules = self
-            .objects
-            .bucket_settings(&req.input.bucket)
-            .map(|settings| settings.cors)
-            .unwrap_or_default();
+        let rules = self.settings_of(&req.input.bucket)?.cors;
         if rules.is_empty() {
             return Err(s3_error!(
                 NoSuchCORSConfiguration,
@@ -1242,14 +1237,7 @@ impl S3 for KeelS3 {
         let input = req.input;
         let manifest = self.manifest(&input.bucket, &input.key).await?;
         Ok(S3Response::new(GetObjectTaggingOutput {
-            tag_set: manifest
-                .tags
-                .into_iter()
-                .map(|(key, value)| Tag {
-                    key: Some(key),
-                    value: Some(value),
-                })
-                .collect(),
+            tag_set: tag_set(manifest.tags),
             version_id: None,
         }))
     }
