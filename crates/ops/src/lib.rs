@@ -122,7 +122,6 @@ struct Inner {
     /// Monotonic origin of `*_ms` fields below.
     origin: Instant,
     slow_threshold: Duration,
-    next_id: AtomicU64,
     in_flight: Vec<Mutex<HashMap<u64, Arc<Op>>>>,
     history: Mutex<History>,
     /// Nanoseconds of the fastest request in `history.slowest` once it is full (0 before): a
@@ -229,7 +228,6 @@ impl Ops {
                 clock,
                 origin,
                 slow_threshold,
-                next_id: AtomicU64::new(1),
                 in_flight: (0..SHARDS).map(|_| Mutex::default()).collect(),
                 history: Mutex::default(),
                 floor_nanos: AtomicU64::new(0),
@@ -256,7 +254,8 @@ impl Ops {
     /// Registers a request in flight, in phase [`phase::RECEIVING`]; it finishes when the
     /// guard drops.
     pub fn start(&self, start: Start) -> OpGuard {
-        self.started.fetch_add(1, Ordering::Relaxed);
+        // The count of requests started is also the request's id (from 1).
+        let id = self.started.fetch_add(1, Ordering::Relaxed) + 1;
         let Some(inner) = &self.inner else {
             return OpGuard {
                 handle: OpHandle { tracked: None },
@@ -264,7 +263,7 @@ impl Ops {
         };
         let now = inner.clock.now();
         let op = Arc::new(Op {
-            id: inner.next_id.fetch_add(1, Ordering::Relaxed),
+            id,
             start,
             started: now,
             started_unix_ms: inner.clock.wall_unix_ms(),
