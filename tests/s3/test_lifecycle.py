@@ -1,4 +1,4 @@
-"""Bucket lifecycle rules (issue 13, unversioned buckets) through boto3: stored and read back,
+"""Bucket lifecycle rules (issue 13) through boto3: stored and read back,
 refused when Keel cannot apply them, and applied by a pass run through the admin API as of a
 moved clock (`as_of_unix_ms`, accepted only from a server started with --debug-faults): objects
 under an expiring prefix go once they are old enough and only then, others stay, disabled rules
@@ -69,7 +69,8 @@ def test_lifecycle_rules_expire_objects_and_abort_uploads_when_due(debug_server)
     assert keys(s3, bucket) == ["keep/d.txt", "logs/2026/a.log", "logs/b.log", "other/c.txt"]
 
     week = run_pass(debug_server, now + 8 * DAY_MS).json()
-    assert week == {"as_of_unix_ms": now + 8 * DAY_MS, "objects_expired": 0, "uploads_aborted": 1}
+    assert week == {"as_of_unix_ms": now + 8 * DAY_MS, "objects_expired": 0, "uploads_aborted": 1,
+                    "versions_expired": 0, "delete_markers_removed": 0}
     uploads = [u["UploadId"] for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
     assert uploads == [elsewhere] and stale not in uploads
 
@@ -105,12 +106,14 @@ def test_lifecycle_rules_expire_objects_and_abort_uploads_when_due(debug_server)
 
 
 def test_rules_keel_cannot_apply_are_refused(s3, bucket, server):
-    # Proves rules needing versions, transitions or tag filters answer NotImplemented, invalid
+    # Proves rules keeping a count of versions, transitions or tag filters answer NotImplemented, invalid
     # ones 400, nothing is stored either way, and a server without --debug-faults refuses a
     # pass as of another time.
     for rule, status in (
         ({"ID": "v", "Status": "Enabled", "Filter": {"Prefix": ""},
-          "NoncurrentVersionExpiration": {"NoncurrentDays": 3}}, 501),
+          "NoncurrentVersionExpiration": {"NoncurrentDays": 3, "NewerNoncurrentVersions": 2}}, 501),
+        ({"ID": "m", "Status": "Enabled", "Filter": {"Prefix": ""},
+          "Expiration": {"Days": 3, "ExpiredObjectDeleteMarker": True}}, 400),
         ({"ID": "t", "Status": "Enabled", "Filter": {"Prefix": ""},
           "Transitions": [{"Days": 3, "StorageClass": "GLACIER"}]}, 501),
         ({"ID": "tag", "Status": "Enabled", "Filter": {"Tag": {"Key": "k", "Value": "v"}},

@@ -234,6 +234,11 @@ pub enum Command {
         bucket: String,
         rules: Vec<crate::records::LifecycleRule>,
     },
+    /// Enables (true) or suspends a bucket's versioning.
+    BucketSetVersioning {
+        bucket: String,
+        enabled: bool,
+    },
 }
 
 impl Command {
@@ -271,6 +276,7 @@ impl Command {
             Command::BucketSetCors { .. } => "bucket-set-cors",
             Command::BucketSetPublicRead { .. } => "bucket-set-public-read",
             Command::BucketSetLifecycle { .. } => "bucket-set-lifecycle",
+            Command::BucketSetVersioning { .. } => "bucket-set-versioning",
         }
     }
 }

@@ -26,7 +26,7 @@ pub use command::{Command, Event, NodeSpec, Outcome, VolumeSettings};
 pub use records::{
     default_in_sync_min, BucketRecord, BucketSettings, ClusterRecord, CorsRule, DeviceRecord,
     KeyRecord, LifecycleRule, NodeAddresses, NodeRecord, NodeRole, NodeState, Origin, Replication,
-    SnapshotRecord, VolumeRecord, VolumeStatus, REPLICAS_MAX, SNAPSHOT_RECORD_FORMAT,
+    SnapshotRecord, Versioning, VolumeRecord, VolumeStatus, REPLICAS_MAX, SNAPSHOT_RECORD_FORMAT,
 };
 pub use state::{CatalogState, Change, Plan, VolumeEntry};
 

@@ -426,6 +426,20 @@ pub struct BucketSettings {
     pub public_read: bool,
     /// Applied by the object layer's lifecycle worker.
     pub lifecycle: Vec<LifecycleRule>,
+    /// S3 versioning: once enabled, a bucket keeps every version until it is deleted by id.
+    pub versioning: Versioning,
+}
+
+/// A bucket's versioning state. A bucket never returns to `Unversioned` once versioning was
+/// set (S3's rule): it is `Enabled` or `Suspended`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Versioning {
+    #[default]
+    Unversioned,
+    /// Every write makes a new version with its own id; deletes add delete markers.
+    Enabled,
+    /// Writes replace the `null` version; versions made while enabled are kept.
+    Suspended,
 }
 
 impl BucketSettings {
@@ -434,11 +448,81 @@ impl BucketSettings {
             && self.cors.is_empty()
             && !self.public_read
             && self.lifecycle.is_empty()
+            && self.versioning == Versioning::Unversioned
     }
 }
 
-/// One lifecycle rule of a bucket (S3's `LifecycleRule`, for unversioned buckets): what it
-/// applies to and what it does when.
+/// Format of bucket settings records (the byte before their postcard) and of the settings map
+/// in catalog snapshots. Format 1 had no versioning and no lifecycle rules for versions; it
+/// still decodes.
+pub const BUCKET_SETTINGS_FORMAT: u8 = 2;
+const BUCKET_SETTINGS_FORMAT_V1: u8 = 1;
+
+/// Bucket settings as format 1 wrote them.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct BucketSettingsV1 {
+    name: String,
+    tags: Vec<(String, String)>,
+    cors: Vec<CorsRule>,
+    public_read: bool,
+    lifecycle: Vec<LifecycleRuleV1>,
+}
+
+/// A lifecycle rule as format 1 wrote it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct LifecycleRuleV1 {
+    id: Option<String>,
+    enabled: bool,
+    prefix: String,
+    expiration_days: Option<u32>,
+    expiration_date_unix_ms: Option<i64>,
+    abort_incomplete_upload_days: Option<u32>,
+}
+
+impl From<BucketSettingsV1> for BucketSettings {
+    fn from(v1: BucketSettingsV1) -> BucketSettings {
+        BucketSettings {
+            name: v1.name,
+            tags: v1.tags,
+            cors: v1.cors,
+            public_read: v1.public_read,
+            lifecycle: v1
+                .lifecycle
+                .into_iter()
+                .map(|rule| LifecycleRule {
+                    id: rule.id,
+                    enabled: rule.enabled,
+                    prefix: rule.prefix,
+                    expiration_days: rule.expiration_days,
+                    expiration_date_unix_ms: rule.expiration_date_unix_ms,
+                    abort_incomplete_upload_days: rule.abort_incomplete_upload_days,
+                    ..LifecycleRule::default()
+                })
+                .collect(),
+            versioning: Versioning::Unversioned,
+        }
+    }
+}
+
+pub fn encode_bucket_settings(settings: &BucketSettings) -> Vec<u8> {
+    let mut out = vec![BUCKET_SETTINGS_FORMAT];
+    out.extend_from_slice(&encode_plain(settings));
+    out
+}
+
+/// Decodes a bucket settings record of either format.
+pub fn decode_bucket_settings(key: &[u8], bytes: &[u8]) -> Result<BucketSettings, CatalogError> {
+    match bytes.split_first() {
+        Some((&BUCKET_SETTINGS_FORMAT_V1, body)) => {
+            Ok(decode_postcard::<BucketSettingsV1>(key, body)?.into())
+        }
+        Some((&BUCKET_SETTINGS_FORMAT, body)) => decode_postcard(key, body),
+        _ => decode_versioned(key, bytes),
+    }
+}
+
+/// One lifecycle rule of a bucket (S3's `LifecycleRule`): what it applies to and what it does
+/// when.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LifecycleRule {
     pub id: Option<String>,
@@ -452,6 +536,10 @@ pub struct LifecycleRule {
     pub expiration_date_unix_ms: Option<i64>,
     /// Multipart uploads are aborted this many days after they began.
     pub abort_incomplete_upload_days: Option<u32>,
+    /// Versions are deleted this many days after a newer version replaced them.
+    pub noncurrent_expiration_days: Option<u32>,
+    /// A delete marker with no older versions behind it is removed.
+    pub expired_object_delete_marker: bool,
 }
 
 /// One CORS rule of a bucket (S3's `CORSRule`).
@@ -632,8 +720,6 @@ mod tests {
         assert!(decode_volume(&key, &[2, 1], 1).is_err());
     }
 
-    // Proves the catalog's prefixes are disjoint from the object layer's local records (whose
-    // keys start `s3/obj/`, `s3/ref/`, `s3/upload/`, `s3/part/`).
     /// A snapshot record as formats 1 and 2 wrote it: no `incomplete_on`.
     #[derive(Serialize)]
     struct SnapshotBeforeFormat3 {
@@ -693,9 +779,17 @@ mod tests {
         assert!(decode_plain::<SnapshotRecord>(b"k", &encode_plain(&new)[..20]).is_err());
     }
 
+    // Proves the catalog's prefixes are disjoint from the object layer's local records (whose
+    // keys start `s3/obj/`, `s3/ver/`, `s3/ref/`, `s3/upload/`, `s3/part/`).
     #[test]
     fn catalog_prefixes_exclude_local_object_records() {
-        for local in [&b"s3/obj/x"[..], b"s3/ref/x", b"s3/upload/x", b"s3/part/x"] {
+        for local in [
+            &b"s3/obj/x"[..],
+            b"s3/ver/x",
+            b"s3/ref/x",
+            b"s3/upload/x",
+            b"s3/part/x",
+        ] {
             assert!(CATALOG_PREFIXES
                 .iter()
                 .all(|prefix| !local.starts_with(prefix)));
@@ -704,5 +798,34 @@ mod tests {
         assert!(start < volume_key(0) && volume_key(u64::MAX) < end);
         let snapshot = snapshot_key(u64::MAX, 1);
         assert!(snapshot < start || snapshot >= end);
+    }
+
+    // Proves a bucket settings record of the first format decodes (unversioned, its lifecycle
+    // rules kept) and the current format round-trips versioning.
+    #[test]
+    fn bucket_settings_records_of_both_formats_decode() {
+        let key = bucket_settings_key("logs");
+        let v1 = BucketSettingsV1 {
+            name: "logs".into(),
+            public_read: true,
+            lifecycle: vec![LifecycleRuleV1 {
+                enabled: true,
+                expiration_days: Some(9),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let mut bytes = vec![BUCKET_SETTINGS_FORMAT_V1];
+        bytes.extend_from_slice(&encode_plain(&v1));
+        let decoded = decode_bucket_settings(&key, &bytes).expect("decodes");
+        assert!(decoded.public_read);
+        assert_eq!(decoded.versioning, Versioning::Unversioned);
+        assert_eq!(decoded.lifecycle[0].expiration_days, Some(9));
+        let current = BucketSettings {
+            versioning: Versioning::Suspended,
+            ..decoded
+        };
+        let bytes = encode_bucket_settings(&current);
+        assert_eq!(decode_bucket_settings(&key, &bytes).expect("decodes"), current);
     }
 }

@@ -22,7 +22,7 @@ use keel_store::{Compression, Store, WriteOp};
 use crate::command::{Command, Event, NodeSpec, Outcome, VolumeSettings};
 use crate::records::{
     self, BucketRecord, BucketSettings, ClusterRecord, KeyRecord, NodeRecord, NodeState, Origin,
-    Replication, SnapshotRecord, VolumeRecord, VolumeStatus, SNAPSHOT_RECORD_FORMAT,
+    Replication, SnapshotRecord, Versioning, VolumeRecord, VolumeStatus, SNAPSHOT_RECORD_FORMAT,
     VOLUME_RECORD_FORMAT,
 };
 use crate::view::{Layer, Truncation};
@@ -135,7 +135,7 @@ impl Change {
             },
             Change::PutBucketSettings(settings) => put(
                 records::bucket_settings_key(&settings.name),
-                records::encode_versioned(settings),
+                records::encode_bucket_settings(settings),
             ),
             Change::DeleteBucketSettings(name) => WriteOp::Delete {
                 key: records::bucket_settings_key(name),
@@ -250,7 +250,7 @@ impl CatalogState {
                     let record: BucketRecord = records::decode_versioned(&key, &value)?;
                     state.buckets.insert(record.name.clone(), record);
                 } else if suffix.starts_with(records::BUCKET_SETTINGS_PREFIX) {
-                    let settings: BucketSettings = records::decode_versioned(&key, &value)?;
+                    let settings = records::decode_bucket_settings(&key, &value)?;
                     state
                         .bucket_settings
                         .insert(settings.name.clone(), settings);
@@ -308,10 +308,15 @@ impl CatalogState {
         Ok(ops)
     }
 
-    /// A snapshot's encoding: the state (versioned), then the bucket settings (postcard),
-    /// which snapshots written before they existed lack.
+    /// A snapshot's encoding: the state (versioned), then the bucket settings, which
+    /// snapshots written before they existed lack. Settings came in format 1 as a plain
+    /// postcard map; now that map is written empty and followed by the format byte and the
+    /// map in [`records::BUCKET_SETTINGS_FORMAT`].
     pub fn encode(&self) -> Vec<u8> {
         let mut out = records::encode_versioned(self);
+        let legacy: BTreeMap<String, records::BucketSettingsV1> = BTreeMap::new();
+        out.extend_from_slice(&records::encode_plain(&legacy));
+        out.push(records::BUCKET_SETTINGS_FORMAT);
         out.extend_from_slice(&records::encode_plain(&self.bucket_settings));
         out
     }
@@ -328,10 +333,23 @@ impl CatalogState {
         };
         let (mut state, rest): (CatalogState, &[u8]) =
             postcard::take_from_bytes(body).map_err(|error| corrupt(error.to_string()))?;
-        if !rest.is_empty() {
-            state.bucket_settings =
-                postcard::from_bytes(rest).map_err(|error| corrupt(error.to_string()))?;
+        if rest.is_empty() {
+            return Ok(state);
         }
+        let (legacy, rest): (BTreeMap<String, records::BucketSettingsV1>, &[u8]) =
+            postcard::take_from_bytes(rest).map_err(|error| corrupt(error.to_string()))?;
+        state.bucket_settings = match rest.split_first() {
+            None => legacy
+                .into_iter()
+                .map(|(name, settings)| (name, settings.into()))
+                .collect(),
+            Some((&records::BUCKET_SETTINGS_FORMAT, body)) => {
+                postcard::from_bytes(body).map_err(|error| corrupt(error.to_string()))?
+            }
+            Some((format, _)) => {
+                return Err(corrupt(format!("unknown bucket settings format {format}")))
+            }
+        };
         Ok(state)
     }
 
@@ -790,6 +808,15 @@ impl CatalogState {
             Command::BucketSetLifecycle { bucket, rules } => {
                 let mut settings = self.settings_of(bucket)?;
                 settings.lifecycle = rules.clone();
+                Ok(self.put_settings(settings))
+            }
+            Command::BucketSetVersioning { bucket, enabled } => {
+                let mut settings = self.settings_of(bucket)?;
+                settings.versioning = if *enabled {
+                    Versioning::Enabled
+                } else {
+                    Versioning::Suspended
+                };
                 Ok(self.put_settings(settings))
             }
             Command::BucketGrant {

@@ -650,7 +650,12 @@ fn snapshots_with_and_without_bucket_settings_decode() {
             tags: vec![("team".to_string(), "web".to_string())],
             cors: Vec::new(),
             public_read: true,
-            lifecycle: Vec::new(),
+            lifecycle: vec![keel_catalog::LifecycleRule {
+                enabled: true,
+                noncurrent_expiration_days: Some(3),
+                ..Default::default()
+            }],
+            versioning: keel_catalog::Versioning::Enabled,
         },
     );
     let decoded = CatalogState::decode(&state.encode()).unwrap();
@@ -660,4 +665,54 @@ fn snapshots_with_and_without_bucket_settings_decode() {
     old.extend_from_slice(&postcard::to_allocvec(&state).unwrap());
     let decoded = CatalogState::decode(&old).unwrap();
     assert!(decoded.bucket_settings.is_empty());
+}
+
+/// A lifecycle rule as the first format wrote it: id, enabled, prefix, expiration days,
+/// expiration date, abort days.
+type RuleFormat1 = (
+    Option<String>,
+    bool,
+    String,
+    Option<u32>,
+    Option<i64>,
+    Option<u32>,
+);
+
+/// Bucket settings as the first format wrote them, in records and in snapshots.
+#[derive(serde::Serialize)]
+struct SettingsFormat1 {
+    name: String,
+    tags: Vec<(String, String)>,
+    cors: Vec<keel_catalog::CorsRule>,
+    public_read: bool,
+    lifecycle: Vec<RuleFormat1>,
+}
+
+// Proves a snapshot that wrote its bucket settings in the first format (before versioning)
+// decodes them, lifecycle rules included, as unversioned.
+#[test]
+fn snapshots_with_first_format_bucket_settings_decode() {
+    let state = CatalogState::default();
+    let mut old = vec![1u8];
+    old.extend_from_slice(&postcard::to_allocvec(&state).unwrap());
+    let mut settings = std::collections::BTreeMap::new();
+    settings.insert(
+        "logs".to_string(),
+        SettingsFormat1 {
+            name: "logs".to_string(),
+            tags: vec![("team".to_string(), "ops".to_string())],
+            cors: Vec::new(),
+            public_read: false,
+            lifecycle: vec![(Some("old".into()), true, "tmp/".into(), Some(7), None, None)],
+        },
+    );
+    old.extend_from_slice(&postcard::to_allocvec(&settings).unwrap());
+    let decoded = CatalogState::decode(&old).unwrap();
+    let logs = &decoded.bucket_settings["logs"];
+    assert_eq!(logs.tags, vec![("team".to_string(), "ops".to_string())]);
+    assert_eq!(logs.versioning, keel_catalog::Versioning::Unversioned);
+    assert_eq!(logs.lifecycle.len(), 1);
+    assert_eq!(logs.lifecycle[0].prefix, "tmp/");
+    assert_eq!(logs.lifecycle[0].expiration_days, Some(7));
+    assert_eq!(logs.lifecycle[0].noncurrent_expiration_days, None);
 }

@@ -49,6 +49,32 @@ pub(crate) fn s3_error(error: ObjectError) -> S3Error {
         E::NoSuchAccessKey(_) => S3Error::with_message(S3ErrorCode::InvalidAccessKeyId, message),
         E::AccessKeyExists(_) => S3Error::with_message(S3ErrorCode::InvalidArgument, message),
         E::Unavailable(_) => S3Error::with_message(S3ErrorCode::ServiceUnavailable, message),
+        E::InvalidVersionId(_) => {
+            S3Error::with_message(S3ErrorCode::InvalidArgument, "Invalid version id specified")
+        }
+        E::NoSuchVersion { .. } => S3Error::with_message(S3ErrorCode::NoSuchVersion, message),
+        E::DeleteMarker {
+            version_id, named, ..
+        } => {
+            // A named marker cannot be read (405); a key whose newest version is a marker is
+            // missing (404). Both say which marker, as S3 does.
+            let code = if *named {
+                S3ErrorCode::MethodNotAllowed
+            } else {
+                S3ErrorCode::NoSuchKey
+            };
+            let mut e = S3Error::with_message(code, message.clone());
+            let mut headers = http::HeaderMap::new();
+            headers.insert(
+                "x-amz-delete-marker",
+                http::HeaderValue::from_static("true"),
+            );
+            if let Ok(value) = http::HeaderValue::from_str(version_id) {
+                headers.insert("x-amz-version-id", value);
+            }
+            e.set_headers(headers);
+            e
+        }
         _ if error.is_no_space() => {
             let mut e =
                 S3Error::with_message(S3ErrorCode::Custom("InsufficientStorage".into()), message);

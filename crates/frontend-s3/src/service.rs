@@ -6,12 +6,13 @@
 use std::sync::Arc;
 
 use futures::StreamExt;
-use keel_catalog::{BucketSettings, CorsRule, LifecycleRule};
+use keel_catalog::{BucketSettings, CorsRule, LifecycleRule, Versioning};
 use keel_namespace::object::list::{ListRequest, ListResult, ListStart, LIST_ENTRIES_MAX};
 use keel_namespace::object::multipart::PARTS_MAX;
 use keel_namespace::object::{
-    now_unix_ms, validate_object_key, validate_tags, Checksums, Content, Manifest, ObjectError,
-    Objects, PartRecord, PinSet, PutCondition, StoredHeaders, Tags, UploadRecord,
+    now_unix_ms, validate_object_key, validate_tags, Checksums, Content, Deletion, Manifest,
+    ObjectError, Objects, PartRecord, PinSet, PutCondition, StoredHeaders, Tags, UploadRecord,
+    VersionEntry, VersionId, VersionListRequest,
 };
 use s3s::dto::*;
 use s3s::{s3_error, S3Error, S3ErrorCode, S3Request, S3Response, S3Result, S3};
@@ -408,28 +409,27 @@ macro_rules! upload_of {
     }};
 }
 
-/// A lifecycle rule as Keel keeps it; what it cannot apply (versions, transitions, filters on
-/// tags or sizes) is refused, not ignored.
+/// A lifecycle rule as Keel keeps it; what it cannot apply (transitions, filters on tags or
+/// sizes, counts of noncurrent versions to keep) is refused, not ignored.
 fn lifecycle_rule_in(rule: s3s::dto::LifecycleRule) -> S3Result<LifecycleRule> {
     let unsupported = |what: &str| {
         Err(s3_error!(
             NotImplemented,
-            "lifecycle rules with {what} are not supported (Keel has no versions or storage classes)"
+            "lifecycle rules with {what} are not supported (Keel has one storage class)"
         ))
     };
-    if rule.noncurrent_version_expiration.is_some() || rule.noncurrent_version_transitions.is_some()
-    {
-        return unsupported("noncurrent version actions");
-    }
-    if rule.transitions.is_some() {
+    if rule.transitions.is_some() || rule.noncurrent_version_transitions.is_some() {
         return unsupported("transitions");
     }
     if rule
-        .expiration
+        .noncurrent_version_expiration
         .as_ref()
-        .is_some_and(|expiration| expiration.expired_object_delete_marker == Some(true))
+        .is_some_and(|noncurrent| noncurrent.newer_noncurrent_versions.is_some())
     {
-        return unsupported("ExpiredObjectDeleteMarker");
+        return Err(s3_error!(
+            NotImplemented,
+            "NewerNoncurrentVersions is not supported: expire noncurrent versions by NoncurrentDays"
+        ));
     }
     let prefix = match rule.filter {
         Some(filter) => {
@@ -457,7 +457,18 @@ fn lifecycle_rule_in(rule: s3s::dto::LifecycleRule) -> S3Result<LifecycleRule> {
             .transpose()
     };
     let expiration = rule.expiration.unwrap_or_default();
+    let noncurrent_days = match rule.noncurrent_version_expiration {
+        Some(noncurrent) => Some(noncurrent.noncurrent_days.ok_or_else(|| {
+            s3_error!(
+                MalformedXML,
+                "A NoncurrentVersionExpiration needs NoncurrentDays"
+            )
+        })?),
+        None => None,
+    };
     Ok(LifecycleRule {
+        noncurrent_expiration_days: days(noncurrent_days, "NoncurrentDays")?,
+        expired_object_delete_marker: expiration.expired_object_delete_marker == Some(true),
         id: rule.id,
         enabled: rule.status.as_str() == ExpirationStatus::ENABLED,
         prefix,
@@ -472,7 +483,9 @@ fn lifecycle_rule_in(rule: s3s::dto::LifecycleRule) -> S3Result<LifecycleRule> {
 }
 
 fn lifecycle_rule_out(rule: LifecycleRule) -> s3s::dto::LifecycleRule {
-    let expires = rule.expiration_days.is_some() || rule.expiration_date_unix_ms.is_some();
+    let expires = rule.expiration_days.is_some()
+        || rule.expiration_date_unix_ms.is_some()
+        || rule.expired_object_delete_marker;
     s3s::dto::LifecycleRule {
         abort_incomplete_multipart_upload: rule.abort_incomplete_upload_days.map(|days| {
             AbortIncompleteMultipartUpload {
@@ -482,14 +495,19 @@ fn lifecycle_rule_out(rule: LifecycleRule) -> s3s::dto::LifecycleRule {
         expiration: expires.then(|| LifecycleExpiration {
             date: rule.expiration_date_unix_ms.map(timestamp),
             days: rule.expiration_days.map(|days| days as i32),
-            expired_object_delete_marker: None,
+            expired_object_delete_marker: rule.expired_object_delete_marker.then_some(true),
         }),
         filter: Some(LifecycleRuleFilter {
             prefix: Some(rule.prefix),
             ..LifecycleRuleFilter::default()
         }),
         id: rule.id,
-        noncurrent_version_expiration: None,
+        noncurrent_version_expiration: rule.noncurrent_expiration_days.map(|days| {
+            NoncurrentVersionExpiration {
+                noncurrent_days: Some(days as i32),
+                newer_noncurrent_versions: None,
+            }
+        }),
         noncurrent_version_transitions: None,
         prefix: None,
         status: ExpirationStatus::from_static(if rule.enabled {
@@ -542,9 +560,41 @@ fn tags_from_body(tagging: Tagging) -> S3Result<Tags> {
     Ok(tags)
 }
 
-fn copy_source_parts(source: &CopySource) -> S3Result<(String, String)> {
+/// How DeleteObjects reports one deletion: the version named (`version_id`) was removed, or a
+/// delete marker was added (`delete_marker_version_id`).
+fn deleted_object(key: String, named: Option<String>, deletion: Deletion) -> DeletedObject {
+    let added_marker = named.is_none() && deletion.delete_marker;
+    DeletedObject {
+        key: Some(key),
+        delete_marker: deletion.delete_marker.then_some(true),
+        delete_marker_version_id: if added_marker {
+            deletion.version_id.clone()
+        } else {
+            None
+        },
+        version_id: named,
+    }
+}
+
+/// A request's `versionId`, if it names one.
+fn version_of(version_id: Option<&str>) -> S3Result<Option<VersionId>> {
+    version_id
+        .map(|id| VersionId::parse(id).map_err(s3_error))
+        .transpose()
+}
+
+/// A copy source: bucket, key and the version named, if any.
+fn copy_source_parts(source: &CopySource) -> S3Result<(String, String, Option<VersionId>)> {
     match source {
-        CopySource::Bucket { bucket, key, .. } => Ok((bucket.to_string(), key.to_string())),
+        CopySource::Bucket {
+            bucket,
+            key,
+            version_id,
+        } => Ok((
+            bucket.to_string(),
+            key.to_string(),
+            version_of(version_id.as_deref())?,
+        )),
         _ => Err(s3_error!(
             NotImplemented,
             "Only bucket copy sources are supported"
@@ -581,23 +631,48 @@ impl KeelS3 {
         blocking(move || objects.list_objects(&bucket, &request)).await
     }
 
-    /// The manifest with its chunks pinned for as long as the returned set lives (a read).
-    async fn pinned_manifest(&self, bucket: &str, key: &str) -> S3Result<(Manifest, PinSet)> {
+    /// The manifest (of the version named, or the current one) with its chunks pinned for as
+    /// long as the returned set lives (a read).
+    async fn pinned_manifest(
+        &self,
+        bucket: &str,
+        key: &str,
+        version: Option<VersionId>,
+    ) -> S3Result<(Manifest, PinSet)> {
         let objects = self.objects.clone();
         let (bucket, key) = (bucket.to_string(), key.to_string());
-        blocking(move || objects.get_manifest_pinned(&bucket, &key)).await
+        blocking(move || objects.get_manifest_pinned(&bucket, &key, version)).await
     }
 
-    async fn manifest(&self, bucket: &str, key: &str) -> S3Result<Manifest> {
+    async fn manifest(
+        &self,
+        bucket: &str,
+        key: &str,
+        version: Option<VersionId>,
+    ) -> S3Result<Manifest> {
         let objects = self.objects.clone();
         let (bucket, key) = (bucket.to_string(), key.to_string());
-        blocking(move || objects.get_manifest(&bucket, &key)).await
+        blocking(move || objects.get_manifest(&bucket, &key, version)).await
     }
 
-    async fn set_tags(&self, bucket: String, key: String, tags: Tags) -> S3Result<()> {
+    async fn set_tags(
+        &self,
+        bucket: String,
+        key: String,
+        version_id: Option<String>,
+        tags: Tags,
+    ) -> S3Result<Option<String>> {
         check_key(&key)?;
+        let version = version_of(version_id.as_deref())?;
         let objects = self.objects.clone();
-        blocking(move || objects.set_object_tags(&bucket, &key, tags)).await
+        blocking(move || objects.set_object_tags(&bucket, &key, version, tags)).await?;
+        Ok(version_id)
+    }
+
+    /// The version id a response about `manifest` carries: none in a bucket that never had
+    /// versioning (S3 sends no `x-amz-version-id` there).
+    fn version_header(&self, bucket: &str, manifest: &Manifest) -> Option<String> {
+        (self.objects.versioning(bucket) != Versioning::Unversioned).then(|| manifest.version_id())
     }
 
     /// A bucket's ACL as S3 shows it (its objects have the same): the owner (the access key
@@ -685,7 +760,7 @@ impl KeelS3 {
         upload: Upload,
         headers: &http::HeaderMap,
         trailing_headers: Option<s3s::TrailingHeaders>,
-    ) -> S3Result<Manifest> {
+    ) -> S3Result<(Manifest, Option<String>)> {
         check_key(&upload.key)?;
         let request = checksum_request(
             upload.checksum_algorithm.as_ref(),
@@ -725,18 +800,21 @@ impl KeelS3 {
             metadata,
             checksums: ingested.checksums.clone(),
             tags,
+            version_seq: 0,
+            versioned: false,
+            delete_marker: false,
         };
         let pins = ingested.pins;
         let objects = self.objects.clone();
         let (bucket, key) = (upload.bucket, upload.key);
         let committed = manifest.clone();
-        blocking(move || {
+        let version = blocking(move || {
             let result = objects.put_object(&bucket, &key, &committed, &condition);
             drop(pins);
             result
         })
         .await?;
-        Ok(manifest)
+        Ok((manifest, version))
     }
 
     /// A bucket's optional settings (all empty when it has none); NoSuchBucket unless it exists.
@@ -799,9 +877,10 @@ impl S3 for KeelS3 {
                 "the ${{filename}} variable in a form's key is not supported: give the whole key"
             ));
         }
-        let manifest = self.store_upload(upload_of!(input), &headers, None).await?;
+        let (manifest, version_id) = self.store_upload(upload_of!(input), &headers, None).await?;
         let (crc32, crc32c, crc64nvme, sha1, sha256) = checksum_fields(&manifest.checksums);
         Ok(S3Response::new(PostObjectOutput {
+            version_id,
             e_tag: Some(etag(&manifest.etag)),
             checksum_crc32: crc32,
             checksum_crc32c: crc32c,
@@ -951,7 +1030,8 @@ impl S3 for KeelS3 {
         req: S3Request<GetObjectAclInput>,
     ) -> S3Result<S3Response<GetObjectAclOutput>> {
         let input = req.input;
-        self.manifest(&input.bucket, &input.key).await?;
+        let version = version_of(input.version_id.as_deref())?;
+        self.manifest(&input.bucket, &input.key, version).await?;
         let (owner, grants) = self.acl_of(&input.bucket)?;
         Ok(S3Response::new(GetObjectAclOutput {
             grants: Some(grants),
@@ -1125,7 +1205,47 @@ impl S3 for KeelS3 {
         req: S3Request<GetBucketVersioningInput>,
     ) -> S3Result<S3Response<GetBucketVersioningOutput>> {
         self.require_bucket(&req.input.bucket)?;
-        Ok(S3Response::new(GetBucketVersioningOutput::default()))
+        let status = match self.objects.versioning(&req.input.bucket) {
+            Versioning::Unversioned => None,
+            Versioning::Enabled => Some(BucketVersioningStatus::ENABLED),
+            Versioning::Suspended => Some(BucketVersioningStatus::SUSPENDED),
+        };
+        Ok(S3Response::new(GetBucketVersioningOutput {
+            status: status.map(BucketVersioningStatus::from_static),
+            mfa_delete: None,
+        }))
+    }
+
+    async fn put_bucket_versioning(
+        &self,
+        req: S3Request<PutBucketVersioningInput>,
+    ) -> S3Result<S3Response<PutBucketVersioningOutput>> {
+        let input = req.input;
+        self.require_bucket(&input.bucket)?;
+        let configuration = input.versioning_configuration;
+        if configuration
+            .mfa_delete
+            .as_ref()
+            .is_some_and(|m| m.as_str() == MFADelete::ENABLED)
+        {
+            return Err(s3_error!(
+                NotImplemented,
+                "MFA delete is not supported: Keel has no MFA devices"
+            ));
+        }
+        let enabled = match configuration.status.as_ref().map(|s| s.as_str()) {
+            Some(BucketVersioningStatus::ENABLED) => true,
+            Some(BucketVersioningStatus::SUSPENDED) => false,
+            _ => {
+                return Err(s3_error!(
+                    MalformedXML,
+                    "The versioning Status must be Enabled or Suspended"
+                ))
+            }
+        };
+        let objects = self.objects.clone();
+        blocking(move || objects.set_bucket_versioning(&input.bucket, enabled)).await?;
+        Ok(S3Response::new(PutBucketVersioningOutput::default()))
     }
 
     async fn put_object(
@@ -1138,11 +1258,12 @@ impl S3 for KeelS3 {
             trailing_headers,
             ..
         } = req;
-        let manifest = self
+        let (manifest, version_id) = self
             .store_upload(upload_of!(input), &headers, trailing_headers)
             .await?;
         let (crc32, crc32c, crc64nvme, sha1, sha256) = checksum_fields(&manifest.checksums);
         Ok(S3Response::new(PutObjectOutput {
+            version_id,
             e_tag: Some(etag(&manifest.etag)),
             checksum_crc32: crc32,
             checksum_crc32c: crc32c,
@@ -1159,7 +1280,10 @@ impl S3 for KeelS3 {
         req: S3Request<GetObjectInput>,
     ) -> S3Result<S3Response<GetObjectOutput>> {
         let input = req.input;
-        let (manifest, pins) = self.pinned_manifest(&input.bucket, &input.key).await?;
+        let version = version_of(input.version_id.as_deref())?;
+        let (manifest, pins) = self
+            .pinned_manifest(&input.bucket, &input.key, version)
+            .await?;
         let conditions = conditions(
             input.if_match.as_ref(),
             input.if_none_match.as_ref(),
@@ -1198,6 +1322,7 @@ impl S3 for KeelS3 {
             checksums,
             body: Some(StreamingBlob::wrap(stream)),
             tag_count: (!manifest.tags.is_empty()).then_some(manifest.tags.len() as i32),
+            version_id: self.version_header(&input.bucket, &manifest),
         )))
     }
 
@@ -1206,7 +1331,8 @@ impl S3 for KeelS3 {
         req: S3Request<HeadObjectInput>,
     ) -> S3Result<S3Response<HeadObjectOutput>> {
         let input = req.input;
-        let manifest = self.manifest(&input.bucket, &input.key).await?;
+        let version = version_of(input.version_id.as_deref())?;
+        let manifest = self.manifest(&input.bucket, &input.key, version).await?;
         let conditions = conditions(
             input.if_match.as_ref(),
             input.if_none_match.as_ref(),
@@ -1227,6 +1353,7 @@ impl S3 for KeelS3 {
             end - start,
             content_range,
             checksums,
+            version_id: self.version_header(&input.bucket, &manifest),
         )))
     }
 
@@ -1235,10 +1362,11 @@ impl S3 for KeelS3 {
         req: S3Request<GetObjectTaggingInput>,
     ) -> S3Result<S3Response<GetObjectTaggingOutput>> {
         let input = req.input;
-        let manifest = self.manifest(&input.bucket, &input.key).await?;
+        let version = version_of(input.version_id.as_deref())?;
+        let manifest = self.manifest(&input.bucket, &input.key, version).await?;
         Ok(S3Response::new(GetObjectTaggingOutput {
+            version_id: self.version_header(&input.bucket, &manifest),
             tag_set: tag_set(manifest.tags),
-            version_id: None,
         }))
     }
 
@@ -1248,8 +1376,10 @@ impl S3 for KeelS3 {
     ) -> S3Result<S3Response<PutObjectTaggingOutput>> {
         let input = req.input;
         let tags = tags_from_body(input.tagging)?;
-        self.set_tags(input.bucket, input.key, tags).await?;
-        Ok(S3Response::new(PutObjectTaggingOutput::default()))
+        let version_id = self
+            .set_tags(input.bucket, input.key, input.version_id, tags)
+            .await?;
+        Ok(S3Response::new(PutObjectTaggingOutput { version_id }))
     }
 
     async fn delete_object_tagging(
@@ -1257,8 +1387,10 @@ impl S3 for KeelS3 {
         req: S3Request<DeleteObjectTaggingInput>,
     ) -> S3Result<S3Response<DeleteObjectTaggingOutput>> {
         let input = req.input;
-        self.set_tags(input.bucket, input.key, Tags::new()).await?;
-        Ok(S3Response::new(DeleteObjectTaggingOutput::default()))
+        let version_id = self
+            .set_tags(input.bucket, input.key, input.version_id, Tags::new())
+            .await?;
+        Ok(S3Response::new(DeleteObjectTaggingOutput { version_id }))
     }
 
     async fn delete_object(
@@ -1266,10 +1398,15 @@ impl S3 for KeelS3 {
         req: S3Request<DeleteObjectInput>,
     ) -> S3Result<S3Response<DeleteObjectOutput>> {
         check_key(&req.input.key)?;
+        let version = version_of(req.input.version_id.as_deref())?;
         let objects = self.objects.clone();
         let (bucket, key) = (req.input.bucket, req.input.key);
-        blocking(move || objects.delete_object(&bucket, &key)).await?;
-        Ok(S3Response::new(DeleteObjectOutput::default()))
+        let deletion = blocking(move || objects.delete_object(&bucket, &key, version)).await?;
+        Ok(S3Response::new(DeleteObjectOutput {
+            delete_marker: deletion.delete_marker.then_some(true),
+            version_id: deletion.version_id,
+            ..Default::default()
+        }))
     }
 
     async fn delete_objects(
@@ -1285,30 +1422,33 @@ impl S3 for KeelS3 {
         }
         self.require_bucket(&input.bucket)?;
         let quiet = input.delete.quiet.unwrap_or(false);
-        let keys: Vec<String> = input.delete.objects.into_iter().map(|o| o.key).collect();
+        let named: Vec<(String, Option<String>)> = input
+            .delete
+            .objects
+            .into_iter()
+            .map(|o| (o.key, o.version_id))
+            .collect();
         let objects = self.objects.clone();
         let bucket = input.bucket.clone();
         let results = blocking(move || {
-            Ok(keys
+            Ok(named
                 .into_iter()
-                .map(|key| {
+                .map(|(key, version_id)| {
                     let result = validate_object_key(&key)
-                        .and_then(|()| objects.delete_object(&bucket, &key));
-                    (key, result)
+                        .and(version_id.as_deref().map(VersionId::parse).transpose())
+                        .and_then(|version| objects.delete_object(&bucket, &key, version));
+                    (key, version_id, result)
                 })
                 .collect::<Vec<_>>())
         })
         .await?;
         let mut deleted = Vec::new();
         let mut errors = Vec::new();
-        for (key, result) in results {
+        for (key, version_id, result) in results {
             match result {
-                Ok(_) => {
+                Ok(deletion) => {
                     if !quiet {
-                        deleted.push(DeletedObject {
-                            key: Some(key),
-                            ..Default::default()
-                        });
+                        deleted.push(deleted_object(key, version_id, deletion));
                     }
                 }
                 Err(error) => {
@@ -1317,7 +1457,7 @@ impl S3 for KeelS3 {
                         code: Some(e.code().as_str().to_string()),
                         key: Some(key),
                         message: e.message().map(str::to_string),
-                        version_id: None,
+                        version_id,
                     });
                 }
             }
@@ -1336,7 +1476,7 @@ impl S3 for KeelS3 {
         let caller = caller(&req)?;
         let input = req.input;
         check_key(&input.key)?;
-        let (source_bucket, source_key) = copy_source_parts(&input.copy_source)?;
+        let (source_bucket, source_key, source_version) = copy_source_parts(&input.copy_source)?;
         self.check_source_access(
             &caller,
             &source_bucket,
@@ -1346,13 +1486,20 @@ impl S3 for KeelS3 {
             .metadata_directive
             .as_ref()
             .is_some_and(|d| d.as_str() == MetadataDirective::REPLACE);
-        if source_bucket == input.bucket && source_key == input.key && !replace {
+        if source_bucket == input.bucket
+            && source_key == input.key
+            && source_version.is_none()
+            && !replace
+        {
             return Err(s3_error!(
                 InvalidRequest,
                 "This copy request is illegal because it is trying to copy an object to itself without changing the object's metadata"
             ));
         }
-        let source = self.manifest(&source_bucket, &source_key).await?;
+        let source = self
+            .manifest(&source_bucket, &source_key, source_version)
+            .await?;
+        let copy_source_version_id = source_version.map(|_| source.version_id());
         let conditions = conditions(
             input.copy_source_if_match.as_ref(),
             input.copy_source_if_none_match.as_ref(),
@@ -1383,13 +1530,15 @@ impl S3 for KeelS3 {
         let objects = self.objects.clone();
         let (bucket, key) = (input.bucket, input.key);
         let committed = manifest.clone();
-        blocking(move || {
+        let version_id = blocking(move || {
             let mut pins = objects.pin_set();
             objects.pin_manifest(&committed, &mut pins)?;
             objects.put_object(&bucket, &key, &committed, &PutCondition::default())
         })
         .await?;
         Ok(S3Response::new(CopyObjectOutput {
+            version_id,
+            copy_source_version_id,
             copy_object_result: Some(CopyObjectResult {
                 e_tag: Some(etag(&manifest.etag)),
                 last_modified: Some(timestamp(manifest.modified_unix_ms)),
@@ -1549,35 +1698,37 @@ impl S3 for KeelS3 {
     ) -> S3Result<S3Response<ListObjectVersionsOutput>> {
         let input = req.input;
         let prefix = input.prefix.clone().unwrap_or_default();
-        let start = list_start_from_marker(
-            input.key_marker.as_deref(),
-            &prefix,
-            input.delimiter.as_deref(),
-        );
         let max_entries = max_keys(input.max_keys)?;
-        let result = self
-            .list(
-                &input.bucket,
-                ListRequest {
-                    prefix: prefix.clone(),
-                    delimiter: input.delimiter.clone(),
-                    start,
-                    max_entries,
-                },
-            )
-            .await?;
+        if input.version_id_marker.is_some() && input.key_marker.as_deref().unwrap_or("").is_empty()
+        {
+            return Err(s3_error!(
+                InvalidArgument,
+                "A version-id marker cannot be specified without a key marker"
+            ));
+        }
+        let request = VersionListRequest {
+            prefix: prefix.clone(),
+            delimiter: input.delimiter.clone(),
+            key_marker: input.key_marker.clone(),
+            version_id_marker: input.version_id_marker.clone(),
+            max_entries,
+        };
+        let objects = self.objects.clone();
+        let bucket = input.bucket.clone();
+        let result = blocking(move || objects.list_versions(&bucket, &request)).await?;
         let url = input
             .encoding_type
             .as_ref()
             .is_some_and(|e| e.as_str() == EncodingType::URL);
         let encode = |s: &str| if url { url_encode(s) } else { s.to_string() };
-        let versions: Vec<ObjectVersion> = result
-            .entries
-            .iter()
+        let (markers, versions): (Vec<&VersionEntry>, Vec<&VersionEntry>) =
+            result.entries.iter().partition(|e| e.delete_marker);
+        let versions: Vec<ObjectVersion> = versions
+            .into_iter()
             .map(|e| ObjectVersion {
                 key: Some(encode(&e.key)),
-                version_id: Some("null".into()),
-                is_latest: Some(true),
+                version_id: Some(e.version_id.clone()),
+                is_latest: Some(e.is_latest),
                 size: Some(e.size_bytes as i64),
                 e_tag: Some(etag(&e.etag)),
                 last_modified: Some(timestamp(e.modified_unix_ms)),
@@ -1587,6 +1738,16 @@ impl S3 for KeelS3 {
                 ..Default::default()
             })
             .collect();
+        let delete_markers: Vec<DeleteMarkerEntry> = markers
+            .into_iter()
+            .map(|e| DeleteMarkerEntry {
+                key: Some(encode(&e.key)),
+                version_id: Some(e.version_id.clone()),
+                is_latest: Some(e.is_latest),
+                last_modified: Some(timestamp(e.modified_unix_ms)),
+                owner: None,
+            })
+            .collect();
         let common_prefixes: Vec<CommonPrefix> = result
             .common_prefixes
             .iter()
@@ -1594,9 +1755,6 @@ impl S3 for KeelS3 {
                 prefix: Some(encode(p)),
             })
             .collect();
-        let next_key_marker = result.next.as_ref().map(|n| match n {
-            ListStart::AfterKey(k) | ListStart::AfterPrefix(k) => encode(k),
-        });
         Ok(S3Response::new(ListObjectVersionsOutput {
             name: Some(input.bucket),
             prefix: Some(encode(&prefix)),
@@ -1604,9 +1762,10 @@ impl S3 for KeelS3 {
             version_id_marker: input.version_id_marker,
             max_keys: Some(max_entries as i32),
             is_truncated: Some(result.truncated),
-            next_version_id_marker: next_key_marker.as_ref().map(|_| "null".to_string()),
-            next_key_marker,
-            versions: Some(versions),
+            next_key_marker: result.next_key_marker.as_deref().map(encode),
+            next_version_id_marker: result.next_version_id_marker,
+            versions: (!versions.is_empty()).then_some(versions),
+            delete_markers: (!delete_markers.is_empty()).then_some(delete_markers),
             common_prefixes: (!common_prefixes.is_empty()).then_some(common_prefixes),
             delimiter: input.delimiter.as_deref().map(encode),
             encoding_type: input.encoding_type,
@@ -1734,7 +1893,7 @@ impl S3 for KeelS3 {
         let caller = caller(&req)?;
         let input = req.input;
         let part_number = part_number(input.part_number)?;
-        let (source_bucket, source_key) = copy_source_parts(&input.copy_source)?;
+        let (source_bucket, source_key, source_version) = copy_source_parts(&input.copy_source)?;
         self.check_source_access(
             &caller,
             &source_bucket,
@@ -1750,7 +1909,10 @@ impl S3 for KeelS3 {
             blocking(move || objects.get_upload(&bucket, &key, &upload_id)).await?;
         }
         // The source's chunks stay pinned while they are read and re-cut into the part's chunks.
-        let (source, source_pins) = self.pinned_manifest(&source_bucket, &source_key).await?;
+        let (source, source_pins) = self
+            .pinned_manifest(&source_bucket, &source_key, source_version)
+            .await?;
+        let copy_source_version_id = source_version.map(|_| source.version_id());
         let conditions = conditions(
             input.copy_source_if_match.as_ref(),
             input.copy_source_if_none_match.as_ref(),
@@ -1807,6 +1969,7 @@ impl S3 for KeelS3 {
         })
         .await?;
         Ok(S3Response::new(UploadPartCopyOutput {
+            copy_source_version_id,
             copy_part_result: Some(CopyPartResult {
                 e_tag: Some(etag(&part.etag)),
                 last_modified: Some(timestamp(part.modified_unix_ms)),
@@ -1861,11 +2024,12 @@ impl S3 for KeelS3 {
         };
         let objects = self.objects.clone();
         let (bucket, key, upload_id) = (input.bucket.clone(), input.key.clone(), input.upload_id);
-        let manifest = blocking(move || {
+        let (manifest, version_id) = blocking(move || {
             objects.complete_upload(&bucket, &key, &upload_id, &parts, &condition)
         })
         .await?;
         Ok(S3Response::new(CompleteMultipartUploadOutput {
+            version_id,
             bucket: Some(input.bucket.clone()),
             key: Some(input.key.clone()),
             location: Some(format!("/{}/{}", input.bucket, input.key)),

@@ -52,6 +52,9 @@ fn manifest_strategy() -> impl Strategy<Value = Manifest> {
                     metadata,
                     checksums: Checksums::default(),
                     tags,
+                    version_seq: modified_unix_ms.unsigned_abs(),
+                    versioned: modified_unix_ms % 2 == 0,
+                    delete_marker: false,
                 }
             },
         )

@@ -1370,6 +1370,8 @@ async fn run_lifecycle(
     Ok(Json(serde_json::json!({
         "as_of_unix_ms": now,
         "objects_expired": report.objects_expired,
+        "versions_expired": report.versions_expired,
+        "delete_markers_removed": report.delete_markers_removed,
         "uploads_aborted": report.uploads_aborted,
     })))
 }

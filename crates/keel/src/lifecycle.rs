@@ -19,6 +19,8 @@ pub const INTERVAL: Duration = Duration::from_secs(3600);
 #[derive(Default)]
 pub struct LifecycleStats {
     pub objects_expired: AtomicU64,
+    pub versions_expired: AtomicU64,
+    pub delete_markers_removed: AtomicU64,
     pub uploads_aborted: AtomicU64,
     pub passes_failed: AtomicU64,
     /// When the last pass finished (ms since the epoch; 0: none yet).
@@ -38,6 +40,10 @@ impl LifecycleStats {
             Ok(report) => {
                 self.objects_expired
                     .fetch_add(report.objects_expired, Ordering::Relaxed);
+                self.versions_expired
+                    .fetch_add(report.versions_expired, Ordering::Relaxed);
+                self.delete_markers_removed
+                    .fetch_add(report.delete_markers_removed, Ordering::Relaxed);
                 self.uploads_aborted
                     .fetch_add(report.uploads_aborted, Ordering::Relaxed);
             }
@@ -68,7 +74,7 @@ pub async fn run(
             stats.pass(&objects, clock.wall_unix_ms(), &clock)
         });
         match pass.await {
-            Ok(Ok(report)) if report.objects_expired + report.uploads_aborted > 0 => {
+            Ok(Ok(report)) if report != LifecycleReport::default() => {
                 tracing::info!(?report, "applied S3 lifecycle rules");
             }
             Ok(Ok(_)) => {}

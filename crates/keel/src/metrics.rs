@@ -420,6 +420,18 @@ pub fn render(
         );
         counter_u64(
             registry,
+            "s3_lifecycle_versions_expired",
+            "Noncurrent object versions S3 lifecycle rules deleted since the server started",
+            lifecycle.versions_expired.load(Relaxed),
+        );
+        counter_u64(
+            registry,
+            "s3_lifecycle_delete_markers_removed",
+            "Delete markers with no versions behind them S3 lifecycle rules removed since the server started",
+            lifecycle.delete_markers_removed.load(Relaxed),
+        );
+        counter_u64(
+            registry,
             "s3_lifecycle_uploads_aborted",
             "Incomplete multipart uploads S3 lifecycle rules aborted since the server started",
             lifecycle.uploads_aborted.load(Relaxed),

@@ -26,6 +26,7 @@ pub mod multipart;
 pub mod records;
 #[cfg(test)]
 mod tests;
+pub mod versions;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
@@ -38,8 +39,9 @@ pub use chunks::{ChunkStore, LocalChunkStore, PinSet, PinTable, Stripes};
 pub use list::{ListEntry, ListRequest, ListResult};
 pub use records::{
     BucketRecord, Checksums, ChunkRef, Content, KeyRecord, Manifest, PartRecord, StoredHeaders,
-    Tags, UploadRecord, TAGS_MAX,
+    Tags, UploadRecord, VersionId, NULL_VERSION_ID, TAGS_MAX,
 };
+pub use versions::{Deletion, VersionEntry, VersionListRequest, VersionListResult};
 
 /// Largest chunk an object is cut into. Fixed-size chunks: dedup works for identical objects and
 /// identical aligned regions; content-defined chunking could come later behind the same manifest.
@@ -100,6 +102,17 @@ pub enum ObjectError {
     PreconditionFailed(&'static str),
     #[error("invalid tag: {0}")]
     InvalidTag(String),
+    #[error("invalid version id {0:?}")]
+    InvalidVersionId(String),
+    #[error("version {version_id} of object {key:?} does not exist")]
+    NoSuchVersion { key: String, version_id: String },
+    /// The version read is a delete marker: the one named (`named`), or the key's newest.
+    #[error("version {version_id} of object {key:?} is a delete marker")]
+    DeleteMarker {
+        key: String,
+        version_id: String,
+        named: bool,
+    },
 }
 
 impl ObjectError {
@@ -296,6 +309,8 @@ pub struct Objects {
     pins: Arc<PinTable>,
     /// Serializes bucket administration done from this node (rare).
     admin: Mutex<()>,
+    /// The last version sequence number given out (see [`Manifest::version_seq`]).
+    last_version_seq: Mutex<u64>,
 }
 
 fn refusal(error: MetadataError) -> ObjectError {
@@ -343,6 +358,7 @@ impl Objects {
             chunk_stripes: Stripes::new(),
             pins: Arc::new(PinTable::default()),
             admin: Mutex::new(()),
+            last_version_seq: Mutex::new(0),
         });
         let owner = Arc::downgrade(&objects);
         objects.pins.set_reaper(Box::new(move |hashes| {
@@ -478,8 +494,9 @@ impl Objects {
         })
     }
 
-    /// Deletes an empty bucket; multipart uploads still in progress in it are aborted. (Objects
-    /// are stored on the node that received them: the emptiness check covers this node's.)
+    /// Deletes an empty bucket (no objects, no kept versions or delete markers); multipart
+    /// uploads still in progress in it are aborted. (Objects are stored on the node that
+    /// received them: the emptiness check covers this node's.)
     pub fn delete_bucket(&self, name: &str) -> Result<(), ObjectError> {
         let _admin = self.admin_lock();
         let entry = self.entry(name)?;
@@ -487,14 +504,18 @@ impl Objects {
             .gate
             .write()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let prefix = records::objects_prefix(name);
-        let end = records::prefix_end(&prefix).unwrap_or_default();
-        let any = self
-            .store
-            .keys(&prefix, &end, 1)
-            .map_err(|e| store_error("checking that a bucket is empty", e))?;
-        if !any.is_empty() {
-            return Err(ObjectError::BucketNotEmpty(name.to_string()));
+        for prefix in [
+            records::objects_prefix(name),
+            records::versions_prefix(name),
+        ] {
+            let end = records::prefix_end(&prefix).unwrap_or_default();
+            let any = self
+                .store
+                .keys(&prefix, &end, 1)
+                .map_err(|e| store_error("checking that a bucket is empty", e))?;
+            if !any.is_empty() {
+                return Err(ObjectError::BucketNotEmpty(name.to_string()));
+            }
         }
         for upload in self.all_uploads(name)? {
             self.abort_upload_locked(name, &upload.key, &upload.upload_id)?;
@@ -897,8 +918,10 @@ impl Objects {
 
     // ---- objects ----
 
-    /// Makes `manifest` the object `key` of `bucket` (replacing any previous one), durably.
-    /// The chunks it names must have been written with [`Objects::write_chunk`] (or pinned with
+    /// Makes `manifest` the object `key` of `bucket`, durably: it replaces the current version,
+    /// or in a versioned bucket becomes the newest version (see [`versions`]). Returns the
+    /// version id to report (`None` in a bucket that never had versioning). The chunks it names
+    /// must have been written with [`Objects::write_chunk`] (or pinned with
     /// [`Objects::pin_manifest`]) by the caller, whose `PinSet` is still alive.
     pub fn put_object(
         &self,
@@ -906,7 +929,7 @@ impl Objects {
         key: &str,
         manifest: &Manifest,
         condition: &PutCondition,
-    ) -> Result<(), ObjectError> {
+    ) -> Result<Option<String>, ObjectError> {
         validate_object_key(key)?;
         validate_tags(&manifest.tags)?;
         manifest.check()?;
@@ -916,113 +939,79 @@ impl Objects {
         let _locks = self.lock_keys(&[&record_key]);
         let old = self.read_manifest_at(&record_key)?;
         check_put_condition(old.as_ref(), condition)?;
+        let mut manifest = manifest.clone();
+        let mut ops = Vec::with_capacity(1);
         let mut deltas: HashMap<[u8; 32], i64> = HashMap::new();
-        for chunk in manifest.content.chunk_refs() {
-            *deltas.entry(chunk.hash).or_insert(0) += 1;
-        }
-        if let Some(old) = &old {
-            for chunk in old.content.chunk_refs() {
-                *deltas.entry(chunk.hash).or_insert(0) -= 1;
-            }
-        }
-        let ops = vec![WriteOp::put(
-            record_key,
-            records::encode_manifest(manifest),
-            manifest_compression(manifest, guard.compression),
-        )];
-        self.commit(ops, deltas)
+        let version = self.install(
+            bucket,
+            key,
+            old.as_ref(),
+            &mut manifest,
+            guard.compression,
+            &mut ops,
+            &mut deltas,
+        )?;
+        self.commit(ops, deltas)?;
+        Ok(version)
     }
 
-    /// Replaces the tags of object `key`, durably; nothing else about it changes (not its
-    /// modification time, as in S3).
-    pub fn set_object_tags(&self, bucket: &str, key: &str, tags: Tags) -> Result<(), ObjectError> {
+    /// Replaces the tags of object `key` (its current version, or the version named),
+    /// durably; nothing else about it changes (not its modification time, as in S3).
+    pub fn set_object_tags(
+        &self,
+        bucket: &str,
+        key: &str,
+        version: Option<VersionId>,
+        tags: Tags,
+    ) -> Result<(), ObjectError> {
         validate_object_key(key)?;
         validate_tags(&tags)?;
         let (entry, _) = self.open_bucket(bucket)?;
         let guard = self.gate(&entry, bucket)?;
         let record_key = records::object_key(bucket, key);
         let _locks = self.lock_keys(&[&record_key]);
-        let mut manifest =
-            self.read_manifest_at(&record_key)?
-                .ok_or_else(|| ObjectError::NoSuchKey {
-                    bucket: bucket.to_string(),
-                    key: key.to_string(),
-                })?;
+        let (stored_at, mut manifest) = self.locate(bucket, key, version)?;
         manifest.tags = tags;
         let ops = vec![WriteOp::put(
-            record_key,
+            stored_at,
             records::encode_manifest(&manifest),
             manifest_compression(&manifest, guard.compression),
         )];
         self.commit(ops, HashMap::new())
     }
 
-    /// The manifest of `key` in `bucket`.
-    pub fn get_manifest(&self, bucket: &str, key: &str) -> Result<Manifest, ObjectError> {
+    /// The manifest of `key` in `bucket`: its current version, or the version named.
+    pub fn get_manifest(
+        &self,
+        bucket: &str,
+        key: &str,
+        version: Option<VersionId>,
+    ) -> Result<Manifest, ObjectError> {
         if self.entry(bucket).is_err() {
             return Err(ObjectError::NoSuchBucket(bucket.to_string()));
         }
-        self.read_manifest_at(&records::object_key(bucket, key))?
-            .ok_or_else(|| ObjectError::NoSuchKey {
-                bucket: bucket.to_string(),
-                key: key.to_string(),
-            })
+        Ok(self.locate(bucket, key, version)?.1)
     }
 
-    /// The manifest of `key` in `bucket` with its chunks pinned until the returned set is
-    /// dropped: a reader streaming the object keeps its bytes even if the object is overwritten
-    /// or deleted meanwhile. Read and pinned under the key's lock, so no overwrite can free a
-    /// chunk between the two.
+    /// The manifest of `key` in `bucket` (as [`Objects::get_manifest`] finds it) with its chunks
+    /// pinned until the returned set is dropped: a reader streaming the object keeps its bytes
+    /// even if the object is overwritten or deleted meanwhile. Read and pinned under the key's
+    /// lock, so no overwrite can free a chunk between the two.
     pub fn get_manifest_pinned(
         &self,
         bucket: &str,
         key: &str,
+        version: Option<VersionId>,
     ) -> Result<(Manifest, PinSet), ObjectError> {
         if self.entry(bucket).is_err() {
             return Err(ObjectError::NoSuchBucket(bucket.to_string()));
         }
         let record_key = records::object_key(bucket, key);
         let _locks = self.lock_keys(&[&record_key]);
-        let manifest =
-            self.read_manifest_at(&record_key)?
-                .ok_or_else(|| ObjectError::NoSuchKey {
-                    bucket: bucket.to_string(),
-                    key: key.to_string(),
-                })?;
+        let (_, manifest) = self.locate(bucket, key, version)?;
         let mut pins = self.pin_set();
         self.pin_manifest(&manifest, &mut pins)?;
         Ok((manifest, pins))
-    }
-
-    /// Deletes `key`; returns whether it existed (S3 answers 204 either way).
-    pub fn delete_object(&self, bucket: &str, key: &str) -> Result<bool, ObjectError> {
-        self.delete_object_if(bucket, key, |_| true)
-    }
-
-    /// Deletes `key` if its manifest passes `still` (checked under the key's lock, so a write
-    /// after the caller looked is never deleted in its place); returns whether it deleted.
-    pub fn delete_object_if(
-        &self,
-        bucket: &str,
-        key: &str,
-        still: impl FnOnce(&Manifest) -> bool,
-    ) -> Result<bool, ObjectError> {
-        let (entry, _) = self.open_bucket(bucket)?;
-        let _bucket = self.gate(&entry, bucket)?;
-        let record_key = records::object_key(bucket, key);
-        let _locks = self.lock_keys(&[&record_key]);
-        let Some(old) = self.read_manifest_at(&record_key)? else {
-            return Ok(false);
-        };
-        if !still(&old) {
-            return Ok(false);
-        }
-        let mut deltas: HashMap<[u8; 32], i64> = HashMap::new();
-        for chunk in old.content.chunk_refs() {
-            *deltas.entry(chunk.hash).or_insert(0) -= 1;
-        }
-        self.commit(vec![WriteOp::Delete { key: record_key }], deltas)?;
-        Ok(true)
     }
 
     /// Frees chunks that no manifest or part references and no upload has pinned (left behind by

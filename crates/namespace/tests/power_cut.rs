@@ -4,7 +4,10 @@
 //! the power at its end — every unsynced write lost or torn — and checks after reopening:
 //! - the volume shows a prefix of its write sequence that includes every write acknowledged
 //!   before a returned FLUSH or FUA write, with no torn block;
-//! - every object whose PUT or DELETE was acknowledged is there with its bytes, or gone.
+//! - every object whose PUT or DELETE was acknowledged is there with its bytes, or gone;
+//! - in the seeds whose bucket has versioning enabled (every other seed), every acknowledged
+//!   version and delete marker is listed, newest first, each version with its bytes, and
+//!   versions deleted by id are gone.
 //!
 //! `KEEL_POWER_CUTS=N` runs N seeds (default 12); a failure names its seed.
 #![allow(clippy::unwrap_used)]
@@ -15,7 +18,8 @@ use std::sync::Arc;
 
 use keel_catalog::{KeyRecord, LocalCatalog, Metadata};
 use keel_namespace::object::{
-    Checksums, Content, Manifest, Objects, PutCondition, StoredHeaders, CHUNK_SIZE_BYTES,
+    Checksums, Content, Manifest, Objects, PutCondition, StoredHeaders, VersionId,
+    VersionListRequest, CHUNK_SIZE_BYTES,
 };
 use keel_namespace::volume::{VolumeManager, VolumeSpec};
 use keel_store::simdisk::SimDisk;
@@ -59,7 +63,8 @@ fn block_image(seq: u64) -> Vec<u8> {
     data
 }
 
-fn put_object(objects: &Objects, key: &str, data: &[u8]) {
+/// Returns the version id the write got (`None` in an unversioned bucket).
+fn put_object(objects: &Objects, key: &str, data: &[u8]) -> Option<String> {
     let mut pins = objects.pin_set();
     let chunks = data
         .chunks(CHUNK_SIZE_BYTES)
@@ -79,14 +84,22 @@ fn put_object(objects: &Objects, key: &str, data: &[u8]) {
         metadata: Vec::new(),
         checksums: Checksums::default(),
         tags: Vec::new(),
+        version_seq: 0,
+        versioned: false,
+        delete_marker: false,
     };
     objects
         .put_object("bkt", key, &manifest, &PutCondition::default())
-        .unwrap();
+        .unwrap()
 }
 
 fn read_object(objects: &Objects, key: &str) -> Option<Vec<u8>> {
-    let manifest = objects.get_manifest("bkt", key).ok()?;
+    read_version(objects, key, None)
+}
+
+fn read_version(objects: &Objects, key: &str, version: Option<&str>) -> Option<Vec<u8>> {
+    let version = version.map(|id| VersionId::parse(id).unwrap());
+    let manifest = objects.get_manifest("bkt", key, version).ok()?;
     Some(
         manifest
             .content
@@ -124,6 +137,10 @@ fn run_seed(seed: u64) {
         })
         .unwrap();
     objects.create_bucket("bkt", "K", Compression::Lz4).unwrap();
+    let versioned = seed.is_multiple_of(2);
+    if versioned {
+        objects.set_bucket_versioning("bkt", true).unwrap();
+    }
     let volume = volumes.open_volume("v").unwrap();
 
     let mut x = seed.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1;
@@ -136,6 +153,9 @@ fn run_seed(seed: u64) {
     let mut written = 0u64; // volume writes acknowledged: seqs 0..written
     let mut durable = 0u64; // seqs 0..durable are durable (a FLUSH or FUA write returned)
     let mut objects_model: BTreeMap<String, Option<Vec<u8>>> = BTreeMap::new();
+    // Versioned seeds: each key's versions, oldest first (id, bytes; a delete marker has none).
+    type Versions = Vec<(String, Option<Vec<u8>>)>;
+    let mut versions_model: BTreeMap<String, Versions> = BTreeMap::new();
     let steps = 30 + next() % 120;
     for _ in 0..steps {
         match next() % 100 {
@@ -160,13 +180,37 @@ fn run_seed(seed: u64) {
                     next(),
                     1 + (next() % (3 * CHUNK_SIZE_BYTES as u64)) as usize,
                 );
-                put_object(&objects, &key, &data);
+                let version = put_object(&objects, &key, &data);
+                if versioned {
+                    let id = version.unwrap();
+                    versions_model
+                        .entry(key.clone())
+                        .or_default()
+                        .push((id, Some(data.clone())));
+                }
                 objects_model.insert(key, Some(data));
             }
             90..=96 => {
                 let key = format!("o{}", next() % 6);
-                objects.delete_object("bkt", &key).unwrap();
-                objects_model.insert(key, None);
+                let kept = versions_model.entry(key.clone()).or_default();
+                if versioned && !kept.is_empty() && next() % 2 == 0 {
+                    // Removes one version for good (the newest ones promote the next).
+                    let (id, _) = kept.remove((next() % kept.len() as u64) as usize);
+                    objects
+                        .delete_object("bkt", &key, Some(VersionId::parse(&id).unwrap()))
+                        .unwrap();
+                } else {
+                    let deletion = objects.delete_object("bkt", &key, None).unwrap();
+                    if versioned {
+                        kept.push((deletion.version_id.unwrap(), None));
+                    }
+                }
+                if versioned {
+                    let current = kept.last().and_then(|(_, data)| data.clone());
+                    objects_model.insert(key, current);
+                } else {
+                    objects_model.insert(key, None);
+                }
             }
             _ => {
                 store.compact(0.3, &mut |_| {}).unwrap();
@@ -186,6 +230,41 @@ fn run_seed(seed: u64) {
             expected.as_ref(),
             "seed {seed}: object {key}"
         );
+    }
+    if versioned {
+        let page = objects
+            .list_versions(
+                "bkt",
+                &VersionListRequest {
+                    max_entries: 1000,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        let listed: Vec<(String, String, bool)> = page
+            .entries
+            .iter()
+            .map(|e| (e.key.clone(), e.version_id.clone(), e.delete_marker))
+            .collect();
+        let expected: Vec<(String, String, bool)> = versions_model
+            .iter()
+            .flat_map(|(key, versions)| {
+                versions
+                    .iter()
+                    .rev()
+                    .map(|(id, data)| (key.clone(), id.clone(), data.is_none()))
+            })
+            .collect();
+        assert_eq!(listed, expected, "seed {seed}: versions");
+        for (key, versions) in &versions_model {
+            for (id, data) in versions.iter().filter(|(_, data)| data.is_some()) {
+                assert_eq!(
+                    read_version(&objects, key, Some(id)).as_ref(),
+                    data.as_ref(),
+                    "seed {seed}: version {id} of {key}"
+                );
+            }
+        }
     }
     let volume = volumes.open_volume("v").unwrap();
     let mut image = vec![0u8; (BLOCKS * BLOCK) as usize];

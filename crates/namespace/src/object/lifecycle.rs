@@ -1,12 +1,16 @@
-//! Lifecycle rules (S3's `LifecycleConfiguration`, for unversioned buckets): objects expire a
-//! number of days after they were last written, or at a date, and multipart uploads are
-//! aborted a number of days after they began. The rules live with the bucket's other settings
-//! (Raft metadata); [`Objects::apply_lifecycle`] applies them as of a moment the caller gives
-//! (the server's clock in its worker; a test's own).
+//! Lifecycle rules (S3's `LifecycleConfiguration`): objects expire a number of days after they
+//! were last written, or at a date (in a versioned bucket expiring adds a delete marker, as a
+//! DELETE does); noncurrent versions are deleted a number of days after a newer version
+//! replaced them; delete markers left with no version behind them are removed; multipart
+//! uploads are aborted a number of days after they began. The rules live with the bucket's
+//! other settings (Raft metadata); [`Objects::apply_lifecycle`] applies them as of a moment the
+//! caller gives (the server's clock in its worker; a test's own).
 
 use keel_catalog::LifecycleRule;
 
 use super::list::{ListRequest, ListStart, LIST_ENTRIES_MAX};
+use super::records::VersionId;
+use super::versions::VersionListRequest;
 use super::{ObjectError, Objects};
 
 /// Most rules a bucket holds (S3's limit).
@@ -36,18 +40,34 @@ pub fn validate_lifecycle(rules: &[LifecycleRule]) -> Result<(), ObjectError> {
                 return invalid(format!("lifecycle rule ID {id:?} is given more than once"));
             }
         }
-        if rule.expiration_days.is_none()
-            && rule.expiration_date_unix_ms.is_none()
+        let expires = rule.expiration_days.is_some() || rule.expiration_date_unix_ms.is_some();
+        if !expires
+            && !rule.expired_object_delete_marker
+            && rule.noncurrent_expiration_days.is_none()
             && rule.abort_incomplete_upload_days.is_none()
         {
             return invalid(
-                "a lifecycle rule needs an Expiration or an AbortIncompleteMultipartUpload".into(),
+                "a lifecycle rule needs an Expiration, a NoncurrentVersionExpiration or an \
+                 AbortIncompleteMultipartUpload"
+                    .into(),
             );
         }
         if rule.expiration_days.is_some() && rule.expiration_date_unix_ms.is_some() {
             return invalid("an Expiration has Days or a Date, not both".into());
         }
-        if rule.expiration_days == Some(0) || rule.abort_incomplete_upload_days == Some(0) {
+        if expires && rule.expired_object_delete_marker {
+            return invalid(
+                "ExpiredObjectDeleteMarker cannot be given with Days or Date in an Expiration"
+                    .into(),
+            );
+        }
+        if [
+            rule.expiration_days,
+            rule.abort_incomplete_upload_days,
+            rule.noncurrent_expiration_days,
+        ]
+        .contains(&Some(0))
+        {
             return invalid("lifecycle days must be at least 1".into());
         }
     }
@@ -69,6 +89,8 @@ fn object_expired(rule: &LifecycleRule, modified_unix_ms: i64, now_unix_ms: i64)
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LifecycleReport {
     pub objects_expired: u64,
+    pub versions_expired: u64,
+    pub delete_markers_removed: u64,
     pub uploads_aborted: u64,
 }
 
@@ -91,6 +113,9 @@ impl Objects {
             for rule in rules.iter().filter(|rule| rule.enabled) {
                 if rule.expiration_days.is_some() || rule.expiration_date_unix_ms.is_some() {
                     report.objects_expired += self.expire_objects(&bucket, rule, now_unix_ms)?;
+                }
+                if rule.noncurrent_expiration_days.is_some() || rule.expired_object_delete_marker {
+                    self.expire_versions(&bucket, rule, now_unix_ms, &mut report)?;
                 }
                 if let Some(days) = rule.abort_incomplete_upload_days {
                     report.uploads_aborted +=
@@ -135,6 +160,66 @@ impl Objects {
                 (true, Some(last)) => start = Some(ListStart::AfterKey(last.key.clone())),
                 _ => return Ok(expired),
             }
+        }
+    }
+
+    /// Deletes the noncurrent versions `rule` expires and the delete markers it removes, a
+    /// page of versions at a time. Each deletion is checked again under the key's lock: a
+    /// version that became the newest meanwhile is not deleted as noncurrent, a marker that
+    /// got versions behind it stays.
+    fn expire_versions(
+        &self,
+        bucket: &str,
+        rule: &LifecycleRule,
+        now_unix_ms: i64,
+        report: &mut LifecycleReport,
+    ) -> Result<(), ObjectError> {
+        let request = VersionListRequest {
+            prefix: rule.prefix.clone(),
+            max_entries: LIST_ENTRIES_MAX,
+            ..VersionListRequest::default()
+        };
+        let mut after = Vec::new();
+        // The key and write time of the version listed before (the next newer one).
+        let mut newer: Option<(String, i64)> = None;
+        loop {
+            let page = match self.list_versions_after(bucket, &request, &after) {
+                Err(ObjectError::NoSuchBucket(_)) => return Ok(()),
+                other => other?,
+            };
+            for entry in &page.entries {
+                let replaced_at = newer
+                    .as_ref()
+                    .filter(|(key, _)| *key == entry.key)
+                    .map(|(_, at)| *at);
+                newer = Some((entry.key.clone(), entry.modified_unix_ms));
+                let id = VersionId::parse(&entry.version_id)?;
+                let noncurrent_expired = match (rule.noncurrent_expiration_days, replaced_at) {
+                    (Some(days), Some(replaced_at)) if !entry.is_latest => {
+                        replaced_at.saturating_add(i64::from(days) * DAY_MS) <= now_unix_ms
+                    }
+                    _ => false,
+                };
+                if noncurrent_expired
+                    && self
+                        .delete_version_if(bucket, &entry.key, id, |place| !place.is_latest)?
+                        .is_some()
+                {
+                    report.versions_expired += 1;
+                } else if rule.expired_object_delete_marker
+                    && entry.delete_marker
+                    && entry.is_latest
+                    && self
+                        .delete_version_if(bucket, &entry.key, id, |place| place.only)?
+                        .is_some()
+                {
+                    report.delete_markers_removed += 1;
+                }
+            }
+            if !page.truncated {
+                return Ok(());
+            }
+            after = page.next_after;
         }
     }
 

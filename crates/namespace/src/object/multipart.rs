@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 
+use keel_catalog::Versioning;
 use keel_store::{Compression, WriteOp};
 use md5::{Digest, Md5};
 
@@ -259,7 +260,8 @@ impl Objects {
         Ok(same.then_some(manifest))
     }
 
-    /// Completes an upload with `parts` (part number, hex ETag) and returns the new manifest.
+    /// Completes an upload with `parts` (part number, hex ETag) and returns the new manifest
+    /// with the version id to report (as [`Objects::put_object`]).
     pub fn complete_upload(
         &self,
         bucket: &str,
@@ -267,7 +269,7 @@ impl Objects {
         upload_id: &str,
         parts: &[(u32, String)],
         condition: &PutCondition,
-    ) -> Result<Manifest, ObjectError> {
+    ) -> Result<(Manifest, Option<String>), ObjectError> {
         check_upload_id(upload_id)?;
         if parts.is_empty() {
             return Err(ObjectError::InvalidArgument(
@@ -280,7 +282,7 @@ impl Objects {
             )));
         }
         let (entry, _) = self.open_bucket(bucket)?;
-        let _bucket = self.gate(&entry, bucket)?;
+        let guard = self.gate(&entry, bucket)?;
         let object_key = records::object_key(bucket, key);
         let upload_key = records::upload_key(bucket, key, upload_id);
         let _locks = self.lock_keys(&[&object_key, &upload_key]);
@@ -290,7 +292,11 @@ impl Objects {
             // answer, as AWS gives it (any other part list is still an unknown upload).
             Err(ObjectError::NoSuchUpload(id)) => {
                 return match self.completed_from(&object_key, parts)? {
-                    Some(manifest) => Ok(manifest),
+                    Some(manifest) => {
+                        let version = (self.versioning(bucket) != Versioning::Unversioned)
+                            .then(|| manifest.version_id());
+                        Ok((manifest, version))
+                    }
                     None => Err(ObjectError::NoSuchUpload(id)),
                 };
             }
@@ -328,7 +334,7 @@ impl Objects {
         let old = self.read_manifest_at(&object_key)?;
         check_put_condition(old.as_ref(), condition)?;
         let etags: Vec<&str> = chosen.iter().map(|p| p.etag.as_str()).collect();
-        let manifest = Manifest {
+        let mut manifest = Manifest {
             size_bytes: chosen.iter().map(|p| p.size_bytes).sum(),
             etag: multipart_etag(&etags)?,
             modified_unix_ms: now_unix_ms(),
@@ -343,6 +349,9 @@ impl Objects {
             metadata: upload.metadata.clone(),
             checksums: Default::default(),
             tags: upload.tags.clone(),
+            version_seq: 0,
+            versioned: false,
+            delete_marker: false,
         };
         manifest.check()?;
         let chosen_numbers: std::collections::HashSet<u32> =
@@ -356,26 +365,23 @@ impl Objects {
                 *deltas.entry(chunk.hash).or_insert(0) -= 1;
             }
         }
-        if let Some(old) = &old {
-            for chunk in old.content.chunk_refs() {
-                *deltas.entry(chunk.hash).or_insert(0) -= 1;
-            }
-        }
-        let mut ops = vec![
-            WriteOp::put(
-                object_key,
-                records::encode_manifest(&manifest),
-                Compression::None,
-            ),
-            WriteOp::Delete { key: upload_key },
-        ];
+        let mut ops = vec![WriteOp::Delete { key: upload_key }];
         for part in &stored {
             ops.push(WriteOp::Delete {
                 key: records::part_key(bucket, upload_id, part.part_number),
             });
         }
+        let version = self.install(
+            bucket,
+            key,
+            old.as_ref(),
+            &mut manifest,
+            guard.compression,
+            &mut ops,
+            &mut deltas,
+        )?;
         self.commit(ops, deltas)?;
-        Ok(manifest)
+        Ok((manifest, version))
     }
 
     /// Aborts an upload, releasing its parts.

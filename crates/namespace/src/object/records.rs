@@ -10,13 +10,21 @@
 //! | key                                              | value            |
 //! | ------------------------------------------------ | ---------------- |
 //! | `s3/obj/<bucket>\0<object key>`                  | [`Manifest`]     |
+//! | `s3/ver/<bucket>\0<object key>\0<!seq u64 BE>`   | [`Manifest`]     |
 //! | `s3/ref/<32-byte chunk hash>`                    | u64 LE refcount  |
 //! | `s3/upload/<bucket>\0<object key>\0<upload id>`  | [`UploadRecord`] |
 //! | `s3/part/<bucket>\0<upload id>\0<part u32 BE>`   | [`PartRecord`]   |
 //!
-//! Every value starts with a format version byte followed by postcard: [`RECORD_VERSION`], or
-//! for manifests and upload records [`TAGGED_RECORD_VERSION`] (they gained object tags; their
-//! version 1 still decodes, without tags). Decoding never panics on arbitrary bytes: it returns
+//! `s3/obj` holds each key's current version; `s3/ver` the versions a versioned bucket keeps
+//! besides (noncurrent ones, and delete markers), newest first within a key because the key
+//! ends with the bitwise complement of the version's sequence number. A key with no current
+//! version in `s3/obj` is absent or deleted: its newest `s3/ver` record, if any, is a delete
+//! marker (a write never leaves an object version newer than the current one behind).
+//!
+//! Every value starts with a format version byte followed by postcard: [`RECORD_VERSION`],
+//! for upload records [`TAGGED_RECORD_VERSION`] (they gained object tags; their version 1
+//! still decodes, without tags) and for manifests [`VERSIONED_RECORD_VERSION`] (versions 1 and
+//! 2 decode as unversioned objects). Decoding never panics on arbitrary bytes: it returns
 //! [`ObjectError::CorruptRecord`].
 
 use keel_store::meta_key;
@@ -26,8 +34,10 @@ use super::ObjectError;
 
 /// Format version written as the first byte of a part record.
 pub const RECORD_VERSION: u8 = 1;
-/// Format version of manifests and upload records, which carry object tags since.
+/// Format version of upload records, which carry object tags since (and manifests' previous one).
 pub const TAGGED_RECORD_VERSION: u8 = 2;
+/// Format version of manifests, which carry their version since.
+pub const VERSIONED_RECORD_VERSION: u8 = 3;
 
 /// An object's tags (`x-amz-tagging`, PutObjectTagging), in the order given; at most
 /// [`TAGS_MAX`], keys unique.
@@ -133,6 +143,89 @@ pub struct Manifest {
     pub metadata: Vec<(String, String)>,
     pub checksums: Checksums,
     pub tags: Tags,
+    /// Orders a key's versions: unique per key, larger for newer versions (microseconds since
+    /// the epoch when written, raised past the key's newest version when the clock is behind).
+    pub version_seq: u64,
+    /// Whether the version has its own id; otherwise it is the `null` version (written while
+    /// the bucket was unversioned or had versioning suspended).
+    pub versioned: bool,
+    /// A delete marker: no bytes, stands for "deleted" as the newest version of a key.
+    pub delete_marker: bool,
+}
+
+/// The version id S3 clients see for a `null` version.
+pub const NULL_VERSION_ID: &str = "null";
+
+/// A version as a client names it: `null` or the id of a version with its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VersionId {
+    Null,
+    Seq(u64),
+}
+
+impl VersionId {
+    /// Parses a client's `versionId`: `null` or 16 hex digits.
+    pub fn parse(text: &str) -> Result<VersionId, ObjectError> {
+        if text == NULL_VERSION_ID {
+            return Ok(VersionId::Null);
+        }
+        if text.len() == 16 && text.bytes().all(|b| b.is_ascii_hexdigit()) {
+            if let Ok(seq) = u64::from_str_radix(text, 16) {
+                return Ok(VersionId::Seq(seq));
+            }
+        }
+        Err(ObjectError::InvalidVersionId(text.to_string()))
+    }
+}
+
+impl std::fmt::Display for VersionId {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        match self {
+            VersionId::Null => f.write_str(NULL_VERSION_ID),
+            VersionId::Seq(seq) => write!(f, "{seq:016x}"),
+        }
+    }
+}
+
+/// The version of a manifest written before versions existed: the `null` version, ordered
+/// by its modification time.
+fn unversioned_seq(modified_unix_ms: i64) -> u64 {
+    u64::try_from(modified_unix_ms)
+        .unwrap_or(0)
+        .saturating_mul(1000)
+}
+
+/// A manifest as version 2 wrote it: no version.
+#[derive(Deserialize)]
+struct ManifestV2 {
+    size_bytes: u64,
+    etag: String,
+    modified_unix_ms: i64,
+    content: Content,
+    part_sizes_bytes: Vec<u64>,
+    headers: StoredHeaders,
+    metadata: Vec<(String, String)>,
+    checksums: Checksums,
+    tags: Tags,
+}
+
+impl From<ManifestV2> for Manifest {
+    fn from(v2: ManifestV2) -> Manifest {
+        Manifest {
+            size_bytes: v2.size_bytes,
+            etag: v2.etag,
+            modified_unix_ms: v2.modified_unix_ms,
+            content: v2.content,
+            part_sizes_bytes: v2.part_sizes_bytes,
+            headers: v2.headers,
+            metadata: v2.metadata,
+            checksums: v2.checksums,
+            tags: v2.tags,
+            version_seq: unversioned_seq(v2.modified_unix_ms),
+            versioned: false,
+            delete_marker: false,
+        }
+    }
 }
 
 /// A manifest as version 1 wrote it: no tags.
@@ -150,7 +243,7 @@ struct ManifestV1 {
 
 impl From<ManifestV1> for Manifest {
     fn from(v1: ManifestV1) -> Manifest {
-        Manifest {
+        ManifestV2 {
             size_bytes: v1.size_bytes,
             etag: v1.etag,
             modified_unix_ms: v1.modified_unix_ms,
@@ -161,10 +254,47 @@ impl From<ManifestV1> for Manifest {
             checksums: v1.checksums,
             tags: Tags::new(),
         }
+        .into()
     }
 }
 
 impl Manifest {
+    /// A delete marker written at `modified_unix_ms` as version `version_seq`.
+    pub fn delete_marker(version_seq: u64, versioned: bool, modified_unix_ms: i64) -> Manifest {
+        Manifest {
+            size_bytes: 0,
+            etag: String::new(),
+            modified_unix_ms,
+            content: Content::Inline(Vec::new()),
+            part_sizes_bytes: Vec::new(),
+            headers: StoredHeaders::default(),
+            metadata: Vec::new(),
+            checksums: Checksums::default(),
+            tags: Tags::new(),
+            version_seq,
+            versioned,
+            delete_marker: true,
+        }
+    }
+
+    /// The id clients see: `null` or 16 hex digits of the sequence number.
+    pub fn version_id(&self) -> String {
+        let id = if self.versioned {
+            VersionId::Seq(self.version_seq)
+        } else {
+            VersionId::Null
+        };
+        id.to_string()
+    }
+
+    /// Whether `id` names this version.
+    pub fn is_version(&self, id: VersionId) -> bool {
+        match id {
+            VersionId::Null => !self.versioned,
+            VersionId::Seq(seq) => self.versioned && self.version_seq == seq,
+        }
+    }
+
     /// Checks the manifest's internal consistency: chunk lengths add up to the size.
     pub fn check(&self) -> Result<(), ObjectError> {
         let total: u64 = match &self.content {
@@ -249,7 +379,7 @@ pub fn encode<T: PlainRecord>(record: &T) -> Vec<u8> {
 }
 
 pub fn encode_manifest(manifest: &Manifest) -> Vec<u8> {
-    encode_as(TAGGED_RECORD_VERSION, manifest)
+    encode_as(VERSIONED_RECORD_VERSION, manifest)
 }
 
 pub fn encode_upload(upload: &UploadRecord) -> Vec<u8> {
@@ -273,12 +403,13 @@ pub fn decode<T: PlainRecord>(bytes: &[u8], what: &str) -> Result<T, ObjectError
     }
 }
 
-/// Decodes a manifest (either version) and checks it.
+/// Decodes a manifest (any version) and checks it.
 pub fn decode_manifest(bytes: &[u8]) -> Result<Manifest, ObjectError> {
     const WHAT: &str = "object manifest";
     let manifest: Manifest = match split_version(bytes, WHAT)? {
         (RECORD_VERSION, body) => decode_body::<ManifestV1>(body, WHAT)?.into(),
-        (TAGGED_RECORD_VERSION, body) => decode_body(body, WHAT)?,
+        (TAGGED_RECORD_VERSION, body) => decode_body::<ManifestV2>(body, WHAT)?.into(),
+        (VERSIONED_RECORD_VERSION, body) => decode_body(body, WHAT)?,
         (version, _) => return Err(unknown_version(WHAT, version)),
     };
     manifest.check()?;
@@ -345,6 +476,42 @@ pub fn object_key(bucket: &str, key: &str) -> Vec<u8> {
     let mut out = objects_prefix(bucket);
     out.extend_from_slice(key.as_bytes());
     out
+}
+
+/// Prefix of every kept version of every key of `bucket`: `s3/ver/<bucket>\0`.
+pub fn versions_prefix(bucket: &str) -> Vec<u8> {
+    let mut key = meta_key(b"s3/ver/");
+    key.extend_from_slice(bucket.as_bytes());
+    key.push(0);
+    key
+}
+
+/// Prefix of the kept versions of `key`: `s3/ver/<bucket>\0<key>\0`.
+pub fn key_versions_prefix(bucket: &str, key: &str) -> Vec<u8> {
+    let mut out = versions_prefix(bucket);
+    out.extend_from_slice(key.as_bytes());
+    out.push(0);
+    out
+}
+
+/// Bytes a version record's name adds after its object key: `\0` and the complemented seq.
+pub const VERSION_SUFFIX_BYTES: usize = 9;
+
+/// Where version `version_seq` of `key` is kept; newer versions sort first.
+pub fn version_key(bucket: &str, key: &str, version_seq: u64) -> Vec<u8> {
+    let mut out = key_versions_prefix(bucket, key);
+    out.extend_from_slice(&(!version_seq).to_be_bytes());
+    out
+}
+
+/// Splits the name of a version record (its key after [`versions_prefix`]) into the object
+/// key and the version's sequence number.
+pub fn split_version_name(name: &[u8]) -> Option<(&[u8], u64)> {
+    let split = name.len().checked_sub(VERSION_SUFFIX_BYTES)?;
+    let (key, suffix) = name.split_at(split);
+    let (nul, seq) = suffix.split_first()?;
+    let seq: [u8; 8] = seq.try_into().ok()?;
+    (*nul == 0).then_some((key, !u64::from_be_bytes(seq)))
 }
 
 pub fn refcount_key(hash: &[u8; 32]) -> Vec<u8> {

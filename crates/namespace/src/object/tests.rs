@@ -92,15 +92,24 @@ fn put(objects: &Objects, bucket: &str, key: &str, data: &[u8]) -> Manifest {
         metadata: vec![("color".into(), "blue".into())],
         checksums: Checksums::default(),
         tags: Vec::new(),
+        version_seq: 0,
+        versioned: false,
+        delete_marker: false,
     };
     objects
         .put_object(bucket, key, &manifest, &PutCondition::default())
         .unwrap();
-    manifest
+    // As stored: with the version it got.
+    objects.get_manifest(bucket, key, None).unwrap()
 }
 
 fn read(objects: &Objects, bucket: &str, key: &str) -> Vec<u8> {
-    let manifest = objects.get_manifest(bucket, key).unwrap();
+    read_version(objects, bucket, key, None)
+}
+
+fn read_version(objects: &Objects, bucket: &str, key: &str, version: Option<&str>) -> Vec<u8> {
+    let version = version.map(|id| VersionId::parse(id).unwrap());
+    let manifest = objects.get_manifest(bucket, key, version).unwrap();
     match &manifest.content {
         Content::Inline(data) => data.clone(),
         Content::Chunks(chunks) => chunks
@@ -143,14 +152,14 @@ fn objects_round_trip_and_survive_reopen() {
     let objects = open(&dir);
     assert_eq!(read(&objects, "bucket", "small"), small);
     assert_eq!(read(&objects, "bucket", "dir/large"), large);
-    let manifest = objects.get_manifest("bucket", "dir/large").unwrap();
+    let manifest = objects.get_manifest("bucket", "dir/large", None).unwrap();
     assert_eq!(manifest.metadata, vec![("color".into(), "blue".into())]);
     assert!(matches!(
-        objects.get_manifest("bucket", "missing"),
+        objects.get_manifest("bucket", "missing", None),
         Err(ObjectError::NoSuchKey { .. })
     ));
     assert!(matches!(
-        objects.get_manifest("nobucket", "x"),
+        objects.get_manifest("nobucket", "x", None),
         Err(ObjectError::NoSuchBucket(_))
     ));
 }
@@ -167,7 +176,7 @@ fn refcounts_free_chunks_when_last_reference_goes() {
     for hash in &hashes {
         assert_eq!(refcount(&objects, hash), 2);
     }
-    assert!(objects.delete_object("bucket", "a").unwrap());
+    objects.delete_object("bucket", "a", None).unwrap();
     for hash in &hashes {
         assert_eq!(refcount(&objects, hash), 1);
         assert!(objects.store().contains(&chunk_key(hash)).unwrap());
@@ -179,13 +188,13 @@ fn refcounts_free_chunks_when_last_reference_goes() {
         assert_eq!(refcount(&objects, hash), 0);
         assert!(!objects.store().contains(&chunk_key(hash)).unwrap());
     }
-    assert!(!objects.delete_object("bucket", "a").unwrap());
+    objects.delete_object("bucket", "a", None).unwrap();
     // An object that repeats one chunk counts it twice.
     let repeated: Vec<u8> = [pattern(CHUNK_SIZE_BYTES, 9), pattern(CHUNK_SIZE_BYTES, 9)].concat();
     let manifest = put(&objects, "bucket", "twice", &repeated);
     let hash = manifest.content.chunk_refs()[0].hash;
     assert_eq!(refcount(&objects, &hash), 2);
-    objects.delete_object("bucket", "twice").unwrap();
+    objects.delete_object("bucket", "twice", None).unwrap();
     assert!(!objects.store().contains(&chunk_key(&hash)).unwrap());
 }
 
@@ -211,7 +220,7 @@ fn a_conditional_delete_spares_an_object_written_again() {
         })
         .unwrap();
     assert!(deleted);
-    assert!(objects.get_manifest("bucket", "log").is_err());
+    assert!(objects.get_manifest("bucket", "log", None).is_err());
 }
 
 fn list_all(
@@ -397,7 +406,8 @@ fn multipart_assembly_and_validation() {
             &[(1, format!("\"{etag1}\"")), (2, etag2.clone())],
             &condition,
         )
-        .unwrap();
+        .unwrap()
+        .0;
     assert_eq!(manifest.size_bytes, (one.len() + two.len()) as u64);
     assert!(manifest.etag.ends_with("-2"));
     assert_eq!(
@@ -426,7 +436,8 @@ fn multipart_assembly_and_validation() {
             &[(1, etag1.clone()), (2, etag2.clone())],
             &condition,
         )
-        .unwrap();
+        .unwrap()
+        .0;
     assert_eq!(
         (again.etag.as_str(), again.modified_unix_ms),
         (manifest.etag.as_str(), manifest.modified_unix_ms)
@@ -493,7 +504,7 @@ fn buckets_and_keys() {
     let objects = open(&dir);
     assert_eq!(objects.can_access("bucket", "OTHER"), Some(true));
     assert_eq!(objects.list_keys().len(), 2);
-    objects.delete_object("bucket", "k").unwrap();
+    objects.delete_object("bucket", "k", None).unwrap();
     objects.delete_bucket("bucket").unwrap();
     assert!(objects.bucket("bucket").is_none());
     objects.delete_key("OTHER").unwrap();
@@ -508,7 +519,7 @@ fn buckets_and_keys() {
 fn put_if_none_match() {
     let (_dir, objects) = with_bucket("conditional");
     put(&objects, "bucket", "k", b"one");
-    let manifest = objects.get_manifest("bucket", "k").unwrap();
+    let manifest = objects.get_manifest("bucket", "k", None).unwrap();
     let refused = objects.put_object(
         "bucket",
         "k",
@@ -581,6 +592,24 @@ fn version_one_records_decode_and_tags_are_set_in_place() {
     assert_eq!((manifest.size_bytes, manifest.modified_unix_ms), (3, 7));
     assert_eq!(manifest.headers, headers);
     assert!(manifest.tags.is_empty());
+    // Version 2 (tags, no version): the `null` version, ordered by its modification time.
+    let v2_manifest = (
+        3u64,
+        "etag".to_string(),
+        7i64,
+        Content::Inline(vec![1, 2, 3]),
+        Vec::<u64>::new(),
+        headers.clone(),
+        Vec::<(String, String)>::new(),
+        Checksums::default(),
+        vec![("t".to_string(), "v".to_string())],
+    );
+    let mut bytes = vec![records::TAGGED_RECORD_VERSION];
+    bytes.extend(postcard::to_allocvec(&v2_manifest).unwrap());
+    let manifest = records::decode_manifest(&bytes).unwrap();
+    assert_eq!(manifest.tags.len(), 1);
+    assert_eq!((manifest.version_seq, manifest.versioned), (7000, false));
+    assert_eq!(manifest.version_id(), "null");
 
     let v1_upload = (
         "key".to_string(),
@@ -600,14 +629,21 @@ fn version_one_records_decode_and_tags_are_set_in_place() {
     let written = put(&objects, "bucket", "tagged", b"tagged bytes");
     let tags = vec![("project".to_string(), "keel".to_string())];
     objects
-        .set_object_tags("bucket", "tagged", tags.clone())
+        .set_object_tags("bucket", "tagged", None, tags.clone())
         .unwrap();
-    let read = objects.get_manifest("bucket", "tagged").unwrap();
+    let read = objects.get_manifest("bucket", "tagged", None).unwrap();
     assert_eq!(read.tags, tags);
-    assert_eq!(read, Manifest { tags, ..written });
+    assert_eq!(
+        read,
+        Manifest {
+            tags,
+            version_seq: read.version_seq,
+            ..written
+        }
+    );
     let eleven: Tags = (0..11).map(|i| (format!("k{i}"), String::new())).collect();
     assert!(matches!(
-        objects.set_object_tags("bucket", "tagged", eleven),
+        objects.set_object_tags("bucket", "tagged", None, eleven),
         Err(ObjectError::InvalidTag(_))
     ));
     let twice = vec![
@@ -615,11 +651,11 @@ fn version_one_records_decode_and_tags_are_set_in_place() {
         ("k".to_string(), "2".to_string()),
     ];
     assert!(matches!(
-        objects.set_object_tags("bucket", "tagged", twice),
+        objects.set_object_tags("bucket", "tagged", None, twice),
         Err(ObjectError::InvalidTag(_))
     ));
     assert!(matches!(
-        objects.set_object_tags("bucket", "absent", Vec::new()),
+        objects.set_object_tags("bucket", "absent", None, Vec::new()),
         Err(ObjectError::NoSuchKey { .. })
     ));
 }
@@ -640,6 +676,9 @@ fn corrupt_records_are_errors() {
         metadata: Vec::new(),
         checksums: Checksums::default(),
         tags: vec![("k".into(), "v".into())],
+        version_seq: 7,
+        versioned: true,
+        delete_marker: false,
     };
     // Size disagrees with content: refused.
     assert!(records::decode_manifest(&records::encode_manifest(&manifest)).is_err());
@@ -703,7 +742,7 @@ fn concurrent_writers_keep_refcounts_exact() {
                     // Everyone also fights over one key.
                     put(objects, "bucket", "contended", shared);
                     if round % 2 == 0 {
-                        objects.delete_object("bucket", &key).unwrap();
+                        objects.delete_object("bucket", &key, None).unwrap();
                     }
                 }
             });
@@ -738,7 +777,7 @@ fn concurrent_writers_keep_refcounts_exact() {
         .map(|e| e.key)
         .collect();
     for key in keys {
-        objects.delete_object("bucket", &key).unwrap();
+        objects.delete_object("bucket", &key, None).unwrap();
     }
     for hash in &hashes {
         assert_eq!(refcount(&objects, hash), 0);
@@ -794,9 +833,9 @@ fn a_pinned_read_keeps_chunks_through_overwrite_and_delete() {
     let (_dir, objects) = with_bucket("pinned-read");
     let data = pattern(3 * CHUNK_SIZE_BYTES, 5);
     put(&objects, "bucket", "obj", &data);
-    let (manifest, pins) = objects.get_manifest_pinned("bucket", "obj").unwrap();
+    let (manifest, pins) = objects.get_manifest_pinned("bucket", "obj", None).unwrap();
     put(&objects, "bucket", "obj", &pattern(CHUNK_SIZE_BYTES, 6));
-    objects.delete_object("bucket", "obj").unwrap();
+    objects.delete_object("bucket", "obj", None).unwrap();
     let chunks = manifest.content.chunk_refs();
     let read_back: Vec<u8> = chunks
         .iter()
@@ -806,5 +845,385 @@ fn a_pinned_read_keeps_chunks_through_overwrite_and_delete() {
     drop(pins);
     for chunk in chunks {
         assert!(!objects.store().contains(&chunk_key(&chunk.hash)).unwrap());
+    }
+}
+
+// ---- versioning ----
+
+fn versions_of(objects: &Objects, prefix: &str) -> Vec<(String, String, bool, bool)> {
+    let page = objects
+        .list_versions(
+            "bucket",
+            &VersionListRequest {
+                prefix: prefix.into(),
+                max_entries: 1000,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    assert!(!page.truncated);
+    page.entries
+        .into_iter()
+        .map(|e| (e.key, e.version_id, e.is_latest, e.delete_marker))
+        .collect()
+}
+
+// Proves an enabled bucket keeps every version readable by id, a plain delete adds a delete
+// marker (the key reads as missing, its versions stay), deleting the marker by id brings the
+// previous version back, deleting the current version by id promotes the next one, removed
+// versions free their chunks, and a bucket holding versions cannot be deleted.
+#[test]
+fn enabled_versioning_keeps_versions_and_deletes_add_markers() {
+    let (_dir, objects) = with_bucket("versions-enabled");
+    objects.set_bucket_versioning("bucket", true).unwrap();
+    let one = pattern(CHUNK_SIZE_BYTES + 10, 1);
+    let two = pattern(CHUNK_SIZE_BYTES + 20, 2);
+    let id1 = put(&objects, "bucket", "k", &one).version_id();
+    let written = put(&objects, "bucket", "k", &two);
+    let id2 = written.version_id();
+    assert!(id1 != "null" && id2 != "null" && id1 != id2 && id2 > id1);
+    assert_eq!(read(&objects, "bucket", "k"), two);
+    assert_eq!(read_version(&objects, "bucket", "k", Some(&id1)), one);
+    assert_eq!(read_version(&objects, "bucket", "k", Some(&id2)), two);
+
+    let deletion = objects.delete_object("bucket", "k", None).unwrap();
+    assert!(deletion.delete_marker);
+    let marker = deletion.version_id.unwrap();
+    assert!(matches!(
+        objects.get_manifest("bucket", "k", None),
+        Err(ObjectError::DeleteMarker { named: false, ref version_id, .. }) if *version_id == marker
+    ));
+    assert!(matches!(
+        objects.get_manifest("bucket", "k", Some(VersionId::parse(&marker).unwrap())),
+        Err(ObjectError::DeleteMarker { named: true, .. })
+    ));
+    assert!(objects
+        .list_objects(
+            "bucket",
+            &ListRequest {
+                max_entries: 10,
+                ..Default::default()
+            }
+        )
+        .unwrap()
+        .entries
+        .is_empty());
+    assert_eq!(
+        versions_of(&objects, ""),
+        vec![
+            ("k".to_string(), marker.clone(), true, true),
+            ("k".to_string(), id2.clone(), false, false),
+            ("k".to_string(), id1.clone(), false, false),
+        ]
+    );
+    assert!(matches!(
+        objects.delete_bucket("bucket"),
+        Err(ObjectError::BucketNotEmpty(_))
+    ));
+
+    // Removing the marker undeletes: the newest version is current again.
+    let undelete = objects
+        .delete_object("bucket", "k", Some(VersionId::parse(&marker).unwrap()))
+        .unwrap();
+    assert_eq!(
+        (undelete.version_id.as_deref(), undelete.delete_marker),
+        (Some(marker.as_str()), true)
+    );
+    assert_eq!(read(&objects, "bucket", "k"), two);
+    // Removing the current version by id promotes the previous one and frees its chunks.
+    let two_chunks: Vec<[u8; 32]> = written
+        .content
+        .chunk_refs()
+        .iter()
+        .map(|c| c.hash)
+        .collect();
+    objects
+        .delete_object("bucket", "k", Some(VersionId::parse(&id2).unwrap()))
+        .unwrap();
+    assert_eq!(read(&objects, "bucket", "k"), one);
+    for hash in &two_chunks {
+        assert_eq!(refcount(&objects, hash), 0);
+        assert!(!objects.store().contains(&chunk_key(hash)).unwrap());
+    }
+    assert_eq!(
+        versions_of(&objects, ""),
+        vec![("k".to_string(), id1.clone(), true, false)]
+    );
+    // Deleting a version that does not exist changes nothing; a malformed id is refused.
+    objects
+        .delete_object("bucket", "k", Some(VersionId::parse(&id2).unwrap()))
+        .unwrap();
+    assert_eq!(read(&objects, "bucket", "k"), one);
+    assert!(matches!(
+        VersionId::parse("../etc"),
+        Err(ObjectError::InvalidVersionId(_))
+    ));
+    objects
+        .delete_object("bucket", "k", Some(VersionId::parse(&id1).unwrap()))
+        .unwrap();
+    assert!(versions_of(&objects, "").is_empty());
+    objects.delete_bucket("bucket").unwrap();
+}
+
+// Proves the `null` version: an object written before versioning is kept as `null` when
+// versioning is enabled; with versioning suspended a write replaces the `null` version (kept
+// or current, its chunks freed) and keeps the versions with ids; a delete makes a `null`
+// delete marker. Tags can be set on one version without touching the others.
+#[test]
+fn suspended_versioning_replaces_only_the_null_version() {
+    let (_dir, objects) = with_bucket("versions-suspended");
+    let before = pattern(CHUNK_SIZE_BYTES + 1, 3);
+    let first = put(&objects, "bucket", "k", &before);
+    assert_eq!(first.version_id(), "null");
+    objects.set_bucket_versioning("bucket", true).unwrap();
+    let id = put(&objects, "bucket", "k", b"enabled").version_id();
+    assert_eq!(read_version(&objects, "bucket", "k", Some("null")), before);
+    objects
+        .set_object_tags(
+            "bucket",
+            "k",
+            Some(VersionId::Null),
+            vec![("old".into(), "yes".into())],
+        )
+        .unwrap();
+    assert!(objects
+        .get_manifest("bucket", "k", None)
+        .unwrap()
+        .tags
+        .is_empty());
+    assert_eq!(
+        objects
+            .get_manifest("bucket", "k", Some(VersionId::Null))
+            .unwrap()
+            .tags
+            .len(),
+        1
+    );
+
+    objects.set_bucket_versioning("bucket", false).unwrap();
+    let replaced = put(&objects, "bucket", "k", b"suspended");
+    assert_eq!(replaced.version_id(), "null");
+    for chunk in first.content.chunk_refs() {
+        assert_eq!(
+            refcount(&objects, &chunk.hash),
+            0,
+            "the old null version is freed"
+        );
+    }
+    assert_eq!(
+        versions_of(&objects, ""),
+        vec![
+            ("k".to_string(), "null".to_string(), true, false),
+            ("k".to_string(), id.clone(), false, false),
+        ]
+    );
+    let deletion = objects.delete_object("bucket", "k", None).unwrap();
+    assert_eq!(
+        (deletion.version_id.as_deref(), deletion.delete_marker),
+        (Some("null"), true)
+    );
+    assert_eq!(
+        versions_of(&objects, ""),
+        vec![
+            ("k".to_string(), "null".to_string(), true, true),
+            ("k".to_string(), id.clone(), false, false),
+        ]
+    );
+    assert_eq!(read_version(&objects, "bucket", "k", Some(&id)), b"enabled");
+}
+
+// Proves ListObjectVersions pages: every version exactly once, in key order and newest first
+// within a key, whatever the page size, with only each key's newest marked latest; and a
+// delimiter rolls keys up into common prefixes.
+#[test]
+fn version_listing_pages_and_rolls_up_prefixes() {
+    let (_dir, objects) = with_bucket("versions-list");
+    objects.set_bucket_versioning("bucket", true).unwrap();
+    let mut expected = Vec::new();
+    for (key, writes) in [("a", 3), ("b/x", 2), ("b/y", 1), ("ba", 2), ("c", 4)] {
+        let mut ids = Vec::new();
+        for i in 0..writes {
+            ids.push(put(&objects, "bucket", key, format!("{key}{i}").as_bytes()).version_id());
+        }
+        if key == "ba" {
+            let marker = objects.delete_object("bucket", key, None).unwrap();
+            ids.push(marker.version_id.unwrap());
+        }
+        for (n, id) in ids.iter().rev().enumerate() {
+            expected.push((key.to_string(), id.clone(), n == 0));
+        }
+    }
+    for page_size in [1, 2, 3, 1000] {
+        let mut seen = Vec::new();
+        let mut request = VersionListRequest {
+            max_entries: page_size,
+            ..Default::default()
+        };
+        loop {
+            let page = objects.list_versions("bucket", &request).unwrap();
+            assert!(page.entries.len() <= page_size);
+            seen.extend(
+                page.entries
+                    .iter()
+                    .map(|e| (e.key.clone(), e.version_id.clone(), e.is_latest)),
+            );
+            if !page.truncated {
+                break;
+            }
+            request.key_marker = page.next_key_marker;
+            request.version_id_marker = page.next_version_id_marker;
+        }
+        assert_eq!(seen, expected, "page size {page_size}");
+    }
+    let rolled = objects
+        .list_versions(
+            "bucket",
+            &VersionListRequest {
+                delimiter: Some("/".into()),
+                max_entries: 1000,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(rolled.common_prefixes, vec!["b/".to_string()]);
+    let keys: Vec<&str> = rolled.entries.iter().map(|e| e.key.as_str()).collect();
+    assert_eq!(keys, ["a", "a", "a", "ba", "ba", "ba", "c", "c", "c", "c"]);
+    let b_only = versions_of(&objects, "b/");
+    assert_eq!(b_only.len(), 3);
+    // Paging a rolled-up listing one entry at a time lists each prefix once.
+    let mut request = VersionListRequest {
+        delimiter: Some("/".into()),
+        max_entries: 1,
+        ..Default::default()
+    };
+    let (mut paged_keys, mut paged_prefixes) = (Vec::new(), Vec::new());
+    for _ in 0..100 {
+        let page = objects.list_versions("bucket", &request).unwrap();
+        paged_keys.extend(page.entries.iter().map(|e| e.key.clone()));
+        paged_prefixes.extend(page.common_prefixes.clone());
+        if !page.truncated {
+            break;
+        }
+        request.key_marker = page.next_key_marker;
+        request.version_id_marker = page.next_version_id_marker;
+    }
+    assert_eq!(paged_keys, keys);
+    assert_eq!(paged_prefixes, rolled.common_prefixes);
+}
+
+fn set_rule(objects: &Objects, rule: keel_catalog::LifecycleRule) {
+    objects.set_bucket_lifecycle("bucket", vec![rule]).unwrap();
+}
+
+// Proves lifecycle in a versioned bucket: expiring the current version adds a delete marker
+// (the data stays as a noncurrent version); a noncurrent version is deleted exactly
+// NoncurrentDays after the version that replaced it was written; a delete marker left alone
+// is removed, one with versions behind it is not.
+#[test]
+fn lifecycle_expires_noncurrent_versions_and_lone_delete_markers() {
+    const DAY: i64 = 86_400_000;
+    let (_dir, objects) = with_bucket("versions-lifecycle");
+    objects.set_bucket_versioning("bucket", true).unwrap();
+    let old = put(&objects, "bucket", "k", b"old");
+    let new = put(&objects, "bucket", "k", b"new");
+    set_rule(
+        &objects,
+        keel_catalog::LifecycleRule {
+            enabled: true,
+            noncurrent_expiration_days: Some(2),
+            ..Default::default()
+        },
+    );
+    let replaced = new.modified_unix_ms;
+    let report = objects.apply_lifecycle(replaced + 2 * DAY - 1).unwrap();
+    assert_eq!(report.versions_expired, 0);
+    assert_eq!(versions_of(&objects, "").len(), 2);
+    let report = objects.apply_lifecycle(replaced + 2 * DAY).unwrap();
+    assert_eq!(report.versions_expired, 1);
+    assert_eq!(
+        versions_of(&objects, ""),
+        vec![("k".to_string(), new.version_id(), true, false)]
+    );
+    assert!(matches!(
+        objects.get_manifest(
+            "bucket",
+            "k",
+            Some(VersionId::parse(&old.version_id()).unwrap())
+        ),
+        Err(ObjectError::NoSuchVersion { .. })
+    ));
+
+    // Expiring the current version in a versioned bucket adds a delete marker.
+    set_rule(
+        &objects,
+        keel_catalog::LifecycleRule {
+            enabled: true,
+            expiration_days: Some(1),
+            ..Default::default()
+        },
+    );
+    let report = objects.apply_lifecycle(new.modified_unix_ms + DAY).unwrap();
+    assert_eq!(report.objects_expired, 1);
+    let listed = versions_of(&objects, "");
+    assert_eq!(listed.len(), 2);
+    assert!(
+        listed[0].3 && listed[0].2,
+        "a delete marker is the latest: {listed:?}"
+    );
+    assert_eq!(
+        read_version(&objects, "bucket", "k", Some(&new.version_id())),
+        b"new"
+    );
+
+    // The marker has a version behind it: ExpiredObjectDeleteMarker keeps it...
+    set_rule(
+        &objects,
+        keel_catalog::LifecycleRule {
+            enabled: true,
+            expired_object_delete_marker: true,
+            ..Default::default()
+        },
+    );
+    let later = new.modified_unix_ms + 10 * DAY;
+    assert_eq!(
+        objects
+            .apply_lifecycle(later)
+            .unwrap()
+            .delete_markers_removed,
+        0
+    );
+    assert_eq!(versions_of(&objects, "").len(), 2);
+    // ...until that version is gone.
+    objects
+        .delete_object(
+            "bucket",
+            "k",
+            Some(VersionId::parse(&new.version_id()).unwrap()),
+        )
+        .unwrap();
+    assert_eq!(
+        objects
+            .apply_lifecycle(later)
+            .unwrap()
+            .delete_markers_removed,
+        1
+    );
+    assert!(versions_of(&objects, "").is_empty());
+
+    // Rules that cannot be applied are refused.
+    for bad in [
+        keel_catalog::LifecycleRule {
+            enabled: true,
+            noncurrent_expiration_days: Some(0),
+            ..Default::default()
+        },
+        keel_catalog::LifecycleRule {
+            enabled: true,
+            expiration_days: Some(3),
+            expired_object_delete_marker: true,
+            ..Default::default()
+        },
+    ] {
+        assert!(objects.set_bucket_lifecycle("bucket", vec![bad]).is_err());
     }
 }
