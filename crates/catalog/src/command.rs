@@ -234,10 +234,23 @@ pub enum Command {
         bucket: String,
         rules: Vec<crate::records::LifecycleRule>,
     },
-    /// Enables (true) or suspends a bucket's versioning.
+    /// Enables (true) or suspends a bucket's versioning; refused for a bucket with object lock.
     BucketSetVersioning {
         bucket: String,
         enabled: bool,
+    },
+    /// Enables object lock on a bucket whose versioning is enabled, or replaces its default
+    /// retention.
+    BucketSetObjectLock {
+        bucket: String,
+        lock: crate::records::ObjectLock,
+    },
+    /// Creates a bucket with versioning and object lock enabled, in one step.
+    BucketCreateLocked {
+        name: String,
+        owner: String,
+        compression_code: u8,
+        created_unix_ms: i64,
     },
 }
 
@@ -277,6 +290,8 @@ impl Command {
             Command::BucketSetPublicRead { .. } => "bucket-set-public-read",
             Command::BucketSetLifecycle { .. } => "bucket-set-lifecycle",
             Command::BucketSetVersioning { .. } => "bucket-set-versioning",
+            Command::BucketSetObjectLock { .. } => "bucket-set-object-lock",
+            Command::BucketCreateLocked { .. } => "bucket-create-locked",
         }
     }
 }

@@ -24,9 +24,10 @@ use serde::{Deserialize, Serialize};
 
 pub use command::{Command, Event, NodeSpec, Outcome, VolumeSettings};
 pub use records::{
-    default_in_sync_min, BucketRecord, BucketSettings, ClusterRecord, CorsRule, DeviceRecord,
-    KeyRecord, LifecycleRule, NodeAddresses, NodeRecord, NodeRole, NodeState, Origin, Replication,
-    SnapshotRecord, Versioning, VolumeRecord, VolumeStatus, REPLICAS_MAX, SNAPSHOT_RECORD_FORMAT,
+    default_in_sync_min, BucketRecord, BucketSettings, ClusterRecord, CorsRule, DefaultRetention,
+    DeviceRecord, KeyRecord, LifecycleRule, LockMode, NodeAddresses, NodeRecord, NodeRole,
+    NodeState, ObjectLock, Origin, Replication, SnapshotRecord, Versioning, VolumeRecord,
+    VolumeStatus, REPLICAS_MAX, SNAPSHOT_RECORD_FORMAT,
 };
 pub use state::{CatalogState, Change, Plan, VolumeEntry};
 
@@ -90,6 +91,8 @@ pub enum CatalogError {
     Corrupt { record: String, detail: String },
     #[error("store error while {operation}: {detail}")]
     Store { operation: String, detail: String },
+    #[error("bucket {name}: {detail}")]
+    InvalidBucketState { name: String, detail: String },
 }
 
 /// Why a proposal did not produce an outcome.

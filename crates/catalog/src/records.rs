@@ -428,6 +428,33 @@ pub struct BucketSettings {
     pub lifecycle: Vec<LifecycleRule>,
     /// S3 versioning: once enabled, a bucket keeps every version until it is deleted by id.
     pub versioning: Versioning,
+    /// S3 object lock, once enabled (never disabled; versioning stays enabled).
+    pub object_lock: Option<ObjectLock>,
+}
+
+/// How a locked version is protected until its retention ends (S3's retention modes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LockMode {
+    /// Callers may shorten the retention or delete the version with
+    /// `x-amz-bypass-governance-retention: true`.
+    Governance,
+    /// Nobody may shorten the retention or delete the version before it ends.
+    Compliance,
+}
+
+/// A bucket's object lock configuration: the retention new versions get when a write names
+/// none (days or years after the write).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ObjectLock {
+    pub default_retention: Option<DefaultRetention>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DefaultRetention {
+    pub mode: LockMode,
+    /// Exactly one of `days` and `years` is set.
+    pub days: Option<u32>,
+    pub years: Option<u32>,
 }
 
 /// A bucket's versioning state. A bucket never returns to `Unversioned` once versioning was
@@ -449,12 +476,13 @@ impl BucketSettings {
             && !self.public_read
             && self.lifecycle.is_empty()
             && self.versioning == Versioning::Unversioned
+            && self.object_lock.is_none()
     }
 }
 
 /// Format of bucket settings records (the byte before their postcard) and of the settings map
 /// in catalog snapshots. Format 1 had no versioning and no lifecycle rules for versions; it
-/// still decodes.
+/// still decodes. (Format 2 also holds object lock.)
 pub const BUCKET_SETTINGS_FORMAT: u8 = 2;
 const BUCKET_SETTINGS_FORMAT_V1: u8 = 1;
 
@@ -500,6 +528,7 @@ impl From<BucketSettingsV1> for BucketSettings {
                 })
                 .collect(),
             versioning: Versioning::Unversioned,
+            object_lock: None,
         }
     }
 }
@@ -826,6 +855,9 @@ mod tests {
             ..decoded
         };
         let bytes = encode_bucket_settings(&current);
-        assert_eq!(decode_bucket_settings(&key, &bytes).expect("decodes"), current);
+        assert_eq!(
+            decode_bucket_settings(&key, &bytes).expect("decodes"),
+            current
+        );
     }
 }

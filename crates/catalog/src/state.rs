@@ -21,9 +21,9 @@ use keel_store::{Compression, Store, WriteOp};
 
 use crate::command::{Command, Event, NodeSpec, Outcome, VolumeSettings};
 use crate::records::{
-    self, BucketRecord, BucketSettings, ClusterRecord, KeyRecord, NodeRecord, NodeState, Origin,
-    Replication, SnapshotRecord, Versioning, VolumeRecord, VolumeStatus, SNAPSHOT_RECORD_FORMAT,
-    VOLUME_RECORD_FORMAT,
+    self, BucketRecord, BucketSettings, ClusterRecord, KeyRecord, NodeRecord, NodeState,
+    ObjectLock, Origin, Replication, SnapshotRecord, Versioning, VolumeRecord, VolumeStatus,
+    SNAPSHOT_RECORD_FORMAT, VOLUME_RECORD_FORMAT,
 };
 use crate::view::{Layer, Truncation};
 use crate::{
@@ -748,33 +748,33 @@ impl CatalogState {
                 owner,
                 compression_code,
                 created_unix_ms,
+            } => self.create_bucket(name, owner, *compression_code, *created_unix_ms),
+            Command::BucketCreateLocked {
+                name,
+                owner,
+                compression_code,
+                created_unix_ms,
             } => {
-                crate::validate_bucket_name(name)?;
-                if let Some(existing) = self.buckets.get(name) {
-                    return Err(if existing.owner == *owner {
-                        CatalogError::BucketAlreadyOwnedByYou { name: name.clone() }
-                    } else {
-                        CatalogError::BucketAlreadyExists { name: name.clone() }
+                let settings = BucketSettings {
+                    name: name.clone(),
+                    versioning: Versioning::Enabled,
+                    object_lock: Some(ObjectLock::default()),
+                    ..BucketSettings::default()
+                };
+                Ok(self
+                    .create_bucket(name, owner, *compression_code, *created_unix_ms)?
+                    .change(Change::PutBucketSettings(settings)))
+            }
+            Command::BucketSetObjectLock { bucket, lock } => {
+                let mut settings = self.settings_of(bucket)?;
+                if settings.versioning != Versioning::Enabled {
+                    return Err(CatalogError::InvalidBucketState {
+                        name: bucket.clone(),
+                        detail: "object lock needs versioning enabled".into(),
                     });
                 }
-                if !self.keys.contains_key(owner) {
-                    return Err(CatalogError::NoSuchAccessKey {
-                        access_key_id: owner.clone(),
-                    });
-                }
-                Compression::from_code(*compression_code).ok_or_else(|| CatalogError::Invalid {
-                    subject: name.clone(),
-                    detail: format!("unknown compression code {compression_code}"),
-                })?;
-                Ok(Plan::new(Outcome::Done)
-                    .change(Change::PutBucket(BucketRecord {
-                        name: name.clone(),
-                        owner: owner.clone(),
-                        grants: Vec::new(),
-                        created_unix_ms: *created_unix_ms,
-                        compression_code: *compression_code,
-                    }))
-                    .event(Event::BucketChanged { name: name.clone() }))
+                settings.object_lock = Some(lock.clone());
+                Ok(self.put_settings(settings))
             }
             Command::BucketDelete { name } => {
                 if !self.buckets.contains_key(name) {
@@ -812,6 +812,13 @@ impl CatalogState {
             }
             Command::BucketSetVersioning { bucket, enabled } => {
                 let mut settings = self.settings_of(bucket)?;
+                if !enabled && settings.object_lock.is_some() {
+                    return Err(CatalogError::InvalidBucketState {
+                        name: bucket.clone(),
+                        detail: "versioning cannot be suspended on a bucket with object lock"
+                            .into(),
+                    });
+                }
                 settings.versioning = if *enabled {
                     Versioning::Enabled
                 } else {
@@ -928,6 +935,48 @@ impl CatalogState {
                 }
             }
         }
+    }
+
+    /// The plan of a new bucket (refused when the name is taken or invalid, the owner unknown).
+    fn create_bucket(
+        &self,
+        name: &str,
+        owner: &str,
+        compression_code: u8,
+        created_unix_ms: i64,
+    ) -> Result<Plan, CatalogError> {
+        crate::validate_bucket_name(name)?;
+        if let Some(existing) = self.buckets.get(name) {
+            return Err(if existing.owner == owner {
+                CatalogError::BucketAlreadyOwnedByYou {
+                    name: name.to_string(),
+                }
+            } else {
+                CatalogError::BucketAlreadyExists {
+                    name: name.to_string(),
+                }
+            });
+        }
+        if !self.keys.contains_key(owner) {
+            return Err(CatalogError::NoSuchAccessKey {
+                access_key_id: owner.to_string(),
+            });
+        }
+        Compression::from_code(compression_code).ok_or_else(|| CatalogError::Invalid {
+            subject: name.to_string(),
+            detail: format!("unknown compression code {compression_code}"),
+        })?;
+        Ok(Plan::new(Outcome::Done)
+            .change(Change::PutBucket(BucketRecord {
+                name: name.to_string(),
+                owner: owner.to_string(),
+                grants: Vec::new(),
+                created_unix_ms,
+                compression_code,
+            }))
+            .event(Event::BucketChanged {
+                name: name.to_string(),
+            }))
     }
 
     /// A bucket's settings as they are (default when it has none yet).

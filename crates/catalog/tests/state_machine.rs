@@ -178,6 +178,26 @@ fn command() -> impl Strategy<Value = Command> {
                 })
                 .collect(),
         }),
+        (bucket.clone(), any::<bool>())
+            .prop_map(|(bucket, enabled)| { Command::BucketSetVersioning { bucket, enabled } }),
+        (bucket.clone(), any::<bool>()).prop_map(|(bucket, default)| {
+            Command::BucketSetObjectLock {
+                bucket,
+                lock: keel_catalog::ObjectLock {
+                    default_retention: default.then_some(keel_catalog::DefaultRetention {
+                        mode: keel_catalog::LockMode::Governance,
+                        days: Some(1),
+                        years: None,
+                    }),
+                },
+            }
+        }),
+        bucket.clone().prop_map(|name| Command::BucketCreateLocked {
+            name,
+            owner: "KEYONE".to_string(),
+            compression_code: 0,
+            created_unix_ms: 2,
+        }),
         (bucket, 0usize..2).prop_map(|(bucket, count)| Command::BucketSetCors {
             bucket,
             rules: (0..count)
@@ -212,6 +232,20 @@ fn second_node() -> Command {
 }
 
 fn check_invariants(state: &CatalogState) {
+    for (name, settings) in &state.bucket_settings {
+        assert!(
+            state.buckets.contains_key(name),
+            "settings of a missing bucket {name}"
+        );
+        // Object lock holds versions: versioning cannot be suspended under it.
+        if settings.object_lock.is_some() {
+            assert_eq!(
+                settings.versioning,
+                keel_catalog::Versioning::Enabled,
+                "{name}"
+            );
+        }
+    }
     let mut names = BTreeSet::new();
     for entry in state.volumes.values() {
         let record = &entry.record;
@@ -656,6 +690,13 @@ fn snapshots_with_and_without_bucket_settings_decode() {
                 ..Default::default()
             }],
             versioning: keel_catalog::Versioning::Enabled,
+            object_lock: Some(keel_catalog::ObjectLock {
+                default_retention: Some(keel_catalog::DefaultRetention {
+                    mode: keel_catalog::LockMode::Compliance,
+                    days: None,
+                    years: Some(2),
+                }),
+            }),
         },
     );
     let decoded = CatalogState::decode(&state.encode()).unwrap();
@@ -715,4 +756,84 @@ fn snapshots_with_first_format_bucket_settings_decode() {
     assert_eq!(logs.lifecycle[0].prefix, "tmp/");
     assert_eq!(logs.lifecycle[0].expiration_days, Some(7));
     assert_eq!(logs.lifecycle[0].noncurrent_expiration_days, None);
+}
+
+// Proves object lock's rules: a bucket created locked has versioning enabled and lock on,
+// suspending its versioning is refused, lock cannot be enabled on a bucket whose versioning is
+// not enabled, and can be once it is.
+#[test]
+fn object_lock_needs_and_keeps_versioning() {
+    let dir = store_dir("object-lock");
+    let catalog = LocalCatalog::open(open(&dir)).unwrap();
+    catalog
+        .propose(Command::KeyAdd {
+            record: KeyRecord {
+                access_key_id: "KEYONE".to_string(),
+                name: "k".to_string(),
+                secret_access_key: "secretsecret".to_string(),
+                created_unix_ms: 1,
+            },
+        })
+        .unwrap();
+    let create = |name: &str, locked: bool| {
+        let (name, owner) = (name.to_string(), "KEYONE".to_string());
+        catalog.propose(if locked {
+            Command::BucketCreateLocked {
+                name,
+                owner,
+                compression_code: 0,
+                created_unix_ms: 2,
+            }
+        } else {
+            Command::BucketCreate {
+                name,
+                owner,
+                compression_code: 0,
+                created_unix_ms: 2,
+            }
+        })
+    };
+    create("locked", true).unwrap();
+    let settings = catalog.catalog().read().bucket_settings["locked"].clone();
+    assert_eq!(settings.versioning, keel_catalog::Versioning::Enabled);
+    assert_eq!(
+        settings.object_lock,
+        Some(keel_catalog::ObjectLock::default())
+    );
+    let refused = catalog.propose(Command::BucketSetVersioning {
+        bucket: "locked".to_string(),
+        enabled: false,
+    });
+    assert!(
+        matches!(
+            refused,
+            Err(keel_catalog::MetadataError::Refused(
+                keel_catalog::CatalogError::InvalidBucketState { .. }
+            ))
+        ),
+        "{refused:?}"
+    );
+    assert!(matches!(
+        create("locked", true),
+        Err(keel_catalog::MetadataError::Refused(
+            keel_catalog::CatalogError::BucketAlreadyOwnedByYou { .. }
+        ))
+    ));
+
+    create("plain", false).unwrap();
+    let lock = || Command::BucketSetObjectLock {
+        bucket: "plain".to_string(),
+        lock: keel_catalog::ObjectLock::default(),
+    };
+    assert!(catalog.propose(lock()).is_err());
+    catalog
+        .propose(Command::BucketSetVersioning {
+            bucket: "plain".to_string(),
+            enabled: true,
+        })
+        .unwrap();
+    catalog.propose(lock()).unwrap();
+    assert!(catalog.catalog().read().bucket_settings["plain"]
+        .object_lock
+        .is_some());
 }

@@ -53,6 +53,12 @@ pub(crate) fn s3_error(error: ObjectError) -> S3Error {
             S3Error::with_message(S3ErrorCode::InvalidArgument, "Invalid version id specified")
         }
         E::NoSuchVersion { .. } => S3Error::with_message(S3ErrorCode::NoSuchVersion, message),
+        // AWS answers a delete of a protected version with 403 AccessDenied.
+        E::ObjectLocked { .. } => S3Error::with_message(S3ErrorCode::AccessDenied, message),
+        E::ObjectLockNotEnabled(_) => S3Error::with_message(S3ErrorCode::InvalidRequest, message),
+        E::InvalidBucketState { .. } => {
+            S3Error::with_message(S3ErrorCode::InvalidBucketState, message)
+        }
         E::DeleteMarker {
             version_id, named, ..
         } => {

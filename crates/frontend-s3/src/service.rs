@@ -6,13 +6,13 @@
 use std::sync::Arc;
 
 use futures::StreamExt;
-use keel_catalog::{BucketSettings, CorsRule, LifecycleRule, Versioning};
+use keel_catalog::{BucketSettings, CorsRule, LifecycleRule, LockMode, Versioning};
 use keel_namespace::object::list::{ListRequest, ListResult, ListStart, LIST_ENTRIES_MAX};
 use keel_namespace::object::multipart::PARTS_MAX;
 use keel_namespace::object::{
-    now_unix_ms, validate_object_key, validate_tags, Checksums, Content, Deletion, Manifest,
-    ObjectError, Objects, PartRecord, PinSet, PutCondition, StoredHeaders, Tags, UploadRecord,
-    VersionEntry, VersionId, VersionListRequest,
+    now_unix_ms, validate_object_key, validate_tags, Checksums, Content, Deletion, Lock,
+    LockChange, Manifest, ObjectError, Objects, PartRecord, PinSet, PutCondition, Retention,
+    StoredHeaders, Tags, UploadRecord, VersionEntry, VersionId, VersionListRequest,
 };
 use s3s::dto::*;
 use s3s::{s3_error, S3Error, S3ErrorCode, S3Request, S3Response, S3Result, S3};
@@ -372,6 +372,7 @@ struct Upload {
     if_none_match: Option<IfNoneMatch>,
     if_match: Option<IfMatch>,
     headers: StoredHeaders,
+    lock: S3Result<Lock>,
 }
 
 /// An [`Upload`] from a `PutObjectInput` or a `PostObjectInput` (s3s gives both the same
@@ -405,8 +406,86 @@ macro_rules! upload_of {
             tagging: input.tagging,
             if_none_match: input.if_none_match,
             if_match: input.if_match,
+            lock: lock_from_headers(
+                input.object_lock_mode.as_ref(),
+                input.object_lock_retain_until_date.as_ref(),
+                input.object_lock_legal_hold_status.as_ref(),
+            ),
         }
     }};
+}
+
+/// S3's name of a retention mode.
+fn lock_mode_name(mode: LockMode) -> &'static str {
+    match mode {
+        LockMode::Governance => ObjectLockMode::GOVERNANCE,
+        LockMode::Compliance => ObjectLockMode::COMPLIANCE,
+    }
+}
+
+fn lock_mode(name: &str) -> S3Result<LockMode> {
+    match name {
+        ObjectLockMode::GOVERNANCE => Ok(LockMode::Governance),
+        ObjectLockMode::COMPLIANCE => Ok(LockMode::Compliance),
+        other => Err(S3Error::with_message(
+            S3ErrorCode::InvalidArgument,
+            format!("unknown object lock mode {other:?}: GOVERNANCE or COMPLIANCE"),
+        )),
+    }
+}
+
+/// The object lock a write asks for (`x-amz-object-lock-mode` and `-retain-until-date`, which
+/// come together, and `-legal-hold`).
+fn lock_from_headers(
+    mode: Option<&ObjectLockMode>,
+    until: Option<&Timestamp>,
+    hold: Option<&ObjectLockLegalHoldStatus>,
+) -> S3Result<Lock> {
+    let retention = match (mode, until) {
+        (None, None) => None,
+        (Some(mode), Some(until)) => Some(Retention {
+            mode: lock_mode(mode.as_str())?,
+            until_unix_ms: unix_ms(until),
+        }),
+        _ => {
+            return Err(s3_error!(
+                InvalidArgument,
+                "x-amz-object-lock-mode and x-amz-object-lock-retain-until-date must both be given"
+            ))
+        }
+    };
+    Ok(Lock {
+        retention,
+        legal_hold: legal_hold_on(hold.map(ObjectLockLegalHoldStatus::as_str))?,
+    })
+}
+
+fn legal_hold_on(status: Option<&str>) -> S3Result<bool> {
+    match status {
+        None | Some(ObjectLockLegalHoldStatus::OFF) => Ok(false),
+        Some(ObjectLockLegalHoldStatus::ON) => Ok(true),
+        Some(other) => Err(S3Error::with_message(
+            S3ErrorCode::InvalidArgument,
+            format!("unknown legal hold status {other:?}: ON or OFF"),
+        )),
+    }
+}
+
+/// A version's object lock as GET/HEAD answer it: mode, retain-until date, legal hold.
+fn lock_fields(
+    lock: &Lock,
+) -> (
+    Option<ObjectLockMode>,
+    Option<Timestamp>,
+    Option<ObjectLockLegalHoldStatus>,
+) {
+    (
+        lock.retention
+            .map(|r| ObjectLockMode::from_static(lock_mode_name(r.mode))),
+        lock.retention.map(|r| timestamp(r.until_unix_ms)),
+        lock.legal_hold
+            .then(|| ObjectLockLegalHoldStatus::from_static(ObjectLockLegalHoldStatus::ON)),
+    )
 }
 
 /// A lifecycle rule as Keel keeps it; what it cannot apply (transitions, filters on tags or
@@ -770,6 +849,7 @@ impl KeelS3 {
         )?;
         let metadata = user_metadata(upload.metadata)?;
         let tags = tags_from_header(upload.tagging.as_deref())?;
+        let lock = upload.lock?;
         let condition = PutCondition {
             if_none_match_any: upload
                 .if_none_match
@@ -803,6 +883,7 @@ impl KeelS3 {
             version_seq: 0,
             versioned: false,
             delete_marker: false,
+            lock,
         };
         let pins = ingested.pins;
         let objects = self.objects.clone();
@@ -952,11 +1033,16 @@ impl S3 for KeelS3 {
     ) -> S3Result<S3Response<CreateBucketOutput>> {
         let caller = caller(&req)?;
         let public_read = canned_public_read(req.input.acl.as_ref())?;
+        let locked = req.input.object_lock_enabled_for_bucket == Some(true);
         let bucket = req.input.bucket.clone();
         let objects = self.objects.clone();
         let name = bucket.clone();
         blocking(move || {
-            objects.create_bucket(&name, &caller, crate::DEFAULT_BUCKET_COMPRESSION)?;
+            if locked {
+                objects.create_locked_bucket(&name, &caller, crate::DEFAULT_BUCKET_COMPRESSION)?;
+            } else {
+                objects.create_bucket(&name, &caller, crate::DEFAULT_BUCKET_COMPRESSION)?;
+            }
             // A second change: a crash between the two leaves the bucket private, never the
             // other way round.
             if public_read == Some(true) {
@@ -1216,6 +1302,207 @@ impl S3 for KeelS3 {
         }))
     }
 
+    async fn get_object_lock_configuration(
+        &self,
+        req: S3Request<GetObjectLockConfigurationInput>,
+    ) -> S3Result<S3Response<GetObjectLockConfigurationOutput>> {
+        self.require_bucket(&req.input.bucket)?;
+        let lock = self
+            .objects
+            .object_lock(&req.input.bucket)
+            .ok_or_else(|| {
+                S3Error::with_message(
+                    S3ErrorCode::Custom("ObjectLockConfigurationNotFoundError".into()),
+                    "Object Lock configuration does not exist for this bucket",
+                )
+            })
+            .map_err(|mut e| {
+                e.set_status_code(http::StatusCode::NOT_FOUND);
+                e
+            })?;
+        let rule = lock.default_retention.map(|default| ObjectLockRule {
+            default_retention: Some(DefaultRetention {
+                mode: Some(ObjectLockRetentionMode::from_static(lock_mode_name(
+                    default.mode,
+                ))),
+                days: default.days.map(|days| days as i32),
+                years: default.years.map(|years| years as i32),
+            }),
+        });
+        Ok(S3Response::new(GetObjectLockConfigurationOutput {
+            object_lock_configuration: Some(ObjectLockConfiguration {
+                object_lock_enabled: Some(ObjectLockEnabled::from_static(
+                    ObjectLockEnabled::ENABLED,
+                )),
+                rule,
+            }),
+        }))
+    }
+
+    async fn put_object_lock_configuration(
+        &self,
+        req: S3Request<PutObjectLockConfigurationInput>,
+    ) -> S3Result<S3Response<PutObjectLockConfigurationOutput>> {
+        let input = req.input;
+        self.require_bucket(&input.bucket)?;
+        let configuration = input.object_lock_configuration.unwrap_or_default();
+        if configuration
+            .object_lock_enabled
+            .as_ref()
+            .map(|e| e.as_str())
+            != Some(ObjectLockEnabled::ENABLED)
+        {
+            return Err(s3_error!(
+                MalformedXML,
+                "ObjectLockEnabled must be Enabled (object lock cannot be disabled)"
+            ));
+        }
+        let default_retention = match configuration.rule.and_then(|rule| rule.default_retention) {
+            None => None,
+            Some(default) => {
+                let mode = default
+                    .mode
+                    .ok_or_else(|| s3_error!(MalformedXML, "A DefaultRetention needs a Mode"))?;
+                let count = |value: Option<i32>| {
+                    value
+                        .map(|v| {
+                            u32::try_from(v).map_err(|_| {
+                                s3_error!(InvalidArgument, "Days and Years must be positive")
+                            })
+                        })
+                        .transpose()
+                };
+                Some(keel_catalog::DefaultRetention {
+                    mode: lock_mode(mode.as_str())?,
+                    days: count(default.days)?,
+                    years: count(default.years)?,
+                })
+            }
+        };
+        let objects = self.objects.clone();
+        blocking(move || {
+            objects.set_object_lock_configuration(
+                &input.bucket,
+                keel_catalog::ObjectLock { default_retention },
+            )
+        })
+        .await?;
+        Ok(S3Response::new(PutObjectLockConfigurationOutput::default()))
+    }
+
+    async fn get_object_retention(
+        &self,
+        req: S3Request<GetObjectRetentionInput>,
+    ) -> S3Result<S3Response<GetObjectRetentionOutput>> {
+        let input = req.input;
+        let version = version_of(input.version_id.as_deref())?;
+        let manifest = self.manifest(&input.bucket, &input.key, version).await?;
+        let retention = manifest.lock.retention.ok_or_else(|| {
+            let mut e = S3Error::with_message(
+                S3ErrorCode::Custom("NoSuchObjectLockConfiguration".into()),
+                "The specified object does not have a retention configuration",
+            );
+            e.set_status_code(http::StatusCode::NOT_FOUND);
+            e
+        })?;
+        Ok(S3Response::new(GetObjectRetentionOutput {
+            retention: Some(ObjectLockRetention {
+                mode: Some(ObjectLockRetentionMode::from_static(lock_mode_name(
+                    retention.mode,
+                ))),
+                retain_until_date: Some(timestamp(retention.until_unix_ms)),
+            }),
+        }))
+    }
+
+    async fn put_object_retention(
+        &self,
+        req: S3Request<PutObjectRetentionInput>,
+    ) -> S3Result<S3Response<PutObjectRetentionOutput>> {
+        let input = req.input;
+        check_key(&input.key)?;
+        let version = version_of(input.version_id.as_deref())?;
+        let retention = match input.retention {
+            Some(ObjectLockRetention {
+                mode: Some(mode),
+                retain_until_date: Some(until),
+            }) => Some(Retention {
+                mode: lock_mode(mode.as_str())?,
+                until_unix_ms: unix_ms(&until),
+            }),
+            Some(ObjectLockRetention {
+                mode: None,
+                retain_until_date: None,
+            })
+            | None => None,
+            Some(_) => {
+                return Err(s3_error!(
+                    MalformedXML,
+                    "A Retention has both a Mode and a RetainUntilDate, or neither"
+                ))
+            }
+        };
+        let bypass = input.bypass_governance_retention == Some(true);
+        let objects = self.objects.clone();
+        let (bucket, key) = (input.bucket, input.key);
+        blocking(move || {
+            objects.set_object_lock(
+                &bucket,
+                &key,
+                version,
+                LockChange::Retention(retention),
+                bypass,
+            )
+        })
+        .await?;
+        Ok(S3Response::new(PutObjectRetentionOutput::default()))
+    }
+
+    async fn get_object_legal_hold(
+        &self,
+        req: S3Request<GetObjectLegalHoldInput>,
+    ) -> S3Result<S3Response<GetObjectLegalHoldOutput>> {
+        let input = req.input;
+        let version = version_of(input.version_id.as_deref())?;
+        if self.objects.object_lock(&input.bucket).is_none() {
+            return Err(s3_error(ObjectError::ObjectLockNotEnabled(input.bucket)));
+        }
+        let manifest = self.manifest(&input.bucket, &input.key, version).await?;
+        let status = if manifest.lock.legal_hold {
+            ObjectLockLegalHoldStatus::ON
+        } else {
+            ObjectLockLegalHoldStatus::OFF
+        };
+        Ok(S3Response::new(GetObjectLegalHoldOutput {
+            legal_hold: Some(ObjectLockLegalHold {
+                status: Some(ObjectLockLegalHoldStatus::from_static(status)),
+            }),
+        }))
+    }
+
+    async fn put_object_legal_hold(
+        &self,
+        req: S3Request<PutObjectLegalHoldInput>,
+    ) -> S3Result<S3Response<PutObjectLegalHoldOutput>> {
+        let input = req.input;
+        check_key(&input.key)?;
+        let version = version_of(input.version_id.as_deref())?;
+        let on = legal_hold_on(
+            input
+                .legal_hold
+                .as_ref()
+                .and_then(|hold| hold.status.as_ref())
+                .map(ObjectLockLegalHoldStatus::as_str),
+        )?;
+        let objects = self.objects.clone();
+        let (bucket, key) = (input.bucket, input.key);
+        blocking(move || {
+            objects.set_object_lock(&bucket, &key, version, LockChange::LegalHold(on), false)
+        })
+        .await?;
+        Ok(S3Response::new(PutObjectLegalHoldOutput::default()))
+    }
+
     async fn put_bucket_versioning(
         &self,
         req: S3Request<PutBucketVersioningInput>,
@@ -1323,6 +1610,9 @@ impl S3 for KeelS3 {
             body: Some(StreamingBlob::wrap(stream)),
             tag_count: (!manifest.tags.is_empty()).then_some(manifest.tags.len() as i32),
             version_id: self.version_header(&input.bucket, &manifest),
+            object_lock_mode: lock_fields(&manifest.lock).0,
+            object_lock_retain_until_date: lock_fields(&manifest.lock).1,
+            object_lock_legal_hold_status: lock_fields(&manifest.lock).2,
         )))
     }
 
@@ -1354,6 +1644,9 @@ impl S3 for KeelS3 {
             content_range,
             checksums,
             version_id: self.version_header(&input.bucket, &manifest),
+            object_lock_mode: lock_fields(&manifest.lock).0,
+            object_lock_retain_until_date: lock_fields(&manifest.lock).1,
+            object_lock_legal_hold_status: lock_fields(&manifest.lock).2,
         )))
     }
 
@@ -1399,9 +1692,11 @@ impl S3 for KeelS3 {
     ) -> S3Result<S3Response<DeleteObjectOutput>> {
         check_key(&req.input.key)?;
         let version = version_of(req.input.version_id.as_deref())?;
+        let bypass = req.input.bypass_governance_retention == Some(true);
         let objects = self.objects.clone();
         let (bucket, key) = (req.input.bucket, req.input.key);
-        let deletion = blocking(move || objects.delete_object(&bucket, &key, version)).await?;
+        let deletion =
+            blocking(move || objects.delete_object(&bucket, &key, version, bypass)).await?;
         Ok(S3Response::new(DeleteObjectOutput {
             delete_marker: deletion.delete_marker.then_some(true),
             version_id: deletion.version_id,
@@ -1422,6 +1717,7 @@ impl S3 for KeelS3 {
         }
         self.require_bucket(&input.bucket)?;
         let quiet = input.delete.quiet.unwrap_or(false);
+        let bypass = input.bypass_governance_retention == Some(true);
         let named: Vec<(String, Option<String>)> = input
             .delete
             .objects
@@ -1436,7 +1732,7 @@ impl S3 for KeelS3 {
                 .map(|(key, version_id)| {
                     let result = validate_object_key(&key)
                         .and(version_id.as_deref().map(VersionId::parse).transpose())
-                        .and_then(|version| objects.delete_object(&bucket, &key, version));
+                        .and_then(|version| objects.delete_object(&bucket, &key, version, bypass));
                     (key, version_id, result)
                 })
                 .collect::<Vec<_>>())
@@ -1509,6 +1805,12 @@ impl S3 for KeelS3 {
         check_conditions(&source, &conditions, true)?;
         let mut manifest = source.clone();
         manifest.modified_unix_ms = now_unix_ms();
+        // A copy is a new version: it gets the lock the request asks for, not the source's.
+        manifest.lock = lock_from_headers(
+            input.object_lock_mode.as_ref(),
+            input.object_lock_retain_until_date.as_ref(),
+            input.object_lock_legal_hold_status.as_ref(),
+        )?;
         if input
             .tagging_directive
             .as_ref()
@@ -1798,6 +2100,11 @@ impl S3 for KeelS3 {
                 .as_ref()
                 .map(|a| a.as_str().to_string()),
             tags: tags_from_header(input.tagging.as_deref())?,
+            lock: lock_from_headers(
+                input.object_lock_mode.as_ref(),
+                input.object_lock_retain_until_date.as_ref(),
+                input.object_lock_legal_hold_status.as_ref(),
+            )?,
         };
         let objects = self.objects.clone();
         let bucket = input.bucket.clone();

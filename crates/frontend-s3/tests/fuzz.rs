@@ -55,6 +55,7 @@ fn manifest_strategy() -> impl Strategy<Value = Manifest> {
                     version_seq: modified_unix_ms.unsigned_abs(),
                     versioned: modified_unix_ms % 2 == 0,
                     delete_marker: false,
+                    lock: Default::default(),
                 }
             },
         )

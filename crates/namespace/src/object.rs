@@ -38,10 +38,10 @@ use keel_store::{Compression, Durability, Store, StoreError, WriteOp};
 pub use chunks::{ChunkStore, LocalChunkStore, PinSet, PinTable, Stripes};
 pub use list::{ListEntry, ListRequest, ListResult};
 pub use records::{
-    BucketRecord, Checksums, ChunkRef, Content, KeyRecord, Manifest, PartRecord, StoredHeaders,
-    Tags, UploadRecord, VersionId, NULL_VERSION_ID, TAGS_MAX,
+    BucketRecord, Checksums, ChunkRef, Content, KeyRecord, Lock, Manifest, PartRecord, Retention,
+    StoredHeaders, Tags, UploadRecord, VersionId, NULL_VERSION_ID, TAGS_MAX,
 };
-pub use versions::{Deletion, VersionEntry, VersionListRequest, VersionListResult};
+pub use versions::{Deletion, LockChange, VersionEntry, VersionListRequest, VersionListResult};
 
 /// Largest chunk an object is cut into. Fixed-size chunks: dedup works for identical objects and
 /// identical aligned regions; content-defined chunking could come later behind the same manifest.
@@ -106,6 +106,16 @@ pub enum ObjectError {
     InvalidVersionId(String),
     #[error("version {version_id} of object {key:?} does not exist")]
     NoSuchVersion { key: String, version_id: String },
+    #[error("version {version_id} of object {key:?} cannot be deleted or changed: {reason}")]
+    ObjectLocked {
+        key: String,
+        version_id: String,
+        reason: String,
+    },
+    #[error("bucket {0} has no object lock configuration")]
+    ObjectLockNotEnabled(String),
+    #[error("bucket {bucket}: {detail}")]
+    InvalidBucketState { bucket: String, detail: String },
     /// The version read is a delete marker: the one named (`named`), or the key's newest.
     #[error("version {version_id} of object {key:?} is a delete marker")]
     DeleteMarker {
@@ -330,6 +340,10 @@ fn refusal(error: MetadataError) -> ObjectError {
             CatalogError::AccessKeyExists { access_key_id } => {
                 ObjectError::AccessKeyExists(access_key_id)
             }
+            CatalogError::InvalidBucketState { name, detail } => ObjectError::InvalidBucketState {
+                bucket: name,
+                detail,
+            },
             other => ObjectError::InvalidArgument(other.to_string()),
         },
         other => ObjectError::Unavailable(other.to_string()),
@@ -487,6 +501,24 @@ impl Objects {
         validate_bucket_name(name)?;
         let _admin = self.admin_lock();
         self.propose(Command::BucketCreate {
+            name: name.to_string(),
+            owner: owner.to_string(),
+            compression_code: compression.code(),
+            created_unix_ms: now_unix_ms(),
+        })
+    }
+
+    /// Creates `name` with versioning and object lock enabled (S3's
+    /// `x-amz-bucket-object-lock-enabled`), in one metadata change.
+    pub fn create_locked_bucket(
+        &self,
+        name: &str,
+        owner: &str,
+        compression: Compression,
+    ) -> Result<(), ObjectError> {
+        validate_bucket_name(name)?;
+        let _admin = self.admin_lock();
+        self.propose(Command::BucketCreateLocked {
             name: name.to_string(),
             owner: owner.to_string(),
             compression_code: compression.code(),

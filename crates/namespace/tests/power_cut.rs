@@ -87,6 +87,7 @@ fn put_object(objects: &Objects, key: &str, data: &[u8]) -> Option<String> {
         version_seq: 0,
         versioned: false,
         delete_marker: false,
+        lock: Default::default(),
     };
     objects
         .put_object("bkt", key, &manifest, &PutCondition::default())
@@ -197,10 +198,10 @@ fn run_seed(seed: u64) {
                     // Removes one version for good (the newest ones promote the next).
                     let (id, _) = kept.remove((next() % kept.len() as u64) as usize);
                     objects
-                        .delete_object("bkt", &key, Some(VersionId::parse(&id).unwrap()))
+                        .delete_object("bkt", &key, Some(VersionId::parse(&id).unwrap()), false)
                         .unwrap();
                 } else {
-                    let deletion = objects.delete_object("bkt", &key, None).unwrap();
+                    let deletion = objects.delete_object("bkt", &key, None, false).unwrap();
                     if versioned {
                         kept.push((deletion.version_id.unwrap(), None));
                     }

@@ -200,18 +200,25 @@ impl Objects {
                     }
                     _ => false,
                 };
+                // A version object lock protects stays (until a later pass finds it free).
+                let unlocked = |outcome: Result<Option<_>, ObjectError>| match outcome {
+                    Err(ObjectError::ObjectLocked { .. }) => Ok(false),
+                    other => other.map(|deleted| deleted.is_some()),
+                };
                 if noncurrent_expired
-                    && self
-                        .delete_version_if(bucket, &entry.key, id, |place| !place.is_latest)?
-                        .is_some()
+                    && unlocked(
+                        self.delete_version_if(bucket, &entry.key, id, false, |place| {
+                            !place.is_latest
+                        }),
+                    )?
                 {
                     report.versions_expired += 1;
                 } else if rule.expired_object_delete_marker
                     && entry.delete_marker
                     && entry.is_latest
-                    && self
-                        .delete_version_if(bucket, &entry.key, id, |place| place.only)?
-                        .is_some()
+                    && unlocked(
+                        self.delete_version_if(bucket, &entry.key, id, false, |place| place.only),
+                    )?
                 {
                     report.delete_markers_removed += 1;
                 }

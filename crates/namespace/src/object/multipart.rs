@@ -59,6 +59,7 @@ impl Objects {
         check_upload_id(&record.upload_id)?;
         let (entry, _) = self.open_bucket(bucket)?;
         let _bucket = self.gate(&entry, bucket)?;
+        self.check_lock_request(bucket, &record.lock)?;
         let op = WriteOp::put(
             records::upload_key(bucket, &record.key, &record.upload_id),
             records::encode_upload(record),
@@ -352,6 +353,7 @@ impl Objects {
             version_seq: 0,
             versioned: false,
             delete_marker: false,
+            lock: upload.lock.clone(),
         };
         manifest.check()?;
         let chosen_numbers: std::collections::HashSet<u32> =

@@ -22,9 +22,9 @@
 //! marker (a write never leaves an object version newer than the current one behind).
 //!
 //! Every value starts with a format version byte followed by postcard: [`RECORD_VERSION`],
-//! for upload records [`TAGGED_RECORD_VERSION`] (they gained object tags; their version 1
-//! still decodes, without tags) and for manifests [`VERSIONED_RECORD_VERSION`] (versions 1 and
-//! 2 decode as unversioned objects). Decoding never panics on arbitrary bytes: it returns
+//! for manifests and upload records [`VERSIONED_RECORD_VERSION`] (manifests of versions 1 and
+//! 2 decode as unversioned objects, without tags in version 1; upload records of versions 1
+//! and 2 without tags or lock). Decoding never panics on arbitrary bytes: it returns
 //! [`ObjectError::CorruptRecord`].
 
 use keel_store::meta_key;
@@ -34,9 +34,10 @@ use super::ObjectError;
 
 /// Format version written as the first byte of a part record.
 pub const RECORD_VERSION: u8 = 1;
-/// Format version of upload records, which carry object tags since (and manifests' previous one).
+/// Format version of manifests and upload records when they gained object tags.
 pub const TAGGED_RECORD_VERSION: u8 = 2;
-/// Format version of manifests, which carry their version since.
+/// Format version of manifests, which carry their version and object lock since, and of
+/// upload records, which carry object lock since.
 pub const VERSIONED_RECORD_VERSION: u8 = 3;
 
 /// An object's tags (`x-amz-tagging`, PutObjectTagging), in the order given; at most
@@ -151,6 +152,51 @@ pub struct Manifest {
     pub versioned: bool,
     /// A delete marker: no bytes, stands for "deleted" as the newest version of a key.
     pub delete_marker: bool,
+    /// Object lock on this version.
+    pub lock: Lock,
+}
+
+/// S3 object lock on one version: a retention period and a legal hold; while either holds,
+/// the version cannot be deleted.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lock {
+    pub retention: Option<Retention>,
+    pub legal_hold: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Retention {
+    pub mode: keel_catalog::LockMode,
+    /// Until when (ms since the epoch).
+    pub until_unix_ms: i64,
+}
+
+impl Lock {
+    pub fn is_none(&self) -> bool {
+        self.retention.is_none() && !self.legal_hold
+    }
+
+    /// Why the version cannot be deleted as of `now_unix_ms`, if it cannot: a legal hold, a
+    /// compliance retention, or a governance retention not bypassed.
+    pub fn refuses_delete(&self, now_unix_ms: i64, bypass_governance: bool) -> Option<String> {
+        if self.legal_hold {
+            return Some("it is under a legal hold".into());
+        }
+        match self.retention {
+            Some(retention) if retention.until_unix_ms > now_unix_ms => match retention.mode {
+                keel_catalog::LockMode::Compliance => {
+                    Some("it is under COMPLIANCE retention".into())
+                }
+                keel_catalog::LockMode::Governance if !bypass_governance => Some(
+                    "it is under GOVERNANCE retention (x-amz-bypass-governance-retention \
+                     lifts it)"
+                        .into(),
+                ),
+                keel_catalog::LockMode::Governance => None,
+            },
+            _ => None,
+        }
+    }
 }
 
 /// The version id S3 clients see for a `null` version.
@@ -224,6 +270,7 @@ impl From<ManifestV2> for Manifest {
             version_seq: unversioned_seq(v2.modified_unix_ms),
             versioned: false,
             delete_marker: false,
+            lock: Lock::default(),
         }
     }
 }
@@ -274,6 +321,7 @@ impl Manifest {
             version_seq,
             versioned,
             delete_marker: true,
+            lock: Lock::default(),
         }
     }
 
@@ -328,6 +376,35 @@ pub struct UploadRecord {
     pub checksum_algorithm: Option<String>,
     /// The tags the completed object gets (`x-amz-tagging` at creation).
     pub tags: Tags,
+    /// The object lock the completed object gets.
+    pub lock: Lock,
+}
+
+/// An upload record as version 2 wrote it: no object lock.
+#[derive(Deserialize)]
+struct UploadRecordV2 {
+    key: String,
+    upload_id: String,
+    initiated_unix_ms: i64,
+    headers: StoredHeaders,
+    metadata: Vec<(String, String)>,
+    checksum_algorithm: Option<String>,
+    tags: Tags,
+}
+
+impl From<UploadRecordV2> for UploadRecord {
+    fn from(v2: UploadRecordV2) -> UploadRecord {
+        UploadRecord {
+            key: v2.key,
+            upload_id: v2.upload_id,
+            initiated_unix_ms: v2.initiated_unix_ms,
+            headers: v2.headers,
+            metadata: v2.metadata,
+            checksum_algorithm: v2.checksum_algorithm,
+            tags: v2.tags,
+            lock: Lock::default(),
+        }
+    }
 }
 
 /// An upload record as version 1 wrote it: no tags.
@@ -343,7 +420,7 @@ struct UploadRecordV1 {
 
 impl From<UploadRecordV1> for UploadRecord {
     fn from(v1: UploadRecordV1) -> UploadRecord {
-        UploadRecord {
+        UploadRecordV2 {
             key: v1.key,
             upload_id: v1.upload_id,
             initiated_unix_ms: v1.initiated_unix_ms,
@@ -352,6 +429,7 @@ impl From<UploadRecordV1> for UploadRecord {
             checksum_algorithm: v1.checksum_algorithm,
             tags: Tags::new(),
         }
+        .into()
     }
 }
 
@@ -383,7 +461,7 @@ pub fn encode_manifest(manifest: &Manifest) -> Vec<u8> {
 }
 
 pub fn encode_upload(upload: &UploadRecord) -> Vec<u8> {
-    encode_as(TAGGED_RECORD_VERSION, upload)
+    encode_as(VERSIONED_RECORD_VERSION, upload)
 }
 
 fn encode_as<T: Serialize>(version: u8, record: &T) -> Vec<u8> {
@@ -421,7 +499,8 @@ pub fn decode_upload(bytes: &[u8]) -> Result<UploadRecord, ObjectError> {
     const WHAT: &str = "multipart upload record";
     match split_version(bytes, WHAT)? {
         (RECORD_VERSION, body) => Ok(decode_body::<UploadRecordV1>(body, WHAT)?.into()),
-        (TAGGED_RECORD_VERSION, body) => decode_body(body, WHAT),
+        (TAGGED_RECORD_VERSION, body) => Ok(decode_body::<UploadRecordV2>(body, WHAT)?.into()),
+        (VERSIONED_RECORD_VERSION, body) => decode_body(body, WHAT),
         (version, _) => Err(unknown_version(WHAT, version)),
     }
 }

@@ -95,6 +95,7 @@ fn put(objects: &Objects, bucket: &str, key: &str, data: &[u8]) -> Manifest {
         version_seq: 0,
         versioned: false,
         delete_marker: false,
+        lock: Default::default(),
     };
     objects
         .put_object(bucket, key, &manifest, &PutCondition::default())
@@ -176,7 +177,7 @@ fn refcounts_free_chunks_when_last_reference_goes() {
     for hash in &hashes {
         assert_eq!(refcount(&objects, hash), 2);
     }
-    objects.delete_object("bucket", "a", None).unwrap();
+    objects.delete_object("bucket", "a", None, false).unwrap();
     for hash in &hashes {
         assert_eq!(refcount(&objects, hash), 1);
         assert!(objects.store().contains(&chunk_key(hash)).unwrap());
@@ -188,13 +189,15 @@ fn refcounts_free_chunks_when_last_reference_goes() {
         assert_eq!(refcount(&objects, hash), 0);
         assert!(!objects.store().contains(&chunk_key(hash)).unwrap());
     }
-    objects.delete_object("bucket", "a", None).unwrap();
+    objects.delete_object("bucket", "a", None, false).unwrap();
     // An object that repeats one chunk counts it twice.
     let repeated: Vec<u8> = [pattern(CHUNK_SIZE_BYTES, 9), pattern(CHUNK_SIZE_BYTES, 9)].concat();
     let manifest = put(&objects, "bucket", "twice", &repeated);
     let hash = manifest.content.chunk_refs()[0].hash;
     assert_eq!(refcount(&objects, &hash), 2);
-    objects.delete_object("bucket", "twice", None).unwrap();
+    objects
+        .delete_object("bucket", "twice", None, false)
+        .unwrap();
     assert!(!objects.store().contains(&chunk_key(&hash)).unwrap());
 }
 
@@ -345,6 +348,7 @@ fn start_upload(objects: &Objects, upload_id: &str) {
                 metadata: Vec::new(),
                 checksum_algorithm: None,
                 tags: vec![("stage".into(), "upload".into())],
+                lock: Lock::default(),
             },
         )
         .unwrap();
@@ -504,7 +508,7 @@ fn buckets_and_keys() {
     let objects = open(&dir);
     assert_eq!(objects.can_access("bucket", "OTHER"), Some(true));
     assert_eq!(objects.list_keys().len(), 2);
-    objects.delete_object("bucket", "k", None).unwrap();
+    objects.delete_object("bucket", "k", None, false).unwrap();
     objects.delete_bucket("bucket").unwrap();
     assert!(objects.bucket("bucket").is_none());
     objects.delete_key("OTHER").unwrap();
@@ -679,6 +683,7 @@ fn corrupt_records_are_errors() {
         version_seq: 7,
         versioned: true,
         delete_marker: false,
+        lock: Default::default(),
     };
     // Size disagrees with content: refused.
     assert!(records::decode_manifest(&records::encode_manifest(&manifest)).is_err());
@@ -742,7 +747,7 @@ fn concurrent_writers_keep_refcounts_exact() {
                     // Everyone also fights over one key.
                     put(objects, "bucket", "contended", shared);
                     if round % 2 == 0 {
-                        objects.delete_object("bucket", &key, None).unwrap();
+                        objects.delete_object("bucket", &key, None, false).unwrap();
                     }
                 }
             });
@@ -777,7 +782,7 @@ fn concurrent_writers_keep_refcounts_exact() {
         .map(|e| e.key)
         .collect();
     for key in keys {
-        objects.delete_object("bucket", &key, None).unwrap();
+        objects.delete_object("bucket", &key, None, false).unwrap();
     }
     for hash in &hashes {
         assert_eq!(refcount(&objects, hash), 0);
@@ -835,7 +840,7 @@ fn a_pinned_read_keeps_chunks_through_overwrite_and_delete() {
     put(&objects, "bucket", "obj", &data);
     let (manifest, pins) = objects.get_manifest_pinned("bucket", "obj", None).unwrap();
     put(&objects, "bucket", "obj", &pattern(CHUNK_SIZE_BYTES, 6));
-    objects.delete_object("bucket", "obj", None).unwrap();
+    objects.delete_object("bucket", "obj", None, false).unwrap();
     let chunks = manifest.content.chunk_refs();
     let read_back: Vec<u8> = chunks
         .iter()
@@ -886,7 +891,7 @@ fn enabled_versioning_keeps_versions_and_deletes_add_markers() {
     assert_eq!(read_version(&objects, "bucket", "k", Some(&id1)), one);
     assert_eq!(read_version(&objects, "bucket", "k", Some(&id2)), two);
 
-    let deletion = objects.delete_object("bucket", "k", None).unwrap();
+    let deletion = objects.delete_object("bucket", "k", None, false).unwrap();
     assert!(deletion.delete_marker);
     let marker = deletion.version_id.unwrap();
     assert!(matches!(
@@ -923,7 +928,12 @@ fn enabled_versioning_keeps_versions_and_deletes_add_markers() {
 
     // Removing the marker undeletes: the newest version is current again.
     let undelete = objects
-        .delete_object("bucket", "k", Some(VersionId::parse(&marker).unwrap()))
+        .delete_object(
+            "bucket",
+            "k",
+            Some(VersionId::parse(&marker).unwrap()),
+            false,
+        )
         .unwrap();
     assert_eq!(
         (undelete.version_id.as_deref(), undelete.delete_marker),
@@ -938,7 +948,7 @@ fn enabled_versioning_keeps_versions_and_deletes_add_markers() {
         .map(|c| c.hash)
         .collect();
     objects
-        .delete_object("bucket", "k", Some(VersionId::parse(&id2).unwrap()))
+        .delete_object("bucket", "k", Some(VersionId::parse(&id2).unwrap()), false)
         .unwrap();
     assert_eq!(read(&objects, "bucket", "k"), one);
     for hash in &two_chunks {
@@ -951,7 +961,7 @@ fn enabled_versioning_keeps_versions_and_deletes_add_markers() {
     );
     // Deleting a version that does not exist changes nothing; a malformed id is refused.
     objects
-        .delete_object("bucket", "k", Some(VersionId::parse(&id2).unwrap()))
+        .delete_object("bucket", "k", Some(VersionId::parse(&id2).unwrap()), false)
         .unwrap();
     assert_eq!(read(&objects, "bucket", "k"), one);
     assert!(matches!(
@@ -959,7 +969,7 @@ fn enabled_versioning_keeps_versions_and_deletes_add_markers() {
         Err(ObjectError::InvalidVersionId(_))
     ));
     objects
-        .delete_object("bucket", "k", Some(VersionId::parse(&id1).unwrap()))
+        .delete_object("bucket", "k", Some(VersionId::parse(&id1).unwrap()), false)
         .unwrap();
     assert!(versions_of(&objects, "").is_empty());
     objects.delete_bucket("bucket").unwrap();
@@ -1017,7 +1027,7 @@ fn suspended_versioning_replaces_only_the_null_version() {
             ("k".to_string(), id.clone(), false, false),
         ]
     );
-    let deletion = objects.delete_object("bucket", "k", None).unwrap();
+    let deletion = objects.delete_object("bucket", "k", None, false).unwrap();
     assert_eq!(
         (deletion.version_id.as_deref(), deletion.delete_marker),
         (Some("null"), true)
@@ -1046,7 +1056,7 @@ fn version_listing_pages_and_rolls_up_prefixes() {
             ids.push(put(&objects, "bucket", key, format!("{key}{i}").as_bytes()).version_id());
         }
         if key == "ba" {
-            let marker = objects.delete_object("bucket", key, None).unwrap();
+            let marker = objects.delete_object("bucket", key, None, false).unwrap();
             ids.push(marker.version_id.unwrap());
         }
         for (n, id) in ids.iter().rev().enumerate() {
@@ -1199,6 +1209,7 @@ fn lifecycle_expires_noncurrent_versions_and_lone_delete_markers() {
             "bucket",
             "k",
             Some(VersionId::parse(&new.version_id()).unwrap()),
+            false,
         )
         .unwrap();
     assert_eq!(
@@ -1226,4 +1237,181 @@ fn lifecycle_expires_noncurrent_versions_and_lone_delete_markers() {
     ] {
         assert!(objects.set_bucket_lifecycle("bucket", vec![bad]).is_err());
     }
+}
+
+// ---- object lock ----
+
+fn put_locked(
+    objects: &Objects,
+    key: &str,
+    data: &[u8],
+    lock: Lock,
+) -> Result<String, ObjectError> {
+    let manifest = Manifest {
+        size_bytes: data.len() as u64,
+        etag: hex::encode(Md5::digest(data)),
+        modified_unix_ms: now_unix_ms(),
+        content: Content::Inline(data.to_vec()),
+        part_sizes_bytes: Vec::new(),
+        headers: StoredHeaders::default(),
+        metadata: Vec::new(),
+        checksums: Checksums::default(),
+        tags: Vec::new(),
+        version_seq: 0,
+        versioned: false,
+        delete_marker: false,
+        lock,
+    };
+    objects
+        .put_object("locked", key, &manifest, &PutCondition::default())
+        .map(|version| version.unwrap())
+}
+
+fn retention(mode: keel_catalog::LockMode, from_now_ms: i64) -> Lock {
+    Lock {
+        retention: Some(Retention {
+            mode,
+            until_unix_ms: now_unix_ms() + from_now_ms,
+        }),
+        legal_hold: false,
+    }
+}
+
+fn delete_version(objects: &Objects, key: &str, id: &str, bypass: bool) -> Result<(), ObjectError> {
+    objects
+        .delete_object("locked", key, Some(VersionId::parse(id).unwrap()), bypass)
+        .map(|_| ())
+}
+
+// Proves object lock: a GOVERNANCE version is deleted only with the bypass, a COMPLIANCE one
+// not at all until its retention ends, a legal hold blocks deletes until lifted, retentions can
+// be extended but not shortened, the bucket's default retention applies to new versions, a
+// plain DELETE still adds a delete marker, lifecycle leaves locked versions alone, and locks
+// are refused on a bucket without object lock and versioning cannot be suspended under it.
+#[test]
+fn object_lock_protects_versions_until_their_retention_ends() {
+    use keel_catalog::LockMode::{Compliance, Governance};
+    let (_dir, objects) = with_bucket("object-lock");
+    objects
+        .create_locked_bucket("locked", "OWNER", Compression::None)
+        .unwrap();
+    assert_eq!(
+        objects.versioning("locked"),
+        keel_catalog::Versioning::Enabled
+    );
+    assert!(matches!(
+        objects.set_bucket_versioning("locked", false),
+        Err(ObjectError::InvalidBucketState { .. })
+    ));
+    assert!(matches!(
+        put_locked(&objects, "x", b"x", retention(Governance, -1)),
+        Err(ObjectError::InvalidArgument(_))
+    ));
+
+    let governed =
+        put_locked(&objects, "g", b"governed", retention(Governance, 3_600_000)).unwrap();
+    assert!(matches!(
+        delete_version(&objects, "g", &governed, false),
+        Err(ObjectError::ObjectLocked { .. })
+    ));
+    // A plain delete adds a marker; the locked version stays.
+    assert!(
+        objects
+            .delete_object("locked", "g", None, false)
+            .unwrap()
+            .delete_marker
+    );
+    assert_eq!(
+        read_version(&objects, "locked", "g", Some(&governed)),
+        b"governed"
+    );
+    delete_version(&objects, "g", &governed, true).unwrap();
+
+    let complied = put_locked(&objects, "c", b"complied", retention(Compliance, 400)).unwrap();
+    let id = Some(VersionId::parse(&complied).unwrap());
+    assert!(matches!(
+        delete_version(&objects, "c", &complied, true),
+        Err(ObjectError::ObjectLocked { .. })
+    ));
+    // Shortening or weakening is refused even with the bypass; extending is allowed.
+    for weaker in [
+        LockChange::Retention(None),
+        LockChange::Retention(retention(Compliance, 100).retention),
+        LockChange::Retention(retention(Governance, 3_600_000).retention),
+    ] {
+        assert!(matches!(
+            objects.set_object_lock("locked", "c", id, weaker, true),
+            Err(ObjectError::ObjectLocked { .. })
+        ));
+    }
+    objects
+        .set_object_lock(
+            "locked",
+            "c",
+            id,
+            LockChange::Retention(retention(Compliance, 600).retention),
+            false,
+        )
+        .unwrap();
+    objects
+        .set_object_lock("locked", "c", id, LockChange::LegalHold(true), false)
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    // The retention ended; the legal hold still blocks, until it is lifted.
+    assert!(matches!(
+        delete_version(&objects, "c", &complied, false),
+        Err(ObjectError::ObjectLocked { .. })
+    ));
+    objects
+        .set_object_lock("locked", "c", id, LockChange::LegalHold(false), false)
+        .unwrap();
+    delete_version(&objects, "c", &complied, false).unwrap();
+
+    // The default retention applies to versions written without one; lifecycle keeps them.
+    objects
+        .set_object_lock_configuration(
+            "locked",
+            keel_catalog::ObjectLock {
+                default_retention: Some(keel_catalog::DefaultRetention {
+                    mode: Compliance,
+                    days: Some(1),
+                    years: None,
+                }),
+            },
+        )
+        .unwrap();
+    let old = put_locked(&objects, "d", b"old", Lock::default()).unwrap();
+    put_locked(&objects, "d", b"new", Lock::default()).unwrap();
+    let stored = objects
+        .get_manifest("locked", "d", Some(VersionId::parse(&old).unwrap()))
+        .unwrap();
+    let until = stored.lock.retention.unwrap().until_unix_ms;
+    assert_eq!(until, stored.modified_unix_ms + 86_400_000);
+    objects
+        .set_bucket_lifecycle(
+            "locked",
+            vec![keel_catalog::LifecycleRule {
+                enabled: true,
+                noncurrent_expiration_days: Some(1),
+                ..Default::default()
+            }],
+        )
+        .unwrap();
+    let report = objects
+        .apply_lifecycle(now_unix_ms() + 3 * 86_400_000)
+        .unwrap();
+    assert_eq!(report.versions_expired, 0);
+    assert_eq!(read_version(&objects, "locked", "d", Some(&old)), b"old");
+
+    // No lock on a bucket without object lock.
+    assert!(matches!(
+        objects.set_object_lock("bucket", "k", None, LockChange::LegalHold(true), false),
+        Err(ObjectError::ObjectLockNotEnabled(_))
+    ));
+    let mut manifest = put(&objects, "bucket", "k", b"plain");
+    manifest.lock = retention(Governance, 60_000);
+    assert!(matches!(
+        objects.put_object("bucket", "k", &manifest, &PutCondition::default()),
+        Err(ObjectError::ObjectLockNotEnabled(_))
+    ));
 }

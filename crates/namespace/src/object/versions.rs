@@ -17,11 +17,11 @@
 
 use std::collections::HashMap;
 
-use keel_catalog::Versioning;
+use keel_catalog::{ObjectLock, Versioning};
 use keel_store::{Compression, WriteOp};
 
 use super::list::LIST_ENTRIES_MAX;
-use super::records::{self, Manifest, VersionId};
+use super::records::{self, Lock, Manifest, Retention, VersionId};
 use super::{
     manifest_compression, now_unix_ms, store_error, validate_object_key, ObjectError, Objects,
     SCAN_BATCH_RECORDS,
@@ -35,6 +35,50 @@ pub struct Deletion {
     pub version_id: Option<String>,
     /// Whether a delete marker was added, or the version removed was one.
     pub delete_marker: bool,
+}
+
+/// A change to one version's object lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LockChange {
+    /// A new retention (`None`: none).
+    Retention(Option<Retention>),
+    LegalHold(bool),
+}
+
+const DAY_MS: i64 = 86_400_000;
+
+/// When a default retention of a version written at `written_unix_ms` ends (a year is 365
+/// days).
+fn default_retention_from(
+    default: &keel_catalog::DefaultRetention,
+    written_unix_ms: i64,
+) -> Retention {
+    let days = default
+        .days
+        .map(i64::from)
+        .or(default.years.map(|years| i64::from(years) * 365))
+        .unwrap_or(0);
+    Retention {
+        mode: default.mode,
+        until_unix_ms: written_unix_ms.saturating_add(days * DAY_MS),
+    }
+}
+
+fn mode_name(mode: keel_catalog::LockMode) -> &'static str {
+    match mode {
+        keel_catalog::LockMode::Governance => "GOVERNANCE",
+        keel_catalog::LockMode::Compliance => "COMPLIANCE",
+    }
+}
+
+/// A retention given with a write or PutObjectRetention must end in the future.
+fn check_retention_ahead(retention: Option<&Retention>) -> Result<(), ObjectError> {
+    match retention {
+        Some(retention) if retention.until_unix_ms <= now_unix_ms() => Err(
+            ObjectError::InvalidArgument("the retain-until date must be in the future".into()),
+        ),
+        _ => Ok(()),
+    }
 }
 
 /// Where a version stands among its key's versions, for conditional deletes.
@@ -104,12 +148,60 @@ impl Objects {
             .unwrap_or_default()
     }
 
-    /// Enables (true) or suspends a bucket's versioning.
+    /// Enables (true) or suspends a bucket's versioning (refused under object lock).
     pub fn set_bucket_versioning(&self, bucket: &str, enabled: bool) -> Result<(), ObjectError> {
         self.propose(keel_catalog::Command::BucketSetVersioning {
             bucket: bucket.to_string(),
             enabled,
         })
+    }
+
+    /// A bucket's object lock configuration (`None`: lock is not enabled).
+    pub fn object_lock(&self, bucket: &str) -> Option<ObjectLock> {
+        self.metadata()
+            .catalog()
+            .read()
+            .bucket_settings
+            .get(bucket)
+            .and_then(|settings| settings.object_lock.clone())
+    }
+
+    /// Enables object lock on a bucket whose versioning is enabled, or replaces its default
+    /// retention.
+    pub fn set_object_lock_configuration(
+        &self,
+        bucket: &str,
+        lock: ObjectLock,
+    ) -> Result<(), ObjectError> {
+        if let Some(default) = &lock.default_retention {
+            let valid = match (default.days, default.years) {
+                (Some(days), None) => (1..=36_500).contains(&days),
+                (None, Some(years)) => (1..=100).contains(&years),
+                _ => false,
+            };
+            if !valid {
+                return Err(ObjectError::InvalidArgument(
+                    "a default retention has Days (1 to 36500) or Years (1 to 100), not both"
+                        .into(),
+                ));
+            }
+        }
+        self.propose(keel_catalog::Command::BucketSetObjectLock {
+            bucket: bucket.to_string(),
+            lock,
+        })
+    }
+
+    /// Refuses a lock on a new version of a bucket without object lock, or a retention that
+    /// has already ended.
+    pub(crate) fn check_lock_request(&self, bucket: &str, lock: &Lock) -> Result<(), ObjectError> {
+        if lock.is_none() {
+            return Ok(());
+        }
+        if self.object_lock(bucket).is_none() {
+            return Err(ObjectError::ObjectLockNotEnabled(bucket.to_string()));
+        }
+        check_retention_ahead(lock.retention.as_ref())
     }
 
     /// A sequence number for a new version of `key`: the clock in microseconds, raised above
@@ -157,9 +249,16 @@ impl Objects {
         deltas: &mut HashMap<[u8; 32], i64>,
     ) -> Result<Option<String>, ObjectError> {
         let versioning = self.versioning(bucket);
+        self.check_lock_request(bucket, &manifest.lock)?;
         manifest.version_seq = self.next_version_seq(bucket, key, current, versioning)?;
         manifest.versioned = versioning == Versioning::Enabled;
         manifest.delete_marker = false;
+        if manifest.lock.retention.is_none() {
+            manifest.lock.retention = self
+                .object_lock(bucket)
+                .and_then(|lock| lock.default_retention)
+                .map(|default| default_retention_from(&default, manifest.modified_unix_ms));
+        }
         add_refs(deltas, manifest, 1);
         self.retire(bucket, key, current, versioning, compression, ops, deltas)?;
         ops.push(WriteOp::put(
@@ -337,20 +436,86 @@ impl Objects {
     }
 
     /// Deletes `key`: without a version, its current version (a versioned bucket keeps it and
-    /// adds a delete marker); with one, exactly that version, for good.
+    /// adds a delete marker); with one, exactly that version, for good, unless object lock
+    /// protects it (`bypass_governance` lifts a GOVERNANCE retention).
     pub fn delete_object(
         &self,
         bucket: &str,
         key: &str,
         version: Option<VersionId>,
+        bypass_governance: bool,
     ) -> Result<Deletion, ObjectError> {
         validate_object_key(key)?;
         match version {
             None => Ok(self
                 .delete_current_if(bucket, key, |_| true)?
                 .unwrap_or_default()),
-            Some(id) => self.delete_version(bucket, key, id),
+            Some(id) => self.delete_version(bucket, key, id, bypass_governance),
         }
+    }
+
+    /// Changes the object lock of version `version` of `key` (the current one when `None`):
+    /// its retention or its legal hold. A retention may always be extended; shortening or
+    /// removing it, or turning COMPLIANCE into GOVERNANCE, is refused while it runs (for
+    /// GOVERNANCE, unless `bypass_governance`).
+    pub fn set_object_lock(
+        &self,
+        bucket: &str,
+        key: &str,
+        version: Option<VersionId>,
+        change: LockChange,
+        bypass_governance: bool,
+    ) -> Result<(), ObjectError> {
+        validate_object_key(key)?;
+        let (entry, _) = self.open_bucket(bucket)?;
+        let guard = self.gate(&entry, bucket)?;
+        if self.object_lock(bucket).is_none() {
+            return Err(ObjectError::ObjectLockNotEnabled(bucket.to_string()));
+        }
+        let record_key = records::object_key(bucket, key);
+        let _locks = self.lock_keys(&[&record_key]);
+        let (stored_at, mut manifest) = self.locate(bucket, key, version)?;
+        match change {
+            LockChange::LegalHold(on) => manifest.lock.legal_hold = on,
+            LockChange::Retention(retention) => {
+                check_retention_ahead(retention.as_ref())?;
+                let now = now_unix_ms();
+                if let Some(old) = manifest
+                    .lock
+                    .retention
+                    .filter(|old| old.until_unix_ms > now)
+                {
+                    let weaker = match retention {
+                        None => true,
+                        Some(new) => {
+                            new.until_unix_ms < old.until_unix_ms
+                                || (old.mode == keel_catalog::LockMode::Compliance
+                                    && new.mode == keel_catalog::LockMode::Governance)
+                        }
+                    };
+                    let allowed =
+                        old.mode == keel_catalog::LockMode::Governance && bypass_governance;
+                    if weaker && !allowed {
+                        return Err(ObjectError::ObjectLocked {
+                            key: key.to_string(),
+                            version_id: manifest.version_id(),
+                            reason: format!(
+                                "its {} retention until {} ms cannot be shortened or removed",
+                                mode_name(old.mode),
+                                old.until_unix_ms
+                            ),
+                        });
+                    }
+                }
+                manifest.lock.retention = retention;
+            }
+        }
+        let ops = vec![WriteOp::put(
+            stored_at,
+            records::encode_manifest(&manifest),
+            manifest_compression(&manifest, guard.compression),
+        )];
+        self.commit(ops, HashMap::new())
     }
 
     /// Deletes the current version of `key` (as [`Objects::delete_object`] without a version)
@@ -426,8 +591,9 @@ impl Objects {
         bucket: &str,
         key: &str,
         id: VersionId,
+        bypass_governance: bool,
     ) -> Result<Deletion, ObjectError> {
-        let deletion = self.delete_version_if(bucket, key, id, |_| true)?;
+        let deletion = self.delete_version_if(bucket, key, id, bypass_governance, |_| true)?;
         Ok(deletion.unwrap_or(Deletion {
             version_id: Some(id.to_string()),
             delete_marker: false,
@@ -435,12 +601,13 @@ impl Objects {
     }
 
     /// [`Objects::delete_version`] if the version exists and passes `still`, checked under the
-    /// key's lock; `None` otherwise.
+    /// key's lock; `None` otherwise. A version object lock protects is `ObjectLocked`.
     pub(crate) fn delete_version_if(
         &self,
         bucket: &str,
         key: &str,
         id: VersionId,
+        bypass_governance: bool,
         still: impl FnOnce(&VersionPlace) -> bool,
     ) -> Result<Option<Deletion>, ObjectError> {
         let (entry, _) = self.open_bucket(bucket)?;
@@ -475,6 +642,16 @@ impl Objects {
         };
         if !still(&place) {
             return Ok(None);
+        }
+        if let Some(reason) = removed
+            .lock
+            .refuses_delete(now_unix_ms(), bypass_governance)
+        {
+            return Err(ObjectError::ObjectLocked {
+                key: key.to_string(),
+                version_id: removed.version_id(),
+                reason,
+            });
         }
         let mut ops = vec![WriteOp::Delete {
             key: stored_at.clone(),
