@@ -2,8 +2,8 @@
 sent the way a browser sends the form (requests, multipart/form-data, no Authorization header):
 stored like a PUT; success_action_status and success_action_redirect answered as S3 does; an
 expired policy, a tampered signature, a field outside the policy's conditions, a file outside
-its content-length-range or over Keel's limit refused with nothing stored; a key with
-${filename} refused."""
+its content-length-range or over Keel's limit refused with nothing stored; ${filename} in a
+key replaced by the uploaded file's name."""
 
 import base64
 import concurrent.futures
@@ -76,8 +76,9 @@ def test_forms_outside_their_policy_are_refused_and_store_nothing(server, s3, bu
     outside = presigned(s3, bucket, "docs/ok.txt", conditions=[["starts-with", "$key", "docs/"]])
     outside["fields"]["key"] = "elsewhere.txt"
     answer = post(server, outside, b"moved")
-    # AWS answers 403 here; s3s (which checks the conditions) answers 400 InvalidPolicyDocument.
-    assert answer.status_code == 400 and "starts-with" in answer.text, answer.text
+    # As AWS answers: 403 AccessDenied, "Invalid according to Policy".
+    assert answer.status_code == 403 and "<Code>AccessDenied</Code>" in answer.text, answer.text
+    assert "Invalid according to Policy" in answer.text and "starts-with" in answer.text, answer.text
 
     small = presigned(s3, bucket, "small.bin", conditions=[["content-length-range", 1, 1024]])
     answer = post(server, small, b"x" * 2048)
@@ -87,14 +88,24 @@ def test_forms_outside_their_policy_are_refused_and_store_nothing(server, s3, bu
     answer = post(server, huge, b"\0" * (POST_FILE_SIZE_MAX_BYTES + 1))
     assert answer.status_code == 400 and "EntityTooLarge" in answer.text, answer.text
 
-    # S3 puts the file's name in place of ${filename}; s3s does not pass the name on, so Keel
-    # refuses rather than store a key with the variable in it.
-    variable = presigned(s3, bucket, "docs/${filename}")
-    answer = post(server, variable, b"named", filename="named.txt")
-    assert answer.status_code == 501 and "filename" in answer.text, answer.text
-
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket).get("Contents", [])]
     assert keys == [], keys
+
+
+def test_filename_in_a_form_key_is_the_uploaded_file_name(server, s3, bucket):
+    # Proves S3's ${filename}: the key gets the name of the file the form uploads (a form
+    # whose file part has no name is refused and stores nothing).
+    form = presigned(s3, bucket, "uploads/${filename}",
+                     conditions=[["starts-with", "$key", "uploads/"]])
+    answer = post(server, form, b"named bytes", filename="holiday photo.jpg")
+    assert answer.status_code == 204, answer.text
+    got = s3.get_object(Bucket=bucket, Key="uploads/holiday photo.jpg")
+    assert got["Body"].read() == b"named bytes"
+    nameless = requests.post(f"{server.endpoint}/{bucket}", data=form["fields"],
+                             files={"file": (None, b"x")}, timeout=60)
+    assert nameless.status_code == 400 and "filename" in nameless.text, nameless.text
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert keys == ["uploads/holiday photo.jpg"], keys
 
 
 def test_concurrent_form_uploads_keep_memory_bounded(fresh_server):

@@ -245,6 +245,11 @@ pub enum Command {
         bucket: String,
         lock: crate::records::ObjectLock,
     },
+    /// Replaces a bucket's policy (`None`: removes it).
+    BucketSetPolicy {
+        bucket: String,
+        policy: Option<String>,
+    },
     /// Creates a bucket with versioning and object lock enabled, in one step.
     BucketCreateLocked {
         name: String,
@@ -292,6 +297,7 @@ impl Command {
             Command::BucketSetVersioning { .. } => "bucket-set-versioning",
             Command::BucketSetObjectLock { .. } => "bucket-set-object-lock",
             Command::BucketCreateLocked { .. } => "bucket-create-locked",
+            Command::BucketSetPolicy { .. } => "bucket-set-policy",
         }
     }
 }

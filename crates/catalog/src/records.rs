@@ -430,6 +430,9 @@ pub struct BucketSettings {
     pub versioning: Versioning,
     /// S3 object lock, once enabled (never disabled; versioning stays enabled).
     pub object_lock: Option<ObjectLock>,
+    /// The bucket policy, as the JSON document given (checked by the S3 frontend before it is
+    /// stored).
+    pub policy: Option<String>,
 }
 
 /// How a locked version is protected until its retention ends (S3's retention modes).
@@ -477,12 +480,13 @@ impl BucketSettings {
             && self.lifecycle.is_empty()
             && self.versioning == Versioning::Unversioned
             && self.object_lock.is_none()
+            && self.policy.is_none()
     }
 }
 
 /// Format of bucket settings records (the byte before their postcard) and of the settings map
 /// in catalog snapshots. Format 1 had no versioning and no lifecycle rules for versions; it
-/// still decodes. (Format 2 also holds object lock.)
+/// still decodes. (Format 2 also holds object lock and the bucket policy.)
 pub const BUCKET_SETTINGS_FORMAT: u8 = 2;
 const BUCKET_SETTINGS_FORMAT_V1: u8 = 1;
 
@@ -529,6 +533,7 @@ impl From<BucketSettingsV1> for BucketSettings {
                 .collect(),
             versioning: Versioning::Unversioned,
             object_lock: None,
+            policy: None,
         }
     }
 }

@@ -765,6 +765,11 @@ impl CatalogState {
                     .create_bucket(name, owner, *compression_code, *created_unix_ms)?
                     .change(Change::PutBucketSettings(settings)))
             }
+            Command::BucketSetPolicy { bucket, policy } => {
+                let mut settings = self.settings_of(bucket)?;
+                settings.policy = policy.clone();
+                Ok(self.put_settings(settings))
+            }
             Command::BucketSetObjectLock { bucket, lock } => {
                 let mut settings = self.settings_of(bucket)?;
                 if settings.versioning != Versioning::Enabled {

@@ -697,6 +697,7 @@ fn snapshots_with_and_without_bucket_settings_decode() {
                     years: Some(2),
                 }),
             }),
+            policy: Some(r#"{"Statement": []}"#.to_string()),
         },
     );
     let decoded = CatalogState::decode(&state.encode()).unwrap();

@@ -1,12 +1,17 @@
 //! Who may do what: SigV4 secrets come from the access-key records (s3s verifies signatures,
 //! presigned URLs and streaming chunk signatures with them), and every request must be signed by
 //! a key that owns the bucket it names or was granted it (and, when the request names the owner
-//! it expects, by a bucket that owner owns). The one exception: anyone, unsigned, may list and
-//! read a bucket whose canned ACL is `public-read` ([`ANONYMOUS_READS`]).
+//! it expects, by a bucket that owner owns). Besides: anyone, unsigned, may list and read a
+//! bucket whose canned ACL is `public-read` ([`ANONYMOUS_READS`]); and a bucket's policy
+//! ([`crate::policy`]) may deny a request these rules allow, or allow one they refuse (to
+//! another key or to anonymous callers). A policy never locks the owner out of the policy
+//! itself: the owner may always read, replace and delete it.
 
 use std::sync::Arc;
 
 use keel_namespace::object::Objects;
+
+use crate::policy::{self, Decision};
 use s3s::access::{S3Access, S3AccessContext};
 use s3s::auth::{S3Auth, SecretKey};
 use s3s::path::S3Path;
@@ -36,13 +41,28 @@ pub struct BucketAccess {
 #[async_trait::async_trait]
 impl S3Access for BucketAccess {
     async fn check(&self, cx: &mut S3AccessContext<'_>) -> S3Result<()> {
-        let bucket = match cx.s3_path() {
-            S3Path::Root => None,
-            S3Path::Bucket { bucket } | S3Path::Object { bucket, .. } => Some(bucket),
+        let (bucket, key) = match cx.s3_path() {
+            S3Path::Root => (None, None),
+            S3Path::Bucket { bucket } => (Some(bucket), None),
+            S3Path::Object { bucket, key } => (Some(bucket), Some(key)),
+        };
+        let operation = cx.s3_op().name();
+        let principal = cx.credentials().map(|c| c.access_key.as_str());
+        let decision = match bucket {
+            Some(bucket) if operation != "CreateBucket" => {
+                self.policy_decision(cx, bucket, key.map(|k| k.as_ref()), principal)
+            }
+            _ => Decision::Silent,
         };
         let Some(credentials) = cx.credentials() else {
+            if decision == Decision::Deny {
+                return Err(s3_error!(
+                    AccessDenied,
+                    "Access Denied by the bucket policy"
+                ));
+            }
             let public = bucket.is_some_and(|bucket| self.objects.bucket_is_public(bucket));
-            if public && ANONYMOUS_READS.contains(&cx.s3_op().name()) {
+            if decision == Decision::Allow || (public && ANONYMOUS_READS.contains(&operation)) {
                 return Ok(());
             }
             return Err(s3_error!(AccessDenied, "Anonymous access is not allowed"));
@@ -50,13 +70,22 @@ impl S3Access for BucketAccess {
         let Some(bucket) = bucket else {
             return Ok(());
         };
-        if cx.s3_op().name() == "CreateBucket" {
+        if operation == "CreateBucket" {
             return Ok(());
+        }
+        let owner = self.objects.bucket(bucket).map(|record| record.owner);
+        let owns = owner.as_deref() == Some(credentials.access_key.as_str());
+        if decision == Decision::Deny && !(owns && POLICY_OPERATIONS.contains(&operation)) {
+            return Err(s3_error!(
+                AccessDenied,
+                "Access Denied by the bucket policy"
+            ));
         }
         match self.objects.can_access(bucket, &credentials.access_key) {
             // The operation answers NoSuchBucket itself.
             None => return Ok(()),
             Some(true) => {}
+            Some(false) if decision == Decision::Allow => {}
             Some(false) => return Err(s3_error!(AccessDenied, "Access Denied")),
         }
         // `x-amz-expected-bucket-owner`: the client's guard against writing to a bucket that
@@ -74,6 +103,51 @@ impl S3Access for BucketAccess {
         Ok(())
     }
 }
+
+impl BucketAccess {
+    /// What `bucket`'s policy says about this request (silent without a policy).
+    fn policy_decision(
+        &self,
+        cx: &S3AccessContext<'_>,
+        bucket: &str,
+        key: Option<&str>,
+        principal: Option<&str>,
+    ) -> Decision {
+        let Some(text) = self.objects.bucket_policy(bucket) else {
+            return Decision::Silent;
+        };
+        let policy = match policy::parse(bucket, &text) {
+            Ok(policy) => policy,
+            Err(error) => {
+                // Stored policies were parsed when put; one that no longer parses (a newer
+                // Keel wrote it) must not open the bucket: deny.
+                tracing::error!(bucket, %error, "a stored bucket policy does not parse");
+                return Decision::Deny;
+            }
+        };
+        let resource = match key {
+            Some(key) => format!("arn:aws:s3:::{bucket}/{key}"),
+            None => format!("arn:aws:s3:::{bucket}"),
+        };
+        let prefix = cx.uri().query().and_then(|query| {
+            form_urlencoded::parse(query.as_bytes())
+                .find(|(name, _)| name == "prefix")
+                .map(|(_, value)| value.into_owned())
+        });
+        let action = policy::action_of(cx.s3_op().name());
+        policy.decide(&policy::Request {
+            principal,
+            action: &action,
+            resource: &resource,
+            prefix: prefix.as_deref(),
+            // Keel's S3 listener is plain HTTP.
+            secure_transport: false,
+        })
+    }
+}
+
+/// Operations on the policy itself, which its bucket's owner may always do.
+const POLICY_OPERATIONS: [&str; 3] = ["GetBucketPolicy", "PutBucketPolicy", "DeleteBucketPolicy"];
 
 const EXPECTED_BUCKET_OWNER: &str = "x-amz-expected-bucket-owner";
 

@@ -17,6 +17,7 @@ pub mod error;
 pub mod ingest;
 pub mod keys;
 pub mod metrics;
+pub mod policy;
 pub mod read;
 pub mod service;
 pub mod token;

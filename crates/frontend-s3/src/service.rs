@@ -950,13 +950,25 @@ impl S3 for KeelS3 {
         &self,
         req: S3Request<PostObjectInput>,
     ) -> S3Result<S3Response<PostObjectOutput>> {
-        let S3Request { input, headers, .. } = req;
+        let S3Request {
+            mut input,
+            headers,
+            extensions,
+            ..
+        } = req;
         if input.key.contains("${filename}") {
-            // s3s does not hand the file's name on: storing the key literally would surprise.
-            return Err(s3_error!(
-                NotImplemented,
-                "the ${{filename}} variable in a form's key is not supported: give the whole key"
-            ));
+            // The file's name as the form gave it (see `unread::FormFileName`).
+            let file_name = extensions
+                .get::<crate::unread::FormFileName>()
+                .and_then(|found| found.get())
+                .filter(|name| !name.is_empty())
+                .ok_or_else(|| {
+                    s3_error!(
+                        InvalidArgument,
+                        "the form's key uses ${{filename}} but its file part has no file name"
+                    )
+                })?;
+            input.key = input.key.replace("${filename}", file_name);
         }
         let (manifest, version_id) = self.store_upload(upload_of!(input), &headers, None).await?;
         let (crc32, crc32c, crc64nvme, sha1, sha256) = checksum_fields(&manifest.checksums);
@@ -1300,6 +1312,48 @@ impl S3 for KeelS3 {
             status: status.map(BucketVersioningStatus::from_static),
             mfa_delete: None,
         }))
+    }
+
+    async fn get_bucket_policy(
+        &self,
+        req: S3Request<GetBucketPolicyInput>,
+    ) -> S3Result<S3Response<GetBucketPolicyOutput>> {
+        self.require_bucket(&req.input.bucket)?;
+        let policy = self
+            .objects
+            .bucket_policy(&req.input.bucket)
+            .ok_or_else(|| s3_error!(NoSuchBucketPolicy, "The bucket policy does not exist"))?;
+        Ok(S3Response::new(GetBucketPolicyOutput {
+            policy: Some(policy),
+        }))
+    }
+
+    async fn put_bucket_policy(
+        &self,
+        req: S3Request<PutBucketPolicyInput>,
+    ) -> S3Result<S3Response<PutBucketPolicyOutput>> {
+        let input = req.input;
+        self.require_bucket(&input.bucket)?;
+        crate::policy::parse(&input.bucket, &input.policy).map_err(|reason| {
+            S3Error::with_message(
+                S3ErrorCode::MalformedPolicy,
+                format!("The bucket policy is not accepted: {reason}"),
+            )
+        })?;
+        let objects = self.objects.clone();
+        blocking(move || objects.set_bucket_policy(&input.bucket, Some(input.policy))).await?;
+        Ok(S3Response::new(PutBucketPolicyOutput::default()))
+    }
+
+    async fn delete_bucket_policy(
+        &self,
+        req: S3Request<DeleteBucketPolicyInput>,
+    ) -> S3Result<S3Response<DeleteBucketPolicyOutput>> {
+        let bucket = req.input.bucket;
+        self.require_bucket(&bucket)?;
+        let objects = self.objects.clone();
+        blocking(move || objects.set_bucket_policy(&bucket, None)).await?;
+        Ok(S3Response::new(DeleteBucketPolicyOutput::default()))
     }
 
     async fn get_object_lock_configuration(

@@ -111,6 +111,12 @@ impl hyper::service::Service<http::Request<Incoming>> for CloseOnUnreadBody {
                 .get(CONTENT_TYPE)
                 .and_then(|kind| kind.to_str().ok())
                 .is_some_and(|kind| kind.starts_with("multipart/form-data"));
+        let (mut parts, body) = (parts, body);
+        let file_name = form_upload.then(|| {
+            let found = FormFileName::default();
+            parts.extensions.insert(found.clone());
+            FileNameScan::new(found)
+        });
         let ended = Arc::new(AtomicBool::new(body.is_end_stream()));
         let read_bytes = Arc::new(AtomicU64::new(0));
         let tracked = Tracked {
@@ -122,6 +128,7 @@ impl hyper::service::Service<http::Request<Incoming>> for CloseOnUnreadBody {
             // larger pieces.
             piece_max: form_upload.then_some(FORM_PIECE_MAX_BYTES),
             held: None,
+            file_name,
         };
         let form_uploads = form_upload.then(|| self.form_uploads.clone());
         let request = http::Request::from_parts(parts, s3s::Body::http_body(tracked));
@@ -136,6 +143,9 @@ impl hyper::service::Service<http::Request<Incoming>> for CloseOnUnreadBody {
             };
             let mut response = CURRENT_OP.scope(op.handle(), service.call(request)).await?;
             op.phase(keel_ops::phase::REPLYING);
+            if form_upload && response.status() == http::StatusCode::BAD_REQUEST {
+                answer_failed_conditions_as_aws(&mut response).await;
+            }
             if let Some((objects, method, path, origin)) = cors {
                 crate::cors::decorate(&objects, &method, &path, &origin, &mut response);
             }
@@ -160,6 +170,42 @@ impl hyper::service::Service<http::Request<Incoming>> for CloseOnUnreadBody {
     }
 }
 
+/// A browser form whose fields fail its policy's conditions: s3s answers 400
+/// `InvalidPolicyDocument`, AWS 403 `AccessDenied` ("Invalid according to Policy"), and browser
+/// code tells the two apart. Rewrites the first into the second; any other answer stays.
+async fn answer_failed_conditions_as_aws(response: &mut HttpResponse) {
+    const ERROR_BODY_MAX_BYTES: usize = 64 << 10;
+    let Ok(bytes) = response
+        .body_mut()
+        .store_all_limited(ERROR_BODY_MAX_BYTES)
+        .await
+    else {
+        // Unreadable: answer it as it was (the body is gone; the status says enough).
+        return;
+    };
+    let text = String::from_utf8_lossy(&bytes);
+    let failed =
+        text.contains("<Code>InvalidPolicyDocument</Code>") && text.contains("Policy condition");
+    if !failed {
+        *response.body_mut() = s3s::Body::from(bytes);
+        return;
+    }
+    let rewritten = text
+        .replace(
+            "<Code>InvalidPolicyDocument</Code>",
+            "<Code>AccessDenied</Code>",
+        )
+        .replace(
+            "<Message>Policy condition",
+            "<Message>Invalid according to Policy: Policy condition",
+        );
+    *response.status_mut() = http::StatusCode::FORBIDDEN;
+    response
+        .headers_mut()
+        .insert(CONTENT_LENGTH, HeaderValue::from(rewritten.len() as u64));
+    *response.body_mut() = s3s::Body::from(Bytes::from(rewritten));
+}
+
 /// The largest piece of a browser-form body handed to s3s at once.
 const FORM_PIECE_MAX_BYTES: usize = 32 << 10;
 
@@ -172,6 +218,78 @@ struct Tracked {
     piece_max: Option<usize>,
     /// What is left of a frame cut into pieces.
     held: Option<Bytes>,
+    /// For a browser form: looks for the file's name as the body goes by.
+    file_name: Option<FileNameScan>,
+}
+
+/// The name of the file a browser form uploads (its part's `filename`), for `${filename}` in
+/// the form's key: s3s parses the form but does not hand the name on. Set once the body has
+/// been read past the file part's header, which s3s does before it calls the operation.
+#[derive(Clone, Default)]
+pub(crate) struct FormFileName(Arc<std::sync::OnceLock<String>>);
+
+impl FormFileName {
+    pub(crate) fn get(&self) -> Option<&str> {
+        self.0.get().map(String::as_str)
+    }
+}
+
+/// Finds `name="file"; filename="..."` (the header s3s's form parser accepts) in a body read
+/// piece by piece, keeping a short tail so a header cut between pieces is still found; gives
+/// up after the form's first [`FILE_NAME_SCAN_MAX_BYTES`] (the fields before the file are
+/// small).
+struct FileNameScan {
+    found: FormFileName,
+    tail: Vec<u8>,
+    scanned_bytes: usize,
+}
+
+const FILE_PART_HEADER: &[u8] = b"name=\"file\"; filename=\"";
+/// Longest file name kept.
+const FILE_NAME_MAX_BYTES: usize = 1024;
+const FILE_NAME_SCAN_MAX_BYTES: usize = 1 << 20;
+
+impl FileNameScan {
+    fn new(found: FormFileName) -> FileNameScan {
+        FileNameScan {
+            found,
+            tail: Vec::new(),
+            scanned_bytes: 0,
+        }
+    }
+
+    fn feed(&mut self, data: &[u8]) {
+        if self.found.0.get().is_some() || self.scanned_bytes > FILE_NAME_SCAN_MAX_BYTES {
+            return;
+        }
+        self.scanned_bytes += data.len();
+        self.tail.extend_from_slice(data);
+        let Some(start) = self
+            .tail
+            .windows(FILE_PART_HEADER.len())
+            .position(|window| window == FILE_PART_HEADER)
+        else {
+            // Keep what could be the start of a header cut in two.
+            let keep = self.tail.len().min(FILE_PART_HEADER.len());
+            self.tail.drain(..self.tail.len() - keep);
+            return;
+        };
+        let name_start = start + FILE_PART_HEADER.len();
+        match self.tail[name_start..].iter().position(|&b| b == b'"') {
+            Some(length) => {
+                let name = String::from_utf8_lossy(&self.tail[name_start..name_start + length]);
+                let _ = self.found.0.set(name.into_owned());
+                self.tail = Vec::new();
+            }
+            None if self.tail.len() - name_start > FILE_NAME_MAX_BYTES => {
+                self.scanned_bytes = usize::MAX;
+                self.tail = Vec::new();
+            }
+            None => {
+                self.tail.drain(..start);
+            }
+        }
+    }
 }
 
 impl Tracked {
@@ -204,6 +322,10 @@ impl Body for Tracked {
             if let Some(data) = frame.data_ref() {
                 self.read_bytes
                     .fetch_add(data.len() as u64, Ordering::Relaxed);
+                let data = data.clone();
+                if let Some(scan) = self.file_name.as_mut() {
+                    scan.feed(&data);
+                }
             }
         }
         if matches!(polled, Poll::Ready(None)) || self.inner.is_end_stream() {
@@ -227,5 +349,40 @@ impl Body for Tracked {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scan(pieces: &[&[u8]]) -> Option<String> {
+        let found = FormFileName::default();
+        let mut scan = FileNameScan::new(found.clone());
+        for piece in pieces {
+            scan.feed(piece);
+        }
+        found.get().map(str::to_string)
+    }
+
+    // Proves the file's name is found whole wherever the body is cut, including inside the
+    // header or the name, and that a form without a named file part yields none.
+    #[test]
+    fn the_file_name_is_found_across_pieces() {
+        let body: &[u8] = b"--b\r\nContent-Disposition: form-data; name=\"key\"\r\n\r\nuploads/${filename}\r\n--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a b.txt\"\r\nContent-Type: text/plain\r\n\r\nbytes\r\n--b--\r\n";
+        for cut in 0..body.len() {
+            let (first, second) = body.split_at(cut);
+            assert_eq!(
+                scan(&[first, second]).as_deref(),
+                Some("a b.txt"),
+                "cut at {cut}"
+            );
+        }
+        let bytewise: Vec<&[u8]> = body.chunks(1).collect();
+        assert_eq!(scan(&bytewise).as_deref(), Some("a b.txt"));
+        assert_eq!(
+            scan(&[b"--b\r\nContent-Disposition: form-data; name=\"key\"\r\n\r\nk\r\n--b--"]),
+            None
+        );
     }
 }

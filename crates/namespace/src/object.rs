@@ -654,6 +654,28 @@ impl Objects {
         })
     }
 
+    /// Replaces a bucket's policy document (`None`: removes it). The caller has checked it.
+    pub fn set_bucket_policy(
+        &self,
+        bucket: &str,
+        policy: Option<String>,
+    ) -> Result<(), ObjectError> {
+        self.propose(Command::BucketSetPolicy {
+            bucket: bucket.to_string(),
+            policy,
+        })
+    }
+
+    /// A bucket's policy document, if it has one.
+    pub fn bucket_policy(&self, bucket: &str) -> Option<String> {
+        self.metadata
+            .catalog()
+            .read()
+            .bucket_settings
+            .get(bucket)
+            .and_then(|settings| settings.policy.clone())
+    }
+
     /// Whether anyone, unsigned, may read `bucket` (its canned ACL is `public-read`).
     pub fn bucket_is_public(&self, bucket: &str) -> bool {
         self.metadata
