@@ -8,8 +8,10 @@
 //! connection (`Connection: close`), as HTTP/1.1 allows.
 //!
 //! The same layer measures each request for `/metrics` ([`crate::metrics`]), registers it for
-//! `keel ops` until its answer's head is ready (a GET's body streams after that), and applies
-//! the bucket's CORS rules ([`crate::cors`]).
+//! `keel ops` until its answer's head is ready (a GET's body streams after that), applies the
+//! bucket's CORS rules ([`crate::cors`]), and gives a PUT sent with `Transfer-Encoding:
+//! chunked` and no `Content-Length` a length by spooling its body to an unnamed file in the
+//! data directory first ([`spool`]): s3s refuses such a PUT (411), AWS accepts it.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -18,7 +20,9 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use futures::future::BoxFuture;
-use http::header::{HeaderValue, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, ORIGIN};
+use http::header::{
+    HeaderValue, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, ORIGIN, TRANSFER_ENCODING,
+};
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use s3s::service::S3Service;
@@ -54,6 +58,156 @@ pub struct CloseOnUnreadBody {
     pub form_uploads: Arc<tokio::sync::Semaphore>,
     /// The connection's client (set per connection).
     pub peer: Option<std::net::SocketAddr>,
+    /// Where bodies of unknown length are spooled (a directory of the store's disk).
+    pub spool_dir: Arc<std::path::PathBuf>,
+}
+
+/// Largest body spooled: the largest PUT or part S3 allows.
+const SPOOL_MAX_BYTES: u64 = 5 << 30;
+
+/// A PUT whose body has no length (chunked transfer, no `Content-Length`) and is not
+/// aws-chunked (which states its decoded length in `x-amz-decoded-content-length`).
+fn needs_spool(parts: &http::request::Parts) -> bool {
+    let chunked = parts
+        .headers
+        .get(TRANSFER_ENCODING)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.to_ascii_lowercase().contains("chunked"));
+    let streaming = parts
+        .headers
+        .get("x-amz-content-sha256")
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.starts_with("STREAMING-"));
+    parts.method == http::Method::PUT
+        && chunked
+        && !parts.headers.contains_key(CONTENT_LENGTH)
+        && !streaming
+}
+
+/// Reads the body of `request` into an unnamed file in `dir` (gone when closed, a crash
+/// included) and answers a request whose body is that file with its exact length: as if the
+/// client had sent `Content-Length`. Memory stays at one frame; a body over
+/// [`SPOOL_MAX_BYTES`] is refused (400 `EntityTooLarge`), a failing disk is a 500.
+async fn spool(
+    request: http::Request<s3s::Body>,
+    dir: &std::path::Path,
+) -> Result<http::Request<s3s::Body>, HttpResponse> {
+    use futures::StreamExt;
+    use tokio::io::{AsyncSeekExt, AsyncWriteExt};
+    let (mut parts, mut body) = request.into_parts();
+    let failed = |code: &str, status: http::StatusCode, message: String| {
+        let xml = format!(
+            "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>{code}</Code><Message>{message}</Message></Error>"
+        );
+        let mut answer = HttpResponse::new(s3s::Body::from(xml));
+        *answer.status_mut() = status;
+        answer
+            .headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static("application/xml"));
+        answer
+    };
+    let internal = |error: std::io::Error| {
+        tracing::error!(%error, "spooling a request body of unknown length failed");
+        failed(
+            "InternalError",
+            http::StatusCode::INTERNAL_SERVER_ERROR,
+            format!("spooling the body failed: {error}"),
+        )
+    };
+    let file = tokio::task::spawn_blocking({
+        let dir = dir.to_path_buf();
+        move || {
+            std::fs::create_dir_all(&dir)?;
+            tempfile::tempfile_in(&dir)
+        }
+    })
+    .await
+    .map_err(|error| internal(std::io::Error::other(error)))?
+    .map_err(internal)?;
+    let mut file = tokio::fs::File::from_std(file);
+    let mut length = 0u64;
+    while let Some(piece) = body.next().await {
+        let piece = piece.map_err(|error| {
+            failed(
+                "IncompleteBody",
+                http::StatusCode::BAD_REQUEST,
+                format!("the request body ended early: {error}"),
+            )
+        })?;
+        length += piece.len() as u64;
+        if length > SPOOL_MAX_BYTES {
+            return Err(failed(
+                "EntityTooLarge",
+                http::StatusCode::BAD_REQUEST,
+                "Your proposed upload exceeds the maximum allowed size".into(),
+            ));
+        }
+        file.write_all(&piece).await.map_err(internal)?;
+    }
+    file.flush().await.map_err(internal)?;
+    file.rewind().await.map_err(internal)?;
+    parts.headers.remove(TRANSFER_ENCODING);
+    parts
+        .headers
+        .insert(CONTENT_LENGTH, HeaderValue::from(length));
+    let spooled = Spooled {
+        file,
+        remaining: length,
+    };
+    Ok(http::Request::from_parts(
+        parts,
+        s3s::Body::http_body(spooled),
+    ))
+}
+
+/// A spooled body read back from its file, with its exact length.
+struct Spooled {
+    file: tokio::fs::File,
+    remaining: u64,
+}
+
+/// Bytes read from a spool file at once.
+const SPOOL_READ_BYTES: usize = 256 << 10;
+
+impl Body for Spooled {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        if self.remaining == 0 {
+            return Poll::Ready(None);
+        }
+        let want = SPOOL_READ_BYTES.min(usize::try_from(self.remaining).unwrap_or(usize::MAX));
+        let mut buffer = vec![0u8; want];
+        let mut read = tokio::io::ReadBuf::new(&mut buffer);
+        match tokio::io::AsyncRead::poll_read(Pin::new(&mut self.file), cx, &mut read) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Err(error)) => Poll::Ready(Some(Err(error))),
+            Poll::Ready(Ok(())) => {
+                let filled = read.filled().len();
+                if filled == 0 {
+                    return Poll::Ready(Some(Err(std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        "the spooled body is shorter than written",
+                    ))));
+                }
+                buffer.truncate(filled);
+                self.remaining -= filled as u64;
+                Poll::Ready(Some(Ok(Frame::data(Bytes::from(buffer)))))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.remaining == 0
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.remaining)
+    }
 }
 
 /// The method as a static name for `keel ops`.
@@ -131,6 +285,7 @@ impl hyper::service::Service<http::Request<Incoming>> for CloseOnUnreadBody {
             file_name,
         };
         let form_uploads = form_upload.then(|| self.form_uploads.clone());
+        let spool_in = needs_spool(&parts).then(|| self.spool_dir.clone());
         let request = http::Request::from_parts(parts, s3s::Body::http_body(tracked));
         let service = self.service.clone();
         let metrics = self.metrics.clone();
@@ -140,6 +295,20 @@ impl hyper::service::Service<http::Request<Incoming>> for CloseOnUnreadBody {
                     HttpError::new(Box::new(std::io::Error::other("shutting down")))
                 })?),
                 None => None,
+            };
+            let request = match spool_in {
+                Some(dir) => match spool(request, &dir).await {
+                    Ok(request) => request,
+                    Err(answer) => {
+                        measured.finish(&metrics, answer.status().as_u16(), 0, Some(0));
+                        let mut answer = answer;
+                        answer
+                            .headers_mut()
+                            .insert(CONNECTION, HeaderValue::from_static("close"));
+                        return Ok(answer);
+                    }
+                },
+                None => request,
             };
             let mut response = CURRENT_OP.scope(op.handle(), service.call(request)).await?;
             op.phase(keel_ops::phase::REPLYING);
