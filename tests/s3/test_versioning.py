@@ -14,10 +14,9 @@ import botocore
 import pytest
 import requests
 
-from conftest import (Server, aws, error_code, http_status, make_client, new_data_dir,
-                      require_tool)
+from conftest import aws, error_code, http_status, make_client, require_tool
 from test_clients import rclone
-from test_lifecycle import DAY_MS, run_pass
+from test_lifecycle import DAY_MS, debug_server, run_pass  # noqa: F401 (a fixture)
 
 MIB = 1024 * 1024
 
@@ -256,14 +255,6 @@ def test_aws_cli_and_rclone_see_versions(server, s3, tmp_path):
     assert contents == {"a": "a.txt v1", "c": "c.txt v1"}, contents
     assert (restored / "a.txt").read_text() == "a.txt v2"
     empty_bucket(s3, bucket)
-
-
-@pytest.fixture
-def debug_server():
-    srv = Server(new_data_dir("versions-lifecycle"), extra_args=["--debug-faults"]).start()
-    yield srv
-    srv.stop()
-    srv.cleanup()
 
 
 def test_lifecycle_expires_noncurrent_versions_and_lone_markers(debug_server):

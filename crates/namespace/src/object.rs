@@ -498,14 +498,7 @@ impl Objects {
         owner: &str,
         compression: Compression,
     ) -> Result<(), ObjectError> {
-        validate_bucket_name(name)?;
-        let _admin = self.admin_lock();
-        self.propose(Command::BucketCreate {
-            name: name.to_string(),
-            owner: owner.to_string(),
-            compression_code: compression.code(),
-            created_unix_ms: now_unix_ms(),
-        })
+        self.create(name, owner, compression, false)
     }
 
     /// Creates `name` with versioning and object lock enabled (S3's
@@ -516,13 +509,34 @@ impl Objects {
         owner: &str,
         compression: Compression,
     ) -> Result<(), ObjectError> {
+        self.create(name, owner, compression, true)
+    }
+
+    fn create(
+        &self,
+        name: &str,
+        owner: &str,
+        compression: Compression,
+        locked: bool,
+    ) -> Result<(), ObjectError> {
         validate_bucket_name(name)?;
         let _admin = self.admin_lock();
-        self.propose(Command::BucketCreateLocked {
-            name: name.to_string(),
-            owner: owner.to_string(),
-            compression_code: compression.code(),
-            created_unix_ms: now_unix_ms(),
+        let (name, owner) = (name.to_string(), owner.to_string());
+        let (compression_code, created_unix_ms) = (compression.code(), now_unix_ms());
+        self.propose(if locked {
+            Command::BucketCreateLocked {
+                name,
+                owner,
+                compression_code,
+                created_unix_ms,
+            }
+        } else {
+            Command::BucketCreate {
+                name,
+                owner,
+                compression_code,
+                created_unix_ms,
+            }
         })
     }
 
