@@ -286,6 +286,12 @@ def test_lifecycle_expires_noncurrent_versions_and_lone_markers(debug_server):
     assert all_versions(s3, bucket) == [("k", new, True, False)]
     with pytest.raises(botocore.exceptions.ClientError):
         s3.get_object(Bucket=bucket, Key="k", VersionId=old)
+    # `keel bucket info` (the admin API) counts the versions kept besides the current ones.
+    token = open(os.path.join(debug_server.data_dir, "admin-token")).read().strip()
+    info = requests.get(f"http://127.0.0.1:{debug_server.admin_port}/api/v1/buckets/{bucket}",
+                        headers={"Authorization": f"Bearer {token}"}, timeout=30).json()
+    assert (info["versioning"], info["objects"], info["kept_versions"]) == ("enabled", 1, 0), info
+    assert info["object_lock"] is False and info["policy"] is False, info
     metrics = requests.get(
         f"http://127.0.0.1:{debug_server.admin_port}/metrics", timeout=30).text
     values = dict(line.rsplit(" ", 1) for line in metrics.splitlines()

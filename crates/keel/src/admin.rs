@@ -1169,6 +1169,10 @@ async fn bucket_info(
             "stored_bytes_estimate": info.stored_bytes_estimate,
             "compression_ratio": info.compression_ratio,
             "uploads_in_progress": info.uploads_in_progress,
+            "versioning": info.versioning,
+            "kept_versions": info.kept_versions,
+            "object_lock": info.object_lock,
+            "policy": info.has_policy,
         })))
     })
     .await

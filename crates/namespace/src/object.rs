@@ -283,6 +283,13 @@ pub struct BucketInfo {
     /// `logical_bytes / stored_bytes_estimate`; 1.0 for an empty bucket.
     pub compression_ratio: f64,
     pub uploads_in_progress: u64,
+    /// `unversioned`, `enabled` or `suspended`.
+    pub versioning: &'static str,
+    /// Versions kept besides the current ones: noncurrent versions and delete markers (not in
+    /// the byte counts above).
+    pub kept_versions: u64,
+    pub object_lock: bool,
+    pub has_policy: bool,
 }
 
 /// What a garbage collection pass did.
@@ -765,6 +772,23 @@ impl Objects {
             .max(1.0);
         let stored_bytes_estimate = (unique_bytes as f64 / ratio).round() as u64;
         let uploads_in_progress = self.all_uploads(name)?.len() as u64;
+        let kept_versions = {
+            let prefix = records::versions_prefix(name);
+            let end = records::prefix_end(&prefix).unwrap_or_default();
+            let mut count = 0u64;
+            let mut cursor = prefix;
+            loop {
+                let batch = self
+                    .store
+                    .keys(&cursor, &end, SCAN_BATCH_RECORDS)
+                    .map_err(|e| store_error("counting a bucket's versions", e))?;
+                let Some(last) = batch.last() else { break };
+                cursor = records::successor(last);
+                count += batch.len() as u64;
+            }
+            count
+        };
+        let settings = self.bucket_settings(name).unwrap_or_default();
         Ok(BucketInfo {
             name: record.name,
             owner: record.owner,
@@ -783,6 +807,14 @@ impl Objects {
                 logical_bytes as f64 / stored_bytes_estimate as f64
             },
             uploads_in_progress,
+            versioning: match settings.versioning {
+                keel_catalog::Versioning::Unversioned => "unversioned",
+                keel_catalog::Versioning::Enabled => "enabled",
+                keel_catalog::Versioning::Suspended => "suspended",
+            },
+            kept_versions,
+            object_lock: settings.object_lock.is_some(),
+            has_policy: settings.policy.is_some(),
         })
     }
 

@@ -968,6 +968,27 @@ fn enabled_versioning_keeps_versions_and_deletes_add_markers() {
         VersionId::parse("../etc"),
         Err(ObjectError::InvalidVersionId(_))
     ));
+    let info = objects.bucket_info("bucket").unwrap();
+    assert_eq!(
+        (info.versioning, info.objects, info.kept_versions),
+        ("enabled", 1, 0)
+    );
+    objects.delete_object("bucket", "k", None, false).unwrap();
+    let info = objects.bucket_info("bucket").unwrap();
+    assert_eq!(
+        (info.objects, info.kept_versions),
+        (0, 2),
+        "the version and its marker"
+    );
+    let marker = versions_of(&objects, "")[0].1.clone();
+    objects
+        .delete_object(
+            "bucket",
+            "k",
+            Some(VersionId::parse(&marker).unwrap()),
+            false,
+        )
+        .unwrap();
     objects
         .delete_object("bucket", "k", Some(VersionId::parse(&id1).unwrap()), false)
         .unwrap();
