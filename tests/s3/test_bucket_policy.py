@@ -58,6 +58,7 @@ def test_a_policy_opens_a_prefix_to_anonymous_reads_only(two_key_server, owned):
         "Sid": "PublicRead", "Effect": "Allow", "Principal": "*", "Action": "s3:GetObject",
         "Resource": f"arn:aws:s3:::{bucket}/public/*"})
     assert owner.get_bucket_policy(Bucket=bucket)["Policy"] == document
+    assert owner.get_bucket_policy_status(Bucket=bucket)["PolicyStatus"] == {"IsPublic": True}
     assert anonymous.get_object(Bucket=bucket, Key="public/a.txt")["Body"].read() == b"public/a.txt"
     denied(anonymous.get_object, Bucket=bucket, Key="private/b.txt")
     denied(anonymous.put_object, Bucket=bucket, Key="public/new.txt", Body=b"x")
@@ -86,6 +87,7 @@ def test_a_policy_grants_another_key_read_only_and_no_one_else(two_key_server, o
         "Action": "s3:ListBucket", "Resource": f"arn:aws:s3:::{bucket}",
         "Condition": {"StringLike": {"s3:prefix": "logs/*"}}})
     assert other.get_object(Bucket=bucket, Key="private/b.txt")["Body"].read() == b"private/b.txt"
+    assert owner.get_bucket_policy_status(Bucket=bucket)["PolicyStatus"] == {"IsPublic": False}
     listed = other.list_objects_v2(Bucket=bucket, Prefix="logs/")
     assert [o["Key"] for o in listed["Contents"]] == ["logs/2026/c.log"]
     denied(other.list_objects_v2, Bucket=bucket, Prefix="private/")

@@ -147,7 +147,12 @@ impl BucketAccess {
 }
 
 /// Operations on the policy itself, which its bucket's owner may always do.
-const POLICY_OPERATIONS: [&str; 3] = ["GetBucketPolicy", "PutBucketPolicy", "DeleteBucketPolicy"];
+const POLICY_OPERATIONS: [&str; 4] = [
+    "GetBucketPolicy",
+    "GetBucketPolicyStatus",
+    "PutBucketPolicy",
+    "DeleteBucketPolicy",
+];
 
 const EXPECTED_BUCKET_OWNER: &str = "x-amz-expected-bucket-owner";
 

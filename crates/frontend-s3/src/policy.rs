@@ -307,6 +307,14 @@ impl Condition {
 }
 
 impl Policy {
+    /// Whether the policy allows anyone (any principal, anonymous callers included) to do
+    /// something (GetBucketPolicyStatus's `IsPublic`).
+    pub fn is_public(&self) -> bool {
+        self.statements
+            .iter()
+            .any(|statement| statement.allow && statement.principals.is_none())
+    }
+
     pub fn decide(&self, request: &Request<'_>) -> Decision {
         let matching = || self.statements.iter().filter(|s| s.matches(request));
         if matching().any(|s| !s.allow) {
@@ -398,6 +406,7 @@ mod tests {
             let resource = format!("arn:aws:s3:::b/{key}");
             policy.decide(&request(principal, "s3:GetObject", &resource))
         };
+        assert!(policy.is_public());
         assert_eq!(get(None, "public/a.txt"), Decision::Allow);
         assert_eq!(get(None, "public/secret.txt"), Decision::Deny);
         assert_eq!(get(None, "private/a.txt"), Decision::Silent);
@@ -423,6 +432,17 @@ mod tests {
             ..request(Some("READER"), "s3:ListBucket", "arn:aws:s3:::b")
         };
         assert_eq!(policy.decide(&tls), Decision::Silent);
+        let keyed = parse(
+            "b",
+            r#"{"Statement": [{"Effect": "Allow", "Principal": {"AWS": "READER"},
+                "Action": "s3:GetObject", "Resource": "arn:aws:s3:::b/*"},
+               {"Effect": "Deny", "Principal": "*", "Action": "s3:*", "Resource": "arn:aws:s3:::b"}]}"#,
+        )
+        .expect("the policy parses");
+        assert!(
+            !keyed.is_public(),
+            "a Deny for everyone makes nothing public"
+        );
     }
 
     // Proves what cannot be evaluated is refused rather than ignored.

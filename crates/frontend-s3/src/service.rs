@@ -1328,6 +1328,29 @@ impl S3 for KeelS3 {
         }))
     }
 
+    async fn get_bucket_policy_status(
+        &self,
+        req: S3Request<GetBucketPolicyStatusInput>,
+    ) -> S3Result<S3Response<GetBucketPolicyStatusOutput>> {
+        let bucket = req.input.bucket;
+        self.require_bucket(&bucket)?;
+        let text = self
+            .objects
+            .bucket_policy(&bucket)
+            .ok_or_else(|| s3_error!(NoSuchBucketPolicy, "The bucket policy does not exist"))?;
+        let policy = crate::policy::parse(&bucket, &text).map_err(|reason| {
+            S3Error::with_message(
+                S3ErrorCode::InternalError,
+                format!("the stored bucket policy does not parse: {reason}"),
+            )
+        })?;
+        Ok(S3Response::new(GetBucketPolicyStatusOutput {
+            policy_status: Some(PolicyStatus {
+                is_public: Some(policy.is_public()),
+            }),
+        }))
+    }
+
     async fn put_bucket_policy(
         &self,
         req: S3Request<PutBucketPolicyInput>,
