@@ -240,3 +240,48 @@ def test_a_public_read_bucket_serves_anonymous_reads_and_nothing_else(server, s3
     assert anonymous.get_object(Bucket=public, Key="a")["Body"].read() == b"open"
     s3.delete_object(Bucket=public, Key="a")
     s3.delete_bucket(Bucket=public)
+
+
+def test_a_public_read_object_is_readable_in_a_private_bucket(server, s3, bucket):
+    # Proves per-object canned ACLs: an object put (or completed, as multipart) with
+    # x-amz-acl public-read is readable unsigned in a private bucket while its neighbours and
+    # the listing are not; PutObjectAcl turns it private and public again; GetObjectAcl shows
+    # the AllUsers READ grant; a copy does not inherit the ACL; unsupported canned ACLs are
+    # NotImplemented.
+    from botocore import UNSIGNED
+
+    anonymous = make_client(server.endpoint, signature_version=UNSIGNED)
+    s3.put_object(Bucket=bucket, Key="open.txt", Body=b"open", ACL="public-read")
+    s3.put_object(Bucket=bucket, Key="closed.txt", Body=b"closed")
+
+    def refused(call, **kwargs):
+        with pytest.raises(botocore.exceptions.ClientError) as denied:
+            call(**kwargs)
+        assert http_status(denied) == 403, call
+
+    assert anonymous.get_object(Bucket=bucket, Key="open.txt")["Body"].read() == b"open"
+    assert anonymous.head_object(Bucket=bucket, Key="open.txt")["ContentLength"] == 4
+    refused(anonymous.get_object, Bucket=bucket, Key="closed.txt")
+    refused(anonymous.list_objects_v2, Bucket=bucket)
+    refused(anonymous.put_object, Bucket=bucket, Key="open.txt", Body=b"overwritten")
+    assert len(s3.get_object_acl(Bucket=bucket, Key="open.txt")["Grants"]) == 2
+    assert len(s3.get_object_acl(Bucket=bucket, Key="closed.txt")["Grants"]) == 1
+
+    s3.put_object_acl(Bucket=bucket, Key="open.txt", ACL="private")
+    refused(anonymous.get_object, Bucket=bucket, Key="open.txt")
+    s3.put_object_acl(Bucket=bucket, Key="closed.txt", ACL="public-read")
+    assert anonymous.get_object(Bucket=bucket, Key="closed.txt")["Body"].read() == b"closed"
+    s3.copy_object(Bucket=bucket, Key="copy.txt", CopySource={"Bucket": bucket, "Key": "closed.txt"})
+    refused(anonymous.get_object, Bucket=bucket, Key="copy.txt")
+
+    upload = s3.create_multipart_upload(Bucket=bucket, Key="big.bin", ACL="public-read")["UploadId"]
+    etag = s3.upload_part(Bucket=bucket, Key="big.bin", UploadId=upload, PartNumber=1,
+                          Body=b"p" * 100)["ETag"]
+    s3.complete_multipart_upload(Bucket=bucket, Key="big.bin", UploadId=upload, MultipartUpload={
+        "Parts": [{"PartNumber": 1, "ETag": etag}]})
+    assert anonymous.get_object(Bucket=bucket, Key="big.bin")["Body"].read() == b"p" * 100
+    with pytest.raises(botocore.exceptions.ClientError) as unsupported:
+        s3.put_object(Bucket=bucket, Key="x", Body=b"x", ACL="authenticated-read")
+    assert http_status(unsupported) == 501
+    for key in ("open.txt", "closed.txt", "copy.txt", "big.bin"):
+        s3.delete_object(Bucket=bucket, Key=key)

@@ -2,7 +2,8 @@
 //! presigned URLs and streaming chunk signatures with them), and every request must be signed by
 //! a key that owns the bucket it names or was granted it (and, when the request names the owner
 //! it expects, by a bucket that owner owns). Besides: anyone, unsigned, may list and read a
-//! bucket whose canned ACL is `public-read` ([`ANONYMOUS_READS`]); and a bucket's policy
+//! bucket whose canned ACL is `public-read` ([`ANONYMOUS_READS`]) and read an object whose own
+//! canned ACL is ([`OBJECT_READS`]); and a bucket's policy
 //! ([`crate::policy`]) may deny a request these rules allow, or allow one they refuse (to
 //! another key or to anonymous callers). A policy never locks the owner out of the policy
 //! itself: the owner may always read, replace and delete it.
@@ -65,6 +66,14 @@ impl S3Access for BucketAccess {
             if decision == Decision::Allow || (public && ANONYMOUS_READS.contains(&operation)) {
                 return Ok(());
             }
+            // An object whose own canned ACL is `public-read`, in a private bucket.
+            if let (Some(bucket), Some(key)) = (bucket, key) {
+                if OBJECT_READS.contains(&operation)
+                    && self.object_is_public(cx, bucket, key.as_ref())
+                {
+                    return Ok(());
+                }
+            }
             return Err(s3_error!(AccessDenied, "Anonymous access is not allowed"));
         };
         let Some(bucket) = bucket else {
@@ -105,6 +114,23 @@ impl S3Access for BucketAccess {
 }
 
 impl BucketAccess {
+    /// Whether the object a request reads (the `versionId` it names, or the current version)
+    /// has the canned ACL `public-read`.
+    fn object_is_public(&self, cx: &S3AccessContext<'_>, bucket: &str, key: &str) -> bool {
+        let version = cx.uri().query().and_then(|query| {
+            form_urlencoded::parse(query.as_bytes())
+                .find(|(name, _)| name == "versionId")
+                .map(|(_, value)| value.into_owned())
+        });
+        let version = match version.map(|id| keel_namespace::object::VersionId::parse(&id)) {
+            None => None,
+            Some(Ok(id)) => Some(id),
+            // A malformed id reads nothing.
+            Some(Err(_)) => return false,
+        };
+        self.objects.object_is_public(bucket, key, version)
+    }
+
     /// What `bucket`'s policy says about this request (silent without a policy).
     fn policy_decision(
         &self,
@@ -155,6 +181,9 @@ const POLICY_OPERATIONS: [&str; 4] = [
 ];
 
 const EXPECTED_BUCKET_OWNER: &str = "x-amz-expected-bucket-owner";
+
+/// What an unsigned request may do with a `public-read` object of a private bucket.
+const OBJECT_READS: [&str; 2] = ["GetObject", "HeadObject"];
 
 /// What an unsigned request may do in a `public-read` bucket: list it and read its objects.
 const ANONYMOUS_READS: [&str; 5] = [

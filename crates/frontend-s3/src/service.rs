@@ -373,6 +373,7 @@ struct Upload {
     if_match: Option<IfMatch>,
     headers: StoredHeaders,
     lock: S3Result<Lock>,
+    public_read: S3Result<Option<bool>>,
 }
 
 /// An [`Upload`] from a `PutObjectInput` or a `PostObjectInput` (s3s gives both the same
@@ -411,6 +412,7 @@ macro_rules! upload_of {
                 input.object_lock_retain_until_date.as_ref(),
                 input.object_lock_legal_hold_status.as_ref(),
             ),
+            public_read: object_canned_public_read(input.acl.as_ref()),
         }
     }};
 }
@@ -614,6 +616,23 @@ fn canned_public_read(acl: Option<&BucketCannedACL>) -> S3Result<Option<bool>> {
     }
 }
 
+/// An object's canned ACL: `private` (false; also `bucket-owner-full-control`, which is what a
+/// private object already grants its bucket's owner) or `public-read` (true); none given:
+/// `None`.
+fn object_canned_public_read(acl: Option<&ObjectCannedACL>) -> S3Result<Option<bool>> {
+    match acl.map(ObjectCannedACL::as_str) {
+        None => Ok(None),
+        Some(ObjectCannedACL::PRIVATE | ObjectCannedACL::BUCKET_OWNER_FULL_CONTROL) => {
+            Ok(Some(false))
+        }
+        Some(ObjectCannedACL::PUBLIC_READ) => Ok(Some(true)),
+        Some(other) => Err(s3_error!(
+            NotImplemented,
+            "the canned ACL {other:?} is not supported: use private or public-read"
+        )),
+    }
+}
+
 /// A tagging body's pairs, as given (validated by the caller for what it tags).
 fn tag_pairs(tagging: Tagging) -> Tags {
     tagging
@@ -754,9 +773,10 @@ impl KeelS3 {
         (self.objects.versioning(bucket) != Versioning::Unversioned).then(|| manifest.version_id())
     }
 
-    /// A bucket's ACL as S3 shows it (its objects have the same): the owner (the access key
-    /// that created it) with FULL_CONTROL, and everyone with READ when it is `public-read`.
-    fn acl_of(&self, bucket: &str) -> S3Result<(Owner, Vec<Grant>)> {
+    /// A bucket's ACL as S3 shows it, or an object's (`object_public`: the object's own canned
+    /// ACL is `public-read`): the owner (the access key that created the bucket) with
+    /// FULL_CONTROL, and everyone with READ when the bucket or the object is public.
+    fn acl_of(&self, bucket: &str, object_public: bool) -> S3Result<(Owner, Vec<Grant>)> {
         let record = self
             .objects
             .bucket(bucket)
@@ -775,7 +795,7 @@ impl KeelS3 {
             }),
             permission: Some(Permission::from_static(Permission::FULL_CONTROL)),
         }];
-        if self.objects.bucket_is_public(bucket) {
+        if object_public || self.objects.bucket_is_public(bucket) {
             grants.push(Grant {
                 grantee: Some(Grantee {
                     display_name: None,
@@ -850,6 +870,7 @@ impl KeelS3 {
         let metadata = user_metadata(upload.metadata)?;
         let tags = tags_from_header(upload.tagging.as_deref())?;
         let lock = upload.lock?;
+        let public_read = upload.public_read?.unwrap_or(false);
         let condition = PutCondition {
             if_none_match_any: upload
                 .if_none_match
@@ -884,6 +905,7 @@ impl KeelS3 {
             versioned: false,
             delete_marker: false,
             lock,
+            public_read,
         };
         let pins = ingested.pins;
         let objects = self.objects.clone();
@@ -1099,7 +1121,7 @@ impl S3 for KeelS3 {
         req: S3Request<GetBucketAclInput>,
     ) -> S3Result<S3Response<GetBucketAclOutput>> {
         let bucket = req.input.bucket;
-        let (owner, grants) = self.acl_of(&bucket)?;
+        let (owner, grants) = self.acl_of(&bucket, false)?;
         Ok(S3Response::new(GetBucketAclOutput {
             grants: Some(grants),
             owner: Some(owner),
@@ -1123,14 +1145,34 @@ impl S3 for KeelS3 {
         Ok(S3Response::new(PutBucketAclOutput::default()))
     }
 
+    async fn put_object_acl(
+        &self,
+        req: S3Request<PutObjectAclInput>,
+    ) -> S3Result<S3Response<PutObjectAclOutput>> {
+        let input = req.input;
+        check_key(&input.key)?;
+        let version = version_of(input.version_id.as_deref())?;
+        let Some(public_read) = object_canned_public_read(input.acl.as_ref())? else {
+            return Err(s3_error!(
+                NotImplemented,
+                "Keel sets an object's ACL only through x-amz-acl: private or public-read"
+            ));
+        };
+        let objects = self.objects.clone();
+        let (bucket, key) = (input.bucket, input.key);
+        blocking(move || objects.set_object_public_read(&bucket, &key, version, public_read))
+            .await?;
+        Ok(S3Response::new(PutObjectAclOutput::default()))
+    }
+
     async fn get_object_acl(
         &self,
         req: S3Request<GetObjectAclInput>,
     ) -> S3Result<S3Response<GetObjectAclOutput>> {
         let input = req.input;
         let version = version_of(input.version_id.as_deref())?;
-        self.manifest(&input.bucket, &input.key, version).await?;
-        let (owner, grants) = self.acl_of(&input.bucket)?;
+        let manifest = self.manifest(&input.bucket, &input.key, version).await?;
+        let (owner, grants) = self.acl_of(&input.bucket, manifest.public_read)?;
         Ok(S3Response::new(GetObjectAclOutput {
             grants: Some(grants),
             owner: Some(owner),
@@ -1882,7 +1924,9 @@ impl S3 for KeelS3 {
         check_conditions(&source, &conditions, true)?;
         let mut manifest = source.clone();
         manifest.modified_unix_ms = now_unix_ms();
-        // A copy is a new version: it gets the lock the request asks for, not the source's.
+        // A copy is a new version: it gets the ACL and lock the request asks for, not the
+        // source's.
+        manifest.public_read = object_canned_public_read(input.acl.as_ref())?.unwrap_or(false);
         manifest.lock = lock_from_headers(
             input.object_lock_mode.as_ref(),
             input.object_lock_retain_until_date.as_ref(),
@@ -2182,6 +2226,7 @@ impl S3 for KeelS3 {
                 input.object_lock_retain_until_date.as_ref(),
                 input.object_lock_legal_hold_status.as_ref(),
             )?,
+            public_read: object_canned_public_read(input.acl.as_ref())?.unwrap_or(false),
         };
         let objects = self.objects.clone();
         let bucket = input.bucket.clone();

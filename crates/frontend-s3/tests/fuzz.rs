@@ -56,6 +56,7 @@ fn manifest_strategy() -> impl Strategy<Value = Manifest> {
                     versioned: modified_unix_ms % 2 == 0,
                     delete_marker: false,
                     lock: Default::default(),
+                    public_read: false,
                 }
             },
         )

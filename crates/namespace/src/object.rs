@@ -1064,14 +1064,51 @@ impl Objects {
         version: Option<VersionId>,
         tags: Tags,
     ) -> Result<(), ObjectError> {
-        validate_object_key(key)?;
         validate_tags(&tags)?;
+        self.rewrite_version(bucket, key, version, |manifest| {
+            manifest.tags = tags;
+            Ok(())
+        })
+    }
+
+    /// Sets the canned ACL of object `key` (its current version, or the version named):
+    /// `public-read` (true) or `private`.
+    pub fn set_object_public_read(
+        &self,
+        bucket: &str,
+        key: &str,
+        version: Option<VersionId>,
+        public_read: bool,
+    ) -> Result<(), ObjectError> {
+        self.rewrite_version(bucket, key, version, |manifest| {
+            manifest.public_read = public_read;
+            Ok(())
+        })
+    }
+
+    /// Whether anyone, unsigned, may read `key` (the version named, or the current one):
+    /// its canned ACL is `public-read`. A missing object is not public.
+    pub fn object_is_public(&self, bucket: &str, key: &str, version: Option<VersionId>) -> bool {
+        self.locate(bucket, key, version)
+            .is_ok_and(|(_, manifest)| manifest.public_read)
+    }
+
+    /// Changes one version's record in place under the key's lock (its tags, ACL or lock; never
+    /// its bytes), durably.
+    pub(crate) fn rewrite_version(
+        &self,
+        bucket: &str,
+        key: &str,
+        version: Option<VersionId>,
+        change: impl FnOnce(&mut Manifest) -> Result<(), ObjectError>,
+    ) -> Result<(), ObjectError> {
+        validate_object_key(key)?;
         let (entry, _) = self.open_bucket(bucket)?;
         let guard = self.gate(&entry, bucket)?;
         let record_key = records::object_key(bucket, key);
         let _locks = self.lock_keys(&[&record_key]);
         let (stored_at, mut manifest) = self.locate(bucket, key, version)?;
-        manifest.tags = tags;
+        change(&mut manifest)?;
         let ops = vec![WriteOp::put(
             stored_at,
             records::encode_manifest(&manifest),

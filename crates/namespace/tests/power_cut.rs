@@ -88,6 +88,7 @@ fn put_object(objects: &Objects, key: &str, data: &[u8]) -> Option<String> {
         versioned: false,
         delete_marker: false,
         lock: Default::default(),
+        public_read: false,
     };
     objects
         .put_object("bkt", key, &manifest, &PutCondition::default())

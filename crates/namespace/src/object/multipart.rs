@@ -354,6 +354,7 @@ impl Objects {
             versioned: false,
             delete_marker: false,
             lock: upload.lock.clone(),
+            public_read: upload.public_read,
         };
         manifest.check()?;
         let chosen_numbers: std::collections::HashSet<u32> =

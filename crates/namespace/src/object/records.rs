@@ -154,6 +154,8 @@ pub struct Manifest {
     pub delete_marker: bool,
     /// Object lock on this version.
     pub lock: Lock,
+    /// The version's canned ACL is `public-read`: anyone, unsigned, may read it.
+    pub public_read: bool,
 }
 
 /// S3 object lock on one version: a retention period and a legal hold; while either holds,
@@ -271,6 +273,7 @@ impl From<ManifestV2> for Manifest {
             versioned: false,
             delete_marker: false,
             lock: Lock::default(),
+            public_read: false,
         }
     }
 }
@@ -322,6 +325,7 @@ impl Manifest {
             versioned,
             delete_marker: true,
             lock: Lock::default(),
+            public_read: false,
         }
     }
 
@@ -378,6 +382,8 @@ pub struct UploadRecord {
     pub tags: Tags,
     /// The object lock the completed object gets.
     pub lock: Lock,
+    /// The canned ACL `public-read` for the completed object.
+    pub public_read: bool,
 }
 
 /// An upload record as version 2 wrote it: no object lock.
@@ -403,6 +409,7 @@ impl From<UploadRecordV2> for UploadRecord {
             checksum_algorithm: v2.checksum_algorithm,
             tags: v2.tags,
             lock: Lock::default(),
+            public_read: false,
         }
     }
 }

@@ -96,6 +96,7 @@ fn put(objects: &Objects, bucket: &str, key: &str, data: &[u8]) -> Manifest {
         versioned: false,
         delete_marker: false,
         lock: Default::default(),
+        public_read: false,
     };
     objects
         .put_object(bucket, key, &manifest, &PutCondition::default())
@@ -349,6 +350,7 @@ fn start_upload(objects: &Objects, upload_id: &str) {
                 checksum_algorithm: None,
                 tags: vec![("stage".into(), "upload".into())],
                 lock: Lock::default(),
+                public_read: false,
             },
         )
         .unwrap();
@@ -684,6 +686,7 @@ fn corrupt_records_are_errors() {
         versioned: true,
         delete_marker: false,
         lock: Default::default(),
+        public_read: false,
     };
     // Size disagrees with content: refused.
     assert!(records::decode_manifest(&records::encode_manifest(&manifest)).is_err());
@@ -999,7 +1002,7 @@ fn enabled_versioning_keeps_versions_and_deletes_add_markers() {
 // Proves the `null` version: an object written before versioning is kept as `null` when
 // versioning is enabled; with versioning suspended a write replaces the `null` version (kept
 // or current, its chunks freed) and keeps the versions with ids; a delete makes a `null`
-// delete marker. Tags can be set on one version without touching the others.
+// delete marker. Tags and the canned ACL can be set on one version without touching the others.
 #[test]
 fn suspended_versioning_replaces_only_the_null_version() {
     let (_dir, objects) = with_bucket("versions-suspended");
@@ -1030,6 +1033,14 @@ fn suspended_versioning_replaces_only_the_null_version() {
             .len(),
         1
     );
+
+    // So can the canned ACL.
+    objects
+        .set_object_public_read("bucket", "k", Some(VersionId::Null), true)
+        .unwrap();
+    assert!(objects.object_is_public("bucket", "k", Some(VersionId::Null)));
+    assert!(!objects.object_is_public("bucket", "k", None));
+    assert!(!objects.object_is_public("bucket", "absent", None));
 
     objects.set_bucket_versioning("bucket", false).unwrap();
     let replaced = put(&objects, "bucket", "k", b"suspended");
@@ -1282,6 +1293,7 @@ fn put_locked(
         versioned: false,
         delete_marker: false,
         lock,
+        public_read: false,
     };
     objects
         .put_object("locked", key, &manifest, &PutCondition::default())

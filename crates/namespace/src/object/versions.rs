@@ -466,56 +466,50 @@ impl Objects {
         change: LockChange,
         bypass_governance: bool,
     ) -> Result<(), ObjectError> {
-        validate_object_key(key)?;
-        let (entry, _) = self.open_bucket(bucket)?;
-        let guard = self.gate(&entry, bucket)?;
         if self.object_lock(bucket).is_none() {
-            return Err(ObjectError::ObjectLockNotEnabled(bucket.to_string()));
+            return match self.bucket(bucket) {
+                Some(_) => Err(ObjectError::ObjectLockNotEnabled(bucket.to_string())),
+                None => Err(ObjectError::NoSuchBucket(bucket.to_string())),
+            };
         }
-        let record_key = records::object_key(bucket, key);
-        let _locks = self.lock_keys(&[&record_key]);
-        let (stored_at, mut manifest) = self.locate(bucket, key, version)?;
-        match change {
-            LockChange::LegalHold(on) => manifest.lock.legal_hold = on,
-            LockChange::Retention(retention) => {
-                check_retention_ahead(retention.as_ref())?;
-                let now = now_unix_ms();
-                if let Some(old) = manifest
-                    .lock
-                    .retention
-                    .filter(|old| old.until_unix_ms > now)
-                {
-                    let weaker = match retention {
-                        None => true,
-                        Some(new) => {
-                            new.until_unix_ms < old.until_unix_ms
-                                || (old.mode == keel_catalog::LockMode::Compliance
-                                    && new.mode == keel_catalog::LockMode::Governance)
+        self.rewrite_version(bucket, key, version, |manifest| {
+            match change {
+                LockChange::LegalHold(on) => manifest.lock.legal_hold = on,
+                LockChange::Retention(retention) => {
+                    check_retention_ahead(retention.as_ref())?;
+                    let now = now_unix_ms();
+                    if let Some(old) = manifest
+                        .lock
+                        .retention
+                        .filter(|old| old.until_unix_ms > now)
+                    {
+                        let weaker = match retention {
+                            None => true,
+                            Some(new) => {
+                                new.until_unix_ms < old.until_unix_ms
+                                    || (old.mode == keel_catalog::LockMode::Compliance
+                                        && new.mode == keel_catalog::LockMode::Governance)
+                            }
+                        };
+                        let allowed =
+                            old.mode == keel_catalog::LockMode::Governance && bypass_governance;
+                        if weaker && !allowed {
+                            return Err(ObjectError::ObjectLocked {
+                                key: key.to_string(),
+                                version_id: manifest.version_id(),
+                                reason: format!(
+                                    "its {} retention until {} ms cannot be shortened or removed",
+                                    mode_name(old.mode),
+                                    old.until_unix_ms
+                                ),
+                            });
                         }
-                    };
-                    let allowed =
-                        old.mode == keel_catalog::LockMode::Governance && bypass_governance;
-                    if weaker && !allowed {
-                        return Err(ObjectError::ObjectLocked {
-                            key: key.to_string(),
-                            version_id: manifest.version_id(),
-                            reason: format!(
-                                "its {} retention until {} ms cannot be shortened or removed",
-                                mode_name(old.mode),
-                                old.until_unix_ms
-                            ),
-                        });
                     }
+                    manifest.lock.retention = retention;
                 }
-                manifest.lock.retention = retention;
             }
-        }
-        let ops = vec![WriteOp::put(
-            stored_at,
-            records::encode_manifest(&manifest),
-            manifest_compression(&manifest, guard.compression),
-        )];
-        self.commit(ops, HashMap::new())
+            Ok(())
+        })
     }
 
     /// Deletes the current version of `key` (as [`Objects::delete_object`] without a version)
