@@ -328,6 +328,8 @@ pub struct Objects {
     admin: Mutex<()>,
     /// The last version sequence number given out (see [`Manifest::version_seq`]).
     last_version_seq: Mutex<u64>,
+    /// The wall clock version order and object lock decisions read (a test moves it).
+    clock: Arc<dyn keel_clock::Clock>,
 }
 
 fn refusal(error: MetadataError) -> ObjectError {
@@ -370,6 +372,16 @@ impl Objects {
         metadata: Arc<dyn Metadata>,
         chunks: Arc<dyn ChunkStore>,
     ) -> Result<Arc<Objects>, ObjectError> {
+        Objects::open_with_clock(store, metadata, chunks, Arc::new(keel_clock::SystemClock))
+    }
+
+    /// Opens the object layer on `clock` (version order, retention decisions).
+    pub fn open_with_clock(
+        store: Store,
+        metadata: Arc<dyn Metadata>,
+        chunks: Arc<dyn ChunkStore>,
+        clock: Arc<dyn keel_clock::Clock>,
+    ) -> Result<Arc<Objects>, ObjectError> {
         let objects = Arc::new(Objects {
             store,
             metadata,
@@ -380,6 +392,7 @@ impl Objects {
             pins: Arc::new(PinTable::default()),
             admin: Mutex::new(()),
             last_version_seq: Mutex::new(0),
+            clock,
         });
         let owner = Arc::downgrade(&objects);
         objects.pins.set_reaper(Box::new(move |hashes| {
@@ -421,6 +434,11 @@ impl Objects {
 
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// Now on this layer's wall clock, in ms since the epoch.
+    pub fn wall_unix_ms(&self) -> i64 {
+        self.clock.wall_unix_ms()
     }
 
     pub fn metadata(&self) -> &Arc<dyn Metadata> {

@@ -43,15 +43,24 @@ fn test_dir(name: &str) -> TestDir {
 }
 
 fn open(dir: &std::path::Path) -> Arc<Objects> {
+    open_on(dir, Arc::new(keel_clock::SystemClock))
+}
+
+fn open_on(dir: &std::path::Path, clock: Arc<dyn keel_clock::Clock>) -> Arc<Objects> {
     let store = Store::open(StoreConfig::new(vec![dir.to_path_buf()])).unwrap();
     let metadata: Arc<dyn keel_catalog::Metadata> =
         Arc::new(keel_catalog::LocalCatalog::open(store.clone()).unwrap());
-    Objects::open(store, metadata).unwrap()
+    let chunks = Arc::new(LocalChunkStore::new(store.clone()));
+    Objects::open_with_clock(store, metadata, chunks, clock).unwrap()
 }
 
 fn with_bucket(name: &str) -> (TestDir, Arc<Objects>) {
+    with_bucket_on(name, Arc::new(keel_clock::SystemClock))
+}
+
+fn with_bucket_on(name: &str, clock: Arc<dyn keel_clock::Clock>) -> (TestDir, Arc<Objects>) {
     let dir = test_dir(name);
-    let objects = open(&dir);
+    let objects = open_on(&dir, clock);
     objects
         .add_key(KeyRecord {
             access_key_id: "OWNER".into(),
@@ -1282,7 +1291,7 @@ fn put_locked(
     let manifest = Manifest {
         size_bytes: data.len() as u64,
         etag: hex::encode(Md5::digest(data)),
-        modified_unix_ms: now_unix_ms(),
+        modified_unix_ms: objects.wall_unix_ms(),
         content: Content::Inline(data.to_vec()),
         part_sizes_bytes: Vec::new(),
         headers: StoredHeaders::default(),
@@ -1300,11 +1309,11 @@ fn put_locked(
         .map(|version| version.unwrap())
 }
 
-fn retention(mode: keel_catalog::LockMode, from_now_ms: i64) -> Lock {
+fn retention(objects: &Objects, mode: keel_catalog::LockMode, from_now_ms: i64) -> Lock {
     Lock {
         retention: Some(Retention {
             mode,
-            until_unix_ms: now_unix_ms() + from_now_ms,
+            until_unix_ms: objects.wall_unix_ms() + from_now_ms,
         }),
         legal_hold: false,
     }
@@ -1324,7 +1333,9 @@ fn delete_version(objects: &Objects, key: &str, id: &str, bypass: bool) -> Resul
 #[test]
 fn object_lock_protects_versions_until_their_retention_ends() {
     use keel_catalog::LockMode::{Compliance, Governance};
-    let (_dir, objects) = with_bucket("object-lock");
+    // Retention runs on the layer's clock: the test moves it instead of waiting.
+    let clock = Arc::new(keel_clock::SimClock::new(std::time::SystemTime::now()));
+    let (_dir, objects) = with_bucket_on("object-lock", clock.clone());
     objects
         .create_locked_bucket("locked", "OWNER", Compression::None)
         .unwrap();
@@ -1337,12 +1348,17 @@ fn object_lock_protects_versions_until_their_retention_ends() {
         Err(ObjectError::InvalidBucketState { .. })
     ));
     assert!(matches!(
-        put_locked(&objects, "x", b"x", retention(Governance, -1)),
+        put_locked(&objects, "x", b"x", retention(&objects, Governance, -1)),
         Err(ObjectError::InvalidArgument(_))
     ));
 
-    let governed =
-        put_locked(&objects, "g", b"governed", retention(Governance, 3_600_000)).unwrap();
+    let governed = put_locked(
+        &objects,
+        "g",
+        b"governed",
+        retention(&objects, Governance, 3_600_000),
+    )
+    .unwrap();
     assert!(matches!(
         delete_version(&objects, "g", &governed, false),
         Err(ObjectError::ObjectLocked { .. })
@@ -1360,7 +1376,13 @@ fn object_lock_protects_versions_until_their_retention_ends() {
     );
     delete_version(&objects, "g", &governed, true).unwrap();
 
-    let complied = put_locked(&objects, "c", b"complied", retention(Compliance, 400)).unwrap();
+    let complied = put_locked(
+        &objects,
+        "c",
+        b"complied",
+        retention(&objects, Compliance, 400),
+    )
+    .unwrap();
     let id = Some(VersionId::parse(&complied).unwrap());
     assert!(matches!(
         delete_version(&objects, "c", &complied, true),
@@ -1369,8 +1391,8 @@ fn object_lock_protects_versions_until_their_retention_ends() {
     // Shortening or weakening is refused even with the bypass; extending is allowed.
     for weaker in [
         LockChange::Retention(None),
-        LockChange::Retention(retention(Compliance, 100).retention),
-        LockChange::Retention(retention(Governance, 3_600_000).retention),
+        LockChange::Retention(retention(&objects, Compliance, 100).retention),
+        LockChange::Retention(retention(&objects, Governance, 3_600_000).retention),
     ] {
         assert!(matches!(
             objects.set_object_lock("locked", "c", id, weaker, true),
@@ -1382,14 +1404,14 @@ fn object_lock_protects_versions_until_their_retention_ends() {
             "locked",
             "c",
             id,
-            LockChange::Retention(retention(Compliance, 600).retention),
+            LockChange::Retention(retention(&objects, Compliance, 600).retention),
             false,
         )
         .unwrap();
     objects
         .set_object_lock("locked", "c", id, LockChange::LegalHold(true), false)
         .unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(700));
+    clock.jump_wall(700);
     // The retention ended; the legal hold still blocks, until it is lifted.
     assert!(matches!(
         delete_version(&objects, "c", &complied, false),
@@ -1431,10 +1453,16 @@ fn object_lock_protects_versions_until_their_retention_ends() {
         )
         .unwrap();
     let report = objects
-        .apply_lifecycle(now_unix_ms() + 3 * 86_400_000)
+        .apply_lifecycle(objects.wall_unix_ms() + 3 * 86_400_000)
         .unwrap();
     assert_eq!(report.versions_expired, 0);
     assert_eq!(read_version(&objects, "locked", "d", Some(&old)), b"old");
+    // A day later on the layer's clock the default retention has ended: lifecycle expires it.
+    clock.jump_wall(86_400_000);
+    let report = objects
+        .apply_lifecycle(objects.wall_unix_ms() + 3 * 86_400_000)
+        .unwrap();
+    assert_eq!(report.versions_expired, 1);
 
     // No lock on a bucket without object lock.
     assert!(matches!(
@@ -1442,7 +1470,7 @@ fn object_lock_protects_versions_until_their_retention_ends() {
         Err(ObjectError::ObjectLockNotEnabled(_))
     ));
     let mut manifest = put(&objects, "bucket", "k", b"plain");
-    manifest.lock = retention(Governance, 60_000);
+    manifest.lock = retention(&objects, Governance, 60_000);
     assert!(matches!(
         objects.put_object("bucket", "k", &manifest, &PutCondition::default()),
         Err(ObjectError::ObjectLockNotEnabled(_))

@@ -23,7 +23,7 @@ use keel_store::{Compression, WriteOp};
 use super::list::LIST_ENTRIES_MAX;
 use super::records::{self, Lock, Manifest, Retention, VersionId};
 use super::{
-    manifest_compression, now_unix_ms, store_error, validate_object_key, ObjectError, Objects,
+    manifest_compression, store_error, validate_object_key, ObjectError, Objects,
     SCAN_BATCH_RECORDS,
 };
 
@@ -47,8 +47,8 @@ pub enum LockChange {
 
 const DAY_MS: i64 = 86_400_000;
 
-/// When a default retention of a version written at `written_unix_ms` ends (a year is 365
-/// days).
+/// When a default retention of a version written at `written_unix_ms` (on the layer's clock)
+/// ends (a year is 365 days).
 fn default_retention_from(
     default: &keel_catalog::DefaultRetention,
     written_unix_ms: i64,
@@ -71,10 +71,13 @@ fn mode_name(mode: keel_catalog::LockMode) -> &'static str {
     }
 }
 
-/// A retention given with a write or PutObjectRetention must end in the future.
-fn check_retention_ahead(retention: Option<&Retention>) -> Result<(), ObjectError> {
+/// A retention given with a write or PutObjectRetention must end after `now_unix_ms`.
+fn check_retention_ahead(
+    retention: Option<&Retention>,
+    now_unix_ms: i64,
+) -> Result<(), ObjectError> {
     match retention {
-        Some(retention) if retention.until_unix_ms <= now_unix_ms() => Err(
+        Some(retention) if retention.until_unix_ms <= now_unix_ms => Err(
             ObjectError::InvalidArgument("the retain-until date must be in the future".into()),
         ),
         _ => Ok(()),
@@ -201,7 +204,7 @@ impl Objects {
         if self.object_lock(bucket).is_none() {
             return Err(ObjectError::ObjectLockNotEnabled(bucket.to_string()));
         }
-        check_retention_ahead(lock.retention.as_ref())
+        check_retention_ahead(lock.retention.as_ref(), self.wall_unix_ms())
     }
 
     /// A sequence number for a new version of `key`: the clock in microseconds, raised above
@@ -221,7 +224,7 @@ impl Objects {
                 .newest_kept(bucket, key, None)?
                 .map_or(0, |(_, manifest)| manifest.version_seq),
         };
-        let now_us = u64::try_from(now_unix_ms())
+        let now_us = u64::try_from(self.wall_unix_ms())
             .unwrap_or(0)
             .saturating_mul(1000);
         let mut last = self
@@ -257,7 +260,7 @@ impl Objects {
             manifest.lock.retention = self
                 .object_lock(bucket)
                 .and_then(|lock| lock.default_retention)
-                .map(|default| default_retention_from(&default, manifest.modified_unix_ms));
+                .map(|default| default_retention_from(&default, self.wall_unix_ms()));
         }
         add_refs(deltas, manifest, 1);
         self.retire(bucket, key, current, versioning, compression, ops, deltas)?;
@@ -476,8 +479,8 @@ impl Objects {
             match change {
                 LockChange::LegalHold(on) => manifest.lock.legal_hold = on,
                 LockChange::Retention(retention) => {
-                    check_retention_ahead(retention.as_ref())?;
-                    let now = now_unix_ms();
+                    let now = self.wall_unix_ms();
+                    check_retention_ahead(retention.as_ref(), now)?;
                     if let Some(old) = manifest
                         .lock
                         .retention
@@ -564,7 +567,8 @@ impl Objects {
             self.commit(ops, deltas)?;
             return Ok(Some(Deletion::default()));
         }
-        let marker = Manifest::delete_marker(seq, versioning == Versioning::Enabled, now_unix_ms());
+        let marker =
+            Manifest::delete_marker(seq, versioning == Versioning::Enabled, self.wall_unix_ms());
         ops.push(WriteOp::put(
             records::version_key(bucket, key, seq),
             records::encode_manifest(&marker),
@@ -639,7 +643,7 @@ impl Objects {
         }
         if let Some(reason) = removed
             .lock
-            .refuses_delete(now_unix_ms(), bypass_governance)
+            .refuses_delete(self.wall_unix_ms(), bypass_governance)
         {
             return Err(ObjectError::ObjectLocked {
                 key: key.to_string(),
