@@ -69,7 +69,7 @@ impl S3Access for BucketAccess {
             // An object whose own canned ACL is `public-read`, in a private bucket.
             if let (Some(bucket), Some(key)) = (bucket, key) {
                 if OBJECT_READS.contains(&operation)
-                    && self.object_is_public(cx, bucket, key.as_ref())
+                    && self.object_is_public(cx, bucket, key.as_ref()).await
                 {
                     return Ok(());
                 }
@@ -115,8 +115,8 @@ impl S3Access for BucketAccess {
 
 impl BucketAccess {
     /// Whether the object a request reads (the `versionId` it names, or the current version)
-    /// has the canned ACL `public-read`.
-    fn object_is_public(&self, cx: &S3AccessContext<'_>, bucket: &str, key: &str) -> bool {
+    /// has the canned ACL `public-read` (a store read, off the async threads).
+    async fn object_is_public(&self, cx: &S3AccessContext<'_>, bucket: &str, key: &str) -> bool {
         let version = cx.uri().query().and_then(|query| {
             form_urlencoded::parse(query.as_bytes())
                 .find(|(name, _)| name == "versionId")
@@ -128,7 +128,11 @@ impl BucketAccess {
             // A malformed id reads nothing.
             Some(Err(_)) => return false,
         };
-        self.objects.object_is_public(bucket, key, version)
+        let objects = self.objects.clone();
+        let (bucket, key) = (bucket.to_string(), key.to_string());
+        tokio::task::spawn_blocking(move || objects.object_is_public(&bucket, &key, version))
+            .await
+            .unwrap_or(false)
     }
 
     /// What `bucket`'s policy says about this request (silent without a policy).
