@@ -117,12 +117,9 @@ impl BucketAccess {
     /// Whether the object a request reads (the `versionId` it names, or the current version)
     /// has the canned ACL `public-read` (a store read, off the async threads).
     async fn object_is_public(&self, cx: &S3AccessContext<'_>, bucket: &str, key: &str) -> bool {
-        let version = cx.uri().query().and_then(|query| {
-            form_urlencoded::parse(query.as_bytes())
-                .find(|(name, _)| name == "versionId")
-                .map(|(_, value)| value.into_owned())
-        });
-        let version = match version.map(|id| keel_namespace::object::VersionId::parse(&id)) {
+        let version = match query_param(cx, "versionId")
+            .map(|id| keel_namespace::object::VersionId::parse(&id))
+        {
             None => None,
             Some(Ok(id)) => Some(id),
             // A malformed id reads nothing.
@@ -159,11 +156,7 @@ impl BucketAccess {
             Some(key) => format!("arn:aws:s3:::{bucket}/{key}"),
             None => format!("arn:aws:s3:::{bucket}"),
         };
-        let prefix = cx.uri().query().and_then(|query| {
-            form_urlencoded::parse(query.as_bytes())
-                .find(|(name, _)| name == "prefix")
-                .map(|(_, value)| value.into_owned())
-        });
+        let prefix = query_param(cx, "prefix");
         let action = policy::action_of(cx.s3_op().name());
         policy.decide(&policy::Request {
             principal,
@@ -174,6 +167,14 @@ impl BucketAccess {
             secure_transport: false,
         })
     }
+}
+
+/// The value of the request's query parameter `name`, decoded.
+fn query_param(cx: &S3AccessContext<'_>, name: &str) -> Option<String> {
+    let query = cx.uri().query()?;
+    form_urlencoded::parse(query.as_bytes())
+        .find(|(key, _)| key == name)
+        .map(|(_, value)| value.into_owned())
 }
 
 /// Operations on the policy itself, which its bucket's owner may always do.

@@ -60,14 +60,13 @@ pub const POST_UPLOADS_MAX: usize = 4;
 
 /// Where the S3 layer spools request bodies of unknown length: a directory next to the store's
 /// first data directory's files, on the same disk (never tmpfs); the files in it are unnamed.
-fn spool_dir(objects: &keel_namespace::object::Objects) -> std::path::PathBuf {
+fn spool_dir(objects: &keel_namespace::object::Objects) -> Option<std::path::PathBuf> {
     objects
         .store()
         .config()
         .data_dirs
         .first()
         .map(|dir| dir.join("s3-spool"))
-        .unwrap_or_else(std::env::temp_dir)
 }
 /// A client must send a request's headers within this time (idle keep-alive connections too),
 /// so slow or silent clients cannot hold the [`CONNECTIONS_MAX`] slots.
@@ -305,7 +304,7 @@ pub async fn serve(
         objects: frontend.objects.clone(),
         form_uploads: Arc::new(tokio::sync::Semaphore::new(POST_UPLOADS_MAX)),
         peer: None,
-        spool_dir: Arc::new(spool_dir(&frontend.objects)),
+        spool_dir: spool_dir(&frontend.objects).map(Arc::new),
     };
     // Free chunks orphaned by a crash or an abandoned upload, once per start, in the background
     // (safe beside live uploads: they pin what they rely on).

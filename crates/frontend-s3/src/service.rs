@@ -910,20 +910,26 @@ impl KeelS3 {
         let pins = ingested.pins;
         let objects = self.objects.clone();
         let (bucket, key) = (upload.bucket, upload.key);
-        let committed = manifest.clone();
-        let version = blocking(move || {
-            let result = objects.put_object(&bucket, &key, &committed, &condition);
+        blocking(move || {
+            let result = objects.put_object(&bucket, &key, manifest, &condition);
             drop(pins);
             result
         })
-        .await?;
-        Ok((manifest, version))
+        .await
     }
 
     /// A bucket's optional settings (all empty when it has none); NoSuchBucket unless it exists.
     fn settings_of(&self, bucket: &str) -> S3Result<BucketSettings> {
         self.require_bucket(bucket)?;
         Ok(self.objects.bucket_settings(bucket).unwrap_or_default())
+    }
+
+    /// A bucket's policy document: NoSuchBucket, or NoSuchBucketPolicy when it has none.
+    fn policy_of(&self, bucket: &str) -> S3Result<String> {
+        self.require_bucket(bucket)?;
+        self.objects
+            .bucket_policy(bucket)
+            .ok_or_else(|| s3_error!(NoSuchBucketPolicy, "The bucket policy does not exist"))
     }
 
     /// NoSuchBucket unless `bucket` exists (access was checked by the auth layer).
@@ -1360,11 +1366,7 @@ impl S3 for KeelS3 {
         &self,
         req: S3Request<GetBucketPolicyInput>,
     ) -> S3Result<S3Response<GetBucketPolicyOutput>> {
-        self.require_bucket(&req.input.bucket)?;
-        let policy = self
-            .objects
-            .bucket_policy(&req.input.bucket)
-            .ok_or_else(|| s3_error!(NoSuchBucketPolicy, "The bucket policy does not exist"))?;
+        let policy = self.policy_of(&req.input.bucket)?;
         Ok(S3Response::new(GetBucketPolicyOutput {
             policy: Some(policy),
         }))
@@ -1375,11 +1377,7 @@ impl S3 for KeelS3 {
         req: S3Request<GetBucketPolicyStatusInput>,
     ) -> S3Result<S3Response<GetBucketPolicyStatusOutput>> {
         let bucket = req.input.bucket;
-        self.require_bucket(&bucket)?;
-        let text = self
-            .objects
-            .bucket_policy(&bucket)
-            .ok_or_else(|| s3_error!(NoSuchBucketPolicy, "The bucket policy does not exist"))?;
+        let text = self.policy_of(&bucket)?;
         let policy = crate::policy::parse(&bucket, &text).map_err(|reason| {
             S3Error::with_message(
                 S3ErrorCode::InternalError,
@@ -1720,6 +1718,7 @@ impl S3 for KeelS3 {
         } else {
             Default::default()
         };
+        let (lock_mode, lock_until, legal_hold) = lock_fields(&manifest.lock);
         Ok(S3Response::new(stored_object_output!(
             GetObjectOutput,
             &manifest,
@@ -1729,9 +1728,9 @@ impl S3 for KeelS3 {
             body: Some(StreamingBlob::wrap(stream)),
             tag_count: (!manifest.tags.is_empty()).then_some(manifest.tags.len() as i32),
             version_id: self.version_header(&input.bucket, &manifest),
-            object_lock_mode: lock_fields(&manifest.lock).0,
-            object_lock_retain_until_date: lock_fields(&manifest.lock).1,
-            object_lock_legal_hold_status: lock_fields(&manifest.lock).2,
+            object_lock_mode: lock_mode,
+            object_lock_retain_until_date: lock_until,
+            object_lock_legal_hold_status: legal_hold,
         )))
     }
 
@@ -1756,6 +1755,7 @@ impl S3 for KeelS3 {
         } else {
             Default::default()
         };
+        let (lock_mode, lock_until, legal_hold) = lock_fields(&manifest.lock);
         Ok(S3Response::new(stored_object_output!(
             HeadObjectOutput,
             &manifest,
@@ -1763,9 +1763,9 @@ impl S3 for KeelS3 {
             content_range,
             checksums,
             version_id: self.version_header(&input.bucket, &manifest),
-            object_lock_mode: lock_fields(&manifest.lock).0,
-            object_lock_retain_until_date: lock_fields(&manifest.lock).1,
-            object_lock_legal_hold_status: lock_fields(&manifest.lock).2,
+            object_lock_mode: lock_mode,
+            object_lock_retain_until_date: lock_until,
+            object_lock_legal_hold_status: legal_hold,
         )))
     }
 
@@ -1952,11 +1952,10 @@ impl S3 for KeelS3 {
         }
         let objects = self.objects.clone();
         let (bucket, key) = (input.bucket, input.key);
-        let committed = manifest.clone();
-        let version_id = blocking(move || {
+        let (manifest, version_id) = blocking(move || {
             let mut pins = objects.pin_set();
-            objects.pin_manifest(&committed, &mut pins)?;
-            objects.put_object(&bucket, &key, &committed, &PutCondition::default())
+            objects.pin_manifest(&manifest, &mut pins)?;
+            objects.put_object(&bucket, &key, manifest, &PutCondition::default())
         })
         .await?;
         Ok(S3Response::new(CopyObjectOutput {

@@ -58,8 +58,9 @@ pub struct CloseOnUnreadBody {
     pub form_uploads: Arc<tokio::sync::Semaphore>,
     /// The connection's client (set per connection).
     pub peer: Option<std::net::SocketAddr>,
-    /// Where bodies of unknown length are spooled (a directory of the store's disk).
-    pub spool_dir: Arc<std::path::PathBuf>,
+    /// Where bodies of unknown length are spooled (a directory of the store's disk; without
+    /// one, s3s answers such a PUT 411).
+    pub spool_dir: Option<Arc<std::path::PathBuf>>,
 }
 
 /// Largest body spooled: the largest PUT or part S3 allows.
@@ -285,7 +286,7 @@ impl hyper::service::Service<http::Request<Incoming>> for CloseOnUnreadBody {
             file_name,
         };
         let form_uploads = form_upload.then(|| self.form_uploads.clone());
-        let spool_in = needs_spool(&parts).then(|| self.spool_dir.clone());
+        let spool_in = self.spool_dir.clone().filter(|_| needs_spool(&parts));
         let request = http::Request::from_parts(parts, s3s::Body::http_body(tracked));
         let service = self.service.clone();
         let metrics = self.metrics.clone();

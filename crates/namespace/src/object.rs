@@ -1038,16 +1038,17 @@ impl Objects {
 
     /// Makes `manifest` the object `key` of `bucket`, durably: it replaces the current version,
     /// or in a versioned bucket becomes the newest version (see [`versions`]). Returns the
-    /// version id to report (`None` in a bucket that never had versioning). The chunks it names
-    /// must have been written with [`Objects::write_chunk`] (or pinned with
-    /// [`Objects::pin_manifest`]) by the caller, whose `PinSet` is still alive.
+    /// manifest as stored (with its version) and the version id to report (`None` in a bucket
+    /// that never had versioning). The chunks it names must have been written with
+    /// [`Objects::write_chunk`] (or pinned with [`Objects::pin_manifest`]) by the caller, whose
+    /// `PinSet` is still alive.
     pub fn put_object(
         &self,
         bucket: &str,
         key: &str,
-        manifest: &Manifest,
+        mut manifest: Manifest,
         condition: &PutCondition,
-    ) -> Result<Option<String>, ObjectError> {
+    ) -> Result<(Manifest, Option<String>), ObjectError> {
         validate_object_key(key)?;
         validate_tags(&manifest.tags)?;
         manifest.check()?;
@@ -1057,7 +1058,6 @@ impl Objects {
         let _locks = self.lock_keys(&[&record_key]);
         let old = self.read_manifest_at(&record_key)?;
         check_put_condition(old.as_ref(), condition)?;
-        let mut manifest = manifest.clone();
         let mut ops = Vec::with_capacity(1);
         let mut deltas: HashMap<[u8; 32], i64> = HashMap::new();
         let version = self.install(
@@ -1070,7 +1070,7 @@ impl Objects {
             &mut deltas,
         )?;
         self.commit(ops, deltas)?;
-        Ok(version)
+        Ok((manifest, version))
     }
 
     /// Replaces the tags of object `key` (its current version, or the version named),

@@ -91,8 +91,9 @@ fn put_object(objects: &Objects, key: &str, data: &[u8]) -> Option<String> {
         public_read: false,
     };
     objects
-        .put_object("bkt", key, &manifest, &PutCondition::default())
+        .put_object("bkt", key, manifest, &PutCondition::default())
         .unwrap()
+        .1
 }
 
 fn read_object(objects: &Objects, key: &str) -> Option<Vec<u8>> {

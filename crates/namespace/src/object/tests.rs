@@ -107,11 +107,11 @@ fn put(objects: &Objects, bucket: &str, key: &str, data: &[u8]) -> Manifest {
         lock: Default::default(),
         public_read: false,
     };
-    objects
-        .put_object(bucket, key, &manifest, &PutCondition::default())
-        .unwrap();
     // As stored: with the version it got.
-    objects.get_manifest(bucket, key, None).unwrap()
+    objects
+        .put_object(bucket, key, manifest, &PutCondition::default())
+        .unwrap()
+        .0
 }
 
 fn read(objects: &Objects, bucket: &str, key: &str) -> Vec<u8> {
@@ -538,7 +538,7 @@ fn put_if_none_match() {
     let refused = objects.put_object(
         "bucket",
         "k",
-        &manifest,
+        manifest.clone(),
         &PutCondition {
             if_none_match_any: true,
             if_match_etag: None,
@@ -1305,8 +1305,8 @@ fn put_locked(
         public_read: false,
     };
     objects
-        .put_object("locked", key, &manifest, &PutCondition::default())
-        .map(|version| version.unwrap())
+        .put_object("locked", key, manifest, &PutCondition::default())
+        .map(|(_, version)| version.unwrap())
 }
 
 fn retention(objects: &Objects, mode: keel_catalog::LockMode, from_now_ms: i64) -> Lock {
@@ -1477,7 +1477,7 @@ fn object_lock_protects_versions_until_their_retention_ends() {
     let mut manifest = put(&objects, "bucket", "k", b"plain");
     manifest.lock = retention(&objects, Governance, 60_000);
     assert!(matches!(
-        objects.put_object("bucket", "k", &manifest, &PutCondition::default()),
+        objects.put_object("bucket", "k", manifest, &PutCondition::default()),
         Err(ObjectError::ObjectLockNotEnabled(_))
     ));
 }

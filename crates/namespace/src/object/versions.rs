@@ -201,7 +201,20 @@ impl Objects {
         if lock.is_none() {
             return Ok(());
         }
-        if self.object_lock(bucket).is_none() {
+        self.check_lock_against(bucket, self.object_lock(bucket).as_ref(), lock)
+    }
+
+    /// [`Objects::check_lock_request`] with the bucket's lock configuration already read.
+    fn check_lock_against(
+        &self,
+        bucket: &str,
+        bucket_lock: Option<&ObjectLock>,
+        lock: &Lock,
+    ) -> Result<(), ObjectError> {
+        if lock.is_none() {
+            return Ok(());
+        }
+        if bucket_lock.is_none() {
             return Err(ObjectError::ObjectLockNotEnabled(bucket.to_string()));
         }
         check_retention_ahead(lock.retention.as_ref(), self.wall_unix_ms())
@@ -252,13 +265,13 @@ impl Objects {
         deltas: &mut HashMap<[u8; 32], i64>,
     ) -> Result<Option<String>, ObjectError> {
         let versioning = self.versioning(bucket);
-        self.check_lock_request(bucket, &manifest.lock)?;
+        let bucket_lock = self.object_lock(bucket);
+        self.check_lock_against(bucket, bucket_lock.as_ref(), &manifest.lock)?;
         manifest.version_seq = self.next_version_seq(bucket, key, current, versioning)?;
         manifest.versioned = versioning == Versioning::Enabled;
         manifest.delete_marker = false;
         if manifest.lock.retention.is_none() {
-            manifest.lock.retention = self
-                .object_lock(bucket)
+            manifest.lock.retention = bucket_lock
                 .and_then(|lock| lock.default_retention)
                 .map(|default| default_retention_from(&default, self.wall_unix_ms()));
         }
