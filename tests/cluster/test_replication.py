@@ -507,6 +507,35 @@ def test_batches_in_flight_together_are_applied_in_order(cluster):
         f"node 2 refused a batch and was resynced: {info}"
 
 
+# The transport method of Raft's log appends (crates/cluster/src/messages.rs).
+METHOD_RAFT_APPEND = 1
+
+
+def test_a_snapshot_made_through_one_node_opens_at_once_through_another(cluster):
+    """The Raft leader's log appends to a data node that does not lead are delayed by 60 ms,
+    so that node learns of each new snapshot late. Three times: a snapshot through the
+    volume's primary, then at once an NBD client opens it through the lagging node, which
+    asks the leader how far the log is committed and waits until it applied that far before
+    answering (before that, it answered that the export does not exist)."""
+    first, second = two_nodes_and_witness(cluster)
+    leader = cluster.node_by_id(cluster.leader())
+    lagging = second if leader is not second else first
+    primary = first if lagging is second else second
+    create_r2(primary, "fresh")
+    client = attach(primary, "fresh")
+    wait_until("both replicas in sync", lambda: sorted(replication(primary, "fresh")["in_sync"]) == [1, 2])
+    leader.faults([], delays=[{"node": lagging.node_id(), "method": METHOD_RAFT_APPEND, "milliseconds": 60}])
+    for round_index in range(3):
+        client.write(0, block(f"round-{round_index}", 0))
+        client.flush()
+        code, answer = primary.api("POST", "/api/v1/volumes/fresh/snapshots", {"name": f"s{round_index}"})
+        assert code == 200, answer
+        snapshot = Client(lagging.host, lagging.nbd_port, f"fresh@s{round_index}")
+        assert snapshot.read(0, BLOCK) == block(f"round-{round_index}", 0)
+        snapshot.close()
+    leader.faults([])
+
+
 def test_a_snapshot_incomplete_on_a_replica_is_never_served_or_rolled_back_there(cluster, workdir):
     """An R=1 volume is written and snapshotted, then raised to R=2: node 2 receives the
     current contents only, so its copy of the snapshot lacks the data (the snapshot says so).

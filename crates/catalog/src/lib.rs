@@ -311,6 +311,9 @@ impl Catalog {
 pub trait Metadata: Send + Sync {
     /// Blocks until the command is applied here or fails. Never call it from an [`Observer`].
     fn propose(&self, command: Command) -> Result<Outcome, MetadataError>;
+    /// Blocks until this node applied every command committed anywhere before the call (a
+    /// read barrier): the catalog then shows what another node changed just before.
+    fn catch_up(&self) -> Result<(), MetadataError>;
     fn catalog(&self) -> &Arc<Catalog>;
     /// This node's id.
     fn local_node(&self) -> NodeId;
@@ -371,6 +374,11 @@ impl Metadata for LocalCatalog {
                 detail: error.to_string(),
             }),
         }
+    }
+
+    /// Commands apply here at once: nothing to wait for.
+    fn catch_up(&self) -> Result<(), MetadataError> {
+        Ok(())
     }
 
     fn catalog(&self) -> &Arc<Catalog> {

@@ -40,7 +40,7 @@ use keel_catalog::{
 };
 use keel_store::{meta_key, Compression, Durability, Store, WriteOp};
 use openraft::errors::{ClientWriteError, RaftError};
-use openraft::{ChangeMembers, Instant as _, ServerState};
+use openraft::{ChangeMembers, Instant as _, ReadPolicy, ServerState};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
@@ -57,7 +57,7 @@ use messages::{
     JoinRequest, JoinResponse, Proposal, Proposed, CODE_BAD_REQUEST, CODE_FAILED, CODE_NOT_LEADER,
     CODE_NOT_READY, CODE_REFUSED, METHOD_HEARTBEAT, METHOD_JOIN, METHOD_PROPOSE,
     METHOD_RAFT_APPEND, METHOD_RAFT_PRE_VOTE, METHOD_RAFT_SNAPSHOT, METHOD_RAFT_TRANSFER_LEADER,
-    METHOD_RAFT_VOTE, METHOD_SILENCE, METHOD_STATUS, METHOD_TRANSFER_LEADERSHIP,
+    METHOD_RAFT_VOTE, METHOD_READ_INDEX, METHOD_SILENCE, METHOD_STATUS, METHOD_TRANSFER_LEADERSHIP,
 };
 
 const IDENTITY_SUFFIX: &[u8] = b"l/identity";
@@ -1091,6 +1091,19 @@ impl Cluster {
                     })?;
                 encode_answer(&())
             }
+            METHOD_READ_INDEX => {
+                if !self.is_leader() {
+                    return Err(RemoteFailure {
+                        code: CODE_NOT_LEADER,
+                        message: "not the leader".to_string(),
+                    });
+                }
+                let index = self.read_index().await.map_err(|error| RemoteFailure {
+                    code: CODE_FAILED,
+                    message: error.to_string(),
+                })?;
+                encode_answer(&index)
+            }
             METHOD_SILENCE => {
                 let node: NodeId = decode_request(&payload).map_err(bad_request)?;
                 match self.local_silence(node) {
@@ -1150,6 +1163,45 @@ impl Cluster {
     /// This node handles a Raft message only a leader sends.
     fn heard_from_a_leader(&self) {
         *lock(&self.heard_leader_at) = self.config.clock.now();
+    }
+
+    /// A read barrier: waits (bounded by the call timeout) until this node applied every
+    /// command the cluster committed before the call, asking the leader how far that is. A
+    /// read of the catalog afterwards sees what another node changed just before.
+    pub async fn catch_up(&self) -> Result<(), MetadataError> {
+        let unavailable = |detail: String| MetadataError::Unavailable { detail };
+        let leader = self
+            .leader()
+            .ok_or_else(|| unavailable("no leader".to_string()))?;
+        let timeout = self.config.timing.call_timeout;
+        let index = if leader == self.identity.node_id {
+            self.read_index().await?
+        } else {
+            let answer = self
+                .call_node(leader, METHOD_READ_INDEX, Vec::new(), timeout)
+                .await
+                .map_err(|error| unavailable(error.to_string()))?;
+            postcard::from_bytes(&answer).map_err(|error| unavailable(error.to_string()))?
+        };
+        if self.wait_applied(index, timeout).await {
+            Ok(())
+        } else {
+            Err(MetadataError::Timeout {
+                detail: format!("this node did not apply up to index {index} in {timeout:?}"),
+            })
+        }
+    }
+
+    /// As leader: an index covering every command committed before the call, once a quorum
+    /// confirmed this node still leads.
+    async fn read_index(&self) -> Result<u64, MetadataError> {
+        self.raft
+            .ensure_linearizable(ReadPolicy::ReadIndex)
+            .await
+            .map(|read| read.index())
+            .map_err(|error| MetadataError::Unavailable {
+                detail: error.to_string(),
+            })
     }
 
     /// How long the leader has heard nothing from `node` (asked of the leader).
@@ -1466,6 +1518,14 @@ impl Metadata for Cluster {
         let future = self.propose_async(command);
         match tokio::runtime::Handle::try_current() {
             // Called from inside the runtime (a worker thread): let it block here.
+            Ok(_) => tokio::task::block_in_place(|| self.runtime.block_on(future)),
+            Err(_) => self.runtime.block_on(future),
+        }
+    }
+
+    fn catch_up(&self) -> Result<(), MetadataError> {
+        let future = Cluster::catch_up(self);
+        match tokio::runtime::Handle::try_current() {
             Ok(_) => tokio::task::block_in_place(|| self.runtime.block_on(future)),
             Err(_) => self.runtime.block_on(future),
         }

@@ -19,6 +19,9 @@ pub const METHOD_STATUS: u16 = 13;
 pub const METHOD_SILENCE: u16 = 14;
 /// Asks the leader to hand its leadership to a voter (a node id).
 pub const METHOD_TRANSFER_LEADERSHIP: u16 = 15;
+/// Asks the leader for an index that covers every command committed before the call (a read
+/// barrier: the caller then waits until it applied that far).
+pub const METHOD_READ_INDEX: u16 = 16;
 /// Methods from this number up belong to the layers above the cluster (replication).
 pub const METHOD_FIRST_ABOVE: u16 = 256;
 

@@ -388,6 +388,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
                     Arc::new(VolumeExports {
                         volumes: volumes.clone(),
                         replication: replication.clone(),
+                        metadata: metadata.clone(),
                         metrics: nbd_metrics.clone(),
                     }),
                     shutdown(stopped.clone()),
@@ -580,6 +581,7 @@ fn print_banner(
 struct VolumeExports {
     volumes: Arc<VolumeManager>,
     replication: Arc<keel_replication::Replication>,
+    metadata: Arc<dyn keel_catalog::Metadata>,
     metrics: crate::metrics::NbdMetrics,
 }
 
@@ -600,9 +602,24 @@ impl Exports for VolumeExports {
     }
 
     fn open(&self, name: &str) -> Result<Arc<dyn Export>, NbdError> {
-        let opened = match name.split_once('@') {
+        let open = || match name.split_once('@') {
             Some((volume, snapshot)) => self.volumes.open_snapshot(volume, snapshot),
             None => self.replication.open(name),
+        };
+        let opened = match open() {
+            // Created through another node a moment ago, and not applied here yet: once this
+            // node caught up with the cluster's metadata, it exists or it does not.
+            Err(
+                keel_namespace::volume::VolumeError::NotFound { .. }
+                | keel_namespace::volume::VolumeError::SnapshotNotFound { .. },
+            ) => match self.metadata.catch_up() {
+                Ok(()) => open(),
+                Err(error) => {
+                    tracing::info!(%error, export = name, "could not catch up with the cluster's metadata");
+                    open()
+                }
+            },
+            opened => opened,
         };
         match opened {
             Ok(handle) => Ok(Arc::new(VolumeExport {
