@@ -4,7 +4,7 @@ engine, on one loopback cluster (three storage nodes; volumes attached on node 1
 
     python3 scripts/bench/replication.py [--rounds 5] [--seconds 10] [--json out.json]
         [--pgbench [--pgbench-seconds 30] [--pgbench-scale 20]] [--catch-up-gib 4] [--forwarded]
-        [--rebuild-gib 1 [--resync-busy-percent 25]]
+        [--rebuild-gib 1 [--resync-busy-percent 25]] [--resync-gib 1 [--absent-mib 16]]
 
 Workloads (the profiles of scripts/bench/volume.py): sync QD1 (4 KiB sequential writes, each
 followed by a FLUSH) and randrw QD64 (4 KiB random, 75% reads); with --pgbench, also Postgres
@@ -19,7 +19,13 @@ a file, 8 in flight: the reference), the rebuild alone (its throughput as a shar
 rebuild again under a client (randrw QD1 on the rebuilding volume, running inside the rebuild)
 whose p99 is compared with the same client once the volume is in sync; --resync-busy-percent
 sets the nodes' `cluster.resync_busy_percent` (how much of the time a resync works while
-clients are active; the server's default unless given). Every round runs every R
+clients are active; the server's default unless given). --resync-gib N measures a replica's
+catch-up after an absence: an N GiB R=2 volume written whole; per round node 2 is killed -9,
+--absent-mib M of 4 KiB random writes land meanwhile, node 2 returns, and the time until it
+is back in sync and the bytes the catch-up compared and shipped are recorded; each round does
+it twice, in alternating order: as is (the primary knows what node 2 lacks) and with the
+primary's node restarted while node 2 is away (it no longer knows, and compares every written
+stretch: what every catch-up cost before). Every round runs every R
 in turn, in an order that rotates between rounds; medians are quoted with the ratio to R=1.
 
 All nodes share this machine's one disk (and its two cores): every replica's fdatasync lands on
@@ -185,6 +191,76 @@ def summarize_rebuilds(runs):
     return {"rebuild_share_of_disk": share, "client_read_p99_ratio": read, "client_write_p99_ratio": write, "runs": runs}
 
 
+def kill_and_write(first, second, name, absent_mib, restart_primary):
+    """Kills node 2, writes `absent_mib` MiB of 4 KiB random writes through node 1 (restarted
+    first when `restart_primary`), brings node 2 back and waits until it is in sync; returns
+    (seconds from its start to in sync, bytes compared, bytes shipped)."""
+    uri = f"nbd://{first.host}:{first.nbd_port}/{name}"
+
+    def served():
+        code, info = first.api("GET", f"/api/v1/volumes/{name}")
+        assert code == 200, info
+        return info["replication"]
+
+    second.kill9()
+    if restart_primary:
+        first.stop()
+        first.start()
+    # Attaching through node 1 makes it primary again (after a restart: a new primary that
+    # knows nothing of what node 2 lacks).
+    wait_until(f"{name} attached through node 1", lambda: subprocess.run(
+        ["nbdinfo", uri], capture_output=True).returncode == 0, timeout=60, interval=0.2)
+    subprocess.run(["fio", "--name=absent", "--ioengine=nbd", f"--uri={uri}", "--rw=randwrite", "--bs=4k",
+                    f"--io_size={absent_mib}m", "--iodepth=16", "--end_fsync=1", "--randrepeat=0"],
+                   capture_output=True, check=True, timeout=900)
+    wait_until("node 2 out of sync", lambda: served()["in_sync"] == [1], timeout=60)
+    before = served()["served_here"]
+    started = time.time()
+    second.start()
+    wait_until(f"{name} in sync", lambda: sorted(served()["in_sync"]) == [1, 2], timeout=900, interval=0.05)
+    took = time.time() - started
+    after = served()["served_here"]
+    # After a restart the counters started over with the new primary.
+    if restart_primary:
+        before = {"resync_compared_bytes": 0, "resync_bytes": 0}
+    return (took, after["resync_compared_bytes"] - before["resync_compared_bytes"],
+            after["resync_bytes"] - before["resync_bytes"])
+
+
+def run_resyncs(first, second, args, results):
+    name = "absent"
+    code, answer = first.api("POST", "/api/v1/volumes",
+                             {"name": name, "size_bytes": args.resync_gib << 30, "replicas": 2})
+    assert code == 200, answer
+    subprocess.run(["fio", "--name=fill", "--ioengine=nbd", f"--uri=nbd://{first.host}:{first.nbd_port}/{name}",
+                    f"--size={args.resync_gib}g", "--rw=write", "--bs=1m", "--iodepth=8", "--end_fsync=1"],
+                   capture_output=True, check=True, timeout=900)
+    wait_until("both replicas in sync", lambda: sorted(
+        first.api("GET", f"/api/v1/volumes/{name}")[1]["replication"]["in_sync"]) == [1, 2], timeout=900)
+    for round_index in range(args.rounds):
+        order = [False, True] if round_index % 2 == 0 else [True, False]
+        for restart_primary in order:
+            took, compared, shipped = kill_and_write(first, second, name, args.absent_mib, restart_primary)
+            kind = "primary restarted" if restart_primary else "tracked"
+            results.setdefault("resync", {}).setdefault(kind, []).append(
+                {"seconds": took, "compared_bytes": compared, "shipped_bytes": shipped})
+            print(f"round {round_index + 1} catch-up after {args.absent_mib} MiB of 4 KiB random writes, {kind}: "
+                  f"{took:.2f} s, compared {compared / 2**20:.1f} MiB, shipped {shipped / 2**20:.1f} MiB", flush=True)
+
+
+def summarize_resyncs(kinds, absent_mib, gib):
+    summary = {}
+    for kind, runs in kinds.items():
+        seconds = statistics.median(run["seconds"] for run in runs)
+        compared = statistics.median(run["compared_bytes"] for run in runs)
+        shipped = statistics.median(run["shipped_bytes"] for run in runs)
+        summary[kind] = {"seconds": seconds, "compared_bytes": compared, "shipped_bytes": shipped, "runs": runs}
+        print(f"  {'catch-up':12} {kind:18}: {seconds:6.2f} s, compared {compared / 2**20:7.1f} MiB, shipped "
+              f"{shipped / 2**20:6.1f} MiB ({shipped / (absent_mib << 20):.2f}× the {absent_mib} MiB written; "
+              f"{gib} GiB volume)")
+    return summary
+
+
 def label(replicas):
     return "2 forwarded" if replicas == "2f" else str(replicas)
 
@@ -203,6 +279,10 @@ def main():
                         help="also measure full rebuilds of an N GiB volume (alone and under a client)")
     parser.add_argument("--resync-busy-percent", type=int,
                         help="cluster.resync_busy_percent on every node (default: the server's)")
+    parser.add_argument("--resync-gib", type=int, default=0,
+                        help="also measure a replica's catch-up after an absence, on an N GiB volume")
+    parser.add_argument("--absent-mib", type=int, default=16,
+                        help="MiB of 4 KiB random writes while the replica is away (--resync-gib)")
     parser.add_argument("--forwarded", action="store_true",
                         help="also the R=2 volume through node 3, which holds no replica")
     args = parser.parse_args()
@@ -219,7 +299,7 @@ def main():
     results = {r: {w: [] for w in [*WORKLOADS, "pgbench"]} for r in (1, 2, 3, "2f")}
     try:
         first = cluster.add(extra_args=extra_args)
-        cluster.add(extra_args=extra_args)
+        second = cluster.add(extra_args=extra_args)
         third = cluster.add(extra_args=extra_args)
         wait_until("three voters", lambda: cluster.voters() == {1, 2, 3}, timeout=60)
         for replicas in (1, 2, 3):
@@ -243,6 +323,8 @@ def main():
                           f"in sync {took:.2f} s after the first attach", flush=True)
         if args.rebuild_gib:
             run_rebuilds(first, args, results)
+        if args.resync_gib:
+            run_resyncs(first, second, args, results)
         order = [1, 2, 3]
         for round_index in range(args.rounds):
             if args.pgbench:
@@ -277,6 +359,8 @@ def main():
                   f"(fresh {args.catch_up_gib} GiB)")
     if results.get("rebuild"):
         summary["rebuild"] = summarize_rebuilds(results["rebuild"])
+    if results.get("resync"):
+        summary["resync"] = summarize_resyncs(results["resync"], args.absent_mib, args.resync_gib)
     if args.pgbench:
         base = statistics.median(m["tps"] for m in results[1]["pgbench"])
         for replicas in (1, 2, 3):

@@ -29,6 +29,10 @@ METHOD_REPLICATE = 0x0200
 ROUNDS = int(os.environ.get("KEEL_REPLICATION_ROUNDS", "2"))
 BLOCK = 4096
 SIZE = 64 << 20
+# The 1 MiB chunks of the tail test's writes, and the unit in which the primary records what a
+# replica lacks (crates/replication/src/dirty.rs).
+CHUNK = 1 << 20
+UNIT = 64 << 10
 
 
 def two_nodes_and_witness(cluster):
@@ -91,9 +95,11 @@ def test_r2_volume_survives_losing_a_replica_and_resyncs_what_changed(cluster):
     """An R=2 volume is placed on both storage nodes and both are in sync once attached (the
     never-written volume is skipped, not compared). With
     the replica killed (-9), writes and FLUSHes go on after the in-sync set shrinks through
-    Raft; when it returns it catches up by shipping only the blocks that changed (bytes
-    shipped ≤ 1.1× the bytes written meanwhile) and rejoins. Then the primary is killed and
-    the volume attached through the other node holds every flushed write."""
+    Raft; when it returns it catches up by comparing only the 256 KiB written meanwhile (the
+    primary kept track of it; the whole written stretch is 64 MiB) and shipping only
+    the blocks that changed (bytes shipped ≤ 1.1× the bytes written meanwhile), and rejoins.
+    Then the primary is killed and the volume attached through the other node holds every
+    flushed write."""
     first, second = two_nodes_and_witness(cluster)
     create_r2(first, "r2")
     info = replication(first, "r2")
@@ -122,19 +128,25 @@ def test_r2_volume_survives_losing_a_replica_and_resyncs_what_changed(cluster):
     assert info["in_sync"] == [1], info
     status = first.cli("status").stdout
     assert "HEALTH_WARN" in status and "KEEL_VOLUME_DEGRADED" in status, status
-    # The absent replica is listed as catching up, over the whole volume.
+    # The absent replica is listed as catching up over the four units written meanwhile.
     wait_until("node 2 listed as catching up", lambda: [
-        (c["node"], c["total_bytes"]) for c in replication(first, "r2")["served_here"]["catching_up"]] == [(2, SIZE)])
+        (c["node"], c["total_bytes"]) for c in replication(first, "r2")["served_here"]["catching_up"]] == [(2, 4 * UNIT)])
     # Written while the replica was away: these blocks, and nothing else, must travel.
     absent_bytes = 64 * BLOCK
     shipped_before = info["served_here"]["resync_bytes"]
+    compared_before = info["served_here"]["resync_compared_bytes"]
 
     second.start()
     wait_until("the replica back in sync", lambda: sorted(replication(first, "r2")["in_sync"]) == [1, 2], timeout=60)
     assert "KEEL_VOLUME_DEGRADED" not in first.cli("status").stdout
     assert replication(first, "r2")["served_here"]["catching_up"] == []
-    shipped = replication(first, "r2")["served_here"]["resync_bytes"] - shipped_before
+    served = replication(first, "r2")["served_here"]
+    shipped = served["resync_bytes"] - shipped_before
     assert 0 < shipped <= 1.1 * absent_bytes, (shipped, absent_bytes)
+    # Those four units (twice if an attempt failed half-way as the node came up), not the
+    # 64 MiB a comparison of every written stretch reads.
+    compared = served["resync_compared_bytes"] - compared_before
+    assert 4 * UNIT <= compared <= 8 * UNIT, compared
     for index in range(320, 384):
         expected[index] = block("after", index)
         client.write(index * BLOCK, expected[index])
@@ -160,6 +172,47 @@ def test_r2_volume_survives_losing_a_replica_and_resyncs_what_changed(cluster):
     assert info["primary"] == 2 and info["in_sync"] == [2], info
     other.write(0, block("new-primary", 0))
     other.flush()
+
+
+def test_writes_a_replica_never_confirmed_are_compared_when_it_returns(cluster):
+    """Writes to chunks 10 to 13 are held in the primary's transport for a second (the
+    fault proxy) while the replica is killed -9, so they never reach it; a FLUSH then
+    completes without it. When it returns, its catch-up compares only what it may lack —
+    the four 64 KiB units of those writes, which its stream carried but it never confirmed
+    durable — not the 64 MiB written stretch. The primary is then killed and the volume attached through the
+    returned replica holds every block: before, in the lost tail, and after."""
+    first, second = two_nodes_and_witness(cluster)
+    create_r2(first, "tail")
+    client = attach(first, "tail")
+    wait_until("both replicas in sync", lambda: sorted(replication(first, "tail")["in_sync"]) == [1, 2])
+    expected = {}
+    for chunk in range(8):
+        expected[chunk * CHUNK] = block("before", chunk)
+    for chunk in range(10, 14):
+        expected[chunk * CHUNK + BLOCK] = block("lost-tail", chunk)
+    for offset in [o for o in expected if o < 8 * CHUNK]:
+        client.write(offset, expected[offset])
+    client.flush()
+    wait_until("in sync after the first writes", lambda: sorted(replication(first, "tail")["in_sync"]) == [1, 2])
+    compared_before = replication(first, "tail")["served_here"]["resync_compared_bytes"]
+    first.faults([], delays=[{"node": second.node_id(), "method": METHOD_REPLICATE, "milliseconds": 1000}])
+    for offset in [o for o in expected if o >= 8 * CHUNK]:
+        client.write(offset, expected[offset])
+    second.kill9()
+    client.flush()
+    assert replication(first, "tail")["in_sync"] == [1]
+    first.faults([])
+    second.start()
+    wait_until("the replica back in sync", lambda: sorted(replication(first, "tail")["in_sync"]) == [1, 2], timeout=60)
+    compared = replication(first, "tail")["served_here"]["resync_compared_bytes"] - compared_before
+    assert 4 * UNIT <= compared <= 8 * UNIT, compared
+    expected[20 * CHUNK] = block("after", 20)
+    client.write(20 * CHUNK, expected[20 * CHUNK])
+    client.flush()
+    first.kill9()
+    other = attach(second, "tail", timeout=60)
+    for offset, data in expected.items():
+        assert other.read(offset, BLOCK) == data, f"the block at {offset} is not what was written"
 
 
 def test_no_flushed_write_is_lost_when_the_primary_is_killed(cluster, workdir):

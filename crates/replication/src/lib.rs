@@ -17,6 +17,7 @@
 //!   volume. Nothing below this crate knows about other nodes.
 
 mod attached;
+mod dirty;
 mod forward;
 pub mod primary;
 pub mod protocol;

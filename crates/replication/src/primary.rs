@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use keel_catalog::{Command, MetadataError, NodeId};
 use keel_volume::{VolumeError, VolumeIo, VolumeResult};
 
+use crate::dirty::Lacking;
 use crate::wire::{
     self, Batch, BatchAck, CopyAnswer, HashAnswer, HashRequest, Op, UnwrittenAnswer,
     BLOCK_HASH_BYTES, CODE_BEHIND, CODE_FENCED, METHOD_HASHES, METHOD_READ_COPY, METHOD_REPLICATE,
@@ -113,6 +114,8 @@ struct Peer {
     /// The chunk its resync reads without the order lock: `(start, end, touched)`, touched
     /// when a change ordered meanwhile overlaps it (the read is then done again).
     resync_reading: Option<(u64, u64, bool)>,
+    /// What it may lack beyond its stream: what its next catch-up compares.
+    lacking: Lacking,
     wake: Arc<tokio::sync::Notify>,
 }
 
@@ -139,12 +142,14 @@ impl Peer {
             client_requests: 0,
             client_requests_grew: None,
             resync_reading: None,
+            lacking: Lacking::default(),
             wake: Arc::new(tokio::sync::Notify::new()),
         }
     }
 
     /// Stops the stream: nothing more is queued or sent to it.
     fn end_stream(&mut self) {
+        self.lacking.stream_ended();
         self.streaming = false;
         self.queue.clear();
         self.queued_bytes = 0;
@@ -173,6 +178,8 @@ struct State {
     resync_bytes: u64,
     /// Bytes catch-ups skipped without comparing, neither side having ever written them.
     resync_skipped_bytes: u64,
+    /// Bytes catch-ups compared.
+    resync_compared_bytes: u64,
     /// Blocks of the local copy that failed their checksum on read and were replaced by an
     /// in-sync replica's copy.
     repaired_blocks: u64,
@@ -239,6 +246,8 @@ pub struct PrimaryStatus {
     pub catching_up: Vec<CatchUp>,
     pub resync_bytes: u64,
     pub resync_skipped_bytes: u64,
+    /// Bytes catch-ups went through chunk by chunk (the rest they skipped).
+    pub resync_compared_bytes: u64,
     /// Damaged blocks of this node's copy replaced by a replica's copy since it became primary.
     pub repaired_blocks: u64,
     pub closed: Option<String>,
@@ -284,6 +293,7 @@ impl Primary {
                 closed: None,
                 resync_bytes: 0,
                 resync_skipped_bytes: 0,
+                resync_compared_bytes: 0,
                 repaired_blocks: 0,
             }),
             changed: Condvar::new(),
@@ -333,6 +343,7 @@ impl Primary {
                 .collect(),
             resync_bytes: state.resync_bytes,
             resync_skipped_bytes: state.resync_skipped_bytes,
+            resync_compared_bytes: state.resync_compared_bytes,
             repaired_blocks: state.repaired_blocks,
             closed: state.closed.clone(),
         }
@@ -478,11 +489,13 @@ impl Primary {
         self.check_writable(&self.state())?;
         apply()?;
         let mut state = self.state();
+        let position = state.next_seq;
         state.next_seq += 1;
         for peer in state.peers.values_mut() {
             if let Some((start, end, touched)) = peer.resync_reading.as_mut() {
                 *touched |= offset < *end && offset + length > *start;
             }
+            peer.lacking.note(peer.streaming, position, offset, length);
             if peer.streaming {
                 peer.push(Item::Op(op()));
             }
@@ -714,6 +727,7 @@ impl Primary {
                 if let (Some((upto, count)), true) = (sent.flush, peer.stream == sent.stream) {
                     peer.durable_upto = peer.durable_upto.max(upto);
                     peer.flushes_confirmed = peer.flushes_confirmed.max(count);
+                    peer.lacking.confirmed(peer.durable_upto);
                 }
                 drop(state);
                 self.changed.notify_all();
@@ -886,6 +900,9 @@ impl Primary {
             outcome
         });
         for &node in nodes {
+            if let Some(peer) = self.state().peers.get_mut(&node) {
+                peer.lacking.unknown();
+            }
             self.spawn_resync(node);
         }
         outcome
@@ -1173,12 +1190,15 @@ impl Primary {
     }
 
     /// Catches a replica up and puts it back in the in-sync set: a new stream carries every
-    /// write from now on; meanwhile each chunk of the volume is compared by block hashes and
-    /// the blocks that differ are queued on the same stream (so a later write to a block
+    /// write from now on; meanwhile each chunk of the volume it may lack ([`Lacking`]: after a
+    /// short absence, the chunks changed meanwhile; otherwise all) is compared by block hashes
+    /// and the blocks that differ are queued on the same stream (so a later write to a block
     /// always lands after its copy); then the replica flushes, counts for FLUSHes, and Raft
     /// records it in sync.
     async fn resync(self: &Arc<Self>, node: NodeId) -> Result<(), String> {
-        {
+        let size = self.local.size_bytes();
+        let block = u64::from(self.local.block_size_bytes());
+        let (runs, probing, stream) = {
             let mut state = self.state();
             if state.closed.is_some() {
                 return Ok(());
@@ -1186,6 +1206,14 @@ impl Primary {
             let stream = rand::random::<u64>();
             let Some(peer) = state.peers.get_mut(&node) else {
                 return Ok(());
+            };
+            // A stream an earlier attempt began: what it carried unconfirmed is lacked too.
+            peer.lacking.stream_ended();
+            // Written stretches are found by probing when everything is compared; what the
+            // replica lacks after an absence was written by definition.
+            let (runs, probing) = match peer.lacking.to_compare() {
+                Some(chunks) => (chunks.runs(size, block), false),
+                None => (vec![(0, size)], true),
             };
             peer.queue.clear();
             peer.queued_bytes = 0;
@@ -1201,108 +1229,117 @@ impl Primary {
             peer.catalog_index = self.shared.cluster.applied_index();
             peer.resync_started = Some(self.shared.clock().now());
             peer.resync_compared = 0;
-            peer.resync_total = self.local.size_bytes();
+            peer.resync_total = runs.iter().map(|(start, end)| end - start).sum();
             let mut state_ref = state;
             self.spawn_sender(node, &mut state_ref);
-        }
-        let size = self.local.size_bytes();
-        let block = u64::from(self.local.block_size_bytes());
-        let mut offset = 0u64;
+            (runs, probing, stream)
+        };
         let mut shipped = 0u64;
+        // Bytes of the runs before the current one.
+        let mut runs_done = 0u64;
         let clock = self.shared.clock();
         let started = clock.now();
-        // The end of the stretch already known to hold writes (compared chunk by chunk), and
-        // whether the replica had never written it when asked: then its chunks read as zeroes
-        // there, and are compared with zeroes without asking for hashes (a client write to
-        // the stretch since then is on the replica's stream and on this copy alike).
-        let mut probed_to = 0u64;
-        let mut theirs_unwritten = false;
-        // The next chunk's hashes, asked for while this chunk is read and queued.
-        let mut prefetched: Option<(u64, HashesAsked)> = None;
         let busy_percent = u32::from(self.shared.resync_busy_percent.clamp(1, 100));
         let mut requests_seen = self.local_requests();
-        while offset < size {
-            let chunk_started = clock.now();
-            if offset >= probed_to {
-                let stretch = RESYNC_PROBE_BYTES.min(size - offset);
-                match self.probe_stretch(node, offset, stretch).await? {
-                    Stretch::Unwritten => {
-                        offset += stretch;
-                        let mut state = self.state();
-                        state.resync_skipped_bytes += stretch;
-                        if let Some(peer) = state.peers.get_mut(&node) {
-                            peer.resync_compared = offset;
+        for (start, end) in runs {
+            let mut offset = start;
+            // The end of the stretch already known to hold writes (compared chunk by chunk),
+            // and whether the replica had never written it when asked: then its chunks read
+            // as zeroes there, and are compared with zeroes without asking for hashes (a
+            // client write to the stretch since then is on the replica's stream and on this
+            // copy alike).
+            let mut probed_to = if probing { start } else { end };
+            let mut theirs_unwritten = false;
+            // The next chunk's hashes, asked for while this chunk is read and queued.
+            let mut prefetched: Option<(u64, HashesAsked)> = None;
+            while offset < end {
+                let chunk_started = clock.now();
+                if offset >= probed_to {
+                    let stretch = RESYNC_PROBE_BYTES.min(end - offset);
+                    match self.probe_stretch(node, offset, stretch).await? {
+                        Stretch::Unwritten => {
+                            offset += stretch;
+                            let mut state = self.state();
+                            state.resync_skipped_bytes += stretch;
+                            if let Some(peer) = state.peers.get_mut(&node) {
+                                peer.resync_compared = runs_done + offset - start;
+                            }
+                            continue;
                         }
-                        continue;
+                        Stretch::TheirsUnwritten => theirs_unwritten = true,
+                        Stretch::Written => theirs_unwritten = false,
                     }
-                    Stretch::TheirsUnwritten => theirs_unwritten = true,
-                    Stretch::Written => theirs_unwritten = false,
+                    probed_to = offset + stretch;
                 }
-                probed_to = offset + stretch;
-            }
-            let length = RESYNC_CHUNK_BYTES.min(size - offset);
-            let theirs = match prefetched.take() {
-                _ if theirs_unwritten => Vec::new(),
-                Some((at, hashes)) if at == offset => {
-                    hashes.await.map_err(|error| error.to_string())??
+                let length = RESYNC_CHUNK_BYTES.min(end - offset);
+                let theirs = match prefetched.take() {
+                    _ if theirs_unwritten => Vec::new(),
+                    Some((at, hashes)) if at == offset => {
+                        hashes.await.map_err(|error| error.to_string())??
+                    }
+                    _ => self.remote_hashes(node, offset, length).await?,
+                };
+                let next = offset + length;
+                if !theirs_unwritten && next < probed_to {
+                    let this = self.clone();
+                    let next_length = RESYNC_CHUNK_BYTES.min(end - next);
+                    prefetched = Some((
+                        next,
+                        tokio::spawn(
+                            async move { this.remote_hashes(node, next, next_length).await },
+                        ),
+                    ));
                 }
-                _ => self.remote_hashes(node, offset, length).await?,
-            };
-            let next = offset + length;
-            if !theirs_unwritten && next < probed_to {
+                // Room first (never wait for the queue with the order lock held).
+                loop {
+                    {
+                        let state = self.state();
+                        let peer = state.peers.get(&node).ok_or("replica gone")?;
+                        if state.closed.is_some() {
+                            return Ok(());
+                        }
+                        if peer.failed || !peer.streaming {
+                            return Err("the replica's stream failed during the resync".to_string());
+                        }
+                        if peer.queued_bytes < QUEUE_BYTES_MAX / 2 {
+                            break;
+                        }
+                    }
+                    self.shared.clock().sleep(Duration::from_millis(5)).await;
+                }
                 let this = self.clone();
-                let next_length = RESYNC_CHUNK_BYTES.min(size - next);
-                prefetched = Some((
-                    next,
-                    tokio::spawn(async move { this.remote_hashes(node, next, next_length).await }),
-                ));
-            }
-            // Room first (never wait for the queue with the order lock held).
-            loop {
+                let copied = tokio::task::spawn_blocking(move || {
+                    this.queue_differences(node, offset, length, block, &theirs)
+                })
+                .await
+                .map_err(|error| error.to_string())??;
+                shipped += copied;
+                self.state().resync_compared_bytes += length;
+                offset += length;
+                let worked = clock.now().saturating_duration_since(chunk_started);
+                // The configured rate: wait until what was shipped so far is due.
+                if let Some(rate) = self.shared.resync_bytes_per_second {
+                    let due = Duration::from_secs_f64(shipped as f64 / rate.max(1) as f64);
+                    let elapsed = clock.now().saturating_duration_since(started);
+                    if due > elapsed {
+                        clock.sleep(due - elapsed).await;
+                    }
+                }
+                // Clients came meanwhile, on either node: work only `busy_percent` of the time
+                // while they do.
+                let requests = self.local_requests();
+                if (requests != requests_seen || self.replica_node_busy(node)) && busy_percent < 100
                 {
-                    let state = self.state();
-                    let peer = state.peers.get(&node).ok_or("replica gone")?;
-                    if state.closed.is_some() {
-                        return Ok(());
-                    }
-                    if peer.failed || !peer.streaming {
-                        return Err("the replica's stream failed during the resync".to_string());
-                    }
-                    if peer.queued_bytes < QUEUE_BYTES_MAX / 2 {
-                        break;
-                    }
+                    clock
+                        .sleep(worked * (100 - busy_percent) / busy_percent)
+                        .await;
+                    requests_seen = self.local_requests();
                 }
-                self.shared.clock().sleep(Duration::from_millis(5)).await;
-            }
-            let this = self.clone();
-            let copied = tokio::task::spawn_blocking(move || {
-                this.queue_differences(node, offset, length, block, &theirs)
-            })
-            .await
-            .map_err(|error| error.to_string())??;
-            shipped += copied;
-            offset += length;
-            let worked = clock.now().saturating_duration_since(chunk_started);
-            // The configured rate: wait until what was shipped so far is due.
-            if let Some(rate) = self.shared.resync_bytes_per_second {
-                let due = Duration::from_secs_f64(shipped as f64 / rate.max(1) as f64);
-                let elapsed = clock.now().saturating_duration_since(started);
-                if due > elapsed {
-                    clock.sleep(due - elapsed).await;
+                if let Some(peer) = self.state().peers.get_mut(&node) {
+                    peer.resync_compared = runs_done + offset - start;
                 }
             }
-            // Clients came meanwhile, on either node: work only `busy_percent` of the time
-            // while they do.
-            let requests = self.local_requests();
-            if (requests != requests_seen || self.replica_node_busy(node)) && busy_percent < 100 {
-                clock
-                    .sleep(worked * (100 - busy_percent) / busy_percent)
-                    .await;
-                requests_seen = self.local_requests();
-            }
-            if let Some(peer) = self.state().peers.get_mut(&node) {
-                peer.resync_compared = offset;
-            }
+            runs_done += end - start;
         }
         let compared = clock.now().saturating_duration_since(started);
         // Everything is queued: the replica becomes counted, flushes, and joins once that
@@ -1344,6 +1381,13 @@ impl Primary {
                 peer.counted = false;
             }
             return Err(error);
+        }
+        // Unless its stream failed meanwhile: then what it carried unconfirmed was added to
+        // what the replica lacks, and the next catch-up compares that and all of this one.
+        if let Some(peer) = self.state().peers.get_mut(&node) {
+            if peer.streaming && !peer.failed && peer.stream == stream {
+                peer.lacking.caught_up();
+            }
         }
         self.changed.notify_all();
         let took = clock.now().saturating_duration_since(started);
@@ -1662,6 +1706,7 @@ impl Primary {
             let compared = self.read_differences(offset, length, block, theirs);
             let _order = order.unwrap_or_else(|| lock(&self.order));
             let mut state = self.state();
+            let next_position = state.next_seq;
             let peer = state.peers.get_mut(&node).ok_or("replica gone")?;
             let touched = peer
                 .resync_reading
@@ -1685,6 +1730,13 @@ impl Primary {
                     }));
                     queued += (stop - start) as u64;
                 }
+            }
+            // A scrub's repair of a replica in sync: data without a history position, which
+            // a FLUSH queued after the next write confirms. (A catch-up's copies need no
+            // note: until it succeeds, what the replica lacks keeps all it compares.)
+            if queued > 0 && peer.counted {
+                peer.lacking
+                    .note(peer.streaming, next_position, offset, length);
             }
             state.resync_bytes += queued;
             return Ok(queued);

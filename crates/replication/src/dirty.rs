@@ -1,0 +1,214 @@
+//! What a replica may lack, so that catching it up after a short absence compares only that
+//! (DRBD's bitmap, on the primary's history positions): the ranges changed while it had no
+//! stream, and those of changes its stream carried but it never confirmed durable.
+
+use std::collections::VecDeque;
+
+/// The bitmap's unit: a 4 KiB write marks 64 KiB to compare (2 MiB of bitmap per TiB).
+pub(crate) const UNIT_BYTES: u64 = 64 << 10;
+
+/// Changes of a stream remembered until the replica confirms them durable; past this, the
+/// tail is unknown and the next catch-up compares everything.
+const UNCONFIRMED_MAX: usize = 1 << 20;
+
+/// A set of the volume's [`UNIT_BYTES`] units: one bit each, grown on demand.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Chunks {
+    words: Vec<u64>,
+}
+
+impl Chunks {
+    /// Adds every unit `[offset, offset + length)` touches.
+    pub(crate) fn mark(&mut self, offset: u64, length: u64) {
+        if length == 0 {
+            return;
+        }
+        let first = offset / UNIT_BYTES;
+        let last = (offset + length - 1) / UNIT_BYTES;
+        let words = usize::try_from(last / 64 + 1).unwrap_or(usize::MAX);
+        if self.words.len() < words {
+            self.words.resize(words, 0);
+        }
+        for chunk in first..=last {
+            self.words[(chunk / 64) as usize] |= 1 << (chunk % 64);
+        }
+    }
+
+    /// The byte ranges of consecutive units in the set, in order, widened to whole `block`s
+    /// and clipped to `size`.
+    pub(crate) fn runs(&self, size: u64, block: u64) -> Vec<(u64, u64)> {
+        let block = block.max(1);
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for (index, word) in self.words.iter().enumerate() {
+            let mut bits = *word;
+            while bits != 0 {
+                let unit = index as u64 * 64 + u64::from(bits.trailing_zeros());
+                bits &= bits - 1;
+                let start = unit * UNIT_BYTES / block * block;
+                if start >= size {
+                    return runs;
+                }
+                let end = (unit + 1) * UNIT_BYTES;
+                let end = end.div_ceil(block).saturating_mul(block).min(size);
+                match runs.last_mut() {
+                    Some((_, last_end)) if *last_end >= start => *last_end = end.max(*last_end),
+                    _ => runs.push((start, end)),
+                }
+            }
+        }
+        runs
+    }
+}
+
+/// The primary's record of what one replica may lack beyond what its stream carries.
+#[derive(Debug, Default)]
+pub(crate) struct Lacking {
+    /// Chunks changed while it had no stream (and those its failed streams never confirmed).
+    /// `None`: unknown — it never had a complete stream from this primary (this primary just
+    /// started, the replica is new, or a rollback it could not make needs it copied whole),
+    /// or its tail overflowed; its catch-up compares every written stretch.
+    chunks: Option<Chunks>,
+    /// Changes its current stream carries that it has not confirmed durable, with their
+    /// history positions, oldest first.
+    unconfirmed: VecDeque<(u64, u64, u64)>,
+    /// More than [`UNCONFIRMED_MAX`] were unconfirmed: changes up to this position went
+    /// unrecorded.
+    unrecorded_upto: Option<u64>,
+}
+
+impl Lacking {
+    /// A change at history `position`: on the replica's stream (`streaming`) it is remembered
+    /// until confirmed durable; otherwise the replica lacks it.
+    pub(crate) fn note(&mut self, streaming: bool, position: u64, offset: u64, length: u64) {
+        if !streaming {
+            if let Some(chunks) = self.chunks.as_mut() {
+                chunks.mark(offset, length);
+            }
+        } else if self.unconfirmed.len() >= UNCONFIRMED_MAX {
+            self.unrecorded_upto = Some(position);
+        } else {
+            self.unconfirmed.push_back((position, offset, length));
+        }
+    }
+
+    /// The replica confirmed durable every change of its stream up to `upto`.
+    pub(crate) fn confirmed(&mut self, upto: u64) {
+        while self
+            .unconfirmed
+            .front()
+            .is_some_and(|(position, _, _)| *position <= upto)
+        {
+            self.unconfirmed.pop_front();
+        }
+        if self
+            .unrecorded_upto
+            .is_some_and(|position| position <= upto)
+        {
+            self.unrecorded_upto = None;
+        }
+    }
+
+    /// Its stream ended: what the stream carried unconfirmed, the replica may lack.
+    pub(crate) fn stream_ended(&mut self) {
+        if self.unrecorded_upto.take().is_some() {
+            self.chunks = None;
+        }
+        let unconfirmed = std::mem::take(&mut self.unconfirmed);
+        if let Some(chunks) = self.chunks.as_mut() {
+            for (_, offset, length) in unconfirmed {
+                chunks.mark(offset, length);
+            }
+        }
+    }
+
+    /// What a catch-up starting now must compare (`None`: everything).
+    pub(crate) fn to_compare(&self) -> Option<Chunks> {
+        self.chunks.clone()
+    }
+
+    /// A catch-up made the replica hold everything its stream did not carry.
+    pub(crate) fn caught_up(&mut self) {
+        self.chunks = Some(Chunks::default());
+    }
+
+    /// Forget what it lacks: its next catch-up compares everything.
+    pub(crate) fn unknown(&mut self) {
+        self.chunks = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const U: u64 = UNIT_BYTES;
+
+    #[test]
+    fn runs_merge_neighbouring_units_and_stop_at_the_size() {
+        let mut chunks = Chunks::default();
+        chunks.mark(0, 1);
+        chunks.mark(U - 1, 2); // units 0 and 1
+        chunks.mark(5 * U, 3 * U); // 5, 6, 7
+        chunks.mark(130 * U, 1); // in the third word
+        chunks.mark(9 * U, 0); // nothing
+        assert_eq!(
+            chunks.runs(u64::MAX, 4096),
+            vec![(0, 2 * U), (5 * U, 8 * U), (130 * U, 131 * U)]
+        );
+        assert_eq!(
+            chunks.runs(6 * U + 4096, 4096),
+            vec![(0, 2 * U), (5 * U, 6 * U + 4096)]
+        );
+        // Blocks larger than a unit: runs widen to whole blocks, and merge.
+        let block = 3 * U;
+        assert_eq!(
+            chunks.runs(u64::MAX, block),
+            vec![(0, 9 * U), (129 * U, 132 * U)]
+        );
+        assert_eq!(Chunks::default().runs(u64::MAX, 4096), Vec::new());
+    }
+
+    #[test]
+    fn a_replica_lacks_what_it_missed_and_what_it_never_confirmed() {
+        let mut lacking = Lacking::default();
+        // A primary that never streamed to it in full knows nothing.
+        lacking.note(false, 1, 0, 4096);
+        assert_eq!(lacking.to_compare(), None);
+        lacking.caught_up();
+        // In its stream: confirmed changes are forgotten, unconfirmed ones are lacked once
+        // the stream ends, and changes while it has none are lacked at once.
+        lacking.note(true, 2, 10 * U, 4096);
+        lacking.note(true, 3, 20 * U, 4096);
+        lacking.confirmed(2);
+        lacking.stream_ended();
+        lacking.note(false, 4, 30 * U, 4096);
+        let chunks = lacking.to_compare().expect("known");
+        assert_eq!(
+            chunks.runs(u64::MAX, 4096),
+            vec![(20 * U, 21 * U), (30 * U, 31 * U)]
+        );
+        lacking.caught_up();
+        assert_eq!(lacking.to_compare(), Some(Chunks::default()));
+        lacking.unknown();
+        assert_eq!(lacking.to_compare(), None);
+    }
+
+    #[test]
+    fn an_overflowing_tail_makes_it_unknown_until_confirmed() {
+        let mut lacking = Lacking::default();
+        lacking.caught_up();
+        for position in 0..=UNCONFIRMED_MAX as u64 {
+            lacking.note(true, position, 0, 1);
+        }
+        assert_eq!(lacking.unrecorded_upto, Some(UNCONFIRMED_MAX as u64));
+        // Confirmed through the last unrecorded change: known again.
+        lacking.confirmed(UNCONFIRMED_MAX as u64);
+        lacking.stream_ended();
+        assert_eq!(lacking.to_compare(), Some(Chunks::default()));
+        for position in 0..=UNCONFIRMED_MAX as u64 {
+            lacking.note(true, position, 0, 1);
+        }
+        lacking.stream_ended();
+        assert_eq!(lacking.to_compare(), None);
+    }
+}
