@@ -24,8 +24,8 @@ catch-up after an absence: an N GiB R=2 volume written whole; per round node 2 i
 --absent-mib M of 4 KiB random writes land meanwhile, node 2 returns, and the time until it
 is back in sync and the bytes the catch-up compared and shipped are recorded; each round does
 it twice, in alternating order: as is (the primary knows what node 2 lacks) and with the
-primary's node restarted while node 2 is away (it no longer knows, and compares every written
-stretch: what every catch-up cost before). Every round runs every R
+primary's node killed -9 and started again while node 2 is away (it no longer knows, and
+compares every written stretch: what every catch-up cost before). Every round runs every R
 in turn, in an order that rotates between rounds; medians are quoted with the ratio to R=1.
 
 All nodes share this machine's one disk (and its two cores): every replica's fdatasync lands on
@@ -192,8 +192,9 @@ def summarize_rebuilds(runs):
 
 
 def kill_and_write(first, second, name, absent_mib, restart_primary):
-    """Kills node 2, writes `absent_mib` MiB of 4 KiB random writes through node 1 (restarted
-    first when `restart_primary`), brings node 2 back and waits until it is in sync; returns
+    """Kills node 2, writes `absent_mib` MiB of 4 KiB random writes through node 1 (killed -9
+    and started again first when `restart_primary`: a clean stop would note what node 2 lacks),
+    brings node 2 back and waits until it is in sync; returns
     (seconds from its start to in sync, bytes compared, bytes shipped)."""
     uri = f"nbd://{first.host}:{first.nbd_port}/{name}"
 
@@ -204,7 +205,7 @@ def kill_and_write(first, second, name, absent_mib, restart_primary):
 
     second.kill9()
     if restart_primary:
-        first.stop()
+        first.kill9()
         first.start()
     # Attaching through node 1 makes it primary again (after a restart: a new primary that
     # knows nothing of what node 2 lacks).
@@ -241,7 +242,7 @@ def run_resyncs(first, second, args, results):
         order = [False, True] if round_index % 2 == 0 else [True, False]
         for restart_primary in order:
             took, compared, shipped = kill_and_write(first, second, name, args.absent_mib, restart_primary)
-            kind = "primary restarted" if restart_primary else "tracked"
+            kind = "primary killed" if restart_primary else "tracked"
             results.setdefault("resync", {}).setdefault(kind, []).append(
                 {"seconds": took, "compared_bytes": compared, "shipped_bytes": shipped})
             print(f"round {round_index + 1} catch-up after {args.absent_mib} MiB of 4 KiB random writes, {kind}: "

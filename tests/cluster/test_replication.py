@@ -215,6 +215,54 @@ def test_writes_a_replica_never_confirmed_are_compared_when_it_returns(cluster):
         assert other.read(offset, BLOCK) == data, f"the block at {offset} is not what was written"
 
 
+def test_a_primary_stopped_cleanly_remembers_what_its_replica_lacks(cluster):
+    """Node 2 (the replica) is killed and two blocks are written without it; then node 1
+    (the primary) is stopped cleanly and started again, and the volume attached through it
+    anew. At its shutdown the primary noted in its store what node 2 lacks; the new primary
+    takes that note (the volume's epoch has not moved since), so when node 2 returns its
+    catch-up compares those two 64 KiB units, not the 64 MiB written stretch. Then node 1 is
+    stopped cleanly once more, with node 2 in sync this time: after the restart node 2 lacks
+    nothing and is compared not at all. Finally node 1 is killed and the volume attached
+    through node 2 holds every block."""
+    first, second = two_nodes_and_witness(cluster)
+    create_r2(first, "clean")
+    client = attach(first, "clean")
+    wait_until("both replicas in sync", lambda: sorted(replication(first, "clean")["in_sync"]) == [1, 2])
+    expected = {chunk * CHUNK: block("before", chunk) for chunk in range(8)}
+    for offset, data in expected.items():
+        client.write(offset, data)
+    client.flush()
+    second.kill9()
+    for chunk in (20, 21):
+        expected[chunk * CHUNK] = block("absent", chunk)
+        client.write(chunk * CHUNK, expected[chunk * CHUNK])
+    client.flush()
+    assert replication(first, "clean")["in_sync"] == [1]
+    client.close()
+
+    first.stop()
+    first.start()
+    client = attach(first, "clean", timeout=60)
+    second.start()
+    wait_until("node 2 back in sync", lambda: sorted(replication(first, "clean")["in_sync"]) == [1, 2], timeout=60)
+    compared = replication(first, "clean")["served_here"]["resync_compared_bytes"]
+    assert 2 * UNIT <= compared <= 4 * UNIT, compared
+    client.close()
+
+    first.stop()
+    first.start()
+    client = attach(first, "clean", timeout=60)
+    wait_until("node 2 in sync after the restart", lambda: sorted(replication(first, "clean")["in_sync"]) == [1, 2], timeout=60)
+    assert replication(first, "clean")["served_here"]["resync_compared_bytes"] == 0
+    expected[30 * CHUNK] = block("after", 30)
+    client.write(30 * CHUNK, expected[30 * CHUNK])
+    client.flush()
+    first.kill9()
+    other = attach(second, "clean", timeout=60)
+    for offset, data in expected.items():
+        assert other.read(offset, BLOCK) == data, f"the block at {offset} is not what was written"
+
+
 def test_no_flushed_write_is_lost_when_the_primary_is_killed(cluster, workdir):
     """`keel bench durability write` (a FLUSH every 4 writes) runs through the primary; the
     primary is killed -9; the volume is attached through the other node, which takes over
@@ -1057,8 +1105,9 @@ def damage_in_place(node, content):
 def test_a_damaged_block_on_a_replica_is_replaced_by_the_primarys_copy(cluster):
     """An uncompressed R=2 volume is written through node 1 and both replicas are in sync. With
     node 2 stopped, one byte of a block in its segment files is flipped (its checksum now
-    fails there) and more blocks are written through node 1. When node 2 returns, its catch-up
-    compares the blocks: the damaged one answers as unreadable rather than failing the
+    fails there) and more blocks are written through node 1, three of them next to the damaged
+    one (in its 64 KiB unit). When node 2 returns, its catch-up compares what it lacks, that
+    unit among them: the damaged block answers as unreadable rather than failing the
     catch-up, the primary ships its copy, and node 2 rejoins. Then a block of node 1's copy, the
     primary's, is damaged while it runs: reading it gives the data written, read from node 2
     and written back (counted in `volume info`), and a second read needs no repair. Then a
@@ -1079,7 +1128,7 @@ def test_a_damaged_block_on_a_replica_is_replaced_by_the_primarys_copy(cluster):
             segment.write_bytes(bytes(content))
             damaged += 1
     assert damaged == 1, f"block 17 found in {damaged} segment files of node 2"
-    for index in range(64, 80):
+    for index in [18, 19, 20, *range(64, 80)]:
         expected[index] = block("rot-absent", index)
         client.write(index * BLOCK, expected[index])
     client.flush()

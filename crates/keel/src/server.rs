@@ -426,6 +426,10 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     signal_result.context("signal handling")?;
     // A scheduled scrub stops at its next page or chunk.
     scheduled_scrubs.await?;
+    // Clients are gone: each primary served here flushes to its replicas and notes what they
+    // lack, so that a restart catches them up with only that.
+    let stopping = replication.clone();
+    tokio::task::spawn_blocking(move || stopping.shutdown()).await?;
     volumes.shutdown();
     drop(volumes);
     drop(s3);
@@ -594,6 +598,46 @@ impl keel_replication::LocalVolumes for LocalVolumes {
     fn open_local(&self, name: &str) -> keel_namespace::volume::VolumeResult<Arc<dyn VolumeIo>> {
         self.volumes.open_volume(name)
     }
+
+    fn keep_note(&self, volume_id: u64, note: Vec<u8>) -> keel_namespace::volume::VolumeResult<()> {
+        let op = keel_store::WriteOp::put(
+            replication_note_key(volume_id),
+            note,
+            keel_store::Compression::None,
+        );
+        self.volumes
+            .store()
+            .write(vec![op], keel_store::Durability::Sync)
+            .map(|_| ())
+            .map_err(keel_namespace::volume::VolumeError::store(
+                "replication note",
+                "keep",
+            ))
+    }
+
+    fn take_note(&self, volume_id: u64) -> keel_namespace::volume::VolumeResult<Option<Vec<u8>>> {
+        let key = replication_note_key(volume_id);
+        let store = self.volumes.store();
+        let error =
+            |operation| keel_namespace::volume::VolumeError::store("replication note", operation);
+        let Some(note) = store.get(&key).map_err(error("read"))? else {
+            return Ok(None);
+        };
+        store
+            .write(
+                vec![keel_store::WriteOp::Delete { key }],
+                keel_store::Durability::Sync,
+            )
+            .map_err(error("delete"))?;
+        Ok(Some(note))
+    }
+}
+
+/// Where a node keeps what a volume's replicas lacked when it stopped (`keel-replication`).
+fn replication_note_key(volume_id: u64) -> Vec<u8> {
+    let mut key = keel_store::meta_key(b"replication/lacking/");
+    key.extend_from_slice(&volume_id.to_be_bytes());
+    key
 }
 
 impl Exports for VolumeExports {

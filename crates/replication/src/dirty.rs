@@ -12,7 +12,7 @@ pub(crate) const UNIT_BYTES: u64 = 64 << 10;
 const UNCONFIRMED_MAX: usize = 1 << 20;
 
 /// A set of the volume's [`UNIT_BYTES`] units: one bit each, grown on demand.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Chunks {
     words: Vec<u64>,
 }
@@ -77,6 +77,14 @@ pub(crate) struct Lacking {
 }
 
 impl Lacking {
+    /// A replica known to lack `chunks` and nothing else.
+    pub(crate) fn known(chunks: Chunks) -> Lacking {
+        Lacking {
+            chunks: Some(chunks),
+            ..Lacking::default()
+        }
+    }
+
     /// A change at history `position`: on the replica's stream (`streaming`) it is remembered
     /// until confirmed durable; otherwise the replica lacks it.
     pub(crate) fn note(&mut self, streaming: bool, position: u64, offset: u64, length: u64) {
@@ -135,6 +143,15 @@ impl Lacking {
     pub(crate) fn unknown(&mut self) {
         self.chunks = None;
     }
+}
+
+/// What a primary knew its replicas lack when its node stopped cleanly: kept in the node's
+/// store, and trusted by the next primary of the volume on this node only if the volume's
+/// epoch has not moved since (no other primary, no change of its replicas).
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub(crate) struct ShutdownNote {
+    pub epoch: u64,
+    pub lacking: Vec<(keel_catalog::NodeId, Chunks)>,
 }
 
 #[cfg(test)]

@@ -24,7 +24,7 @@ pub mod protocol;
 pub mod replica;
 pub mod wire;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
@@ -33,6 +33,7 @@ use keel_catalog::{Command, Metadata, MetadataError, NodeId, VolumeRecord};
 use keel_volume::{VolumeError, VolumeIo, VolumeResult};
 
 use crate::attached::Attached;
+use crate::dirty::{Chunks, ShutdownNote};
 use crate::forward::{Forwarded, Sessions};
 use crate::primary::{Failure, Primary, PrimaryStatus};
 use crate::replica::Replicas;
@@ -66,6 +67,11 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Opens this node's own copy of a volume (the local volume engine).
 pub trait LocalVolumes: Send + Sync + 'static {
     fn open_local(&self, name: &str) -> VolumeResult<Arc<dyn VolumeIo>>;
+    /// Keeps `note` about volume `volume_id` in this node's store, durably, until taken.
+    fn keep_note(&self, volume_id: u64, note: Vec<u8>) -> VolumeResult<()>;
+    /// Takes the note kept about `volume_id`: reads it, then deletes it durably (a note
+    /// serves one start).
+    fn take_note(&self, volume_id: u64) -> VolumeResult<Option<Vec<u8>>>;
 }
 
 /// Bytes this node sent and received as replication traffic (tests and `volume info`).
@@ -276,6 +282,71 @@ impl Replication {
 
     pub fn counters(&self) -> &Counters {
         &self.shared.counters
+    }
+
+    /// This node is shutting down (its clients are gone): each primary served here flushes
+    /// to its replicas and stops, and what it knew each replica lacks is kept in the store,
+    /// so that the next primary of the volume here catches them up with only that (see
+    /// [`Replication::shutdown_note`]). Blocking.
+    pub fn shutdown(&self) {
+        let primaries: Vec<(u64, Arc<Primary>)> = lock(&self.primaries)
+            .iter()
+            .map(|(id, primary)| (*id, primary.clone()))
+            .collect();
+        for (volume_id, primary) in primaries {
+            let Some(note) = primary.stop_for_shutdown() else {
+                continue;
+            };
+            let kept = postcard::to_allocvec(&note)
+                .map_err(|error| error.to_string())
+                .and_then(|bytes| {
+                    self.shared
+                        .local
+                        .keep_note(volume_id, bytes)
+                        .map_err(|error| error.to_string())
+                });
+            if let Err(error) = kept {
+                tracing::warn!(volume_id, %error, "could not keep what the replicas lack; they will be compared whole");
+            }
+        }
+    }
+
+    /// What the replicas of `volume` lacked when this node last stopped cleanly while serving
+    /// it, if its epoch is still the one it had then (`epoch`: the epoch this node just
+    /// replaced by attaching): nobody else was its primary, and its replicas did not change.
+    /// Otherwise (or if unreadable) nothing: every replica is compared whole.
+    fn shutdown_note(&self, volume: &str, volume_id: u64, epoch: u64) -> BTreeMap<NodeId, Chunks> {
+        let note = match self.shared.local.take_note(volume_id) {
+            Ok(Some(bytes)) => postcard::from_bytes::<ShutdownNote>(&bytes),
+            Ok(None) => return BTreeMap::new(),
+            Err(error) => {
+                tracing::warn!(volume, %error, "could not read what the replicas lacked at the last shutdown");
+                return BTreeMap::new();
+            }
+        };
+        match note {
+            Ok(note) if note.epoch == epoch => {
+                tracing::info!(
+                    volume,
+                    epoch,
+                    "the replicas are caught up with what they lacked at the last shutdown"
+                );
+                note.lacking.into_iter().collect()
+            }
+            Ok(note) => {
+                tracing::info!(
+                    volume,
+                    then = note.epoch,
+                    now = epoch,
+                    "the volume changed since the last shutdown: its replicas are compared whole"
+                );
+                BTreeMap::new()
+            }
+            Err(error) => {
+                tracing::warn!(volume, %error, "unreadable note of what the replicas lacked");
+                BTreeMap::new()
+            }
+        }
     }
 
     /// Runs `change` (a snapshot, rollback or resize of `volume`) at one point of the volume's
@@ -532,6 +603,7 @@ impl Replication {
             epoch = replication.epoch + 1,
             "serving as the volume's primary"
         );
+        let known = self.shutdown_note(name, record.id, replication.epoch);
         let mut taken = replication.clone();
         taken.epoch += 1;
         taken.primary = local_node;
@@ -542,6 +614,7 @@ impl Replication {
             name.to_string(),
             local,
             &taken,
+            known,
         );
         lock(&self.primaries).insert(record.id, primary.clone());
         // Writes need `in_sync_min` replicas: give the others a moment to catch up.
@@ -688,6 +761,7 @@ impl Replication {
                         name.to_string(),
                         local,
                         &taken,
+                        BTreeMap::new(),
                     );
                     lock(&self.primaries).insert(record.id, primary.clone());
                     tracing::info!(

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use keel_catalog::{Command, MetadataError, NodeId};
 use keel_volume::{VolumeError, VolumeIo, VolumeResult};
 
-use crate::dirty::Lacking;
+use crate::dirty::{Chunks, Lacking, ShutdownNote};
 use crate::wire::{
     self, Batch, BatchAck, CopyAnswer, HashAnswer, HashRequest, Op, UnwrittenAnswer,
     BLOCK_HASH_BYTES, CODE_BEHIND, CODE_FENCED, METHOD_HASHES, METHOD_READ_COPY, METHOD_REPLICATE,
@@ -46,6 +46,8 @@ const REPLICA_BUSY_WINDOW: Duration = Duration::from_secs(1);
 const LEASE_WAIT: Duration = Duration::from_secs(3);
 /// How long a metadata change waits for the replicas to apply the writes before it.
 const QUIESCE_WAIT: Duration = Duration::from_secs(10);
+/// How long a primary waits at shutdown for its replicas to confirm the last FLUSH.
+const SHUTDOWN_FLUSH_WAIT: Duration = Duration::from_secs(5);
 /// How long a FLUSH waits in one round before it checks the lease and the epoch again.
 const WAIT_ROUND: Duration = Duration::from_millis(100);
 
@@ -270,13 +272,20 @@ impl Primary {
         name: String,
         local: Arc<dyn VolumeIo>,
         taken: &keel_catalog::Replication,
+        mut known: BTreeMap<NodeId, Chunks>,
     ) -> Arc<Primary> {
         let primary = taken.primary;
         let peers = taken
             .replicas
             .iter()
             .filter(|node| **node != primary)
-            .map(|node| (*node, Peer::new()))
+            .map(|node| {
+                let mut peer = Peer::new();
+                if let Some(chunks) = known.remove(node) {
+                    peer.lacking = Lacking::known(chunks);
+                }
+                (*node, peer)
+            })
             .collect();
         let this = Arc::new(Primary {
             volume_id,
@@ -351,6 +360,46 @@ impl Primary {
 
     pub fn is_closed(&self) -> bool {
         self.state().closed.is_some()
+    }
+
+    /// Stops serving because this node is shutting down, and says what each replica lacks:
+    /// no write is ordered once it began; a FLUSH of everything goes to every replica
+    /// streaming (and this copy) and is waited for up to [`SHUTDOWN_FLUSH_WAIT`] from those
+    /// counted for FLUSHes; what a replica did not confirm is added to what it lacks. `None`
+    /// when this copy could not be flushed or the primary had already stopped. Blocking.
+    pub(crate) fn stop_for_shutdown(&self) -> Option<ShutdownNote> {
+        let _order = lock(&self.order);
+        let upto = {
+            let mut state = self.state();
+            if state.closed.is_some() {
+                return None;
+            }
+            Self::queue_flush(&mut state)
+        };
+        if let Err(error) = self.local.flush() {
+            tracing::warn!(volume = %self.name, %error, "could not flush this copy at shutdown");
+            self.close("this node is shutting down".to_string());
+            return None;
+        }
+        let deadline = self.shared.clock().now() + SHUTDOWN_FLUSH_WAIT;
+        // Only replicas counted for FLUSHes are waited for: one being caught up (or whose
+        // node is down) keeps whatever it lacks in the note either way.
+        drop(self.wait_confirmed(
+            |_, peer| peer.streaming && peer.counted && peer.durable_upto < upto,
+            Some(deadline),
+        ));
+        self.close("this node is shutting down".to_string());
+        let mut state = self.state();
+        let epoch = state.epoch;
+        let lacking = state
+            .peers
+            .iter_mut()
+            .filter_map(|(node, peer)| {
+                peer.end_stream();
+                peer.lacking.to_compare().map(|chunks| (*node, chunks))
+            })
+            .collect();
+        Some(ShutdownNote { epoch, lacking })
     }
 
     /// Stops serving: every later I/O fails with `why`.
