@@ -293,8 +293,10 @@ impl Replication {
             .iter()
             .map(|(id, primary)| (*id, primary.clone()))
             .collect();
+        // One wait for all: a replica that does not answer costs it once, not per volume.
+        let deadline = self.shared.clock_now() + SHUTDOWN_FLUSH_WAIT;
         for (volume_id, primary) in primaries {
-            let Some(note) = primary.stop_for_shutdown() else {
+            let Some(note) = primary.stop_for_shutdown(deadline) else {
                 continue;
             };
             let kept = postcard::to_allocvec(&note)
@@ -882,6 +884,8 @@ fn decode<'a, T: serde::Deserialize<'a>>(payload: &'a [u8]) -> Result<T, keel_rp
     })
 }
 
+/// How long a node shutting down waits for its replicas to confirm the primaries' last FLUSH.
+const SHUTDOWN_FLUSH_WAIT: Duration = Duration::from_secs(5);
 /// How often the primaries served here look for replicas to move.
 const MOVE_CHECK_EVERY: Duration = Duration::from_secs(2);
 

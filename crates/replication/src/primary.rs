@@ -46,8 +46,6 @@ const REPLICA_BUSY_WINDOW: Duration = Duration::from_secs(1);
 const LEASE_WAIT: Duration = Duration::from_secs(3);
 /// How long a metadata change waits for the replicas to apply the writes before it.
 const QUIESCE_WAIT: Duration = Duration::from_secs(10);
-/// How long a primary waits at shutdown for its replicas to confirm the last FLUSH.
-const SHUTDOWN_FLUSH_WAIT: Duration = Duration::from_secs(5);
 /// How long a FLUSH waits in one round before it checks the lease and the epoch again.
 const WAIT_ROUND: Duration = Duration::from_millis(100);
 
@@ -364,10 +362,10 @@ impl Primary {
 
     /// Stops serving because this node is shutting down, and says what each replica lacks:
     /// no write is ordered once it began; a FLUSH of everything goes to every replica
-    /// streaming (and this copy) and is waited for up to [`SHUTDOWN_FLUSH_WAIT`] from those
-    /// counted for FLUSHes; what a replica did not confirm is added to what it lacks. `None`
-    /// when this copy could not be flushed or the primary had already stopped. Blocking.
-    pub(crate) fn stop_for_shutdown(&self) -> Option<ShutdownNote> {
+    /// streaming (and this copy) and is waited for, until `deadline`, from those counted for
+    /// FLUSHes; what a replica did not confirm is added to what it lacks. `None` when this
+    /// copy could not be flushed or the primary had already stopped. Blocking.
+    pub(crate) fn stop_for_shutdown(&self, deadline: Instant) -> Option<ShutdownNote> {
         let _order = lock(&self.order);
         let upto = {
             let mut state = self.state();
@@ -381,7 +379,6 @@ impl Primary {
             self.close("this node is shutting down".to_string());
             return None;
         }
-        let deadline = self.shared.clock().now() + SHUTDOWN_FLUSH_WAIT;
         // Only replicas counted for FLUSHes are waited for: one being caught up (or whose
         // node is down) keeps whatever it lacks in the note either way.
         drop(self.wait_confirmed(
