@@ -154,6 +154,17 @@ pub(crate) struct ShutdownNote {
     pub lacking: Vec<(keel_catalog::NodeId, Chunks)>,
 }
 
+impl ShutdownNote {
+    /// What the replicas lack, for a primary taking over from `epoch`: only if the note was
+    /// written in that epoch.
+    pub(crate) fn lacking_in(
+        self,
+        epoch: u64,
+    ) -> Option<std::collections::BTreeMap<keel_catalog::NodeId, Chunks>> {
+        (self.epoch == epoch).then(|| self.lacking.into_iter().collect())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -208,6 +219,23 @@ mod tests {
         assert_eq!(lacking.to_compare(), Some(Chunks::default()));
         lacking.unknown();
         assert_eq!(lacking.to_compare(), None);
+    }
+
+    #[test]
+    fn a_shutdown_note_holds_only_in_its_own_epoch() {
+        let mut chunks = Chunks::default();
+        chunks.mark(3 * U, 1);
+        let note = || ShutdownNote {
+            epoch: 7,
+            lacking: vec![(2, chunks.clone()), (3, Chunks::default())],
+        };
+        let bytes = postcard::to_allocvec(&note()).expect("encodes");
+        let decoded: ShutdownNote = postcard::from_bytes(&bytes).expect("decodes");
+        let lacking = decoded.lacking_in(7).expect("same epoch");
+        assert_eq!(lacking.get(&2), Some(&chunks));
+        assert_eq!(lacking.get(&3), Some(&Chunks::default()));
+        assert_eq!(note().lacking_in(8), None);
+        assert_eq!(note().lacking_in(6), None);
     }
 
     #[test]

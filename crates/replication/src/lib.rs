@@ -326,19 +326,19 @@ impl Replication {
                 return BTreeMap::new();
             }
         };
-        match note {
-            Ok(note) if note.epoch == epoch => {
+        match note.map(|note| (note.epoch, note.lacking_in(epoch))) {
+            Ok((_, Some(lacking))) => {
                 tracing::info!(
                     volume,
                     epoch,
                     "the replicas are caught up with what they lacked at the last shutdown"
                 );
-                note.lacking.into_iter().collect()
+                lacking
             }
-            Ok(note) => {
+            Ok((then, None)) => {
                 tracing::info!(
                     volume,
-                    then = note.epoch,
+                    then,
                     now = epoch,
                     "the volume changed since the last shutdown: its replicas are compared whole"
                 );
