@@ -174,6 +174,18 @@ def test_r2_volume_survives_losing_a_replica_and_resyncs_what_changed(cluster):
     other.flush()
 
 
+def write_then_fail_over(client, first, second, name, expected, chunk):
+    """One more block written and flushed through node 1 (at `chunk`), node 1 killed -9, the
+    volume attached through node 2: it reads every block of `expected` as written."""
+    expected[chunk * CHUNK] = block("after", chunk)
+    client.write(chunk * CHUNK, expected[chunk * CHUNK])
+    client.flush()
+    first.kill9()
+    other = attach(second, name, timeout=60)
+    for offset, data in expected.items():
+        assert other.read(offset, BLOCK) == data, f"the block at {offset} is not what was written"
+
+
 def test_writes_a_replica_never_confirmed_are_compared_when_it_returns(cluster):
     """Writes to chunks 10 to 13 are held in the primary's transport for a second (the
     fault proxy) while the replica is killed -9, so they never reach it; a FLUSH then
@@ -206,13 +218,7 @@ def test_writes_a_replica_never_confirmed_are_compared_when_it_returns(cluster):
     wait_until("the replica back in sync", lambda: sorted(replication(first, "tail")["in_sync"]) == [1, 2], timeout=60)
     compared = replication(first, "tail")["served_here"]["resync_compared_bytes"] - compared_before
     assert 4 * UNIT <= compared <= 8 * UNIT, compared
-    expected[20 * CHUNK] = block("after", 20)
-    client.write(20 * CHUNK, expected[20 * CHUNK])
-    client.flush()
-    first.kill9()
-    other = attach(second, "tail", timeout=60)
-    for offset, data in expected.items():
-        assert other.read(offset, BLOCK) == data, f"the block at {offset} is not what was written"
+    write_then_fail_over(client, first, second, "tail", expected, 20)
 
 
 def test_a_primary_stopped_cleanly_remembers_what_its_replica_lacks(cluster):
@@ -254,13 +260,7 @@ def test_a_primary_stopped_cleanly_remembers_what_its_replica_lacks(cluster):
     client = attach(first, "clean", timeout=60)
     wait_until("node 2 in sync after the restart", lambda: sorted(replication(first, "clean")["in_sync"]) == [1, 2], timeout=60)
     assert replication(first, "clean")["served_here"]["resync_compared_bytes"] == 0
-    expected[30 * CHUNK] = block("after", 30)
-    client.write(30 * CHUNK, expected[30 * CHUNK])
-    client.flush()
-    first.kill9()
-    other = attach(second, "clean", timeout=60)
-    for offset, data in expected.items():
-        assert other.read(offset, BLOCK) == data, f"the block at {offset} is not what was written"
+    write_then_fail_over(client, first, second, "clean", expected, 30)
 
 
 def test_no_flushed_write_is_lost_when_the_primary_is_killed(cluster, workdir):
