@@ -867,6 +867,17 @@ fn a_pinned_read_keeps_chunks_through_overwrite_and_delete() {
 
 // ---- versioning ----
 
+/// Deletes version `id` of `key` in `bucket` (`bypass`: of a GOVERNANCE retention).
+fn delete_version(
+    objects: &Objects,
+    bucket: &str,
+    key: &str,
+    id: &str,
+    bypass: bool,
+) -> Result<Deletion, ObjectError> {
+    objects.delete_object(bucket, key, Some(VersionId::parse(id).unwrap()), bypass)
+}
+
 fn versions_of(objects: &Objects, prefix: &str) -> Vec<(String, String, bool, bool)> {
     let page = objects
         .list_versions(
@@ -939,14 +950,7 @@ fn enabled_versioning_keeps_versions_and_deletes_add_markers() {
     ));
 
     // Removing the marker undeletes: the newest version is current again.
-    let undelete = objects
-        .delete_object(
-            "bucket",
-            "k",
-            Some(VersionId::parse(&marker).unwrap()),
-            false,
-        )
-        .unwrap();
+    let undelete = delete_version(&objects, "bucket", "k", &marker, false).unwrap();
     assert_eq!(
         (undelete.version_id.as_deref(), undelete.delete_marker),
         (Some(marker.as_str()), true)
@@ -959,9 +963,7 @@ fn enabled_versioning_keeps_versions_and_deletes_add_markers() {
         .iter()
         .map(|c| c.hash)
         .collect();
-    objects
-        .delete_object("bucket", "k", Some(VersionId::parse(&id2).unwrap()), false)
-        .unwrap();
+    delete_version(&objects, "bucket", "k", &id2, false).unwrap();
     assert_eq!(read(&objects, "bucket", "k"), one);
     for hash in &two_chunks {
         assert_eq!(refcount(&objects, hash), 0);
@@ -972,9 +974,7 @@ fn enabled_versioning_keeps_versions_and_deletes_add_markers() {
         vec![("k".to_string(), id1.clone(), true, false)]
     );
     // Deleting a version that does not exist changes nothing; a malformed id is refused.
-    objects
-        .delete_object("bucket", "k", Some(VersionId::parse(&id2).unwrap()), false)
-        .unwrap();
+    delete_version(&objects, "bucket", "k", &id2, false).unwrap();
     assert_eq!(read(&objects, "bucket", "k"), one);
     assert!(matches!(
         VersionId::parse("../etc"),
@@ -993,17 +993,8 @@ fn enabled_versioning_keeps_versions_and_deletes_add_markers() {
         "the version and its marker"
     );
     let marker = versions_of(&objects, "")[0].1.clone();
-    objects
-        .delete_object(
-            "bucket",
-            "k",
-            Some(VersionId::parse(&marker).unwrap()),
-            false,
-        )
-        .unwrap();
-    objects
-        .delete_object("bucket", "k", Some(VersionId::parse(&id1).unwrap()), false)
-        .unwrap();
+    delete_version(&objects, "bucket", "k", &marker, false).unwrap();
+    delete_version(&objects, "bucket", "k", &id1, false).unwrap();
     assert!(versions_of(&objects, "").is_empty());
     objects.delete_bucket("bucket").unwrap();
 }
@@ -1319,12 +1310,6 @@ fn retention(objects: &Objects, mode: keel_catalog::LockMode, from_now_ms: i64) 
     }
 }
 
-fn delete_version(objects: &Objects, key: &str, id: &str, bypass: bool) -> Result<(), ObjectError> {
-    objects
-        .delete_object("locked", key, Some(VersionId::parse(id).unwrap()), bypass)
-        .map(|_| ())
-}
-
 // Proves object lock: a GOVERNANCE version is deleted only with the bypass, a COMPLIANCE one
 // not at all until its retention ends, a legal hold blocks deletes until lifted, retentions can
 // be extended but not shortened, the bucket's default retention applies to new versions, a
@@ -1360,7 +1345,7 @@ fn object_lock_protects_versions_until_their_retention_ends() {
     )
     .unwrap();
     assert!(matches!(
-        delete_version(&objects, "g", &governed, false),
+        delete_version(&objects, "locked", "g", &governed, false),
         Err(ObjectError::ObjectLocked { .. })
     ));
     // A plain delete adds a marker; the locked version stays.
@@ -1374,7 +1359,7 @@ fn object_lock_protects_versions_until_their_retention_ends() {
         read_version(&objects, "locked", "g", Some(&governed)),
         b"governed"
     );
-    delete_version(&objects, "g", &governed, true).unwrap();
+    delete_version(&objects, "locked", "g", &governed, true).unwrap();
 
     let complied = put_locked(
         &objects,
@@ -1385,7 +1370,7 @@ fn object_lock_protects_versions_until_their_retention_ends() {
     .unwrap();
     let id = Some(VersionId::parse(&complied).unwrap());
     assert!(matches!(
-        delete_version(&objects, "c", &complied, true),
+        delete_version(&objects, "locked", "c", &complied, true),
         Err(ObjectError::ObjectLocked { .. })
     ));
     // Shortening or weakening is refused even with the bypass; extending is allowed.
@@ -1414,13 +1399,13 @@ fn object_lock_protects_versions_until_their_retention_ends() {
     clock.jump_wall(700);
     // The retention ended; the legal hold still blocks, until it is lifted.
     assert!(matches!(
-        delete_version(&objects, "c", &complied, false),
+        delete_version(&objects, "locked", "c", &complied, false),
         Err(ObjectError::ObjectLocked { .. })
     ));
     objects
         .set_object_lock("locked", "c", id, LockChange::LegalHold(false), false)
         .unwrap();
-    delete_version(&objects, "c", &complied, false).unwrap();
+    delete_version(&objects, "locked", "c", &complied, false).unwrap();
 
     // The default retention applies to versions written without one; lifecycle keeps them.
     objects
