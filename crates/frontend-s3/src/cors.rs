@@ -52,7 +52,9 @@ fn allow(headers: &mut HeaderMap, rule: &CorsRule, origin: &str) {
     headers.append(VARY, HeaderValue::from_static("Origin"));
 }
 
-fn refusal(status: StatusCode, code: &str, message: &str) -> HttpResponse {
+/// An S3 error answer given before s3s sees the request: `status`, and an XML body with
+/// `code` and `message`.
+pub(crate) fn refusal(status: StatusCode, code: &str, message: &str) -> HttpResponse {
     let body = format!(
         "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>{code}</Code><Message>{message}</Message></Error>"
     );

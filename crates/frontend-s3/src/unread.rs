@@ -97,15 +97,7 @@ async fn spool(
     use tokio::io::{AsyncSeekExt, AsyncWriteExt};
     let (mut parts, mut body) = request.into_parts();
     let failed = |code: &str, status: http::StatusCode, message: String| {
-        let xml = format!(
-            "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>{code}</Code><Message>{message}</Message></Error>"
-        );
-        let mut answer = HttpResponse::new(s3s::Body::from(xml));
-        *answer.status_mut() = status;
-        answer
-            .headers_mut()
-            .insert(CONTENT_TYPE, HeaderValue::from_static("application/xml"));
-        answer
+        crate::cors::refusal(status, code, &message)
     };
     let internal = |error: std::io::Error| {
         tracing::error!(%error, "spooling a request body of unknown length failed");
