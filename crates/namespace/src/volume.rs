@@ -27,9 +27,9 @@ use keel_store::{Compression, Progress, Store};
 use keel_volume::{hex, new_unique_id, unix_seconds_now, Engine};
 
 pub use keel_volume::{
-    GcReport, ReceiveReport, SendStream, VolumeError, VolumeHandle, VolumeIo, VolumeResult,
-    BLOCK_SIZE_BYTES, CLONE_DEPTH_MAX, NAME_MAX_BYTES, SNAPSHOTS_PER_VOLUME_MAX,
-    VOLUME_SIZE_MAX_BYTES,
+    changed_blocks_since, copy_record_key, GcReport, ReceiveReport, SendStream, VolumeError,
+    VolumeHandle, VolumeIo, VolumeResult, BLOCK_SIZE_BYTES, CLONE_DEPTH_MAX, NAME_MAX_BYTES,
+    SNAPSHOTS_PER_VOLUME_MAX, VOLUME_SIZE_MAX_BYTES,
 };
 
 /// What to create.

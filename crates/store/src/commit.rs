@@ -207,6 +207,10 @@ pub(crate) struct Engine {
     pub(crate) index: Index,
     queue: Mutex<Queue>,
     writer: Mutex<Writer>,
+    /// `Writer::next_seq` as of the last committed batch, readable without waiting for the
+    /// writer (which holds its lock across fdatasync): every write not committed yet gets a
+    /// sequence number at least this.
+    next_seq: AtomicU64,
     poisoned: AtomicBool,
     poison_reason: Mutex<Option<(String, String)>>,
     pub(crate) corrupt_reads: AtomicU64,
@@ -263,6 +267,7 @@ impl Engine {
             }
         }
         let writer = recover(&segments, &index, tail, config.segment_size_max_bytes)?;
+        let next_seq = AtomicU64::new(writer.next_seq);
         let device_sync_times = segments
             .devices
             .iter()
@@ -274,6 +279,7 @@ impl Engine {
             index,
             queue: Mutex::new(Queue::default()),
             writer: Mutex::new(writer),
+            next_seq,
             poisoned: AtomicBool::new(false),
             poison_reason: Mutex::new(None),
             corrupt_reads: AtomicU64::new(0),
@@ -708,6 +714,7 @@ impl Engine {
         }
         writer.offset = base + appended;
         writer.next_seq = seq;
+        self.next_seq.store(seq, Ordering::SeqCst);
         if writer.offset > self.config.segment_size_max_bytes / 2
             || (writer.growing && writer.offset >= GROWING_SEGMENT_PREPARE_AFTER_BYTES)
         {
@@ -860,6 +867,25 @@ impl Engine {
             .into_iter()
             .map(|(key, _)| key)
             .collect())
+    }
+
+    pub fn keys_with_sequences(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        limit: usize,
+    ) -> StoreResult<Vec<(Vec<u8>, u64)>> {
+        Ok(self
+            .index
+            .range(start, end, limit)?
+            .into_iter()
+            .map(|(key, location)| (key, location.seq))
+            .collect())
+    }
+
+    /// Every write not committed yet gets a sequence number above this.
+    pub fn committed_sequence(&self) -> u64 {
+        self.next_seq.load(Ordering::SeqCst).saturating_sub(1)
     }
 
     pub fn scan(

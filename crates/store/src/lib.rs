@@ -276,6 +276,24 @@ impl Store {
         self.engine.keys(start, end, limit)
     }
 
+    /// Live keys in `[start, end)` in order with the sequence number of the write that set
+    /// each (compaction keeps it), at most `limit` of them: what changed since a sequence
+    /// number is answerable without reading values.
+    pub fn keys_with_sequences(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        limit: usize,
+    ) -> StoreResult<Vec<(Vec<u8>, u64)>> {
+        self.engine.keys_with_sequences(start, end, limit)
+    }
+
+    /// The sequence number of the last committed write: every write committed later gets a
+    /// greater one. Does not wait for a group commit in progress.
+    pub fn committed_sequence(&self) -> u64 {
+        self.engine.committed_sequence()
+    }
+
     /// Live keys and values in `[start, end)` in order, at most `limit` of them.
     pub fn scan(
         &self,

@@ -446,13 +446,18 @@ impl VolumeHandle {
 
     /// Makes blocks `[first, end)` read as zeroes. Cost follows the extents that exist in the
     /// range, not its length: blocks nothing was ever written to are skipped, blocks written
-    /// only in the current generation are deleted outright, others get a hole marker.
+    /// only in the current generation are deleted outright, others get a hole marker. A
+    /// replicated volume's blocks always get a hole marker: a deletion leaves no key with a
+    /// sequence number, and replication finds what changed after a crash by those
+    /// ([`crate::changed_blocks_since`]).
     fn zero_blocks(&self, first: u64, end: u64, fua: bool) -> VolumeResult<()> {
         let _stripes = self.lock_stripes(first, end - 1, &[]);
         let state = self.state()?;
         let view = &state.record.view;
         let generation = state.record.generation;
         let compression = state.compression;
+        let replicated =
+            state.record.replication.factor > 1 || state.record.replication.replicas.len() > 1;
         let mut view_before_current = view.clone();
         view_before_current[0].generation_max = generation - 1;
         let mut chunk_start = first;
@@ -475,7 +480,8 @@ impl VolumeHandle {
                 // Shown from the current generation and nothing older under it? Then deleting
                 // the extent leaves zeroes and frees its space; otherwise a hole marker hides
                 // what lies below.
-                let op = if shown == (self.shared.id, generation)
+                let op = if !replicated
+                    && shown == (self.shared.id, generation)
                     && view::resolve(&view_before_current, block, generations_of).is_none()
                 {
                     WriteOp::Delete { key }

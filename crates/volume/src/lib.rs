@@ -47,8 +47,8 @@ pub use keel_catalog::{
     VOLUME_SIZE_MAX_BYTES,
 };
 pub use limiter::{Clock, SystemClock};
-pub use record::{hex, new_unique_id, unix_seconds_now};
-pub use scan::Usage;
+pub use record::{copy_record_key, hex, new_unique_id, unix_seconds_now};
+pub use scan::{changed_blocks_since, Usage};
 pub use stream::{receive, ReceiveReport, SendStream};
 pub use volume_io::VolumeIo;
 

@@ -35,6 +35,31 @@ pub(crate) fn key_successor(key: &[u8]) -> Vec<u8> {
     next
 }
 
+/// Key of a record another layer keeps about this node's copy of volume `volume_id` under
+/// `name` (replication's common points and shutdown note): such records describe the copy's
+/// blocks, so erasing the copy deletes them before its first block.
+pub fn copy_record_key(volume_id: u64, name: &[u8]) -> Vec<u8> {
+    let mut key = copy_records_prefix(volume_id);
+    key.extend_from_slice(name);
+    key
+}
+
+fn copy_records_prefix(volume_id: u64) -> Vec<u8> {
+    let mut suffix = b"copy/".to_vec();
+    suffix.extend_from_slice(&volume_id.to_be_bytes());
+    keel_store::meta_key(&suffix)
+}
+
+/// The key range of every [`copy_record_key`] of `volume_id`.
+pub(crate) fn copy_records(volume_id: u64) -> (Vec<u8>, Vec<u8>) {
+    let start = copy_records_prefix(volume_id);
+    let end = match volume_id.checked_add(1) {
+        Some(next) => copy_records_prefix(next),
+        None => keel_store::meta_key(b"copy0"),
+    };
+    (start, end)
+}
+
 /// First key past every block of `volume_id`.
 pub(crate) fn volume_blocks_end(volume_id: u64) -> Vec<u8> {
     match volume_id.checked_add(1) {

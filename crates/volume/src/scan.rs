@@ -22,13 +22,46 @@ use keel_store::{block_key, Durability, Progress, Store, WriteOp};
 
 use keel_catalog::view::Layer;
 
-use super::record::{key_successor, parse_block_key, volume_blocks_end};
+use super::record::{copy_records, key_successor, parse_block_key, volume_blocks_end};
 use super::{lock, read, GcReport, VolumeError, VolumeResult, VolumeShared, BLOCK_SIZE_BYTES};
 
 /// Keys fetched per `Store::keys` call.
 pub(crate) const KEYS_PAGE_MAX: usize = 4096;
 /// Deletes per `Store::write` when collecting or erasing.
 pub(crate) const DELETE_BATCH_OPS_MAX: usize = 4096;
+
+/// Calls `changed(block)` for every block of `volume_id` with an extent (data or hole marker)
+/// written after store sequence `since`, in block order (a block once per generation written).
+/// What replication compares after a crash: a block deleted outright (a trim of a block only
+/// the current generation held) leaves nothing to find, so replicated volumes trim with hole
+/// markers. Reads keys only; memory is bounded by [`KEYS_PAGE_MAX`].
+pub fn changed_blocks_since(
+    store: &Store,
+    volume: &str,
+    volume_id: u64,
+    since: u64,
+    changed: &mut dyn FnMut(u64),
+) -> VolumeResult<()> {
+    let end = volume_blocks_end(volume_id);
+    let mut cursor = block_key(volume_id, 0, 0);
+    loop {
+        let page = store
+            .keys_with_sequences(&cursor, &end, KEYS_PAGE_MAX)
+            .map_err(VolumeError::store(volume, "listing changed blocks"))?;
+        for (key, sequence) in &page {
+            if *sequence > since {
+                if let Some((_, block, _)) = parse_block_key(key) {
+                    changed(block);
+                }
+            }
+        }
+        match page.last() {
+            Some((last, _)) if page.len() == KEYS_PAGE_MAX => cursor = key_successor(last),
+            _ => break,
+        }
+    }
+    Ok(())
+}
 
 /// Block → ascending generations of `volume_id`'s extents for blocks in `[block_from, block_to)`.
 fn collect_generations(
@@ -307,6 +340,26 @@ pub(crate) fn delete_all_blocks_while<G>(
     progress: &mut dyn FnMut(Progress),
     hold: impl Fn() -> Option<G>,
 ) -> VolumeResult<()> {
+    {
+        let Some(_held) = hold() else {
+            return Ok(());
+        };
+        // The records about the copy go first: the log keeps them in order with the deletes
+        // of its blocks, so no crash leaves a record describing blocks that are gone.
+        let (start, end) = copy_records(volume_id);
+        let records = store
+            .keys(&start, &end, DELETE_BATCH_OPS_MAX)
+            .map_err(VolumeError::store(volume, "listing the copy's records"))?;
+        if !records.is_empty() {
+            let deletes = records
+                .into_iter()
+                .map(|key| WriteOp::Delete { key })
+                .collect();
+            store
+                .write(deletes, Durability::Buffered)
+                .map_err(VolumeError::store(volume, "deleting the copy's records"))?;
+        }
+    }
     let end = volume_blocks_end(volume_id);
     let start = block_key(volume_id, 0, 0);
     loop {
