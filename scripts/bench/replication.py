@@ -24,8 +24,9 @@ catch-up after an absence: an N GiB R=2 volume written whole; per round node 2 i
 --absent-mib M of 4 KiB random writes land meanwhile, node 2 returns, and the time until it
 is back in sync and the bytes the catch-up compared and shipped are recorded; each round does
 it twice, in alternating order: as is (the primary knows what node 2 lacks) and with the
-primary's node killed -9 and started again while node 2 is away (it no longer knows, and
-compares every written stretch: what every catch-up cost before). Every round runs every R
+primary's node killed -9 and started again while node 2 is away (its record in memory is
+gone: the two nodes' common points say what to compare; before them, it compared every
+written stretch). Every round runs every R
 in turn, in an order that rotates between rounds; medians are quoted with the ratio to R=1.
 
 All nodes share this machine's one disk (and its two cores): every replica's fdatasync lands on
@@ -207,8 +208,8 @@ def kill_and_write(first, second, name, absent_mib, restart_primary):
     if restart_primary:
         first.kill9()
         first.start()
-    # Attaching through node 1 makes it primary again (after a restart: a new primary that
-    # knows nothing of what node 2 lacks).
+    # Attaching through node 1 makes it primary again (after a restart: a new primary whose
+    # record of what node 2 lacks is gone with its memory).
     wait_until(f"{name} attached through node 1", lambda: subprocess.run(
         ["nbdinfo", uri], capture_output=True).returncode == 0, timeout=60, interval=0.2)
     subprocess.run(["fio", "--name=absent", "--ioengine=nbd", f"--uri={uri}", "--rw=randwrite", "--bs=4k",

@@ -263,6 +263,75 @@ def test_a_primary_stopped_cleanly_remembers_what_its_replica_lacks(cluster):
     write_then_fail_over(client, first, second, "clean", expected, 30)
 
 
+def settle_common_points(client, expected):
+    """A few FLUSHes 150 ms apart with the replica in sync: each node keeps its common point
+    with the other (at most every 100 ms; the replica learns its point from the next batch)."""
+    for _ in range(4):
+        client.write(0, expected[0])
+        client.flush()
+        time.sleep(0.15)
+
+
+def test_a_catch_up_after_a_crash_or_a_take_over_compares_what_changed_since_the_common_point(cluster):
+    """Each node keeps, per volume and peer, its store sequence at the last FLUSH both made
+    durable while in sync (its common point). Part 1: node 2 (the replica) is killed -9,
+    two blocks are written and one is trimmed without it, then node 1 (the primary) is killed
+    -9 too, so its in-memory record of what node 2 lacks is gone. Both return; node 1
+    serves again and node 2's catch-up compares what either changed since its common point
+    (a handful of 64 KiB units), not the 64 MiB written stretch. Part 2: writes to four
+    written blocks are held in node 1's transport and node 1 is killed -9 before they reach
+    node 2, which takes the volume over (it holds every block as flushed, the trimmed one as
+    zeroes) and writes one more. When node 1 returns, node 2 compares what node 1 changed
+    since its point too: node 1's unflushed writes are replaced by node 2's copy. Finally
+    node 2 is killed and the volume read through node 1 is node 2's."""
+    first, second = two_nodes_and_witness(cluster)
+    create_r2(first, "common")
+    client = attach(first, "common")
+    wait_until("both replicas in sync", lambda: sorted(replication(first, "common")["in_sync"]) == [1, 2])
+    expected = {chunk * CHUNK: block("before", chunk) for chunk in range(8)}
+    for offset, data in expected.items():
+        client.write(offset, data)
+    client.flush()
+    settle_common_points(client, expected)
+
+    second.kill9()
+    for chunk in (20, 21):
+        expected[chunk * CHUNK] = block("absent", chunk)
+        client.write(chunk * CHUNK, expected[chunk * CHUNK])
+    client.trim(3 * CHUNK, BLOCK)
+    expected[3 * CHUNK] = bytes(BLOCK)
+    client.flush()
+    assert replication(first, "common")["in_sync"] == [1]
+    first.kill9()
+    second.start()
+    first.start()
+    client = attach(first, "common", timeout=60)
+    wait_until("node 2 back in sync", lambda: sorted(replication(first, "common")["in_sync"]) == [1, 2], timeout=60)
+    compared = replication(first, "common")["served_here"]["resync_compared_bytes"]
+    assert 3 * UNIT <= compared <= 12 * UNIT, compared
+    settle_common_points(client, expected)
+
+    first.faults([], delays=[{"node": second.node_id(), "method": METHOD_REPLICATE, "milliseconds": 3000}])
+    for chunk in range(4, 8):
+        client.write(chunk * CHUNK, block("unflushed", chunk))
+    first.kill9()
+    other = attach(second, "common", timeout=60)
+    for offset, data in expected.items():
+        assert other.read(offset, BLOCK) == data, f"node 2 does not hold the block at {offset} as flushed"
+    expected[50 * CHUNK] = block("after", 50)
+    other.write(50 * CHUNK, expected[50 * CHUNK])
+    other.flush()
+    first.start()
+    wait_until("node 1 back in sync", lambda: sorted(replication(second, "common")["in_sync"]) == [1, 2], timeout=60)
+    compared = replication(second, "common")["served_here"]["resync_compared_bytes"]
+    assert 5 * UNIT <= compared <= 16 * UNIT, compared
+    other.flush()
+    second.kill9()
+    last = attach(first, "common", timeout=60)
+    for offset, data in expected.items():
+        assert last.read(offset, BLOCK) == data, f"node 1 does not hold node 2's block at {offset}"
+
+
 def test_no_flushed_write_is_lost_when_the_primary_is_killed(cluster, workdir):
     """`keel bench durability write` (a FLUSH every 4 writes) runs through the primary; the
     primary is killed -9; the volume is attached through the other node, which takes over
@@ -713,8 +782,8 @@ def test_replicas_change_online_and_a_removed_replica_erases_its_copy(cluster):
     client writes and flushes through the same NBD connection: the attached connection
     switches to replicated writes, the new replicas (nodes 2 and 3) catch up and join the
     in-sync set. The minimum is raised, then R lowered to 2: node 3 (the highest id) leaves
-    and erases its copy. Another node refuses the change with the primary's address. Then
-    the primary is killed and the volume, attached through node 2, holds every flushed
+    and erases its copy; placed back, it is caught up whole, and removed again. Another node
+    refuses the change with the primary's address. Then the primary is killed and the volume, attached through node 2, holds every flushed
     write, including those written while R changed."""
     nodes = [cluster.add() for _ in range(3)]
     wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
@@ -760,6 +829,8 @@ def test_replicas_change_online_and_a_removed_replica_erases_its_copy(cluster):
     assert info["in_sync_min"] == 1, "the minimum stays unless asked"
     wait_until("all three replicas in sync",
                lambda: sorted(replication(first, "grow")["in_sync"]) == [1, 2, 3], timeout=90)
+    # FLUSHes with all three in sync: node 3 and node 1 keep their common point.
+    settle_common_points(client, expected)
 
     # Refusals: too many replicas; a minimum above R; the change through a non-primary.
     assert first.cli("volume", "set-replication", "grow", "--replicas", "4", check=False).returncode != 0
@@ -787,6 +858,20 @@ def test_replicas_change_online_and_a_removed_replica_erases_its_copy(cluster):
         expected[index] = block("r2", index)
         client.write(index * BLOCK, expected[index])
     client.flush()
+
+    # Placed back on node 3, the replica is a new one: erasing its copy deleted its common
+    # point with node 1 first, so its catch-up compares everything (not only what changed
+    # since that point) and it holds every block again.
+    compared = replication(first, "grow")["served_here"]["resync_compared_bytes"]
+    first.cli("volume", "set-replication", "grow", "--replicas", "3")
+    wait_until("node 3 in sync again",
+               lambda: sorted(replication(first, "grow")["in_sync"]) == [1, 2, 3], timeout=90)
+    compared = replication(first, "grow")["served_here"]["resync_compared_bytes"] - compared
+    assert compared >= 1088 * BLOCK, compared
+    assert stored(third) >= 1088 * BLOCK, stored(third)
+    first.cli("volume", "set-replication", "grow", "--replicas", "2")
+    wait_until("node 3 erased its copy again",
+               lambda: stored(third) < 64 * BLOCK, timeout=60)
 
     first.kill9()
     other = attach(second, "grow", timeout=60)

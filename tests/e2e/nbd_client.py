@@ -12,7 +12,7 @@ SIMPLE_REPLY_MAGIC = 0x67446698
 OPT_GO = 7
 REP_ACK = 1
 REP_INFO = 3
-CMD_READ, CMD_WRITE, CMD_DISC, CMD_FLUSH = 0, 1, 2, 3
+CMD_READ, CMD_WRITE, CMD_DISC, CMD_FLUSH, CMD_TRIM = 0, 1, 2, 3, 4
 FLAG_FUA = 1
 
 
@@ -75,6 +75,9 @@ class Client:
 
     def flush(self):
         self._request(CMD_FLUSH)
+
+    def trim(self, offset, length):
+        self._request(CMD_TRIM, offset, length)
 
     def close(self):
         try:

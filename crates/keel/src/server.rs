@@ -631,13 +631,74 @@ impl keel_replication::LocalVolumes for LocalVolumes {
             .map_err(error("delete"))?;
         Ok(Some(note))
     }
+
+    fn committed_sequence(&self) -> u64 {
+        self.volumes.store().committed_sequence()
+    }
+
+    fn changed_since(
+        &self,
+        name: &str,
+        volume_id: u64,
+        since: u64,
+        changed: &mut dyn FnMut(u64, u64),
+    ) -> keel_namespace::volume::VolumeResult<()> {
+        let block = keel_namespace::volume::BLOCK_SIZE_BYTES;
+        keel_namespace::volume::changed_blocks_since(
+            self.volumes.store(),
+            name,
+            volume_id,
+            since,
+            &mut |index| changed(index * block, block),
+        )
+    }
+
+    fn keep_point(
+        &self,
+        volume_id: u64,
+        peer: keel_catalog::NodeId,
+        point: Vec<u8>,
+    ) -> keel_namespace::volume::VolumeResult<()> {
+        let op = keel_store::WriteOp::put(
+            replication_point_key(volume_id, peer),
+            point,
+            keel_store::Compression::None,
+        );
+        self.volumes
+            .store()
+            .write(vec![op], keel_store::Durability::Buffered)
+            .map(|_| ())
+            .map_err(keel_namespace::volume::VolumeError::store(
+                "replication point",
+                "keep",
+            ))
+    }
+
+    fn point(
+        &self,
+        volume_id: u64,
+        peer: keel_catalog::NodeId,
+    ) -> keel_namespace::volume::VolumeResult<Option<Vec<u8>>> {
+        self.volumes
+            .store()
+            .get(&replication_point_key(volume_id, peer))
+            .map_err(keel_namespace::volume::VolumeError::store(
+                "replication point",
+                "read",
+            ))
+    }
+}
+
+/// Where a node keeps its common point with another node for a volume (`keel-replication`).
+fn replication_point_key(volume_id: u64, peer: keel_catalog::NodeId) -> Vec<u8> {
+    let mut name = b"replication/common/".to_vec();
+    name.extend_from_slice(&peer.to_be_bytes());
+    keel_namespace::volume::copy_record_key(volume_id, &name)
 }
 
 /// Where a node keeps what a volume's replicas lacked when it stopped (`keel-replication`).
 fn replication_note_key(volume_id: u64) -> Vec<u8> {
-    let mut key = keel_store::meta_key(b"replication/lacking/");
-    key.extend_from_slice(&volume_id.to_be_bytes());
-    key
+    keel_namespace::volume::copy_record_key(volume_id, b"replication/lacking")
 }
 
 impl Exports for VolumeExports {

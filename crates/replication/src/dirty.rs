@@ -34,6 +34,16 @@ impl Chunks {
         }
     }
 
+    /// Adds every unit of `other`.
+    pub(crate) fn add(&mut self, other: &Chunks) {
+        if self.words.len() < other.words.len() {
+            self.words.resize(other.words.len(), 0);
+        }
+        for (word, theirs) in self.words.iter_mut().zip(&other.words) {
+            *word |= theirs;
+        }
+    }
+
     /// The byte ranges of consecutive units in the set, in order, widened to whole `block`s
     /// and clipped to `size`.
     pub(crate) fn runs(&self, size: u64, block: u64) -> Vec<(u64, u64)> {
@@ -143,6 +153,41 @@ impl Lacking {
     pub(crate) fn unknown(&mut self) {
         self.chunks = None;
     }
+
+    /// Whether what it lacks is unknown.
+    pub(crate) fn is_unknown(&self) -> bool {
+        self.chunks.is_none()
+    }
+
+    /// It also lacks `chunks`, if what it lacks is known.
+    pub(crate) fn add(&mut self, chunks: &Chunks) {
+        if let Some(known) = self.chunks.as_mut() {
+            known.add(chunks);
+        }
+    }
+}
+
+/// A common point of two nodes' copies of a volume, kept by each for the other in its own
+/// store: at this node's store sequence `store_sequence`, everything the two copies differ in
+/// was written after it on one of them, so comparing what each changed since its own point
+/// finds every difference (the store keeps each key's sequence number, and a replicated
+/// volume's trims leave hole markers). A node keeps one when both copies are durable through
+/// a FLUSH the other confirmed while in sync; losing the newest to a crash leaves an older
+/// one, which only widens the comparison. A rollback makes copies differ without writing:
+/// a point holds only while the volume's view excludes the same generations as when it
+/// was kept.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct Point {
+    pub store_sequence: u64,
+    pub excluded: Vec<(u64, u64)>,
+}
+
+impl Point {
+    /// The point's store sequence, if it still holds for a volume whose view now excludes
+    /// `excluded`.
+    pub(crate) fn holds(&self, excluded: &[(u64, u64)]) -> Option<u64> {
+        (self.excluded == excluded).then_some(self.store_sequence)
+    }
 }
 
 /// What a primary knew its replicas lack when its node stopped cleanly: kept in the node's
@@ -219,6 +264,33 @@ mod tests {
         assert_eq!(lacking.to_compare(), Some(Chunks::default()));
         lacking.unknown();
         assert_eq!(lacking.to_compare(), None);
+    }
+
+    #[test]
+    fn what_a_replica_lacks_grows_by_the_chunks_added_once_known() {
+        let mut other = Chunks::default();
+        other.mark(200 * U, 1);
+        let mut lacking = Lacking::default();
+        lacking.add(&other);
+        assert!(lacking.is_unknown());
+        lacking.caught_up();
+        lacking.note(false, 1, 2 * U, 1);
+        lacking.add(&other);
+        assert_eq!(
+            lacking.to_compare().expect("known").runs(u64::MAX, 4096),
+            vec![(2 * U, 3 * U), (200 * U, 201 * U)]
+        );
+    }
+
+    #[test]
+    fn a_point_holds_only_while_the_same_generations_are_excluded() {
+        let point = Point {
+            store_sequence: 42,
+            excluded: vec![(3, 5)],
+        };
+        assert_eq!(point.holds(&[(3, 5)]), Some(42));
+        assert_eq!(point.holds(&[(3, 5), (7, 7)]), None);
+        assert_eq!(point.holds(&[]), None);
     }
 
     #[test]

@@ -33,14 +33,14 @@ use keel_catalog::{Command, Metadata, MetadataError, NodeId, VolumeRecord};
 use keel_volume::{VolumeError, VolumeIo, VolumeResult};
 
 use crate::attached::Attached;
-use crate::dirty::{Chunks, ShutdownNote};
+use crate::dirty::{Chunks, Point, ShutdownNote};
 use crate::forward::{Forwarded, Sessions};
 use crate::primary::{Failure, Primary, PrimaryStatus};
 use crate::replica::Replicas;
 use crate::wire::{
     ForwardClose, ForwardOpen, ForwardRequest, CODE_BAD_REQUEST, CODE_NOT_FOUND, CODE_REFUSED,
-    CODE_SESSION_GONE, METHOD_FORWARD_CLOSE, METHOD_FORWARD_IO, METHOD_FORWARD_OPEN, METHOD_HASHES,
-    METHOD_READ_COPY, METHOD_REPLICATE, METHOD_UNWRITTEN,
+    CODE_SESSION_GONE, METHOD_CHANGED, METHOD_FORWARD_CLOSE, METHOD_FORWARD_IO,
+    METHOD_FORWARD_OPEN, METHOD_HASHES, METHOD_READ_COPY, METHOD_REPLICATE, METHOD_UNWRITTEN,
 };
 
 /// A primary serves only while it heard from the Raft leader within this.
@@ -48,6 +48,9 @@ pub const LEASE: Duration = Duration::from_secs(2);
 /// Another node takes a volume over only after the leader heard nothing from its primary for
 /// this long: the lease plus a margin for clock-rate drift and a report in flight.
 pub const TAKE_OVER_SILENCE: Duration = Duration::from_millis(2500);
+/// How often a node keeps its common point with another for a volume, at most (each is a
+/// small store write; an older point only widens a later catch-up).
+pub(crate) const POINT_EVERY: Duration = Duration::from_millis(100);
 /// The unit a resync compares and ships.
 pub const RESYNC_CHUNK_BYTES: u64 = 1 << 20;
 /// The stretch a catch-up first asks about as a whole: skipped when neither side ever wrote
@@ -72,6 +75,24 @@ pub trait LocalVolumes: Send + Sync + 'static {
     /// Takes the note kept about `volume_id`: reads it, then deletes it durably (a note
     /// serves one start).
     fn take_note(&self, volume_id: u64) -> VolumeResult<Option<Vec<u8>>>;
+    /// The store sequence of this node's last committed write: every write committed later
+    /// gets a greater one.
+    fn committed_sequence(&self) -> u64;
+    /// Calls `changed(offset, length)` for each block of volume `volume_id` (named `name`)
+    /// written, or trimmed, after store sequence `since`.
+    fn changed_since(
+        &self,
+        name: &str,
+        volume_id: u64,
+        since: u64,
+        changed: &mut dyn FnMut(u64, u64),
+    ) -> VolumeResult<()>;
+    /// Keeps `point` about volume `volume_id` and node `peer`, replacing the one before,
+    /// without waiting for a sync: the store's next sync makes it durable, in order with every
+    /// write before it.
+    fn keep_point(&self, volume_id: u64, peer: NodeId, point: Vec<u8>) -> VolumeResult<()>;
+    /// The point kept about volume `volume_id` and node `peer`.
+    fn point(&self, volume_id: u64, peer: NodeId) -> VolumeResult<Option<Vec<u8>>>;
 }
 
 /// Bytes this node sent and received as replication traffic (tests and `volume info`).
@@ -143,6 +164,74 @@ impl Shared {
                 .node_address(node, true)
                 .unwrap_or_else(|| "unknown".to_string()),
         }
+    }
+
+    /// The generations a volume's view excludes now (rollbacks), if it exists.
+    fn excluded(&self, name: &str) -> Option<Vec<(u64, u64)>> {
+        let catalog = self.metadata.catalog().read();
+        let entry = catalog.volume(name)?;
+        Some(
+            entry
+                .record
+                .view
+                .first()
+                .map(|layer| layer.excluded.clone())
+                .unwrap_or_default(),
+        )
+    }
+
+    /// Keeps this node's common point with `peer` for a volume ([`Point`]); a failure only
+    /// leaves the older point, which widens a later catch-up.
+    pub(crate) fn keep_point(&self, name: &str, volume_id: u64, peer: NodeId, store_sequence: u64) {
+        let Some(excluded) = self.excluded(name) else {
+            return;
+        };
+        let point = Point {
+            store_sequence,
+            excluded,
+        };
+        let kept = postcard::to_allocvec(&point)
+            .map_err(|error| error.to_string())
+            .and_then(|bytes| {
+                self.local
+                    .keep_point(volume_id, peer, bytes)
+                    .map_err(|error| error.to_string())
+            });
+        if let Err(error) = kept {
+            tracing::warn!(volume = %name, peer, %error, "keeping a replication point failed");
+        }
+    }
+
+    /// What this node's copy of a volume changed since its common point with `peer`, if it
+    /// holds one that still holds (`None`: a catch-up must compare everything).
+    pub(crate) fn changed_since_point(
+        &self,
+        name: &str,
+        volume_id: u64,
+        peer: NodeId,
+    ) -> VolumeResult<Option<Chunks>> {
+        let Some(bytes) = self.local.point(volume_id, peer)? else {
+            return Ok(None);
+        };
+        let point: Point = match postcard::from_bytes(&bytes) {
+            Ok(point) => point,
+            Err(error) => {
+                tracing::warn!(volume = %name, peer, %error, "a replication point does not decode; ignoring it");
+                return Ok(None);
+            }
+        };
+        let Some(since) = self
+            .excluded(name)
+            .and_then(|excluded| point.holds(&excluded))
+        else {
+            return Ok(None);
+        };
+        let mut chunks = Chunks::default();
+        self.local
+            .changed_since(name, volume_id, since, &mut |offset, length| {
+                chunks.mark(offset, length)
+            })?;
+        Ok(Some(chunks))
     }
 
     /// A volume's catalog record, by name.
@@ -847,6 +936,11 @@ impl Replication {
             METHOD_UNWRITTEN => {
                 let request = decode(&payload)?;
                 let answer = replica::unwritten(shared, sender, request).map_err(refused)?;
+                encode(postcard::to_allocvec(&answer))
+            }
+            METHOD_CHANGED => {
+                let request = decode(&payload)?;
+                let answer = replica::changed(shared, sender, request).map_err(refused)?;
                 encode(postcard::to_allocvec(&answer))
             }
             METHOD_READ_COPY => {

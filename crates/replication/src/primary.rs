@@ -15,11 +15,11 @@ use keel_volume::{VolumeError, VolumeIo, VolumeResult};
 
 use crate::dirty::{Chunks, Lacking, ShutdownNote};
 use crate::wire::{
-    self, Batch, BatchAck, CopyAnswer, HashAnswer, HashRequest, Op, UnwrittenAnswer,
-    BLOCK_HASH_BYTES, CODE_BEHIND, CODE_FENCED, METHOD_HASHES, METHOD_READ_COPY, METHOD_REPLICATE,
-    METHOD_UNWRITTEN,
+    self, Batch, BatchAck, ChangedAnswer, ChangedRequest, CopyAnswer, HashAnswer, HashRequest, Op,
+    UnwrittenAnswer, BLOCK_HASH_BYTES, CODE_BEHIND, CODE_FENCED, METHOD_CHANGED, METHOD_HASHES,
+    METHOD_READ_COPY, METHOD_REPLICATE, METHOD_UNWRITTEN,
 };
-use crate::{lock, Shared, RESYNC_CHUNK_BYTES, RESYNC_PROBE_BYTES};
+use crate::{lock, Shared, POINT_EVERY, RESYNC_CHUNK_BYTES, RESYNC_PROBE_BYTES};
 
 /// Bytes queued for one replica before writers wait for it (bounded memory).
 const QUEUE_BYTES_MAX: usize = 64 << 20;
@@ -46,6 +46,14 @@ const REPLICA_BUSY_WINDOW: Duration = Duration::from_secs(1);
 const LEASE_WAIT: Duration = Duration::from_secs(3);
 /// How long a metadata change waits for the replicas to apply the writes before it.
 const QUIESCE_WAIT: Duration = Duration::from_secs(10);
+/// FLUSHes remembered until both nodes made them durable (bounded memory; a point found
+/// nowhere is only kept later).
+const FLUSH_POINTS_KEPT: usize = 4096;
+/// How long a replica may take to list what it changed since its common point (it reads
+/// every block key of the volume, never its data).
+const CHANGED_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long a replica's stream stays idle before an empty batch tells it its common point.
+const TELL_WHEN_IDLE: Duration = Duration::from_millis(200);
 /// How long a FLUSH waits in one round before it checks the lease and the epoch again.
 const WAIT_ROUND: Duration = Duration::from_millis(100);
 
@@ -116,6 +124,22 @@ struct Peer {
     resync_reading: Option<(u64, u64, bool)>,
     /// What it may lack beyond its stream: what its next catch-up compares.
     lacking: Lacking,
+    /// FLUSH batches of its stream it confirmed, taken while it was in sync, not yet known
+    /// durable here too: `(batch index, position covered)`, oldest first.
+    confirmed_flushes: VecDeque<(u64, u64)>,
+    /// The latest batch of its stream whose FLUSH both nodes made durable while it was in
+    /// sync: batches tell it (its common point with this node).
+    common_index: Option<u64>,
+    /// When this node last kept its common point with it ([`POINT_EVERY`]), and the store
+    /// sequence of a newer point not kept yet (too soon after the last).
+    point_kept: Option<Instant>,
+    point_due: Option<u64>,
+    /// The last `common_index` a batch carried to it.
+    common_told: Option<u64>,
+    /// Placed on its node by this primary and not caught up yet: a point it may still hold
+    /// (its copy's erase never ran, or a trim deleted blocks while the volume had one replica)
+    /// says nothing, so its catch-up compares everything.
+    added: bool,
     wake: Arc<tokio::sync::Notify>,
 }
 
@@ -143,6 +167,12 @@ impl Peer {
             client_requests_grew: None,
             resync_reading: None,
             lacking: Lacking::default(),
+            confirmed_flushes: VecDeque::new(),
+            common_index: None,
+            point_kept: None,
+            point_due: None,
+            common_told: None,
+            added: false,
             wake: Arc::new(tokio::sync::Notify::new()),
         }
     }
@@ -171,6 +201,11 @@ struct State {
     in_sync_min: usize,
     /// The next write's position in the volume's history.
     next_seq: u64,
+    /// FLUSHes queued, oldest first: `(position covered, this node's store sequence then)`;
+    /// every change ordered after one has a greater store sequence.
+    flush_points: VecDeque<(u64, u64)>,
+    /// Every change through this position is durable on this node.
+    local_durable_upto: u64,
     peers: BTreeMap<NodeId, Peer>,
     /// Set once this node may no longer act as primary (fenced, or the volume moved on).
     closed: Option<String>,
@@ -296,6 +331,8 @@ impl Primary {
                 in_sync: taken.in_sync.iter().copied().collect(),
                 in_sync_min: usize::from(taken.in_sync_min),
                 next_seq: 1,
+                flush_points: VecDeque::new(),
+                local_durable_upto: 0,
                 peers,
                 closed: None,
                 resync_bytes: 0,
@@ -372,7 +409,7 @@ impl Primary {
             if state.closed.is_some() {
                 return None;
             }
-            Self::queue_flush(&mut state)
+            self.queue_flush(&mut state)
         };
         if let Err(error) = self.local.flush() {
             tracing::warn!(volume = %self.name, %error, "could not flush this copy at shutdown");
@@ -551,8 +588,14 @@ impl Primary {
 
     /// Queues a FLUSH of everything ordered so far to every streaming replica (call it under
     /// the order lock); returns the position it covers.
-    fn queue_flush(state: &mut State) -> u64 {
+    fn queue_flush(&self, state: &mut State) -> u64 {
         let upto = state.next_seq - 1;
+        state
+            .flush_points
+            .push_back((upto, self.shared.local.committed_sequence()));
+        if state.flush_points.len() > FLUSH_POINTS_KEPT {
+            state.flush_points.pop_front();
+        }
         for peer in state.peers.values_mut().filter(|peer| peer.streaming) {
             peer.push(Item::Flush { upto });
         }
@@ -690,8 +733,20 @@ impl Primary {
             let notified = wake.notified();
             if in_flight.len() < BATCHES_IN_FLIGHT {
                 match self.readiness(node, in_flight.len()) {
+                    // Idle: once nothing came for a while, tell the replica its common point
+                    // (a burst's last FLUSH is otherwise named only by the next write).
                     Readiness::Empty if in_flight.is_empty() => {
-                        notified.await;
+                        if !self.common_untold(node) {
+                            notified.await;
+                            continue;
+                        }
+                        tokio::select! {
+                            _ = notified => continue,
+                            _ = self.shared.clock().sleep(TELL_WHEN_IDLE) => {}
+                        }
+                        if let Some(taken) = self.take_tell(node) {
+                            in_flight.push_back(self.send_taken(node, taken));
+                        }
                         continue;
                     }
                     // Writes without a FLUSH behind them: wait a moment for more (a QD1
@@ -708,19 +763,8 @@ impl Primary {
                     Readiness::Empty | Readiness::Linger if !in_flight.is_empty() => {}
                     _ => {
                         lingered = false;
-                        if let Some((batch, flush, bytes)) = self.take_batch(node) {
-                            let this = self.clone();
-                            let stream = batch.stream;
-                            let send = self.shared.runtime.spawn(async move {
-                                let outcome = this.send_batch(node, &batch).await;
-                                Sent {
-                                    stream: batch.stream,
-                                    flush,
-                                    bytes,
-                                    outcome,
-                                }
-                            });
-                            in_flight.push_back((stream, send));
+                        if let Some(taken) = self.take_batch(node) {
+                            in_flight.push_back(self.send_taken(node, taken));
                         }
                         continue;
                     }
@@ -754,6 +798,45 @@ impl Primary {
         }
     }
 
+    /// Queues a FLUSH to every streaming replica and makes everything ordered so far durable
+    /// here; returns the position it covers (the replicas' confirmations come later).
+    fn flush_here(&self) -> VolumeResult<u64> {
+        let upto = {
+            let _order = lock(&self.order);
+            let mut state = self.state();
+            self.check_serving(&state)?;
+            self.queue_flush(&mut state)
+        };
+        self.local.flush()?;
+        let points = {
+            let mut state = self.state();
+            state.local_durable_upto = state.local_durable_upto.max(upto);
+            self.advance_common(&mut state)
+        };
+        self.keep_points(points);
+        Ok(upto)
+    }
+
+    /// Sends a batch taken from a replica's queue, in the background: its stream and the send.
+    fn send_taken(
+        self: &Arc<Self>,
+        node: NodeId,
+        (batch, flush, bytes): (Batch, Option<BatchFlush>, usize),
+    ) -> (u64, tokio::task::JoinHandle<Sent>) {
+        let this = self.clone();
+        let stream = batch.stream;
+        let send = self.shared.runtime.spawn(async move {
+            let outcome = this.send_batch(node, &batch).await;
+            Sent {
+                stream: batch.stream,
+                flush,
+                bytes,
+                outcome,
+            }
+        });
+        (stream, send)
+    }
+
     /// Takes in a batch's answer; false once the stream is over (the replica failed, or
     /// fenced this node).
     fn settle(self: &Arc<Self>, node: NodeId, sent: Sent) -> bool {
@@ -770,13 +853,21 @@ impl Primary {
                     peer.client_requests_grew = Some(self.shared.clock_now());
                 }
                 // An answer of a stream a resync has since replaced confirms nothing.
-                if let (Some((upto, count)), true) = (sent.flush, peer.stream == sent.stream) {
-                    peer.durable_upto = peer.durable_upto.max(upto);
-                    peer.flushes_confirmed = peer.flushes_confirmed.max(count);
+                if let (Some(flush), true) = (sent.flush, peer.stream == sent.stream) {
+                    peer.durable_upto = peer.durable_upto.max(flush.upto);
+                    peer.flushes_confirmed = peer.flushes_confirmed.max(flush.count);
                     peer.lacking.confirmed(peer.durable_upto);
+                    if flush.in_sync {
+                        peer.confirmed_flushes.push_back((flush.index, flush.upto));
+                        if peer.confirmed_flushes.len() > FLUSH_POINTS_KEPT {
+                            peer.confirmed_flushes.pop_front();
+                        }
+                    }
                 }
+                let points = self.advance_common(&mut state);
                 drop(state);
                 self.changed.notify_all();
+                self.keep_points(points);
                 true
             }
             Err(failure) if failure.code == Some(CODE_FENCED) => {
@@ -801,6 +892,109 @@ impl Primary {
                 false
             }
         }
+    }
+
+    /// Moves each replica's common point with this node to the latest FLUSH it confirmed that
+    /// is durable here too; returns the points to keep now, as `(node, this node's store
+    /// sequence at that FLUSH)` ([`POINT_EVERY`] apart at most per replica).
+    fn advance_common(&self, state: &mut State) -> Vec<(NodeId, u64)> {
+        let State {
+            peers,
+            flush_points,
+            local_durable_upto,
+            ..
+        } = state;
+        let now = self.shared.clock_now();
+        let mut points = Vec::new();
+        for (node, peer) in peers.iter_mut() {
+            let mut common = None;
+            while let Some(&(index, upto)) = peer.confirmed_flushes.front() {
+                if upto > *local_durable_upto {
+                    break;
+                }
+                peer.common_index = Some(index);
+                common = Some(upto);
+                peer.confirmed_flushes.pop_front();
+            }
+            let Some(upto) = common else {
+                continue;
+            };
+            // A FLUSH queued at or before that one: every change after it has a greater
+            // store sequence here.
+            let Some(&(_, sequence)) = flush_points.iter().rev().find(|(at, _)| *at <= upto) else {
+                continue;
+            };
+            if peer
+                .point_kept
+                .is_some_and(|kept| now.saturating_duration_since(kept) < POINT_EVERY)
+            {
+                peer.point_due = Some(sequence);
+                continue;
+            }
+            peer.point_kept = Some(now);
+            peer.point_due = None;
+            points.push((*node, sequence));
+        }
+        points
+    }
+
+    /// Keeps common points ([`Self::advance_common`]) in the background.
+    fn keep_points(&self, points: Vec<(NodeId, u64)>) {
+        for (node, sequence) in points {
+            let shared = self.shared.clone();
+            let name = self.name.clone();
+            let volume_id = self.volume_id;
+            self.shared.runtime.spawn_blocking(move || {
+                shared.keep_point(&name, volume_id, node, sequence);
+            });
+        }
+    }
+
+    /// What a replica and this node changed since their common points, if both hold one that
+    /// still holds (`None`: its catch-up compares everything).
+    async fn changed_since_points(&self, node: NodeId) -> Option<Chunks> {
+        let listing = self.shared.clock_now();
+        let shared = self.shared.clone();
+        let name = self.name.clone();
+        let volume_id = self.volume_id;
+        let ours =
+            tokio::task::spawn_blocking(move || shared.changed_since_point(&name, volume_id, node))
+                .await;
+        let mut ours = match ours
+            .map_err(|error| error.to_string())
+            .and_then(|listed| listed.map_err(|error| error.to_string()))
+        {
+            Ok(Some(chunks)) => chunks,
+            Ok(None) => return None,
+            Err(error) => {
+                tracing::warn!(volume = %self.name, node, %error, "listing what changed since the common point failed; comparing everything");
+                return None;
+            }
+        };
+        let request = ChangedRequest {
+            volume_id: self.volume_id,
+            epoch: self.state().epoch,
+        };
+        let payload = postcard::to_allocvec(&request).ok()?;
+        let answer = match self
+            .shared
+            .call(node, METHOD_CHANGED, payload, CHANGED_TIMEOUT)
+            .await
+        {
+            Ok(answer) => answer,
+            Err(failure) => {
+                if failure.code == Some(CODE_FENCED) {
+                    self.close(format!("a replica fenced this node: {}", failure.message));
+                }
+                tracing::info!(volume = %self.name, node, error = %failure.message, "the replica did not say what it changed; comparing everything");
+                return None;
+            }
+        };
+        let answer: ChangedAnswer = postcard::from_bytes(&answer).ok()?;
+        let theirs: Chunks = postcard::from_bytes(&answer.chunks?).ok()?;
+        ours.add(&theirs);
+        tracing::info!(volume = %self.name, node, listed_ms = self.shared.clock_now().saturating_duration_since(listing).as_millis() as u64, "the catch-up compares what either node changed since their common points");
+        Some(ours)
     }
 
     /// Whether a replica's queue is worth a batch now: with none in flight, once it holds a
@@ -833,10 +1027,49 @@ impl Primary {
     fn take_batch(&self, node: NodeId) -> Option<(Batch, Option<BatchFlush>, usize)> {
         let mut state = self.state();
         let epoch = state.epoch;
+        let in_sync = state.in_sync.contains(&node);
         let peer = state.peers.get_mut(&node)?;
         if peer.queue.is_empty() {
             return None;
         }
+        Some(Self::next_batch(self.volume_id, epoch, in_sync, peer))
+    }
+
+    /// Whether a replica has not been told its latest common point yet.
+    fn common_untold(&self, node: NodeId) -> bool {
+        self.state()
+            .peers
+            .get(&node)
+            .is_some_and(|peer| peer.common_index > peer.common_told)
+    }
+
+    /// An empty batch telling an idle replica its common point (otherwise only the next
+    /// write would), and this node's own point not kept yet; `None` if there is nothing to tell.
+    fn take_tell(&self, node: NodeId) -> Option<(Batch, Option<BatchFlush>, usize)> {
+        let (taken, point) = {
+            let mut state = self.state();
+            let epoch = state.epoch;
+            let peer = state.peers.get_mut(&node)?;
+            if !peer.queue.is_empty() || peer.common_index <= peer.common_told {
+                return None;
+            }
+            let point = peer.point_due.take().map(|sequence| {
+                peer.point_kept = Some(self.shared.clock_now());
+                (node, sequence)
+            });
+            (Self::next_batch(self.volume_id, epoch, false, peer), point)
+        };
+        self.keep_points(point.into_iter().collect());
+        Some(taken)
+    }
+
+    /// The next batch of `peer`'s queue (possibly empty).
+    fn next_batch(
+        volume_id: u64,
+        epoch: u64,
+        in_sync: bool,
+        peer: &mut Peer,
+    ) -> (Batch, Option<BatchFlush>, usize) {
         let mut ops = Vec::new();
         let mut bytes = 0usize;
         let mut flush_upto = None;
@@ -852,22 +1085,29 @@ impl Primary {
                 Item::Op(op) => ops.push(op),
                 Item::Flush { upto } => {
                     peer.flushes_taken += 1;
-                    flush_upto = Some((upto, peer.flushes_taken));
+                    flush_upto = Some(BatchFlush {
+                        upto,
+                        count: peer.flushes_taken,
+                        index: peer.next_index,
+                        in_sync,
+                    });
                     break;
                 }
             }
         }
         let batch = Batch {
-            volume_id: self.volume_id,
+            volume_id,
             epoch,
             stream: peer.stream,
             index: peer.next_index,
             ops,
             flush: flush_upto.is_some(),
             catalog_index: peer.catalog_index,
+            common_index: peer.common_index,
         };
         peer.next_index += 1;
-        Some((batch, flush_upto, bytes))
+        peer.common_told = peer.common_index;
+        (batch, flush_upto, bytes)
     }
 
     async fn send_batch(&self, node: NodeId, batch: &Batch) -> Result<BatchAck, Failure> {
@@ -908,7 +1148,7 @@ impl Primary {
         let upto = {
             let mut state = self.state();
             self.check_serving(&state)?;
-            Self::queue_flush(&mut state)
+            self.queue_flush(&mut state)
         };
         let deadline = self.shared.clock().now() + QUIESCE_WAIT;
         // A replica that failed is still counted until Raft recorded it out of the in-sync
@@ -919,7 +1159,12 @@ impl Primary {
         )?);
         let outcome = change()?;
         let index = self.shared.cluster.applied_index();
-        for peer in self.state().peers.values_mut() {
+        let mut state = self.state();
+        // A point is kept with the view's excluded generations as they are when it is kept:
+        // FLUSHes before the change must not become points after it (a rollback).
+        state.flush_points.clear();
+        for peer in state.peers.values_mut() {
+            peer.confirmed_flushes.clear();
             peer.catalog_index = peer.catalog_index.max(index);
             // A rollback or resize changes what any chunk being read holds.
             if let Some((_, _, touched)) = peer.resync_reading.as_mut() {
@@ -1093,7 +1338,9 @@ impl Primary {
                 .filter(|node| *node != local && !state.peers.contains_key(node))
                 .collect();
             for node in &added {
-                state.peers.insert(*node, Peer::new());
+                let mut peer = Peer::new();
+                peer.added = true;
+                state.peers.insert(*node, peer);
             }
             added
         };
@@ -1244,6 +1491,33 @@ impl Primary {
     async fn resync(self: &Arc<Self>, node: NodeId) -> Result<(), String> {
         let size = self.local.size_bytes();
         let block = u64::from(self.local.block_size_bytes());
+        // What it lacks is unknown (this node just became primary, after a crash or a
+        // take-over): if both nodes hold a common point, it lacks at most what either changed
+        // since. Changes ordered from now on are recorded as they come, before the lists are
+        // made, so none falls between.
+        let unknown = {
+            let mut state = self.state();
+            let Some(peer) = state.peers.get_mut(&node) else {
+                return Ok(());
+            };
+            // (A stream an earlier attempt left behind: what it carries unconfirmed is folded
+            // in below, as for any catch-up.)
+            let unknown = peer.lacking.is_unknown() && !peer.added;
+            if unknown {
+                peer.lacking.caught_up();
+            }
+            unknown
+        };
+        if unknown {
+            let found = self.changed_since_points(node).await;
+            let mut state = self.state();
+            if let Some(peer) = state.peers.get_mut(&node) {
+                match &found {
+                    Some(chunks) => peer.lacking.add(chunks),
+                    None => peer.lacking.unknown(),
+                }
+            }
+        }
         let (runs, probing, stream) = {
             let mut state = self.state();
             if state.closed.is_some() {
@@ -1272,6 +1546,10 @@ impl Primary {
             peer.flushes_confirmed = 0;
             peer.stream = stream;
             peer.next_index = 0;
+            // Batch indexes start over with the stream: a common point is named anew.
+            peer.confirmed_flushes.clear();
+            peer.common_index = None;
+            peer.common_told = None;
             peer.catalog_index = self.shared.cluster.applied_index();
             peer.resync_started = Some(self.shared.clock().now());
             peer.resync_compared = 0;
@@ -1433,9 +1711,20 @@ impl Primary {
         if let Some(peer) = self.state().peers.get_mut(&node) {
             if peer.streaming && !peer.failed && peer.stream == stream {
                 peer.lacking.caught_up();
+                peer.added = false;
             }
         }
         self.changed.notify_all();
+        // A FLUSH with the replica in sync gives both nodes a common point at once, rather
+        // than at the client's next FLUSH (a volume left idle after the catch-up keeps none).
+        let this = self.clone();
+        let flushed = tokio::task::spawn_blocking(move || this.flush_here())
+            .await
+            .map_err(|error| error.to_string())
+            .and_then(|flushed| flushed.map_err(|error| error.to_string()));
+        if let Err(error) = flushed {
+            tracing::info!(volume = %self.name, node, %error, "the FLUSH after a catch-up failed; the next one gives the common point");
+        }
         let took = clock.now().saturating_duration_since(started);
         tracing::info!(
             volume = %self.name,
@@ -1552,7 +1841,7 @@ impl Primary {
             let _order = lock(&self.order);
             let mut state = self.state();
             self.check_serving(&state)?;
-            Self::queue_flush(&mut state);
+            self.queue_flush(&mut state);
             state
                 .peers
                 .iter()
@@ -1835,7 +2124,15 @@ enum Stretch {
 }
 
 /// The flush a batch ends with: the history position it covers, and its count in the stream.
-type BatchFlush = (u64, u64);
+/// A batch ending in a FLUSH: the position it covers, its count in the stream, the batch's
+/// index, and whether the replica was in sync when it was taken.
+#[derive(Clone, Copy)]
+struct BatchFlush {
+    upto: u64,
+    count: u64,
+    index: u64,
+    in_sync: bool,
+}
 
 /// A replica's block hashes of a chunk, asked for ahead of their use.
 type HashesAsked = tokio::task::JoinHandle<Result<Vec<u8>, String>>;
@@ -1899,13 +2196,7 @@ impl VolumeIo for Primary {
     fn flush(&self) -> VolumeResult<()> {
         let started = self.shared.clock().now();
         self.client_request()?;
-        let upto = {
-            let _order = lock(&self.order);
-            let mut state = self.state();
-            self.check_serving(&state)?;
-            Self::queue_flush(&mut state)
-        };
-        self.local.flush()?;
+        let upto = self.flush_here()?;
         self.wait_durable(upto, started)
     }
 

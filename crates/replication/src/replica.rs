@@ -1,19 +1,19 @@
 //! The replica side: applies a primary's stream to the local volume, in order, after checking
 //! the sender is the volume's primary in this node's view of the catalog (epoch fencing).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use keel_catalog::NodeId;
 use keel_volume::VolumeIo;
 
 use crate::wire::{
-    block_hash, Batch, BatchAck, CopyAnswer, HashAnswer, HashRequest, Op, UnwrittenAnswer,
-    BLOCK_HASH_BYTES, CODE_BEHIND, CODE_FAILED, CODE_FENCED, CODE_OUT_OF_ORDER,
-    UNREADABLE_BLOCK_HASH,
+    block_hash, Batch, BatchAck, ChangedAnswer, ChangedRequest, CopyAnswer, HashAnswer,
+    HashRequest, Op, UnwrittenAnswer, BLOCK_HASH_BYTES, CODE_BEHIND, CODE_FAILED, CODE_FENCED,
+    CODE_OUT_OF_ORDER, UNREADABLE_BLOCK_HASH,
 };
-use crate::{lock, Shared};
+use crate::{lock, Shared, POINT_EVERY};
 
 /// Why a replica refused a call: an error code of [`crate::wire`] and a message.
 #[derive(Debug)]
@@ -30,7 +30,14 @@ fn refusal(code: u16, message: String) -> Refusal {
 struct Position {
     stream: u64,
     next_index: u64,
+    /// The stream's FLUSH batches applied here, oldest first, with this node's store
+    /// sequence once each was applied: a later batch names one both nodes made durable
+    /// (`Batch::common_index`), and its sequence becomes this node's common point.
+    flushes: VecDeque<(u64, u64)>,
 }
+
+/// FLUSH batches a stream remembers before one is named common (bounded memory).
+const FLUSHES_KEPT: usize = 1024;
 
 /// One volume as a replica holds it.
 #[derive(Default)]
@@ -39,6 +46,8 @@ struct Replica {
     /// The local volume, opened in the epoch beside it: a later epoch opens it again (the
     /// replica may have been removed from this node and placed back since).
     handle: Option<(u64, Arc<dyn VolumeIo>)>,
+    /// When this node last kept its common point with the primary ([`POINT_EVERY`]).
+    point_kept: Option<Instant>,
 }
 
 /// Every volume this node holds a replica of. Each volume's mutex is held while a batch is
@@ -222,12 +231,43 @@ pub(crate) fn apply(shared: &Shared, sender: NodeId, batch: Batch) -> Result<Bat
     state = wait_for_turn(shared, &slot, state, &batch)?;
     let name = check_sender(shared, batch.volume_id, batch.epoch, sender)?;
     // A failure below leaves the position unset: the primary must resync this replica.
-    state.replica.position = None;
+    let previous = state.replica.position.take();
     let applied = apply_batch(shared, &mut state, &name, &batch);
     if applied.is_ok() {
+        let mut flushes = previous
+            .filter(|position| position.stream == batch.stream)
+            .map(|position| position.flushes)
+            .unwrap_or_default();
+        if batch.flush {
+            // Every change of this batch and the ones before is committed, none after it.
+            flushes.push_back((batch.index, shared.local.committed_sequence()));
+            if flushes.len() > FLUSHES_KEPT {
+                flushes.pop_front();
+            }
+        }
+        let now = shared.clock_now();
+        let due = state
+            .replica
+            .point_kept
+            .is_none_or(|kept| now.saturating_duration_since(kept) >= POINT_EVERY);
+        if let (Some(common), true) = (batch.common_index, due) {
+            let mut point = None;
+            while let Some(&(index, sequence)) = flushes.front() {
+                if index > common {
+                    break;
+                }
+                point = Some(sequence);
+                flushes.pop_front();
+            }
+            if let Some(sequence) = point {
+                state.replica.point_kept = Some(now);
+                shared.keep_point(&name, batch.volume_id, sender, sequence);
+            }
+        }
         state.replica.position = Some(Position {
             stream: batch.stream,
             next_index: batch.index + 1,
+            flushes,
         });
     }
     drop(state);
@@ -323,6 +363,24 @@ fn range_volume(
         ));
     }
     Ok(volume)
+}
+
+/// What this node's copy changed since its common point with the primary asking (a catch-up
+/// after a crash or a take-over compares only that, and what the primary changed since its
+/// own point).
+pub(crate) fn changed(
+    shared: &Shared,
+    sender: NodeId,
+    request: ChangedRequest,
+) -> Result<ChangedAnswer, Refusal> {
+    let name = check_sender(shared, request.volume_id, request.epoch, sender)?;
+    let chunks = shared
+        .changed_since_point(&name, request.volume_id, sender)
+        .map_err(|error| refusal(CODE_FAILED, error.to_string()))?
+        .map(|chunks| postcard::to_allocvec(&chunks))
+        .transpose()
+        .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
+    Ok(ChangedAnswer { chunks })
 }
 
 /// Whether a range (at most a probe) was never written here.

@@ -30,6 +30,11 @@ pub const METHOD_FORWARD_CLOSE: u16 = 0x0205;
 /// when the primary's own copy fails its checksum.
 pub const METHOD_READ_COPY: u16 = 0x0206;
 
+/// Primary → replica being caught up: what the replica changed since its common point with
+/// the primary ([`ChangedRequest`] → [`ChangedAnswer`]), so a catch-up after a crash or a
+/// take-over compares only that and what the primary changed since its own.
+pub const METHOD_CHANGED: u16 = 0x0207;
+
 /// The sender is not the volume's primary in the replica's view (an older epoch or another
 /// node): it must stop acknowledging anything for the volume.
 pub const CODE_FENCED: u16 = 0x0201;
@@ -159,6 +164,10 @@ pub struct Batch {
     /// snapshot, rollback or resize the primary made between two writes then falls between
     /// them here too.
     pub catalog_index: u64,
+    /// The latest batch of this stream ending in a FLUSH that both nodes made durable while
+    /// the replica was in sync: the replica keeps its store sequence at that FLUSH as its
+    /// common point with the primary.
+    pub common_index: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -176,6 +185,20 @@ pub struct HashRequest {
     pub epoch: u64,
     pub offset: u64,
     pub length: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChangedRequest {
+    pub volume_id: u64,
+    pub epoch: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChangedAnswer {
+    /// The units changed since the replica's point (the primary's bitmap, encoded); `None`:
+    /// it holds no point with the primary that still holds.
+    #[serde(with = "serde_bytes")]
+    pub chunks: Option<Vec<u8>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -248,6 +271,7 @@ mod tests {
             ],
             flush: true,
             catalog_index: 12,
+            common_index: Some(1),
         };
         let bytes = postcard::to_allocvec(&batch).unwrap();
         assert_eq!(postcard::from_bytes::<Batch>(&bytes).unwrap(), batch);
@@ -271,6 +295,40 @@ mod tests {
         assert_eq!(postcard::to_allocvec(&op).unwrap(), [0, 1, 3, 7, 8, 9]);
         let answer = HashAnswer { hashes: vec![1, 2] };
         assert_eq!(postcard::to_allocvec(&answer).unwrap(), [2, 1, 2]);
+    }
+
+    // Proves what a replica changed round-trips, its absence is distinct from an empty list,
+    // and a truncated answer is refused.
+    #[test]
+    fn changed_answers_round_trip_and_truncation_is_refused() {
+        let listed = ChangedAnswer {
+            chunks: Some(vec![3, 0xff, 0, 1]),
+        };
+        let none = ChangedAnswer { chunks: None };
+        for answer in [&listed, &none] {
+            let bytes = postcard::to_allocvec(answer).unwrap();
+            assert_eq!(
+                &postcard::from_bytes::<ChangedAnswer>(&bytes).unwrap(),
+                answer
+            );
+        }
+        let bytes = postcard::to_allocvec(&listed).unwrap();
+        for cut in [0, 1, bytes.len() - 1] {
+            assert!(
+                postcard::from_bytes::<ChangedAnswer>(&bytes[..cut]).is_err(),
+                "{cut}"
+            );
+        }
+        let request = ChangedRequest {
+            volume_id: 9,
+            epoch: 4,
+        };
+        let bytes = postcard::to_allocvec(&request).unwrap();
+        assert_eq!(
+            postcard::from_bytes::<ChangedRequest>(&bytes).unwrap(),
+            request
+        );
+        assert!(postcard::from_bytes::<ChangedRequest>(&bytes[..1]).is_err());
     }
 
     // Proves a forwarded write round-trips and a truncated one is refused.
