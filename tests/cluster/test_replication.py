@@ -174,6 +174,21 @@ def test_r2_volume_survives_losing_a_replica_and_resyncs_what_changed(cluster):
     other.flush()
 
 
+def r2_in_sync_with_blocks(cluster, name):
+    """Two storage nodes and a witness; an R=2 volume `name` attached through node 1, both
+    replicas in sync, and the first block of each of its first 8 MiB written and flushed.
+    Returns (node 1, node 2, the client, {offset: block written})."""
+    first, second = two_nodes_and_witness(cluster)
+    create_r2(first, name)
+    client = attach(first, name)
+    wait_until("both replicas in sync", lambda: sorted(replication(first, name)["in_sync"]) == [1, 2])
+    expected = {chunk * CHUNK: block("before", chunk) for chunk in range(8)}
+    for offset, data in expected.items():
+        client.write(offset, data)
+    client.flush()
+    return first, second, client, expected
+
+
 def write_then_fail_over(client, first, second, name, expected, chunk):
     """One more block written and flushed through node 1 (at `chunk`), node 1 killed -9, the
     volume attached through node 2: it reads every block of `expected` as written."""
@@ -230,14 +245,7 @@ def test_a_primary_stopped_cleanly_remembers_what_its_replica_lacks(cluster):
     stopped cleanly once more, with node 2 in sync this time: after the restart node 2 lacks
     nothing and is compared not at all. Finally node 1 is killed and the volume attached
     through node 2 holds every block."""
-    first, second = two_nodes_and_witness(cluster)
-    create_r2(first, "clean")
-    client = attach(first, "clean")
-    wait_until("both replicas in sync", lambda: sorted(replication(first, "clean")["in_sync"]) == [1, 2])
-    expected = {chunk * CHUNK: block("before", chunk) for chunk in range(8)}
-    for offset, data in expected.items():
-        client.write(offset, data)
-    client.flush()
+    first, second, client, expected = r2_in_sync_with_blocks(cluster, "clean")
     second.kill9()
     for chunk in (20, 21):
         expected[chunk * CHUNK] = block("absent", chunk)
@@ -284,14 +292,7 @@ def test_a_catch_up_after_a_crash_or_a_take_over_compares_what_changed_since_the
     zeroes) and writes one more. When node 1 returns, node 2 compares what node 1 changed
     since its point too: node 1's unflushed writes are replaced by node 2's copy. Finally
     node 2 is killed and the volume read through node 1 is node 2's."""
-    first, second = two_nodes_and_witness(cluster)
-    create_r2(first, "common")
-    client = attach(first, "common")
-    wait_until("both replicas in sync", lambda: sorted(replication(first, "common")["in_sync"]) == [1, 2])
-    expected = {chunk * CHUNK: block("before", chunk) for chunk in range(8)}
-    for offset, data in expected.items():
-        client.write(offset, data)
-    client.flush()
+    first, second, client, expected = r2_in_sync_with_blocks(cluster, "common")
     settle_common_points(client, expected)
 
     second.kill9()
