@@ -333,6 +333,43 @@ def test_a_catch_up_after_a_crash_or_a_take_over_compares_what_changed_since_the
         assert last.read(offset, BLOCK) == data, f"node 1 does not hold node 2's block at {offset}"
 
 
+def test_after_a_take_over_the_third_replica_is_caught_up_by_its_common_point(cluster):
+    """Three storage nodes and an R=3 volume attached through node 1, every replica in sync,
+    blocks written and flushed. Node 1 is killed -9 and node 2 takes the volume over, alone in
+    sync. Node 3 made the same FLUSHes durable as node 2 while both were in sync, and each
+    batch told it so: each keeps a common point with the other. Node 2's catch-up of node 3
+    therefore compares a few 64 KiB units, not the 64 MiB written stretch. Node 1 returns,
+    node 2 is killed, and the volume read through node 3 holds every block."""
+    nodes = [cluster.add() for _ in range(3)]
+    wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
+    first, second, third = nodes
+    code, created = first.api("POST", "/api/v1/volumes",
+                              {"name": "three", "size_bytes": SIZE, "replicas": 3}, timeout=30)
+    assert code == 200, created
+    client = attach(first, "three")
+    wait_until("all three in sync", lambda: sorted(replication(first, "three")["in_sync"]) == [1, 2, 3], timeout=60)
+    expected = {chunk * CHUNK: block("before", chunk) for chunk in range(8)}
+    for offset, data in expected.items():
+        client.write(offset, data)
+    client.flush()
+    settle_common_points(client, expected)
+
+    first.kill9()
+    other = attach(second, "three", timeout=60)
+    wait_until("node 3 in sync with node 2", lambda: 3 in replication(second, "three")["in_sync"], timeout=60)
+    compared = replication(second, "three")["served_here"]["resync_compared_bytes"]
+    assert compared <= 4 * UNIT, compared
+    expected[30 * CHUNK] = block("after", 30)
+    other.write(30 * CHUNK, expected[30 * CHUNK])
+    other.flush()
+    first.start()
+    wait_until("node 1 in sync again", lambda: sorted(replication(second, "three")["in_sync"]) == [1, 2, 3], timeout=60)
+    second.kill9()
+    last = attach(third, "three", timeout=60)
+    for offset, data in expected.items():
+        assert last.read(offset, BLOCK) == data, f"node 3 does not hold the block at {offset}"
+
+
 def test_no_flushed_write_is_lost_when_the_primary_is_killed(cluster, workdir):
     """`keel bench durability write` (a FLUSH every 4 writes) runs through the primary; the
     primary is killed -9; the volume is attached through the other node, which takes over
@@ -710,13 +747,15 @@ def test_a_snapshot_made_through_one_node_opens_at_once_through_another(cluster)
 def test_a_snapshot_incomplete_on_a_replica_is_never_served_or_rolled_back_there(cluster, workdir):
     """An R=1 volume is written and snapshotted, then raised to R=2: node 2 receives the
     current contents only, so its copy of the snapshot lacks the data (the snapshot says so).
-    The volume is overwritten and rolled back onto the snapshot through node 1: node 2 leaves
-    the in-sync set for the rollback and is caught up again after it. Node 1 is killed; node 2
+    Half of the volume's blocks are overwritten and the volume rolled back onto the snapshot
+    through node 1: node 2 leaves the in-sync set for the rollback and is caught up again
+    after it, in full (the blocks not overwritten changed on neither node since their common
+    point, yet node 2's rolled-back view no longer shows them: the rollback voids the point). Node 1 is killed; node 2
     takes over and serves the rolled-back contents, and refuses to export the snapshot it
     does not hold whole, naming the node that does. (Rolled back in place, node 2 read
     zeroes: its copy of the snapshot never had the data.)"""
     first, second, client = pair_with_one_replica(cluster, workdir, "", "undo")
-    original = {index: block("original", index) for index in range(64)}
+    original = {index: block("original", index) for index in range(128)}
     for index, data in original.items():
         client.write(index * BLOCK, data)
     client.flush()
@@ -784,8 +823,9 @@ def test_replicas_change_online_and_a_removed_replica_erases_its_copy(cluster):
     switches to replicated writes, the new replicas (nodes 2 and 3) catch up and join the
     in-sync set. The minimum is raised, then R lowered to 2: node 3 (the highest id) leaves
     and erases its copy; placed back, it is caught up whole, and removed again. Another node
-    refuses the change with the primary's address. Then the primary is killed and the volume, attached through node 2, holds every flushed
-    write, including those written while R changed."""
+    refuses the change with the primary's address. Then the primary is killed and the volume,
+    attached through node 2, holds every flushed write, including those written while R
+    changed."""
     nodes = [cluster.add() for _ in range(3)]
     wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
     first, second, third = nodes

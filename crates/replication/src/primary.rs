@@ -130,6 +130,8 @@ struct Peer {
     /// The latest batch of its stream whose FLUSH both nodes made durable while it was in
     /// sync: batches tell it (its common point with this node).
     common_index: Option<u64>,
+    /// The position that FLUSH covers.
+    common_upto: u64,
     /// When this node last kept its common point with it ([`POINT_EVERY`]), and the store
     /// sequence of a newer point not kept yet (too soon after the last).
     point_kept: Option<Instant>,
@@ -169,6 +171,7 @@ impl Peer {
             lacking: Lacking::default(),
             confirmed_flushes: VecDeque::new(),
             common_index: None,
+            common_upto: 0,
             point_kept: None,
             point_due: None,
             common_told: None,
@@ -913,6 +916,7 @@ impl Primary {
                     break;
                 }
                 peer.common_index = Some(index);
+                peer.common_upto = upto;
                 common = Some(upto);
                 peer.confirmed_flushes.pop_front();
             }
@@ -1028,11 +1032,30 @@ impl Primary {
         let mut state = self.state();
         let epoch = state.epoch;
         let in_sync = state.in_sync.contains(&node);
+        let others = Self::others_common(&state, node);
         let peer = state.peers.get_mut(&node)?;
         if peer.queue.is_empty() {
             return None;
         }
-        Some(Self::next_batch(self.volume_id, epoch, in_sync, peer))
+        Some(Self::next_batch(
+            self.volume_id,
+            epoch,
+            in_sync,
+            &others,
+            peer,
+        ))
+    }
+
+    /// The other in-sync replicas and the position of their common point with this node.
+    fn others_common(state: &State, node: NodeId) -> Vec<(NodeId, u64)> {
+        state
+            .peers
+            .iter()
+            .filter(|(other, peer)| {
+                **other != node && state.in_sync.contains(other) && peer.common_index.is_some()
+            })
+            .map(|(other, peer)| (*other, peer.common_upto))
+            .collect()
     }
 
     /// Whether a replica has not been told its latest common point yet.
@@ -1049,6 +1072,7 @@ impl Primary {
         let (taken, point) = {
             let mut state = self.state();
             let epoch = state.epoch;
+            let others = Self::others_common(&state, node);
             let peer = state.peers.get_mut(&node)?;
             if !peer.queue.is_empty() || peer.common_index <= peer.common_told {
                 return None;
@@ -1057,17 +1081,22 @@ impl Primary {
                 peer.point_kept = Some(self.shared.clock_now());
                 (node, sequence)
             });
-            (Self::next_batch(self.volume_id, epoch, false, peer), point)
+            (
+                Self::next_batch(self.volume_id, epoch, false, &others, peer),
+                point,
+            )
         };
         self.keep_points(point.into_iter().collect());
         Some(taken)
     }
 
-    /// The next batch of `peer`'s queue (possibly empty).
+    /// The next batch of `peer`'s queue (possibly empty); `others` are the other in-sync
+    /// replicas with the position of their common point with this node.
     fn next_batch(
         volume_id: u64,
         epoch: u64,
         in_sync: bool,
+        others: &[(NodeId, u64)],
         peer: &mut Peer,
     ) -> (Batch, Option<BatchFlush>, usize) {
         let mut ops = Vec::new();
@@ -1104,6 +1133,15 @@ impl Primary {
             flush: flush_upto.is_some(),
             catalog_index: peer.catalog_index,
             common_index: peer.common_index,
+            // The replicas durable through that FLUSH too (R=3): a point with each of them.
+            common_with: match peer.common_index {
+                Some(_) => others
+                    .iter()
+                    .filter(|(_, upto)| *upto >= peer.common_upto)
+                    .map(|(other, _)| *other)
+                    .collect(),
+                None => Vec::new(),
+            },
         };
         peer.next_index += 1;
         peer.common_told = peer.common_index;
@@ -1549,6 +1587,7 @@ impl Primary {
             // Batch indexes start over with the stream: a common point is named anew.
             peer.confirmed_flushes.clear();
             peer.common_index = None;
+            peer.common_upto = 0;
             peer.common_told = None;
             peer.catalog_index = self.shared.cluster.applied_index();
             peer.resync_started = Some(self.shared.clock().now());

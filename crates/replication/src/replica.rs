@@ -261,7 +261,11 @@ pub(crate) fn apply(shared: &Shared, sender: NodeId, batch: Batch) -> Result<Bat
             }
             if let Some(sequence) = point {
                 state.replica.point_kept = Some(now);
-                shared.keep_point(&name, batch.volume_id, sender, sequence);
+                for peer in std::iter::once(sender).chain(batch.common_with.iter().copied()) {
+                    if peer != shared.local_node {
+                        shared.keep_point(&name, batch.volume_id, peer, sequence);
+                    }
+                }
             }
         }
         state.replica.position = Some(Position {

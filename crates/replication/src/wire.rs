@@ -168,6 +168,9 @@ pub struct Batch {
     /// the replica was in sync: the replica keeps its store sequence at that FLUSH as its
     /// common point with the primary.
     pub common_index: Option<u64>,
+    /// Other replicas in sync that made that FLUSH durable too: the replica keeps the same
+    /// common point with each of them (after a take-over one of them may catch it up).
+    pub common_with: Vec<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -272,6 +275,7 @@ mod tests {
             flush: true,
             catalog_index: 12,
             common_index: Some(1),
+            common_with: vec![3],
         };
         let bytes = postcard::to_allocvec(&batch).unwrap();
         assert_eq!(postcard::from_bytes::<Batch>(&bytes).unwrap(), batch);
