@@ -599,39 +599,6 @@ impl keel_replication::LocalVolumes for LocalVolumes {
         self.volumes.open_volume(name)
     }
 
-    fn keep_note(&self, volume_id: u64, note: Vec<u8>) -> keel_namespace::volume::VolumeResult<()> {
-        let op = keel_store::WriteOp::put(
-            replication_note_key(volume_id),
-            note,
-            keel_store::Compression::None,
-        );
-        self.volumes
-            .store()
-            .write(vec![op], keel_store::Durability::Sync)
-            .map(|_| ())
-            .map_err(keel_namespace::volume::VolumeError::store(
-                "replication note",
-                "keep",
-            ))
-    }
-
-    fn take_note(&self, volume_id: u64) -> keel_namespace::volume::VolumeResult<Option<Vec<u8>>> {
-        let key = replication_note_key(volume_id);
-        let store = self.volumes.store();
-        let error =
-            |operation| keel_namespace::volume::VolumeError::store("replication note", operation);
-        let Some(note) = store.get(&key).map_err(error("read"))? else {
-            return Ok(None);
-        };
-        store
-            .write(
-                vec![keel_store::WriteOp::Delete { key }],
-                keel_store::Durability::Sync,
-            )
-            .map_err(error("delete"))?;
-        Ok(Some(note))
-    }
-
     fn committed_sequence(&self) -> u64 {
         self.volumes.store().committed_sequence()
     }
@@ -653,52 +620,62 @@ impl keel_replication::LocalVolumes for LocalVolumes {
         )
     }
 
-    fn keep_point(
+    fn keep_record(
         &self,
         volume_id: u64,
-        peer: keel_catalog::NodeId,
-        point: Vec<u8>,
+        name: &[u8],
+        value: Vec<u8>,
+        sync: bool,
     ) -> keel_namespace::volume::VolumeResult<()> {
-        let op = keel_store::WriteOp::put(
-            replication_point_key(volume_id, peer),
-            point,
-            keel_store::Compression::None,
-        );
+        let key = keel_namespace::volume::copy_record_key(volume_id, name);
+        let op = keel_store::WriteOp::put(key, value, keel_store::Compression::None);
+        let durability = if sync {
+            keel_store::Durability::Sync
+        } else {
+            keel_store::Durability::Buffered
+        };
         self.volumes
             .store()
-            .write(vec![op], keel_store::Durability::Buffered)
+            .write(vec![op], durability)
             .map(|_| ())
             .map_err(keel_namespace::volume::VolumeError::store(
-                "replication point",
+                "replication record",
                 "keep",
             ))
     }
 
-    fn point(
+    fn record(
         &self,
         volume_id: u64,
-        peer: keel_catalog::NodeId,
+        name: &[u8],
     ) -> keel_namespace::volume::VolumeResult<Option<Vec<u8>>> {
         self.volumes
             .store()
-            .get(&replication_point_key(volume_id, peer))
+            .get(&keel_namespace::volume::copy_record_key(volume_id, name))
             .map_err(keel_namespace::volume::VolumeError::store(
-                "replication point",
+                "replication record",
                 "read",
             ))
     }
-}
 
-/// Where a node keeps its common point with another node for a volume (`keel-replication`).
-fn replication_point_key(volume_id: u64, peer: keel_catalog::NodeId) -> Vec<u8> {
-    let mut name = b"replication/common/".to_vec();
-    name.extend_from_slice(&peer.to_be_bytes());
-    keel_namespace::volume::copy_record_key(volume_id, &name)
-}
-
-/// Where a node keeps what a volume's replicas lacked when it stopped (`keel-replication`).
-fn replication_note_key(volume_id: u64) -> Vec<u8> {
-    keel_namespace::volume::copy_record_key(volume_id, b"replication/lacking")
+    fn forget_record(
+        &self,
+        volume_id: u64,
+        name: &[u8],
+    ) -> keel_namespace::volume::VolumeResult<()> {
+        let key = keel_namespace::volume::copy_record_key(volume_id, name);
+        self.volumes
+            .store()
+            .write(
+                vec![keel_store::WriteOp::Delete { key }],
+                keel_store::Durability::Sync,
+            )
+            .map(|_| ())
+            .map_err(keel_namespace::volume::VolumeError::store(
+                "replication record",
+                "delete",
+            ))
+    }
 }
 
 impl Exports for VolumeExports {

@@ -70,11 +70,21 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Opens this node's own copy of a volume (the local volume engine).
 pub trait LocalVolumes: Send + Sync + 'static {
     fn open_local(&self, name: &str) -> VolumeResult<Arc<dyn VolumeIo>>;
-    /// Keeps `note` about volume `volume_id` in this node's store, durably, until taken.
-    fn keep_note(&self, volume_id: u64, note: Vec<u8>) -> VolumeResult<()>;
-    /// Takes the note kept about `volume_id`: reads it, then deletes it durably (a note
-    /// serves one start).
-    fn take_note(&self, volume_id: u64) -> VolumeResult<Option<Vec<u8>>>;
+    /// Keeps `value` as the record `name` about this node's copy of volume `volume_id` (the
+    /// store erases such records with the copy), replacing the one before. With `sync` it is
+    /// durable on return; otherwise the store's next sync makes it durable, in order with
+    /// every write before it.
+    fn keep_record(
+        &self,
+        volume_id: u64,
+        name: &[u8],
+        value: Vec<u8>,
+        sync: bool,
+    ) -> VolumeResult<()>;
+    /// The record `name` about this node's copy of volume `volume_id`.
+    fn record(&self, volume_id: u64, name: &[u8]) -> VolumeResult<Option<Vec<u8>>>;
+    /// Deletes the record `name` about this node's copy of volume `volume_id`, durably.
+    fn forget_record(&self, volume_id: u64, name: &[u8]) -> VolumeResult<()>;
     /// The store sequence of this node's last committed write: every write committed later
     /// gets a greater one.
     fn committed_sequence(&self) -> u64;
@@ -87,12 +97,16 @@ pub trait LocalVolumes: Send + Sync + 'static {
         since: u64,
         changed: &mut dyn FnMut(u64, u64),
     ) -> VolumeResult<()>;
-    /// Keeps `point` about volume `volume_id` and node `peer`, replacing the one before,
-    /// without waiting for a sync: the store's next sync makes it durable, in order with every
-    /// write before it.
-    fn keep_point(&self, volume_id: u64, peer: NodeId, point: Vec<u8>) -> VolumeResult<()>;
-    /// The point kept about volume `volume_id` and node `peer`.
-    fn point(&self, volume_id: u64, peer: NodeId) -> VolumeResult<Option<Vec<u8>>>;
+}
+
+/// The record about a copy that says what its replicas lacked when this node stopped cleanly.
+const NOTE_RECORD: &[u8] = b"replication/lacking";
+
+/// The record about a copy that holds its common point with `peer` ([`Point`]).
+fn point_record(peer: NodeId) -> Vec<u8> {
+    let mut name = b"replication/common/".to_vec();
+    name.extend_from_slice(&peer.to_be_bytes());
+    name
 }
 
 /// Bytes this node sent and received as replication traffic (tests and `volume info`).
@@ -194,7 +208,7 @@ impl Shared {
             .map_err(|error| error.to_string())
             .and_then(|bytes| {
                 self.local
-                    .keep_point(volume_id, peer, bytes)
+                    .keep_record(volume_id, &point_record(peer), bytes, false)
                     .map_err(|error| error.to_string())
             });
         if let Err(error) = kept {
@@ -210,7 +224,7 @@ impl Shared {
         volume_id: u64,
         peer: NodeId,
     ) -> VolumeResult<Option<Chunks>> {
-        let Some(bytes) = self.local.point(volume_id, peer)? else {
+        let Some(bytes) = self.local.record(volume_id, &point_record(peer))? else {
             return Ok(None);
         };
         let point: Point = match postcard::from_bytes(&bytes) {
@@ -393,7 +407,7 @@ impl Replication {
                 .and_then(|bytes| {
                     self.shared
                         .local
-                        .keep_note(volume_id, bytes)
+                        .keep_record(volume_id, NOTE_RECORD, bytes, true)
                         .map_err(|error| error.to_string())
                 });
             if let Err(error) = kept {
@@ -405,9 +419,17 @@ impl Replication {
     /// What the replicas of `volume` lacked when this node last stopped cleanly while serving
     /// it, if its epoch is still the one it had then (`epoch`: the epoch this node just
     /// replaced by attaching): nobody else was its primary, and its replicas did not change.
-    /// Otherwise (or if unreadable) nothing: every replica is compared whole.
+    /// Otherwise (or if unreadable) nothing: every replica is compared whole. A note serves
+    /// one start: it is deleted as it is read.
     fn shutdown_note(&self, volume: &str, volume_id: u64, epoch: u64) -> BTreeMap<NodeId, Chunks> {
-        let note = match self.shared.local.take_note(volume_id) {
+        let local = &self.shared.local;
+        let taken = local.record(volume_id, NOTE_RECORD).and_then(|note| {
+            if note.is_some() {
+                local.forget_record(volume_id, NOTE_RECORD)?;
+            }
+            Ok(note)
+        });
+        let note = match taken {
             Ok(Some(bytes)) => postcard::from_bytes::<ShutdownNote>(&bytes),
             Ok(None) => return BTreeMap::new(),
             Err(error) => {
