@@ -979,22 +979,16 @@ impl Primary {
             volume_id: self.volume_id,
             epoch: self.state().epoch,
         };
-        let payload = postcard::to_allocvec(&request).ok()?;
-        let answer = match self
-            .shared
-            .call(node, METHOD_CHANGED, payload, CHANGED_TIMEOUT)
+        let answer: ChangedAnswer = match self
+            .ask(node, METHOD_CHANGED, &request, CHANGED_TIMEOUT)
             .await
         {
             Ok(answer) => answer,
-            Err(failure) => {
-                if failure.code == Some(CODE_FENCED) {
-                    self.close(format!("a replica fenced this node: {}", failure.message));
-                }
-                tracing::info!(volume = %self.name, node, error = %failure.message, "the replica did not say what it changed; comparing everything");
+            Err(error) => {
+                tracing::info!(volume = %self.name, node, %error, "the replica did not say what it changed; comparing everything");
                 return None;
             }
         };
-        let answer: ChangedAnswer = postcard::from_bytes(&answer).ok()?;
         let theirs: Chunks = postcard::from_bytes(&answer.chunks?).ok()?;
         ours.add(&theirs);
         tracing::info!(volume = %self.name, node, listed_ms = self.shared.clock_now().saturating_duration_since(listing).as_millis() as u64, "the catch-up compares what either node changed since their common points");
@@ -2020,10 +2014,22 @@ impl Primary {
             offset,
             length,
         };
-        let payload = postcard::to_allocvec(&request).map_err(|error| error.to_string())?;
+        self.ask(node, method, &request, Duration::from_secs(10))
+            .await
+    }
+
+    /// One call to a replica, encoded and decoded; a replica that fenced this node closes it.
+    async fn ask<T: serde::de::DeserializeOwned>(
+        &self,
+        node: NodeId,
+        method: u16,
+        request: &impl serde::Serialize,
+        timeout: Duration,
+    ) -> Result<T, String> {
+        let payload = postcard::to_allocvec(request).map_err(|error| error.to_string())?;
         let answer = self
             .shared
-            .call(node, method, payload, Duration::from_secs(10))
+            .call(node, method, payload, timeout)
             .await
             .map_err(|failure| {
                 if failure.code == Some(CODE_FENCED) {
