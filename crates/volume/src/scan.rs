@@ -330,6 +330,23 @@ pub(crate) fn delete_all_blocks(
     delete_all_blocks_while(store, volume_id, volume, size_blocks, progress, || Some(()))
 }
 
+/// Deletes `keys` in one buffered write (the log keeps it in order with every later write).
+fn delete_keys(
+    store: &Store,
+    keys: Vec<Vec<u8>>,
+    volume: &str,
+    operation: &'static str,
+) -> VolumeResult<()> {
+    let deletes = keys
+        .into_iter()
+        .map(|key| WriteOp::Delete { key })
+        .collect();
+    store
+        .write(deletes, Durability::Buffered)
+        .map(|_| ())
+        .map_err(VolumeError::store(volume, operation))
+}
+
 /// [`delete_all_blocks`], each batch under the guard `hold` returns; stops (without error)
 /// once it returns `None`.
 pub(crate) fn delete_all_blocks_while<G>(
@@ -351,13 +368,7 @@ pub(crate) fn delete_all_blocks_while<G>(
             .keys(&start, &end, DELETE_BATCH_OPS_MAX)
             .map_err(VolumeError::store(volume, "listing the copy's records"))?;
         if !records.is_empty() {
-            let deletes = records
-                .into_iter()
-                .map(|key| WriteOp::Delete { key })
-                .collect();
-            store
-                .write(deletes, Durability::Buffered)
-                .map_err(VolumeError::store(volume, "deleting the copy's records"))?;
+            delete_keys(store, records, volume, "deleting the copy's records")?;
         }
     }
     let end = volume_blocks_end(volume_id);
@@ -375,13 +386,7 @@ pub(crate) fn delete_all_blocks_while<G>(
             .map(|(_, block, _)| block)
             .unwrap_or(0);
         let full = page.len() == DELETE_BATCH_OPS_MAX;
-        let deletes = page
-            .into_iter()
-            .map(|key| WriteOp::Delete { key })
-            .collect();
-        store
-            .write(deletes, Durability::Buffered)
-            .map_err(VolumeError::store(volume, "deleting blocks"))?;
+        delete_keys(store, page, volume, "deleting blocks")?;
         progress(Progress {
             done: position.min(size_blocks),
             total: size_blocks,
