@@ -189,6 +189,15 @@ def r2_in_sync_with_blocks(cluster, name):
     return first, second, client, expected
 
 
+def write_without_the_replica(second, client, expected):
+    """Node 2 (the replica) killed -9, then one block written in each of chunks 20 and 21
+    (not flushed)."""
+    second.kill9()
+    for chunk in (20, 21):
+        expected[chunk * CHUNK] = block("absent", chunk)
+        client.write(chunk * CHUNK, expected[chunk * CHUNK])
+
+
 def write_then_fail_over(client, first, second, name, expected, chunk):
     """One more block written and flushed through node 1 (at `chunk`), node 1 killed -9, the
     volume attached through node 2: it reads every block of `expected` as written."""
@@ -246,10 +255,7 @@ def test_a_primary_stopped_cleanly_remembers_what_its_replica_lacks(cluster):
     nothing and is compared not at all. Finally node 1 is killed and the volume attached
     through node 2 holds every block."""
     first, second, client, expected = r2_in_sync_with_blocks(cluster, "clean")
-    second.kill9()
-    for chunk in (20, 21):
-        expected[chunk * CHUNK] = block("absent", chunk)
-        client.write(chunk * CHUNK, expected[chunk * CHUNK])
+    write_without_the_replica(second, client, expected)
     client.flush()
     assert replication(first, "clean")["in_sync"] == [1]
     client.close()
@@ -295,10 +301,7 @@ def test_a_catch_up_after_a_crash_or_a_take_over_compares_what_changed_since_the
     first, second, client, expected = r2_in_sync_with_blocks(cluster, "common")
     settle_common_points(client, expected)
 
-    second.kill9()
-    for chunk in (20, 21):
-        expected[chunk * CHUNK] = block("absent", chunk)
-        client.write(chunk * CHUNK, expected[chunk * CHUNK])
+    write_without_the_replica(second, client, expected)
     client.trim(3 * CHUNK, BLOCK)
     expected[3 * CHUNK] = bytes(BLOCK)
     client.flush()
