@@ -955,8 +955,9 @@ impl Primary {
     }
 
     /// What a replica and this node changed since their common points, if both hold one that
-    /// still holds (`None`: its catch-up compares everything).
-    async fn changed_since_points(&self, node: NodeId) -> Option<Chunks> {
+    /// still holds (`None`: its catch-up compares everything). An error: the replica did not
+    /// answer (down, starting, behind): the catch-up tries again rather than compare all.
+    async fn changed_since_points(&self, node: NodeId) -> Result<Option<Chunks>, String> {
         let listing = self.shared.clock_now();
         let shared = self.shared.clone();
         let name = self.name.clone();
@@ -969,30 +970,28 @@ impl Primary {
             .and_then(|listed| listed.map_err(|error| error.to_string()))
         {
             Ok(Some(chunks)) => chunks,
-            Ok(None) => return None,
+            Ok(None) => return Ok(None),
             Err(error) => {
                 tracing::warn!(volume = %self.name, node, %error, "listing what changed since the common point failed; comparing everything");
-                return None;
+                return Ok(None);
             }
         };
         let request = ChangedRequest {
             volume_id: self.volume_id,
             epoch: self.state().epoch,
         };
-        let answer: ChangedAnswer = match self
+        let answer: ChangedAnswer = self
             .ask(node, METHOD_CHANGED, &request, CHANGED_TIMEOUT)
-            .await
-        {
-            Ok(answer) => answer,
-            Err(error) => {
-                tracing::info!(volume = %self.name, node, %error, "the replica did not say what it changed; comparing everything");
-                return None;
-            }
+            .await?;
+        let Some(theirs) = answer
+            .chunks
+            .and_then(|bytes| postcard::from_bytes::<Chunks>(&bytes).ok())
+        else {
+            return Ok(None);
         };
-        let theirs: Chunks = postcard::from_bytes(&answer.chunks?).ok()?;
         ours.add(&theirs);
         tracing::info!(volume = %self.name, node, listed_ms = self.shared.clock_now().saturating_duration_since(listing).as_millis() as u64, "the catch-up compares what either node changed since their common points");
-        Some(ours)
+        Ok(Some(ours))
     }
 
     /// Whether a replica's queue is worth a batch now: with none in flight, once it holds a
@@ -1545,10 +1544,13 @@ impl Primary {
             let mut state = self.state();
             if let Some(peer) = state.peers.get_mut(&node) {
                 match &found {
-                    Some(chunks) => peer.lacking.add(chunks),
-                    None => peer.lacking.unknown(),
+                    Ok(Some(chunks)) => peer.lacking.add(chunks),
+                    Ok(None) | Err(_) => peer.lacking.unknown(),
                 }
             }
+            // Not answered (a replica starting up may not have applied the epoch yet): ask
+            // again at the next attempt, rather than compare the whole volume now.
+            found?;
         }
         let (runs, probing, stream) = {
             let mut state = self.state();
