@@ -143,19 +143,8 @@ async fn form_three(network: &LocalNetwork, test: &str) -> Vec<TestNode> {
             .await,
         );
     }
-    let ids: std::collections::BTreeSet<_> = nodes.iter().map(|n| n.cluster.node_id()).collect();
-    // Formed means every node has the final, uniform membership and the same log, not only the
-    // leader: while the change from one voter to three is in joint consensus, the old
-    // configuration ({a}) must agree too, and a test that cut `a` off then would see no leader
-    // elected, as Raft requires.
     wait_for("three voters everywhere", SETTLE, || {
-        let last = nodes[0].cluster.metrics().last_log_index;
-        nodes.iter().all(|n| {
-            let metrics = n.cluster.metrics();
-            voters(n) == ids
-                && metrics.membership_config.get_joint_config().len() == 1
-                && metrics.last_log_index == last
-        })
+        formed(&nodes.iter().collect::<Vec<_>>())
     })
     .await;
     nodes
@@ -377,14 +366,8 @@ async fn two_nodes_and_a_witness() {
         },
     )
     .await;
-    let ids: std::collections::BTreeSet<_> = [
-        a.cluster.node_id(),
-        b.cluster.node_id(),
-        w.cluster.node_id(),
-    ]
-    .into();
     wait_for("three voters including the witness", SETTLE, || {
-        voters(&a) == ids
+        formed(&[&a, &b, &w])
     })
     .await;
     let refused = a
@@ -516,8 +499,10 @@ async fn a_leader_cut_off_with_a_follower_renews_no_lease() {
         nodes.push(start(&network, node_dir(test, name), name, options).await);
     }
     let all: Vec<_> = nodes.iter().map(|n| n.cluster.node_id()).collect();
+    // Formed, not merely five voters listed: in the joint configuration ({a, b, c}, {a..e}) a
+    // majority side without two of a, b and c can elect nobody.
     wait_for("five voters everywhere", SETTLE, || {
-        nodes.iter().all(|n| voters(n).len() == 5)
+        formed(&nodes.iter().collect::<Vec<_>>())
     })
     .await;
     let leader_id = nodes[0].cluster.leader().unwrap();

@@ -155,6 +155,24 @@ pub async fn wait_for(what: &str, timeout: Duration, mut check: impl FnMut() -> 
     }
 }
 
+/// Whether `nodes` formed a cluster of exactly themselves: every node has the final, uniform
+/// membership and the same log, not only the leader. While a change of voters is in joint
+/// consensus the old configuration must agree too, so a test that cut nodes off then would see
+/// no leader elected, as Raft requires, rather than what it means to test.
+pub fn formed(nodes: &[&TestNode]) -> bool {
+    let ids: BTreeSet<NodeId> = nodes.iter().map(|n| n.cluster.node_id()).collect();
+    let Some(first) = nodes.first() else {
+        return true;
+    };
+    let last = first.cluster.metrics().last_log_index;
+    nodes.iter().all(|n| {
+        let metrics = n.cluster.metrics();
+        voters(n) == ids
+            && metrics.membership_config.get_joint_config().len() == 1
+            && metrics.last_log_index == last
+    })
+}
+
 pub fn voters(node: &TestNode) -> BTreeSet<NodeId> {
     node.cluster
         .metrics()
