@@ -754,9 +754,10 @@ def test_a_snapshot_incomplete_on_a_replica_is_never_served_or_rolled_back_there
     through node 1: node 2 leaves the in-sync set for the rollback and is caught up again
     after it, in full (the blocks not overwritten changed on neither node since their common
     point, yet node 2's rolled-back view no longer shows them: the rollback voids the point). Node 1 is killed; node 2
-    takes over and serves the rolled-back contents, and refuses to export the snapshot it
-    does not hold whole, naming the node that does. (Rolled back in place, node 2 read
-    zeroes: its copy of the snapshot never had the data.)"""
+    takes over and serves the rolled-back contents. The snapshot exported through node 2
+    shows node 1's copy (node 2's own lacks it) while node 1 lives, and is refused, naming
+    node 1, once node 1 is gone. (Rolled back in place, node 2 read zeroes: its copy of the
+    snapshot never had the data.)"""
     first, second, client = pair_with_one_replica(cluster, workdir, "", "undo")
     original = {index: block("original", index) for index in range(128)}
     for index, data in original.items():
@@ -777,6 +778,10 @@ def test_a_snapshot_incomplete_on_a_replica_is_never_served_or_rolled_back_there
     assert code == 200, answer
     wait_until("node 2 caught up after the rollback",
                lambda: sorted(replication(first, "undo")["in_sync"]) == [1, 2], timeout=60)
+    through_second = Client(second.host, second.nbd_port, "undo@before", timeout=30)
+    for index, data in original.items():
+        assert through_second.read(index * BLOCK, BLOCK) == data, f"snapshot block {index} through node 2"
+    through_second.close()
     first.kill9()
     other = attach(second, "undo", timeout=60)
     for index, data in original.items():
@@ -786,7 +791,7 @@ def test_a_snapshot_incomplete_on_a_replica_is_never_served_or_rolled_back_there
         Client(second.host, second.nbd_port, "undo@before", timeout=30)
         raise AssertionError("node 2 exported a snapshot its copy does not hold whole")
     except NbdError as refused:
-        assert "is incomplete on this node" in str(refused) and "whole on node 1" in str(refused), refused
+        assert "holding the snapshot whole" in str(refused) and "node 1" in str(refused), refused
 
 
 def test_a_rollback_during_a_catch_up_restarts_it(cluster, workdir):
@@ -1137,7 +1142,10 @@ def test_a_node_without_a_replica_serves_the_volume_by_forwarding(cluster):
     has an acknowledged write not yet flushed: its session fails (it cannot vouch for that
     write), and so does a second connection of the same volume with nothing of its own
     unflushed (a FLUSH through it would cover the first's write); a new attach through node 3
-    finds every flushed write."""
+    finds every flushed write.
+    A snapshot of the R=2 volume is exported through node 3 too (read-only), and shows what
+    the volume held when it was taken; its session moves to node 2, a replica holding the
+    snapshot whole, as soon as node 1 dies (before node 2 takes the volume over)."""
     nodes = [cluster.add() for _ in range(3)]
     wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
     first, second, third = nodes
@@ -1159,6 +1167,19 @@ def test_a_node_without_a_replica_serves_the_volume_by_forwarding(cluster):
         assert direct.read(index * BLOCK, BLOCK) == data, f"block {index} not on the primary"
     direct.close()
     wait_until("both replicas in sync", lambda: sorted(replication(first, "fwd")["in_sync"]) == [1, 2], timeout=60)
+    code, answer = first.api("POST", "/api/v1/volumes/fwd/snapshots", {"name": "frozen"})
+    assert code == 200, answer
+    frozen = dict(expected)
+    for index in range(8):
+        client.write(index * BLOCK, block("after the snapshot", index))
+    client.flush()
+    snapshot = Client(third.host, third.nbd_port, "fwd@frozen", timeout=30)
+    for index, data in frozen.items():
+        assert snapshot.read(index * BLOCK, BLOCK) == data, f"block {index} of the snapshot through node 3"
+    with pytest.raises(NbdError, match="errno 1"):  # EPERM: a snapshot is read-only
+        snapshot.write(0, block("into the snapshot", 0))
+    for index in range(8):
+        expected[index] = block("after the snapshot", index)
 
     single = attach(third, "one")
     single.write(0, block("single", 0))
@@ -1169,6 +1190,11 @@ def test_a_node_without_a_replica_serves_the_volume_by_forwarding(cluster):
     local.close()
 
     first.kill9()
+    # Before any take-over: node 2 serves the snapshot while still a mere replica.
+    for index in (0, 7, 8, 127):
+        assert snapshot.read(index * BLOCK, BLOCK) == frozen[index], f"snapshot block {index} after node 1 died"
+    snapshot.close()
+    assert replication(second, "fwd")["primary"] == 1
     for index, data in expected.items():
         assert client.read(index * BLOCK, BLOCK) == data, f"block {index} lost when the primary died"
     assert replication(second, "fwd")["primary"] == 2

@@ -599,6 +599,14 @@ impl keel_replication::LocalVolumes for LocalVolumes {
         self.volumes.open_volume(name)
     }
 
+    fn open_local_snapshot(
+        &self,
+        volume: &str,
+        snapshot: &str,
+    ) -> keel_namespace::volume::VolumeResult<Arc<dyn VolumeIo>> {
+        self.volumes.open_snapshot(volume, snapshot)
+    }
+
     fn committed_sequence(&self) -> u64 {
         self.volumes.store().committed_sequence()
     }
@@ -685,7 +693,7 @@ impl Exports for VolumeExports {
 
     fn open(&self, name: &str) -> Result<Arc<dyn Export>, NbdError> {
         let open = || match name.split_once('@') {
-            Some((volume, snapshot)) => self.volumes.open_snapshot(volume, snapshot),
+            Some((volume, snapshot)) => self.replication.open_snapshot(volume, snapshot),
             None => self.replication.open(name),
         };
         let opened = match open() {

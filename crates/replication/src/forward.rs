@@ -5,6 +5,11 @@
 //! acknowledged once the primary acknowledged it, a forwarded FLUSH once every in-sync replica
 //! made the writes before it durable.
 //!
+//! A snapshot's export (`volume@snapshot`, read-only) is forwarded the same way, to any node
+//! holding the snapshot whole (a node without a replica, and a replica that was out of sync
+//! when the snapshot was taken, hold no copy of it); with nothing to vouch for, its session
+//! moves to another such node whenever its node goes away.
+//!
 //! When the serving node goes away (it died, or another node took the volume over), a session
 //! moves to the new primary without the client noticing if every write acknowledged through
 //! this node's sessions of the volume was covered by a successful FLUSH (or was a FUA write):
@@ -285,34 +290,67 @@ impl Drop for Forwarded {
     }
 }
 
-/// Finds the node that serves `name` now and opens a session there.
+/// The nodes that may serve export `name` now, best first: for a volume, its primary then its
+/// other in-sync replicas (one of which takes it over once the primary is gone); for
+/// `volume@snapshot`, the replicas holding the snapshot whole, its primary first.
+fn serving_nodes(shared: &Shared, name: &str) -> VolumeResult<Vec<NodeId>> {
+    let catalog = shared.metadata.catalog().read();
+    let (volume, snapshot) = match name.split_once('@') {
+        Some((volume, snapshot)) => (volume, Some(snapshot)),
+        None => (name, None),
+    };
+    let entry = catalog
+        .volume(volume)
+        .ok_or_else(|| VolumeError::NotFound {
+            name: volume.to_string(),
+        })?;
+    let replication = &entry.record.replication;
+    let others = match snapshot {
+        None => &replication.in_sync,
+        Some(_) => &replication.replicas,
+    };
+    let mut nodes: Vec<NodeId> = std::iter::once(replication.primary)
+        .chain(others.iter().copied())
+        .filter(|node| *node != shared.local_node)
+        .collect();
+    let mut seen = std::collections::BTreeSet::new();
+    nodes.retain(|node| seen.insert(*node));
+    if let Some(snapshot) = snapshot {
+        let frozen =
+            entry
+                .snapshot_by_name(snapshot)
+                .ok_or_else(|| VolumeError::SnapshotNotFound {
+                    volume: volume.to_string(),
+                    snapshot: snapshot.to_string(),
+                })?;
+        nodes.retain(|node| replication.replicas.contains(node) && frozen.complete_on(*node));
+    }
+    Ok(nodes)
+}
+
+/// Finds the node that serves `name` now and opens a session there. A volume's primary may
+/// be taking over, so that is retried until [`OPEN_DEADLINE`]; a snapshot is frozen, and every
+/// node holding it whole is tried once.
 fn open_route(shared: &Shared, name: &str) -> VolumeResult<(Route, ForwardOpened)> {
     let payload = postcard::to_allocvec(&ForwardOpen {
         volume: name.to_string(),
     })
     .map_err(|error| unavailable(name, error.to_string()))?;
+    let snapshot = name.contains('@');
     let clock = shared.clock();
-    let deadline = clock.now() + OPEN_DEADLINE;
-    let mut last = String::from("no node holds a replica");
+    let deadline = clock.now()
+        + if snapshot {
+            Duration::ZERO
+        } else {
+            OPEN_DEADLINE
+        };
+    let mut last = String::from(if snapshot {
+        "no other node holds the snapshot whole"
+    } else {
+        "no node holds a replica"
+    });
     loop {
-        let replication = shared
-            .metadata
-            .catalog()
-            .read()
-            .volume(name)
-            .map(|entry| entry.record.replication.clone())
-            .ok_or_else(|| VolumeError::NotFound {
-                name: name.to_string(),
-            })?;
-        let mut candidates = vec![replication.primary];
-        candidates.extend(
-            replication
-                .in_sync
-                .iter()
-                .copied()
-                .filter(|node| *node != replication.primary),
-        );
-        for node in candidates {
+        for node in serving_nodes(shared, name)? {
             if node == shared.local_node {
                 continue;
             }
@@ -331,17 +369,28 @@ fn open_route(shared: &Shared, name: &str) -> VolumeResult<(Route, ForwardOpened
                     code: Some(CODE_NOT_FOUND),
                     ..
                 }) => {
-                    return Err(VolumeError::NotFound {
-                        name: name.to_string(),
+                    return Err(match name.split_once('@') {
+                        Some((volume, snapshot)) => VolumeError::SnapshotNotFound {
+                            volume: volume.to_string(),
+                            snapshot: snapshot.to_string(),
+                        },
+                        None => VolumeError::NotFound {
+                            name: name.to_string(),
+                        },
                     })
                 }
                 Err(failure) => last = format!("node {node}: {}", failure.message),
             }
         }
         if clock.now() >= deadline {
+            let holding = if snapshot {
+                "holding the snapshot whole"
+            } else {
+                "holding a replica"
+            };
             return Err(unavailable(
                 name,
-                format!("no node holding a replica would serve it through this one: {last}"),
+                format!("no node {holding} would serve it through this one: {last}"),
             ));
         }
         clock.sleep_blocking(Duration::from_millis(250));
@@ -353,6 +402,8 @@ struct Session {
     caller: NodeId,
     io: Arc<dyn VolumeIo>,
     volume_id: u64,
+    /// A volume's session is served by its primary only; a snapshot's by any node holding it.
+    follows_primary: bool,
     used: Instant,
 }
 
@@ -370,6 +421,7 @@ impl Sessions {
         caller: NodeId,
         volume_id: u64,
         io: Arc<dyn VolumeIo>,
+        follows_primary: bool,
     ) -> Result<ForwardOpened, String> {
         let now = shared.clock_now();
         let mut sessions = lock(&self.sessions);
@@ -397,6 +449,7 @@ impl Sessions {
                 caller,
                 io,
                 volume_id,
+                follows_primary,
                 used: now,
             },
         );
@@ -411,7 +464,7 @@ impl Sessions {
         request: ForwardRequest<'_>,
     ) -> Result<ForwardAnswer, String> {
         let now = shared.clock_now();
-        let (io, volume_id) = {
+        let (io, volume_id, follows_primary) = {
             let mut sessions = lock(&self.sessions);
             let Some(session) = sessions
                 .get_mut(&request.session)
@@ -423,7 +476,11 @@ impl Sessions {
                 ));
             };
             session.used = now;
-            (session.io.clone(), session.volume_id)
+            (
+                session.io.clone(),
+                session.volume_id,
+                session.follows_primary,
+            )
         };
         let outcome = match request.op {
             ForwardOp::Read { offset, length } => {
@@ -449,7 +506,7 @@ impl Sessions {
             Err(error) => {
                 // A replicated volume another node took over (its primary here refuses
                 // everything then): the session moves there.
-                if let Some(why) = moved(shared, volume_id) {
+                if let Some(why) = moved(shared, volume_id, follows_primary) {
                     self.close(caller, request.session);
                     return Err(why);
                 }
@@ -477,13 +534,15 @@ impl Sessions {
 }
 
 /// Why a session of `volume_id` is no longer served here, if it is not: the volume was deleted,
-/// or another node is the primary of the replicated volume.
-fn moved(shared: &Shared, volume_id: u64) -> Option<String> {
+/// or (for a session that follows the primary) another node is the primary of the replicated
+/// volume.
+fn moved(shared: &Shared, volume_id: u64, follows_primary: bool) -> Option<String> {
     let catalog = shared.metadata.catalog().read();
     match catalog.volumes.get(&volume_id) {
         None => Some("the volume was deleted".to_string()),
         Some(entry)
-            if entry.record.replication.replicas.len() > 1
+            if follows_primary
+                && entry.record.replication.replicas.len() > 1
                 && entry.record.replication.primary != shared.local_node =>
         {
             Some(format!(

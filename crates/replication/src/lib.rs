@@ -70,6 +70,9 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Opens this node's own copy of a volume (the local volume engine).
 pub trait LocalVolumes: Send + Sync + 'static {
     fn open_local(&self, name: &str) -> VolumeResult<Arc<dyn VolumeIo>>;
+    /// A read-only handle on this node's copy of `volume@snapshot` (refused when the copy does
+    /// not hold the snapshot whole).
+    fn open_local_snapshot(&self, volume: &str, snapshot: &str) -> VolumeResult<Arc<dyn VolumeIo>>;
     /// Keeps `value` as the record `name` about this node's copy of volume `volume_id` (the
     /// store erases such records with the copy), replacing the one before. With `sync` it is
     /// durable on return; otherwise the store's next sync makes it durable, in order with
@@ -619,6 +622,36 @@ impl Replication {
         self.open_hosted(name)
     }
 
+    /// A read-only handle on `volume@snapshot`: this node's copy when it holds the snapshot
+    /// whole, else a forwarding session on a node that does (this node holds no replica, or
+    /// its replica was out of sync when the snapshot was taken).
+    pub fn open_snapshot(&self, volume: &str, snapshot: &str) -> VolumeResult<Arc<dyn VolumeIo>> {
+        let local_node = self.shared.local_node;
+        let whole_here = {
+            let catalog = self.shared.metadata.catalog().read();
+            let entry = catalog
+                .volume(volume)
+                .ok_or_else(|| VolumeError::NotFound {
+                    name: volume.to_string(),
+                })?;
+            let frozen =
+                entry
+                    .snapshot_by_name(snapshot)
+                    .ok_or_else(|| VolumeError::SnapshotNotFound {
+                        volume: volume.to_string(),
+                        snapshot: snapshot.to_string(),
+                    })?;
+            entry.record.replication.hosts(local_node) && frozen.complete_on(local_node)
+        };
+        if whole_here {
+            return self.shared.local.open_local_snapshot(volume, snapshot);
+        }
+        Ok(Forwarded::open(
+            self.shared.clone(),
+            &format!("{volume}@{snapshot}"),
+        )?)
+    }
+
     fn hosted_here(&self, name: &str) -> VolumeResult<bool> {
         let record = self.shared.volume_record(name)?;
         Ok(record.replication.hosts(self.shared.local_node))
@@ -904,9 +937,21 @@ impl Replication {
         request: ForwardOpen,
     ) -> Result<Vec<u8>, keel_rpc::RemoteError> {
         let remote = |code: u16, message: String| keel_rpc::RemoteError { code, message };
+        // The export's name: a volume, or `volume@snapshot` (read-only, served by any node
+        // holding the snapshot whole, primary or not).
         let name = request.volume;
-        let opened = self.open_hosted(&name).map_err(|error| match error {
-            VolumeError::NotFound { .. } => remote(CODE_NOT_FOUND, error.to_string()),
+        let (volume, snapshot) = match name.split_once('@') {
+            Some((volume, snapshot)) => (volume, Some(snapshot)),
+            None => (name.as_str(), None),
+        };
+        let opened = match snapshot {
+            Some(snapshot) => self.shared.local.open_local_snapshot(volume, snapshot),
+            None => self.open_hosted(volume),
+        }
+        .map_err(|error| match error {
+            VolumeError::NotFound { .. } | VolumeError::SnapshotNotFound { .. } => {
+                remote(CODE_NOT_FOUND, error.to_string())
+            }
             other => remote(CODE_REFUSED, other.to_string()),
         })?;
         let volume_id = self
@@ -914,12 +959,12 @@ impl Replication {
             .metadata
             .catalog()
             .read()
-            .volume(&name)
+            .volume(volume)
             .map(|entry| entry.record.id)
-            .ok_or_else(|| remote(CODE_NOT_FOUND, format!("volume {name:?} not found")))?;
+            .ok_or_else(|| remote(CODE_NOT_FOUND, format!("volume {volume:?} not found")))?;
         let answer = self
             .sessions
-            .insert(&self.shared, caller, volume_id, opened)
+            .insert(&self.shared, caller, volume_id, opened, snapshot.is_none())
             .map_err(|why| remote(CODE_REFUSED, why))?;
         tracing::info!(
             volume = name,
