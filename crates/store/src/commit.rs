@@ -40,6 +40,36 @@ const READ_RETRIES_MAX: usize = 8;
 /// fdatasyncs (about 1.5× slower here) for seconds, not for a whole segment. Stores that stay
 /// smaller never write a prepared segment.
 const GROWING_SEGMENT_PREPARE_AFTER_BYTES: u64 = 4 << 20;
+/// A writer that fills segments faster than their successors can be zero-filled (a bulk load,
+/// a replica's rebuild) never waits for the zeros: it cancels the preparation and appends to a
+/// growing file. The preparations of the next segments are then skipped, 1, 2, 4, then up to
+/// this many segments (or for [`PREPARE_SKIP_TIME_MAX`]), so zeros nobody will use do not take
+/// the disk and a core from the writer. A preparation started half way through a prepared
+/// segment (the schedule of a writer that is not in a hurry) that finishes in time resets the
+/// count; one started early in a growing segment does not (it has a whole segment's lead).
+const PREPARE_SKIPS_MAX: u64 = 8;
+/// Skipping ends after this long even if the writer has not passed the skipped segments: a
+/// bulk load fills them within seconds, a slow writer gets its prepared segments back.
+const PREPARE_SKIP_TIME_MAX: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The background preparation of the next segment.
+struct Preparing {
+    id: u64,
+    thread: std::thread::JoinHandle<StoreResult<bool>>,
+    cancel: Arc<AtomicBool>,
+    /// Started early, from a growing segment.
+    early: bool,
+}
+
+/// Which segments are not prepared, after the writer outran a preparation.
+struct PrepareBackoff {
+    /// Segments up to this id are not prepared...
+    skip_through: u64,
+    /// ...until this moment.
+    skip_until: Option<std::time::Instant>,
+    /// How many segments the next outrun preparation skips.
+    skips: u64,
+}
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
@@ -224,7 +254,8 @@ pub(crate) struct Engine {
     /// How long each device's fdatasync of the log took, by device.
     device_sync_times: Vec<SyncTimes>,
     /// The background preparation of the next segment, if one was started.
-    preparing: Mutex<Option<(u64, std::thread::JoinHandle<StoreResult<()>>)>>,
+    preparing: Mutex<Option<Preparing>>,
+    prepare_backoff: Mutex<PrepareBackoff>,
     /// Serializes scrub and compaction with each other.
     pub(crate) maintenance: Mutex<()>,
 }
@@ -289,6 +320,11 @@ impl Engine {
             batch_sizes: BatchSizes::default(),
             device_sync_times,
             preparing: Mutex::new(None),
+            prepare_backoff: Mutex::new(PrepareBackoff {
+                skip_through: 0,
+                skip_until: None,
+                skips: 1,
+            }),
             maintenance: Mutex::new(()),
         })
     }
@@ -718,7 +754,7 @@ impl Engine {
         if writer.offset > self.config.segment_size_max_bytes / 2
             || (writer.growing && writer.offset >= GROWING_SEGMENT_PREPARE_AFTER_BYTES)
         {
-            self.prepare_next_segment(writer.segment.id + 1);
+            self.prepare_next_segment(writer.segment.id + 1, writer.growing);
         }
 
         // Index.
@@ -771,16 +807,25 @@ impl Engine {
         let id = writer.segment.id + 1;
         let preparing = lock(&self.preparing).take();
         let prepared = match preparing {
-            Some((prepared_id, thread)) if prepared_id == id => match thread.join() {
-                Ok(Ok(())) => self
-                    .segments
-                    .activate_prepared(id, self.config.segment_size_max_bytes)?,
-                Ok(Err(error)) => {
-                    tracing::warn!(%error, segment = id, "could not prepare segment; appending to a new file");
-                    None
+            Some(preparing) if preparing.id == id => {
+                // Never wait for the zeros (see PREPARE_SKIPS_MAX).
+                if !preparing.thread.is_finished() {
+                    preparing.cancel.store(true, Ordering::SeqCst);
                 }
-                Err(_) => None,
-            },
+                let outcome = preparing.thread.join();
+                self.note_preparation(id, matches!(outcome, Ok(Ok(false))), preparing.early);
+                match outcome {
+                    Ok(Ok(true)) => self
+                        .segments
+                        .activate_prepared(id, self.config.segment_size_max_bytes)?,
+                    Ok(Ok(false)) => None,
+                    Ok(Err(error)) => {
+                        tracing::warn!(%error, segment = id, "could not prepare segment; appending to a new file");
+                        None
+                    }
+                    Err(_) => None,
+                }
+            }
             _ => None,
         };
         let (next, growing) = match prepared {
@@ -798,32 +843,67 @@ impl Engine {
     fn preparation_outcome(&self, id: u64) -> Option<bool> {
         let finished = lock(&self.preparing)
             .as_ref()
-            .is_some_and(|(prepared, thread)| *prepared == id && thread.is_finished());
+            .is_some_and(|preparing| preparing.id == id && preparing.thread.is_finished());
         finished.then(|| {
             self.segments
                 .preparation_complete(id, self.config.segment_size_max_bytes)
         })
     }
 
-    /// Starts zero-filling segment `id` on a background thread, once.
-    fn prepare_next_segment(&self, id: u64) {
+    /// Starts zero-filling segment `id` on a background thread, once, unless the writer
+    /// outran the preparations before it (see PREPARE_SKIPS_MAX).
+    fn prepare_next_segment(&self, id: u64, early: bool) {
+        {
+            let backoff = lock(&self.prepare_backoff);
+            if id <= backoff.skip_through
+                && backoff
+                    .skip_until
+                    .is_some_and(|until| std::time::Instant::now() < until)
+            {
+                return;
+            }
+        }
         let mut preparing = lock(&self.preparing);
         if preparing
             .as_ref()
-            .is_some_and(|(prepared, _)| *prepared == id)
+            .is_some_and(|preparing| preparing.id == id)
         {
             return;
         }
         let reserve_bytes = self.config.reserve_bytes.max(INDEX_HEADROOM_BYTES);
-        let preparation =
-            self.segments
-                .preparation(id, self.config.segment_size_max_bytes, reserve_bytes);
+        let cancel = Arc::new(AtomicBool::new(false));
+        let preparation = self.segments.preparation(
+            id,
+            self.config.segment_size_max_bytes,
+            reserve_bytes,
+            cancel.clone(),
+        );
         match std::thread::Builder::new()
             .name("keel-segment-prep".into())
             .spawn(move || preparation.run())
         {
-            Ok(thread) => *preparing = Some((id, thread)),
+            Ok(thread) => {
+                *preparing = Some(Preparing {
+                    id,
+                    thread,
+                    cancel,
+                    early,
+                })
+            }
             Err(error) => tracing::warn!(%error, "could not start segment preparation"),
+        }
+    }
+
+    /// Counts the preparation of segment `id` the writer just reached: `cancelled` when the
+    /// writer got there first, `early` when it started from a growing segment.
+    fn note_preparation(&self, id: u64, cancelled: bool, early: bool) {
+        let mut backoff = lock(&self.prepare_backoff);
+        if cancelled {
+            backoff.skip_through = id + backoff.skips;
+            backoff.skip_until = Some(std::time::Instant::now() + PREPARE_SKIP_TIME_MAX);
+            backoff.skips = (backoff.skips * 2).min(PREPARE_SKIPS_MAX);
+        } else if !early {
+            backoff.skips = 1;
         }
     }
 
@@ -1052,8 +1132,9 @@ impl Drop for Engine {
                 tracing::error!(%error, "could not checkpoint the index at close");
             }
         }
-        if let Some((_, thread)) = lock(&self.preparing).take() {
-            let _ = thread.join();
+        if let Some(preparing) = lock(&self.preparing).take() {
+            preparing.cancel.store(true, Ordering::SeqCst);
+            let _ = preparing.thread.join();
         }
     }
 }

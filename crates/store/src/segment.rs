@@ -8,6 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
 use crate::disk::{DirLock, Disk, DiskFile, OpenMode};
@@ -152,6 +153,9 @@ const ZERO_FILL_CHUNK_BYTES: usize = 1 << 20;
 /// stops at the first unwritten byte as it does at the end of a file.
 pub(crate) struct Preparation {
     disk: Arc<dyn Disk>,
+    /// Set when the writer reached this segment first: the preparation stops (within one
+    /// chunk of zeros) and removes its files.
+    cancel: Arc<AtomicBool>,
     id: u64,
     size_bytes: u64,
     store_id: [u8; 16],
@@ -161,10 +165,11 @@ pub(crate) struct Preparation {
 }
 
 impl Preparation {
-    /// Writes the files. On failure (a full disk, say) they are removed and the caller falls
-    /// back to a plain, growing segment. Nothing is written when filling the files would eat
-    /// into the reserve: the zeros are an optimisation, never worth the space deletes need.
-    pub fn run(self) -> StoreResult<()> {
+    /// Writes the files: `Ok(true)` once they are ready, `Ok(false)` when cancelled. On failure
+    /// (a full disk, say) or cancellation they are removed and the caller falls back to a
+    /// plain, growing segment. Nothing is written when filling the files would eat into the
+    /// reserve: the zeros are an optimisation, never worth the space deletes need.
+    pub fn run(self) -> StoreResult<bool> {
         for path in &self.paths {
             let dir = path.parent().unwrap_or(path);
             let available = self
@@ -180,7 +185,7 @@ impl Preparation {
             }
         }
         let result = self.write_all();
-        if result.is_err() {
+        if !matches!(result, Ok(true)) {
             for path in &self.paths {
                 let _ = self.disk.remove_file(path);
             }
@@ -188,7 +193,7 @@ impl Preparation {
         result
     }
 
-    fn write_all(&self) -> StoreResult<()> {
+    fn write_all(&self) -> StoreResult<bool> {
         let header = format::encode_segment_header(self.id, &self.store_id);
         let zeros = vec![0u8; ZERO_FILL_CHUNK_BYTES];
         for path in &self.paths {
@@ -200,6 +205,9 @@ impl Preparation {
                 .map_err(|e| StoreError::io(path, e))?;
             let mut offset = format::SEGMENT_HEADER_LEN as u64;
             while offset < self.size_bytes {
+                if self.cancel.load(Ordering::SeqCst) {
+                    return Ok(false);
+                }
                 let len = (self.size_bytes - offset).min(zeros.len() as u64) as usize;
                 file.write_all_at(&zeros[..len], offset)
                     .map_err(|e| StoreError::io(path, e))?;
@@ -207,7 +215,7 @@ impl Preparation {
             }
             file.sync_data().map_err(|e| StoreError::io(path, e))?;
         }
-        Ok(())
+        Ok(true)
     }
 }
 
@@ -460,9 +468,16 @@ impl Segments {
 
     /// What a background preparation of segment `id` needs, owned, so it can run on its own
     /// thread.
-    pub fn preparation(&self, id: u64, size_bytes: u64, reserve_bytes: u64) -> Preparation {
+    pub fn preparation(
+        &self,
+        id: u64,
+        size_bytes: u64,
+        reserve_bytes: u64,
+        cancel: Arc<AtomicBool>,
+    ) -> Preparation {
         Preparation {
             disk: self.disk.clone(),
+            cancel,
             id,
             size_bytes,
             reserve_bytes,

@@ -82,6 +82,10 @@ struct State {
     faults: Vec<Fault>,
     /// Faults that fired, for tests to assert on.
     fired: Vec<(FaultOp, PathBuf)>,
+    /// Every file created, in order.
+    created: Vec<PathBuf>,
+    /// Each write to paths containing this takes this long (a device slow for some files).
+    slow: Option<(String, std::time::Duration)>,
     rng: u64,
 }
 
@@ -188,6 +192,16 @@ impl SimDisk {
             skip,
             count,
         });
+    }
+
+    /// Every file created so far, in order.
+    pub fn created(&self) -> Vec<PathBuf> {
+        self.lock().created.clone()
+    }
+
+    /// Makes each write to a path containing `path_contains` take `delay` (`None`: none do).
+    pub fn slow_writes(&self, path_contains: Option<&str>, delay: std::time::Duration) {
+        self.lock().slow = path_contains.map(|path| (path.to_string(), delay));
     }
 
     pub fn clear_faults(&self) {
@@ -330,6 +344,8 @@ fn successor(
             capacity_bytes: state.capacity_bytes,
             faults: state.faults.clone(),
             fired: Vec::new(),
+            created: Vec::new(),
+            slow: None,
             rng,
         })),
     }
@@ -376,6 +392,16 @@ impl DiskFile for SimFile {
     }
 
     fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        let delay = self
+            .disk
+            .lock()
+            .slow
+            .as_ref()
+            .filter(|(path, _)| self.path.to_string_lossy().contains(path.as_str()))
+            .map(|(_, delay)| *delay);
+        if let Some(delay) = delay {
+            std::thread::sleep(delay);
+        }
         let mut state = self.disk.lock();
         state.fault(FaultOp::Write, &self.path)?;
         if let Some(capacity) = state.capacity_bytes {
@@ -516,6 +542,7 @@ impl Disk for SimDisk {
             (None, OpenMode::Existing) => return Err(not_found(path)),
             (None, _) => {
                 state.fault(FaultOp::Create, path)?;
+                state.created.push(path.to_path_buf());
                 let id = state.next_file;
                 state.next_file += 1;
                 state.files.insert(id, FileState::default());

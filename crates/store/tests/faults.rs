@@ -411,6 +411,75 @@ fn segment_preparation_never_eats_the_reserve() {
     );
 }
 
+/// A writer never waits for the zeros of its next segment: with each 1 MiB write of the
+/// preparation taking 2 s (a device slow for that file: 18 s per 8 MiB segment), the writer
+/// reaches the segment being prepared, cancels the preparation (waiting for one write at most)
+/// and appends to a growing file instead, and goes on through four segments in well under
+/// the time one preparation takes (before, each roll joined the preparation: every write
+/// stalled until its zeros were done, 16 s or more per segment). After an outrun preparation
+/// the next ones are skipped (1, then 2 segments here): of the five segments' successors, two
+/// are prepared. Everything written reads back after a restart, and no prepared file is left
+/// behind.
+#[test]
+fn a_writer_that_outruns_the_preparation_of_its_next_segment_does_not_wait_for_it() {
+    let disk = SimDisk::new(37);
+    disk.slow_writes(Some(".seg.prepared"), std::time::Duration::from_secs(2));
+    let mut config = config(&disk, &["/sim/a"]);
+    config.segment_size_max_bytes = 8 << 20;
+    let store = Arc::new(Store::open(config.clone()).unwrap());
+    let (done, finished) = std::sync::mpsc::channel();
+    let writer = {
+        let store = store.clone();
+        std::thread::spawn(move || {
+            for n in 0..512 {
+                store
+                    .write(vec![put(n, 0, 64 << 10)], Durability::Buffered)
+                    .unwrap();
+            }
+            store.flush().unwrap();
+            let _ = done.send(());
+        })
+    };
+    let outran = finished.recv_timeout(std::time::Duration::from_secs(40));
+    assert!(
+        outran.is_ok(),
+        "the writer waited for the preparations of its next segments"
+    );
+    writer.join().unwrap();
+    disk.slow_writes(None, std::time::Duration::ZERO);
+    let prepared: Vec<_> = disk
+        .created()
+        .into_iter()
+        .filter(|path| path.to_string_lossy().ends_with(".seg.prepared"))
+        .collect();
+    assert_eq!(prepared.len(), 2, "{prepared:?}");
+    let segments = disk.list(Path::new("/sim/a/segments"));
+    assert!(
+        segments
+            .iter()
+            .filter(|name| name.ends_with(".seg"))
+            .count()
+            >= 5,
+        "{segments:?}"
+    );
+    drop(store);
+    // A preparation still running at close is cancelled too, and removes its file.
+    let segments = disk.list(Path::new("/sim/a/segments"));
+    assert!(
+        !segments.iter().any(|name| name.ends_with(".prepared")),
+        "{segments:?}"
+    );
+    config.disk = Arc::new(disk.process_restart());
+    let store = Store::open(config).unwrap();
+    for n in 0..512 {
+        assert_eq!(
+            store.get(&key(n)).unwrap(),
+            Some(value(n, 0, 64 << 10)),
+            "key {n}"
+        );
+    }
+}
+
 /// Issue 10, defect 8: a mirror segment created on one device but not the other must be undone,
 /// or every later roll (and the next open) trips over the half pair.
 #[test]
