@@ -316,13 +316,7 @@ fn serving_nodes(shared: &Shared, name: &str) -> VolumeResult<Vec<NodeId>> {
     let mut seen = std::collections::BTreeSet::new();
     nodes.retain(|node| seen.insert(*node));
     if let Some(snapshot) = snapshot {
-        let frozen =
-            entry
-                .snapshot_by_name(snapshot)
-                .ok_or_else(|| VolumeError::SnapshotNotFound {
-                    volume: volume.to_string(),
-                    snapshot: snapshot.to_string(),
-                })?;
+        let frozen = crate::snapshot_of(entry, snapshot)?;
         nodes.retain(|node| replication.replicas.contains(node) && frozen.complete_on(*node));
     }
     Ok(nodes)

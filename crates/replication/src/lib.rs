@@ -634,13 +634,7 @@ impl Replication {
                 .ok_or_else(|| VolumeError::NotFound {
                     name: volume.to_string(),
                 })?;
-            let frozen =
-                entry
-                    .snapshot_by_name(snapshot)
-                    .ok_or_else(|| VolumeError::SnapshotNotFound {
-                        volume: volume.to_string(),
-                        snapshot: snapshot.to_string(),
-                    })?;
+            let frozen = snapshot_of(entry, snapshot)?;
             entry.record.replication.hosts(local_node) && frozen.complete_on(local_node)
         };
         if whole_here {
@@ -1035,6 +1029,19 @@ impl Replication {
             other => Err(remote(CODE_BAD_REQUEST, format!("unknown method {other}"))),
         }
     }
+}
+
+/// The record of `entry`'s snapshot named `snapshot`.
+pub(crate) fn snapshot_of<'a>(
+    entry: &'a keel_catalog::VolumeEntry,
+    snapshot: &str,
+) -> VolumeResult<&'a keel_catalog::SnapshotRecord> {
+    entry
+        .snapshot_by_name(snapshot)
+        .ok_or_else(|| VolumeError::SnapshotNotFound {
+            volume: entry.record.name.clone(),
+            snapshot: snapshot.to_string(),
+        })
 }
 
 /// Decodes a request; one that does not parse is answered `CODE_BAD_REQUEST`.
