@@ -336,6 +336,54 @@ def test_a_catch_up_after_a_crash_or_a_take_over_compares_what_changed_since_the
         assert last.read(offset, BLOCK) == data, f"node 1 does not hold node 2's block at {offset}"
 
 
+def catch_up_after_restarting_the_primary(first, name):
+    """Node 1 (the primary) killed -9 and started again: it no longer knows what node 2 lacks,
+    so it compares what either changed since its common point. Returns the client attached
+    through node 1 again and the bytes compared."""
+    first.kill9()
+    first.start()
+    client = attach(first, name, timeout=60)
+    wait_until("node 2 back in sync", lambda: sorted(replication(first, name)["in_sync"]) == [1, 2], timeout=60)
+    return client, replication(first, name)["served_here"]["resync_compared_bytes"]
+
+
+def test_an_idle_volume_and_a_finished_catch_up_leave_a_fresh_common_point(cluster):
+    """A common point is only as fresh as the last FLUSH both nodes know they made durable
+    together. Part 1: 32 units are written and flushed, then the volume stays idle; the
+    primary tells the replica which FLUSH is common with an empty batch once idle, so after
+    node 1 is killed -9 and restarted, node 2's catch-up compares next to nothing (without
+    that batch, node 2's point predates the 32 units, and they are compared). Part 2: node 2
+    is killed, 32 units are written and flushed without it, node 2 returns and is caught up;
+    the catch-up ends with a FLUSH, so with no client write after it, restarting node 1
+    again compares next to nothing (without that FLUSH the last common point predates node
+    2's absence)."""
+    first, second, client, expected = r2_in_sync_with_blocks(cluster, "fresh")
+    settle_common_points(client, expected)
+    for chunk in range(20, 52):
+        expected[chunk * CHUNK] = block("idle", chunk)
+        client.write(chunk * CHUNK, expected[chunk * CHUNK])
+    client.flush()
+    time.sleep(2)
+    client, compared = catch_up_after_restarting_the_primary(first, "fresh")
+    assert compared <= 4 * UNIT, f"compared {compared} bytes after two idle seconds"
+
+    second.kill9()
+    for chunk in range(20, 52):
+        expected[chunk * CHUNK] = block("absent", chunk)
+        client.write(chunk * CHUNK, expected[chunk * CHUNK])
+    client.flush()
+    second.start()
+    wait_until("node 2 caught up", lambda: sorted(replication(first, "fresh")["in_sync"]) == [1, 2], timeout=60)
+    time.sleep(2)
+    client, compared = catch_up_after_restarting_the_primary(first, "fresh")
+    assert compared <= 4 * UNIT, f"compared {compared} bytes after a finished catch-up"
+    client.flush()
+    first.kill9()
+    other = attach(second, "fresh", timeout=60)
+    for offset, data in expected.items():
+        assert other.read(offset, BLOCK) == data, f"node 2 lacks the block at {offset}"
+
+
 def test_after_a_take_over_the_third_replica_is_caught_up_by_its_common_point(cluster):
     """Three storage nodes and an R=3 volume attached through node 1, every replica in sync,
     blocks written and flushed. Node 1 is killed -9 and node 2 takes the volume over, alone in
