@@ -2,11 +2,13 @@
 nbdfuse + loop + ext4 + Postgres, and the flush contract across kill -9 of the server."""
 
 import hashlib
+import json
 import os
 import random
 import shutil
 import subprocess
 import time
+import urllib.request
 
 import pytest
 
@@ -62,6 +64,25 @@ def test_fio_random_writes_verify(server, workdir):
     # fio keeps its verify state files in the working directory: keep them in the test's.
     subprocess.run(common + ["--do_verify=1"], check=True, capture_output=True, timeout=300, cwd=workdir)
     subprocess.run(common + ["--verify_only"], check=True, capture_output=True, timeout=300, cwd=workdir)
+
+
+def test_snapshot_space_use_is_counted_on_request(server):
+    """`keel snapshot list` shows what each snapshot references and what deleting it would free
+    (a scan of the volume's block keys); the API answers without that scan when asked
+    `?usage=false`, as the CSI driver asks, listing the same snapshots with no counts."""
+    server.cli("volume", "create", "space", "--size", "16M", "--compression", "none")
+    qemu_io(server.nbd_uri("space"), "write -P 0x11 0 2M", "flush")
+    server.cli("snapshot", "create", "space@s1")
+    qemu_io(server.nbd_uri("space"), "write -P 0x22 0 512K", "flush")
+    counted = json.loads(server.cli("snapshot", "list", "space", "--json").stdout)
+    assert [(s["name"], s["referenced_bytes"], s["unique_bytes"]) for s in counted] == [("s1", 2 << 20, 512 << 10)], counted
+    token = (server.data_dirs[0] / "admin-token").read_text().strip()
+    request = urllib.request.Request(f"http://{server.admin}/api/v1/volumes/space/snapshots?usage=false",
+                                     headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        listed = json.loads(response.read())
+    assert [s["name"] for s in listed] == ["s1"] and listed[0]["guid"] == counted[0]["guid"], listed
+    assert "referenced_bytes" not in listed[0] and "unique_bytes" not in listed[0], listed
 
 
 def test_snapshot_clone_rollback(server):

@@ -251,8 +251,10 @@ impl Admin {
         }
     }
 
+    /// The volume's snapshots, without their space use (which would cost a scan of the
+    /// volume's blocks on every call).
     pub async fn snapshots(&self, volume: &str) -> Result<Vec<SnapshotJson>, Failure> {
-        let path = format!("/api/v1/volumes/{}/snapshots", encode(volume));
+        let path = format!("/api/v1/volumes/{}/snapshots?usage=false", encode(volume));
         self.call(Method::Get, path, None).await
     }
 

@@ -685,8 +685,11 @@ pub struct SnapshotJson {
     pub generation: u64,
     pub size_bytes: u64,
     pub created_unix_seconds: u64,
-    pub referenced_bytes: u64,
-    pub unique_bytes: u64,
+    /// `None` when the list was asked without usage (`?usage=false`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub referenced_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unique_bytes: Option<u64>,
     /// Replicas (node ids) whose copy of the snapshot lacks data: it is served, rolled back
     /// onto and sent only through the others.
     #[serde(default)]
@@ -906,15 +909,28 @@ async fn delete_volume(
     Ok(Json(serde_json::json!({ "job": job })))
 }
 
+#[derive(Deserialize)]
+pub struct SnapshotListQuery {
+    /// Count each snapshot's space use: a scan of the volume's block keys on its primary, which
+    /// grows with the volume. `false` answers from the catalog at once (the CSI driver).
+    #[serde(default = "counted")]
+    pub usage: bool,
+}
+
+fn counted() -> bool {
+    true
+}
+
 async fn list_snapshots(
     State(state): State<Shared>,
     Path(name): Path<String>,
+    Query(query): Query<SnapshotListQuery>,
 ) -> ApiResult<Json<Vec<SnapshotJson>>> {
     blocking(move || {
         Ok(Json(
             state
                 .volumes
-                .snapshot_list(&name)?
+                .snapshot_list(&name, query.usage)?
                 .iter()
                 .map(snapshot_json)
                 .collect(),

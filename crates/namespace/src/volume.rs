@@ -105,11 +105,12 @@ pub struct SnapshotInfo {
     pub generation: u64,
     pub size_bytes: u64,
     pub created_unix_seconds: u64,
-    /// Bytes of this volume's own blocks the snapshot shows.
-    pub referenced_bytes: u64,
+    /// Bytes of this volume's own blocks the snapshot shows (`None`: not counted, which
+    /// takes a scan of the volume's block keys).
+    pub referenced_bytes: Option<u64>,
     /// Bytes shown by this snapshot and by no other snapshot nor the current contents: what
     /// deleting it frees (exact for the volume's own blocks; hole markers count as blocks).
-    pub unique_bytes: u64,
+    pub unique_bytes: Option<u64>,
     /// Replicas whose copy of the snapshot lacks data (out of sync when it was taken, or
     /// placed after it): they neither serve it nor roll back onto it.
     pub incomplete_on: Vec<u64>,
@@ -136,6 +137,20 @@ fn proposal_error(volume: &str, error: MetadataError) -> VolumeError {
             volume: volume.to_string(),
             detail: other.to_string(),
         },
+    }
+}
+
+/// A snapshot as the catalog records it, its space use not counted.
+fn snapshot_info(frozen: &keel_catalog::SnapshotRecord) -> SnapshotInfo {
+    SnapshotInfo {
+        name: frozen.name.clone(),
+        guid: hex(&frozen.guid),
+        generation: frozen.generation,
+        size_bytes: frozen.size_bytes,
+        created_unix_seconds: frozen.created_unix_seconds,
+        referenced_bytes: None,
+        unique_bytes: None,
+        incomplete_on: frozen.incomplete_on.clone(),
     }
 }
 
@@ -370,14 +385,13 @@ impl VolumeManager {
             .snapshots
             .values()
             .map(|snapshot| SnapshotInfo {
-                name: snapshot.name.clone(),
-                guid: hex(&snapshot.guid),
-                generation: snapshot.generation,
-                size_bytes: snapshot.size_bytes,
-                created_unix_seconds: snapshot.created_unix_seconds,
-                referenced_bytes: block(usage.snapshot_referenced_blocks.get(&snapshot.generation)),
-                unique_bytes: block(usage.snapshot_unique_blocks.get(&snapshot.generation)),
-                incomplete_on: snapshot.incomplete_on.clone(),
+                referenced_bytes: Some(block(
+                    usage.snapshot_referenced_blocks.get(&snapshot.generation),
+                )),
+                unique_bytes: Some(block(
+                    usage.snapshot_unique_blocks.get(&snapshot.generation),
+                )),
+                ..snapshot_info(snapshot)
             })
             .collect();
         Ok(VolumeInfo {
@@ -494,21 +508,22 @@ impl VolumeManager {
                     volume: volume.to_string(),
                     snapshot: snapshot.to_string(),
                 })?;
-        Ok(SnapshotInfo {
-            name: frozen.name.clone(),
-            guid: hex(&frozen.guid),
-            generation: frozen.generation,
-            size_bytes: frozen.size_bytes,
-            created_unix_seconds: frozen.created_unix_seconds,
-            referenced_bytes: 0,
-            unique_bytes: 0,
-            incomplete_on: frozen.incomplete_on.clone(),
-        })
+        Ok(snapshot_info(frozen))
     }
 
-    /// The volume's snapshots, oldest first, with their space use (one scan, as `info`).
-    pub fn snapshot_list(&self, volume: &str) -> VolumeResult<Vec<SnapshotInfo>> {
-        Ok(self.info(volume)?.snapshots)
+    /// The volume's snapshots, oldest first. With `usage`, their space use too: one scan of
+    /// the volume's block keys on this node, which must host it (as `info`). Without it, only
+    /// what the catalog holds, which any node answers at once whatever the volume's size.
+    pub fn snapshot_list(&self, volume: &str, usage: bool) -> VolumeResult<Vec<SnapshotInfo>> {
+        if usage {
+            return Ok(self.info(volume)?.snapshots);
+        }
+        Ok(self
+            .entry(volume)?
+            .snapshots
+            .values()
+            .map(snapshot_info)
+            .collect())
     }
 
     /// Deletes a snapshot and frees the blocks no other snapshot nor the current contents need.

@@ -251,8 +251,8 @@ fn reopen_list_info_delete() {
     assert_eq!(info.used_bytes, 32 * BLOCK);
     assert_eq!(info.stored_bytes, 33 * BLOCK);
     assert_eq!(info.snapshots.len(), 1);
-    assert_eq!(info.snapshots[0].referenced_bytes, 32 * BLOCK);
-    assert_eq!(info.snapshots[0].unique_bytes, BLOCK);
+    assert_eq!(info.snapshots[0].referenced_bytes, Some(32 * BLOCK));
+    assert_eq!(info.snapshots[0].unique_bytes, Some(BLOCK));
     assert_eq!(info.block_size_bytes, BLOCK_SIZE_BYTES);
 
     let mut progress_calls = 0;

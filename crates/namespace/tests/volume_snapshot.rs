@@ -213,7 +213,7 @@ fn snapshot_delete_frees_only_its_blocks() {
     let unique: Vec<u64> = info
         .snapshots
         .iter()
-        .map(|snapshot| snapshot.unique_bytes / BLOCK)
+        .map(|snapshot| snapshot.unique_bytes.unwrap() / BLOCK)
         .collect();
     // a alone holds blocks 0..8 of generation 1; b alone its blocks 0..2 (c rewrote them);
     // c alone its block 0 (the current contents rewrote it).
