@@ -913,12 +913,8 @@ async fn delete_volume(
 pub struct SnapshotListQuery {
     /// Count each snapshot's space use: a scan of the volume's block keys on its primary, which
     /// grows with the volume. `false` answers from the catalog at once (the CSI driver).
-    #[serde(default = "counted")]
+    #[serde(default = "default_true")]
     pub usage: bool,
-}
-
-fn counted() -> bool {
-    true
 }
 
 async fn list_snapshots(
