@@ -310,11 +310,14 @@ fn serving_nodes(shared: &Shared, name: &str) -> VolumeResult<Vec<NodeId>> {
         Some(_) => &replication.replicas,
     };
     let mut nodes: Vec<NodeId> = std::iter::once(replication.primary)
-        .chain(others.iter().copied())
+        .chain(
+            others
+                .iter()
+                .copied()
+                .filter(|node| *node != replication.primary),
+        )
         .filter(|node| *node != shared.local_node)
         .collect();
-    let mut seen = std::collections::BTreeSet::new();
-    nodes.retain(|node| seen.insert(*node));
     if let Some(snapshot) = snapshot {
         let frozen = crate::snapshot_of(entry, snapshot)?;
         nodes.retain(|node| replication.replicas.contains(node) && frozen.complete_on(*node));
