@@ -225,8 +225,17 @@ class Cluster:
         return [n for n in self.nodes if n.proc is not None]
 
     def voters(self, via=None):
-        via = via or self.running()[0]
-        return {n["record"]["id"] for n in via.status()["nodes"] if n["raft_role"] == "Voter"}
+        """The voters every running node (or `via` alone) agrees on, once no voter change is
+        under way on any of them; None meanwhile. During Raft's joint configuration the status
+        lists the old and the new voters together, and the new ones alone cannot elect a leader:
+        a test that kills or cuts nodes must wait for the change to end."""
+        views = []
+        for node in [via] if via else self.running():
+            status = node.status()
+            if status["membership_changing"]:
+                return None
+            views.append({n["record"]["id"] for n in status["nodes"] if n["raft_role"] == "Voter"})
+        return views[0] if all(view == views[0] for view in views) else None
 
     def leader(self, via=None):
         via = via or self.running()[0]

@@ -216,8 +216,7 @@ def test_drain_and_remove(cluster):
     """Draining a voter moves its seat to another node; removing a node takes it out for good,
     and a node holding a volume replica cannot be removed."""
     nodes = [cluster.add() for _ in range(4)]
-    wait_until("three voters", lambda: len(cluster.voters()) == 3)
-    voters = cluster.voters()
+    voters = wait_until("three voters", lambda: len(cluster.voters() or ()) == 3 and cluster.voters())
     learner = next(n for n in nodes if n.node_id() not in voters)
     seat = next(n for n in nodes if n.node_id() in voters and n.node_id() != cluster.leader())
     nodes[0].cli("node", "drain", seat.name)
@@ -240,8 +239,7 @@ def test_leadership_moves_to_the_voter_asked(cluster):
     follower, which asks the leader), and back by id; a learner or an unknown node is refused
     and the leader stays."""
     nodes = [cluster.add() for _ in range(4)]
-    wait_until("three voters", lambda: len(cluster.voters()) == 3)
-    voters = cluster.voters()
+    voters = wait_until("three voters", lambda: len(cluster.voters() or ()) == 3 and cluster.voters())
     learner = next(n for n in nodes if n.node_id() not in voters)
     leader = cluster.leader()
     followers = [n for n in nodes if n.node_id() in voters and n.node_id() != leader]

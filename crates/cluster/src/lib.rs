@@ -1358,6 +1358,7 @@ impl Cluster {
             term: metrics.current_term,
             last_applied_index: metrics.last_applied.map(|id| id.index()),
             last_purged_index: metrics.purged.map(|id| id.index()),
+            membership_changing: membership.get_joint_config().len() > 1,
             nodes,
             health,
         }
@@ -1509,6 +1510,9 @@ pub struct ClusterStatus {
     pub last_applied_index: Option<u64>,
     /// Raft entries up to this index are gone from this node's log (in its last snapshot).
     pub last_purged_index: Option<u64>,
+    /// A change of the voters is under way on this node (Raft's joint configuration: the old
+    /// and the new voters each need a majority until it ends). `raft_role` lists both sets.
+    pub membership_changing: bool,
     pub nodes: Vec<NodeStatus>,
     pub health: Vec<HealthCheck>,
 }

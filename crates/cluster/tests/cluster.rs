@@ -591,3 +591,80 @@ async fn a_new_leader_counts_the_old_leaders_silence_from_its_death() {
     network.heal();
     leader.crash(&network).await;
 }
+
+// Proves the status says a change of voters is under way for as long as Raft holds the joint
+// configuration, and stops saying so once it ends: a change that cannot reach a majority of the
+// new voters stays joint (here the leader reaches one other voter only), and the status is how
+// an operator, or a test about to cut nodes off, knows that losing a node of either set now
+// stalls the metadata.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_voter_change_under_way_is_reported_until_it_ends() {
+    let network = LocalNetwork::new();
+    let test = "voters_changing";
+    let mut nodes = form_three(&network, test).await;
+    let join = Some(nodes[0].address.clone());
+    let options = Options {
+        join,
+        ..Options::default()
+    };
+    nodes.push(start(&network, node_dir(test, "d"), "d", options).await);
+    let all: Vec<_> = nodes.iter().map(|n| n.cluster.node_id()).collect();
+    let d = all[3];
+    wait_for("d a learner everywhere", SETTLE, || {
+        nodes[..3].iter().all(|n| {
+            n.cluster
+                .metrics()
+                .membership_config
+                .membership()
+                .learner_ids()
+                .any(|id| id == d)
+        })
+    })
+    .await;
+    for node in &nodes {
+        assert!(!node.cluster.status().await.membership_changing);
+    }
+    let leader_id = nodes[0].cluster.leader().unwrap();
+    let leader = nodes
+        .iter()
+        .find(|n| n.cluster.node_id() == leader_id)
+        .unwrap();
+    let follower = nodes[..3]
+        .iter()
+        .find(|n| n.cluster.node_id() != leader_id)
+        .unwrap();
+    network.partition(&[leader_id, follower.cluster.node_id()], &all);
+    // {a, b, c} → {a, b, c, d}: the joint configuration needs 3 of the 4, and the leader's side
+    // has 2.
+    let raft = leader.cluster.raft().clone();
+    let four: std::collections::BTreeSet<_> = all.iter().copied().collect();
+    let change = tokio::spawn(async move {
+        raft.change_membership(openraft::ChangeMembers::ReplaceAllVoters(four), true)
+            .await
+    });
+    let deadline = tokio::time::Instant::now() + SETTLE;
+    while !leader.cluster.status().await.membership_changing {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the leader never reported the change under way"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    network.heal();
+    let deadline = tokio::time::Instant::now() + SETTLE;
+    loop {
+        let mut changing = false;
+        for node in &nodes {
+            changing |= node.cluster.status().await.membership_changing;
+        }
+        if !changing {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "a node still reports the change under way after healing"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    change.abort();
+}

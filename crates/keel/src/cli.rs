@@ -1056,6 +1056,9 @@ pub fn cluster(connection: &Connection, command: ClusterCommand) -> anyhow::Resu
                     .unwrap_or("none".into()),
                 status["term"],
             );
+            if status["membership_changing"].as_bool().unwrap_or(false) {
+                println!("voters changing: the old and the new voters each need a majority until it ends");
+            }
             print_nodes(status["nodes"].as_array().map(Vec::as_slice).unwrap_or(&[]));
             for check in status["health"].as_array().into_iter().flatten() {
                 println!(
