@@ -1,8 +1,8 @@
 //! Mutual authentication of a new connection from the cluster secret, and the session keys.
 //!
 //! ```text
-//! client → server  hello   "KHLO" version 0 0 0  cluster id (16)  node id (8)  nonce (32)
-//! server → client  hello   "KHLO" version status 0 0  cluster id (16)  node id (8)  nonce (32)
+//! client → server  hello   "KHLO" version 0 protocol (2)  cluster id (16)  node id (8)  nonce (32)
+//! server → client  hello   "KHLO" version status protocol (2)  cluster id (16)  node id (8)  nonce (32)
 //!                          proof (32) = keyed BLAKE3(secret; "server", ids, nonces)
 //! client → server  proof   "KPRF" proof (32) = keyed BLAKE3(secret; "client", ids, nonces)
 //! server → client  verdict "KACC" (accepted) or "KREJ"
@@ -12,7 +12,9 @@
 //! handshake proves nothing later. The session keys (one per direction) are derived from the
 //! secret and both nonces; every frame's MAC uses them. The client sends its proof even when the
 //! server's did not verify, so the server can log the refusal too. Node id 0 means "not a member
-//! yet" (a joining node). The server refuses another cluster's id with status 1.
+//! yet" (a joining node). The server refuses another cluster's id with status 1, and a node
+//! speaking another [`PROTOCOL`] with status 2 (a build from before protocol numbers sends 0,
+//! as those bytes were zero then); the client refuses a server speaking another protocol.
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -29,6 +31,18 @@ const PROOF_BYTES: usize = 36;
 
 const STATUS_OK: u8 = 0;
 const STATUS_OTHER_CLUSTER: u8 = 1;
+const STATUS_OTHER_PROTOCOL: u8 = 2;
+
+/// The version of everything nodes say to each other: the frames and every message of every
+/// layer carried in them (Raft and the catalog's commands, joins, reports, replication,
+/// forwarding). Nodes speaking different protocols refuse each other at the handshake, so a
+/// message is never decoded by a build that reads it differently. Bump it with any change to
+/// a message's encoding; `crates/keel/tests/protocol.rs` fails until it is bumped.
+pub const PROTOCOL: u16 = 1;
+
+fn protocol_of(hello: &[u8]) -> u16 {
+    u16::from_le_bytes([hello[6], hello[7]])
+}
 
 /// The keys of an authenticated connection.
 #[derive(Clone)]
@@ -48,6 +62,12 @@ pub enum HandshakeError {
     Protocol,
     #[error("it belongs to another cluster ({theirs}, ours {ours})")]
     OtherCluster { ours: String, theirs: String },
+    #[error(
+        "it speaks node-to-node protocol {theirs} and this node {ours}{}: every node of a \
+         cluster must run the same Keel release (stop them all, upgrade them all, start them)",
+        if *theirs == 0 { " (0: a build from before protocol numbers)" } else { "" }
+    )]
+    OtherProtocol { ours: u16, theirs: u16 },
     #[error("it does not know this cluster's secret")]
     BadProof,
     #[error("it refused our proof of the cluster secret (is our join token right?)")]
@@ -134,6 +154,7 @@ where
     let mut hello = [0u8; CLIENT_HELLO_BYTES];
     hello[0..4].copy_from_slice(&HELLO_MAGIC);
     hello[4] = HANDSHAKE_VERSION;
+    hello[6..8].copy_from_slice(&PROTOCOL.to_le_bytes());
     hello[8..24].copy_from_slice(&identity.cluster_id);
     hello[24..32].copy_from_slice(&identity.node_id.to_le_bytes());
     hello[32..64].copy_from_slice(&client_nonce);
@@ -143,6 +164,12 @@ where
     stream.read_exact(&mut reply).await?;
     if reply[0..4] != HELLO_MAGIC || reply[4] != HANDSHAKE_VERSION {
         return Err(HandshakeError::Protocol);
+    }
+    if reply[5] == STATUS_OTHER_PROTOCOL || protocol_of(&reply) != PROTOCOL {
+        return Err(HandshakeError::OtherProtocol {
+            ours: PROTOCOL,
+            theirs: protocol_of(&reply),
+        });
     }
     let mut their_cluster = [0u8; 16];
     their_cluster.copy_from_slice(&reply[8..24]);
@@ -227,9 +254,18 @@ where
     let mut reply = [0u8; SERVER_HELLO_BYTES];
     reply[0..4].copy_from_slice(&HELLO_MAGIC);
     reply[4] = HANDSHAKE_VERSION;
+    reply[6..8].copy_from_slice(&PROTOCOL.to_le_bytes());
     reply[8..24].copy_from_slice(&identity.cluster_id);
     reply[24..32].copy_from_slice(&identity.node_id.to_le_bytes());
     reply[32..64].copy_from_slice(&server_nonce);
+    if protocol_of(&hello) != PROTOCOL {
+        reply[5] = STATUS_OTHER_PROTOCOL;
+        stream.write_all(&reply).await?;
+        return Err(HandshakeError::OtherProtocol {
+            ours: PROTOCOL,
+            theirs: protocol_of(&hello),
+        });
+    }
     if their_cluster != identity.cluster_id {
         reply[5] = STATUS_OTHER_CLUSTER;
         stream.write_all(&reply).await?;

@@ -269,6 +269,92 @@ async fn authentication_refusals() {
     );
 }
 
+/// A client hello as the handshake lays it out, speaking `protocol`.
+fn hello_speaking(protocol: u16) -> [u8; 64] {
+    let mut hello = [0u8; 64];
+    hello[0..4].copy_from_slice(b"KHLO");
+    hello[4] = 1;
+    hello[6..8].copy_from_slice(&protocol.to_le_bytes());
+    hello[8..24].copy_from_slice(&CLUSTER);
+    hello[24..32].copy_from_slice(&5u64.to_le_bytes());
+    hello
+}
+
+// Proves nodes speaking different node-to-node protocols refuse each other at the handshake,
+// each side naming both protocols: a server answers a client of another protocol (or of a
+// build from before protocol numbers, which sent 0) with the refusal status and closes, and a
+// client refuses a server of another protocol before any call is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_of_different_protocols_refuse_each_other() {
+    let server = server(3).await;
+    for theirs in [0, keel_rpc::handshake::PROTOCOL + 1] {
+        let mut stream = TcpStream::connect(&server.address).await.unwrap();
+        stream.write_all(&hello_speaking(theirs)).await.unwrap();
+        let mut reply = [0u8; 96];
+        stream.read_exact(&mut reply).await.unwrap();
+        assert_eq!(&reply[0..4], b"KHLO");
+        assert_eq!(reply[5], 2, "the refusal status for protocol {theirs}");
+        assert_eq!(
+            u16::from_le_bytes([reply[6], reply[7]]),
+            keel_rpc::handshake::PROTOCOL
+        );
+        assert!(closed_by_server(&mut stream).await);
+    }
+    // The server still serves a client of its own protocol.
+    assert_eq!(
+        client(5)
+            .call(node(3, &server), 1, b"ok".to_vec(), SECOND)
+            .await
+            .unwrap(),
+        b"ok"
+    );
+
+    // A server from before protocol numbers: its hello carries 0 where the protocol goes.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let old_server = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let mut hello = [0u8; 64];
+        stream.read_exact(&mut hello).await.unwrap();
+        let mut reply = [0u8; 96];
+        reply[0..4].copy_from_slice(b"KHLO");
+        reply[4] = 1;
+        reply[8..24].copy_from_slice(&CLUSTER);
+        reply[24..32].copy_from_slice(&3u64.to_le_bytes());
+        stream.write_all(&reply).await.unwrap();
+        let mut rest = Vec::new();
+        let _ = stream.read_to_end(&mut rest).await;
+        rest
+    });
+    let refused = client(5)
+        .call(
+            Target::Node {
+                id: 3,
+                address: address.clone(),
+            },
+            1,
+            b"x".to_vec(),
+            SECOND,
+        )
+        .await;
+    match &refused {
+        Err(error @ RpcError::Auth { detail, .. }) => {
+            assert!(error.never_sent());
+            assert!(
+                detail.contains("protocol 0")
+                    && detail.contains(&format!("this node {}", keel_rpc::handshake::PROTOCOL))
+                    && detail.contains("same Keel release"),
+                "{detail}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        old_server.await.unwrap().is_empty(),
+        "the client sent its proof to a server of another protocol"
+    );
+}
+
 /// A raw authenticated connection (the test plays the client by hand).
 async fn raw_session(server: &Server) -> (TcpStream, keel_rpc::handshake::Session) {
     let mut stream = TcpStream::connect(&server.address).await.unwrap();
