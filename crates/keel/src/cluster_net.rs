@@ -125,7 +125,7 @@ impl keel_rpc::Handler for Dispatch {
 pub struct Membership {
     pub cluster: Arc<Cluster>,
     /// The client side of node-to-node calls (replication uses it too).
-    pub peers: Arc<keel_rpc::Peers>,
+    pub transport: Arc<dyn keel_cluster::Transport>,
     /// Where the replication engine's handler goes once it is open.
     pub above: Arc<OnceLock<Arc<dyn keel_rpc::Handler>>>,
     /// This start formed a new cluster.
@@ -284,13 +284,13 @@ pub async fn start_cluster(
         timing: config.cluster.timing(),
         clock: Arc::new(keel_clock::SystemClock),
     };
-    let cluster = Cluster::start(store, cluster_config, transport, &handler).await?;
+    let cluster = Cluster::start(store, cluster_config, transport.clone(), &handler).await?;
     if formed || member.is_none() {
         write_token(&path, &token)?;
     }
     Ok(Membership {
         cluster,
-        peers,
+        transport,
         above,
         formed,
         listen,

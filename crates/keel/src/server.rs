@@ -223,7 +223,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     };
     let replication = keel_replication::Replication::new(
         cluster.clone(),
-        membership.peers.clone(),
+        membership.transport.clone(),
         Arc::new(LocalVolumes {
             volumes: volumes.clone(),
         }),
@@ -237,7 +237,9 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         ops.clone(),
     );
     {
-        let handler: Arc<dyn keel_rpc::Handler> = replication.clone();
+        let handler: Arc<dyn keel_rpc::Handler> = Arc::new(
+            keel_cluster::rpc_transport::RpcHandler::new(replication.clone()),
+        );
         let _ = membership.above.set(handler);
     }
     let s3 = {

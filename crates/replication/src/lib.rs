@@ -13,7 +13,7 @@
 //! - [`Replication`]: the engine. A client attaching to a replicated volume on a node that
 //!   holds a replica makes that node the volume's primary ([`Replication::open`]); the
 //!   primary ([`primary`]) streams the volume's own writes (offset, data) to the replicas
-//!   over `keel-rpc`; the replica side ([`replica`]) applies them in order to its local
+//!   over the cluster's transport; the replica side ([`replica`]) applies them in order to its local
 //!   volume. Nothing below this crate knows about other nodes.
 
 mod attached;
@@ -30,6 +30,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use keel_catalog::{Command, Metadata, MetadataError, NodeId, VolumeRecord};
+use keel_cluster::{BoxFuture, Caller, Handler, RemoteFailure};
 use keel_volume::{VolumeError, VolumeIo, VolumeResult};
 
 use crate::attached::Attached;
@@ -145,7 +146,7 @@ pub struct Settings {
 pub(crate) struct Shared {
     pub metadata: Arc<dyn Metadata>,
     pub cluster: Arc<keel_cluster::Cluster>,
-    pub peers: Arc<keel_rpc::Peers>,
+    pub transport: Arc<dyn keel_cluster::Transport>,
     pub local: Arc<dyn LocalVolumes>,
     pub local_node: NodeId,
     pub runtime: tokio::runtime::Handle,
@@ -290,18 +291,18 @@ impl Shared {
                 message: format!("node {node} has no known address"),
             });
         };
-        self.peers
+        self.transport
             .call(
-                keel_rpc::Target::Node { id: node, address },
+                keel_cluster::Peer::Node { id: node, address },
                 method,
                 payload,
                 timeout,
             )
             .await
             .map_err(|error| match error {
-                keel_rpc::RpcError::Remote { error, .. } => Failure {
-                    code: Some(error.code),
-                    message: error.message,
+                keel_cluster::TransportError::Remote { code, message, .. } => Failure {
+                    code: Some(code),
+                    message,
                 },
                 other => Failure {
                     code: None,
@@ -350,7 +351,7 @@ impl Replication {
     /// clients it counts, of any volume or bucket on the node's disks.
     pub fn new(
         cluster: Arc<keel_cluster::Cluster>,
-        peers: Arc<keel_rpc::Peers>,
+        transport: Arc<dyn keel_cluster::Transport>,
         local: Arc<dyn LocalVolumes>,
         runtime: tokio::runtime::Handle,
         settings: Settings,
@@ -362,7 +363,7 @@ impl Replication {
             shared: Arc::new(Shared {
                 metadata,
                 cluster,
-                peers,
+                transport,
                 local,
                 local_node,
                 runtime,
@@ -929,8 +930,8 @@ impl Replication {
         &self,
         caller: NodeId,
         request: ForwardOpen,
-    ) -> Result<Vec<u8>, keel_rpc::RemoteError> {
-        let remote = |code: u16, message: String| keel_rpc::RemoteError { code, message };
+    ) -> Result<Vec<u8>, RemoteFailure> {
+        let remote = |code: u16, message: String| RemoteFailure { code, message };
         // The export's name: a volume, or `volume@snapshot` (read-only, served by any node
         // holding the snapshot whole, primary or not).
         let name = request.volume;
@@ -970,12 +971,12 @@ impl Replication {
 
     fn serve(
         &self,
-        caller: keel_rpc::Caller,
+        caller: Caller,
         method: u16,
         payload: Vec<u8>,
-    ) -> Result<Vec<u8>, keel_rpc::RemoteError> {
-        let remote = |code: u16, message: String| keel_rpc::RemoteError { code, message };
-        let keel_rpc::Caller::Member(sender) = caller else {
+    ) -> Result<Vec<u8>, RemoteFailure> {
+        let remote = |code: u16, message: String| RemoteFailure { code, message };
+        let Caller::Member(sender) = caller else {
             return Err(remote(CODE_BAD_REQUEST, "not a member".to_string()));
         };
         let shared = &self.shared;
@@ -1045,8 +1046,8 @@ pub(crate) fn snapshot_of<'a>(
 }
 
 /// Decodes a request; one that does not parse is answered `CODE_BAD_REQUEST`.
-fn decode<'a, T: serde::Deserialize<'a>>(payload: &'a [u8]) -> Result<T, keel_rpc::RemoteError> {
-    postcard::from_bytes(payload).map_err(|error| keel_rpc::RemoteError {
+fn decode<'a, T: serde::Deserialize<'a>>(payload: &'a [u8]) -> Result<T, RemoteFailure> {
+    postcard::from_bytes(payload).map_err(|error| RemoteFailure {
         code: CODE_BAD_REQUEST,
         message: error.to_string(),
     })
@@ -1173,27 +1174,31 @@ async fn move_loop(replication: std::sync::Weak<Replication>, after: Duration) {
     }
 }
 
-impl keel_rpc::Handler for Replication {
-    fn call(
+impl Handler for Replication {
+    fn handle(
         &self,
-        caller: keel_rpc::Caller,
+        caller: Caller,
         method: u16,
         payload: Vec<u8>,
-    ) -> keel_rpc::BoxFuture<Result<Vec<u8>, keel_rpc::RemoteError>> {
+    ) -> BoxFuture<Result<Vec<u8>, RemoteFailure>> {
         let this = self.this.clone();
         Box::pin(async move {
             tokio::task::spawn_blocking(move || match this.upgrade() {
                 Some(this) => this.serve(caller, method, payload),
-                None => Err(keel_rpc::RemoteError {
+                None => Err(RemoteFailure {
                     code: wire::CODE_FAILED,
                     message: "the replication engine is shutting down".to_string(),
                 }),
             })
             .await
-            .map_err(|error| keel_rpc::RemoteError {
+            .map_err(|error| RemoteFailure {
                 code: wire::CODE_FAILED,
                 message: error.to_string(),
             })?
         })
+    }
+
+    fn node_id(&self) -> NodeId {
+        self.shared.local_node
     }
 }

@@ -1,4 +1,4 @@
-//! What a primary and its replicas say to each other over `keel-rpc`: method numbers, message
+//! What a primary and its replicas say to each other over the cluster's transport (`keel-rpc`): method numbers, message
 //! shapes (postcard-encoded) and error codes. Method numbers are part of the wire protocol:
 //! never reuse one. They sit above `keel_cluster::messages::METHOD_FIRST_ABOVE`.
 //!
