@@ -768,6 +768,11 @@ impl Cluster {
         let mut maybe_sent = false;
         let mut last_problem = String::from("no leader is known");
         loop {
+            if self.metrics().state == ServerState::Shutdown {
+                return Err(MetadataError::Unavailable {
+                    detail: format!("{kind}: this node's Raft has stopped (shutting down)"),
+                });
+            }
             let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
             if remaining.is_zero() {
                 let detail = format!("{kind}: {last_problem}");

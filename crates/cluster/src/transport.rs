@@ -142,7 +142,8 @@ impl LocalNetwork {
             .insert(address.to_string(), Endpoint { handler });
     }
 
-    /// Nothing answers at `address` any more (the node crashed).
+    /// Nothing answers at `address` any more, and calls its node made are not delivered (the
+    /// node crashed).
     pub fn close(&self, address: &str) {
         self.endpoints
             .write()
@@ -213,6 +214,20 @@ impl LocalNetwork {
             .clear();
     }
 
+    /// Whether a node answers at some address (a crashed node was closed).
+    fn is_live(&self, node: NodeId) -> bool {
+        self.endpoints
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .values()
+            .any(|endpoint| {
+                endpoint
+                    .handler
+                    .upgrade()
+                    .is_some_and(|handler| handler.node_id() == node)
+            })
+    }
+
     fn is_cut(&self, a: NodeId, b: NodeId) -> bool {
         self.cut
             .lock()
@@ -228,6 +243,9 @@ impl LocalNetwork {
         }
     }
 }
+
+/// How often a call held by a partition looks whether it healed.
+const CUT_POLL: Duration = Duration::from_millis(10);
 
 /// One node's side of a [`LocalNetwork`].
 pub struct LocalTransport {
@@ -268,14 +286,24 @@ impl Transport for LocalTransport {
                     )));
                 }
             }
-            if network.is_cut(from, target) {
-                // A partition looks like silence, not like a refusal.
-                tokio::time::sleep(timeout).await;
-                return Err(TransportError::Timeout {
-                    peer: address,
-                    timeout,
-                });
+            // A partition looks like silence, not like a refusal; and, as TCP retransmits, a
+            // call sent into it still arrives if the partition heals before its time is up.
+            let deadline = tokio::time::Instant::now() + timeout;
+            while network.is_cut(from, target) {
+                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                if left.is_zero() {
+                    return Err(TransportError::Timeout {
+                        peer: address,
+                        timeout,
+                    });
+                }
+                tokio::time::sleep(left.min(CUT_POLL)).await;
             }
+            // A node that crashed sends nothing more: calls it made are never delivered.
+            if from != 0 && !network.is_live(from) {
+                return Err(unreachable("the calling node is down"));
+            }
+            let budget = deadline.saturating_duration_since(tokio::time::Instant::now());
             let caller = if from == 0 {
                 Caller::Unassigned
             } else {
@@ -284,7 +312,7 @@ impl Transport for LocalTransport {
             let (delay, answer_lost) = match network.fate() {
                 Fate::Delivered { delay } => (delay, false),
                 Fate::RequestLost => {
-                    tokio::time::sleep(timeout).await;
+                    tokio::time::sleep(budget).await;
                     return Err(TransportError::Timeout {
                         peer: address,
                         timeout,
@@ -293,10 +321,10 @@ impl Transport for LocalTransport {
                 Fate::AnswerLost { delay } => (delay, true),
             };
             if !delay.is_zero() {
-                tokio::time::sleep(delay.min(timeout)).await;
+                tokio::time::sleep(delay.min(budget)).await;
             }
             let answer =
-                tokio::time::timeout(timeout, handler.handle(caller, method, payload)).await;
+                tokio::time::timeout(budget, handler.handle(caller, method, payload)).await;
             if answer_lost {
                 return Err(TransportError::Lost {
                     peer: address,
