@@ -1,0 +1,613 @@
+//! The replication engine in one process: real nodes (real stores under `target/`, real
+//! openraft, real volumes, the real engine) talking over the cluster's in-process
+//! `LocalNetwork`, which cuts links on demand. The engine reaches other nodes only through
+//! the cluster's `Transport` and answers them as a cluster `Handler`, so it runs here as it
+//! runs over `keel-rpc` in a server. Each test names what it proves.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::Duration;
+
+use keel_catalog::{NodeAddresses, NodeId, NodeRole};
+use keel_cluster::{
+    BoxFuture, Caller, Cluster, ClusterConfig, ClusterHandler, Handler, LocalNetwork,
+    RemoteFailure, Timing,
+};
+use keel_namespace::volume::{VolumeManager, VolumeSpec};
+use keel_replication::{LocalVolumes, Replication, Settings};
+use keel_store::{Store, StoreConfig};
+use keel_volume::{VolumeIo, VolumeResult};
+
+const SETTLE: Duration = Duration::from_secs(30);
+
+fn timing() -> Timing {
+    Timing {
+        raft_heartbeat: Duration::from_millis(50),
+        election_timeout_min: Duration::from_millis(300),
+        election_timeout_max: Duration::from_millis(600),
+        report_interval: Duration::from_millis(100),
+        // Past the replication batch timeout (2 s): a cut-off replica is dropped by its
+        // primary's failed batch, not by the failure detector.
+        suspect_after: Duration::from_secs(4),
+        down_after: Duration::from_secs(8),
+        propose_timeout: Duration::from_secs(4),
+        call_timeout: Duration::from_millis(500),
+        membership_interval: Duration::from_millis(150),
+        snapshot_every_entries: 1000,
+    }
+}
+
+fn node_dir(test: &str, node: &str) -> PathBuf {
+    static RUN: AtomicU64 = AtomicU64::new(0);
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../target/test-data/replication")
+        .join(format!(
+            "{test}-{}-{}",
+            std::process::id(),
+            RUN.fetch_add(1, Ordering::Relaxed)
+        ))
+        .join(node);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The node's own volumes, as the server hands them to the engine.
+struct Copies {
+    volumes: Arc<VolumeManager>,
+}
+
+impl LocalVolumes for Copies {
+    fn open_local(&self, name: &str) -> VolumeResult<Arc<dyn VolumeIo>> {
+        self.volumes.open_volume(name)
+    }
+
+    fn open_local_snapshot(&self, volume: &str, snapshot: &str) -> VolumeResult<Arc<dyn VolumeIo>> {
+        self.volumes.open_snapshot(volume, snapshot)
+    }
+
+    fn keep_record(
+        &self,
+        volume_id: u64,
+        name: &[u8],
+        value: Vec<u8>,
+        sync: bool,
+    ) -> VolumeResult<()> {
+        let key = keel_volume::copy_record_key(volume_id, name);
+        let op = keel_store::WriteOp::put(key, value, keel_store::Compression::None);
+        let durability = if sync {
+            keel_store::Durability::Sync
+        } else {
+            keel_store::Durability::Buffered
+        };
+        self.volumes
+            .store()
+            .write(vec![op], durability)
+            .map(|_| ())
+            .map_err(keel_volume::VolumeError::store(
+                "replication record",
+                "keep",
+            ))
+    }
+
+    fn record(&self, volume_id: u64, name: &[u8]) -> VolumeResult<Option<Vec<u8>>> {
+        self.volumes
+            .store()
+            .get(&keel_volume::copy_record_key(volume_id, name))
+            .map_err(keel_volume::VolumeError::store(
+                "replication record",
+                "read",
+            ))
+    }
+
+    fn forget_record(&self, volume_id: u64, name: &[u8]) -> VolumeResult<()> {
+        let key = keel_volume::copy_record_key(volume_id, name);
+        self.volumes
+            .store()
+            .write(
+                vec![keel_store::WriteOp::Delete { key }],
+                keel_store::Durability::Sync,
+            )
+            .map(|_| ())
+            .map_err(keel_volume::VolumeError::store(
+                "replication record",
+                "delete",
+            ))
+    }
+
+    fn committed_sequence(&self) -> u64 {
+        self.volumes.store().committed_sequence()
+    }
+
+    fn changed_since(
+        &self,
+        name: &str,
+        volume_id: u64,
+        since: u64,
+        changed: &mut dyn FnMut(u64, u64),
+    ) -> VolumeResult<()> {
+        let block = keel_volume::BLOCK_SIZE_BYTES;
+        keel_volume::changed_blocks_since(
+            self.volumes.store(),
+            name,
+            volume_id,
+            since,
+            &mut |index| changed(index * block, block),
+        )
+    }
+}
+
+/// Routes a node's incoming calls: the cluster's methods to the cluster, the rest to the
+/// replication engine (as the server's dispatcher does).
+struct Dispatch {
+    cluster: Arc<ClusterHandler>,
+    replication: OnceLock<Weak<Replication>>,
+}
+
+impl Handler for Dispatch {
+    fn handle(
+        &self,
+        caller: Caller,
+        method: u16,
+        payload: Vec<u8>,
+    ) -> BoxFuture<Result<Vec<u8>, RemoteFailure>> {
+        if method < keel_cluster::messages::METHOD_FIRST_ABOVE {
+            return self.cluster.handle(caller, method, payload);
+        }
+        match self.replication.get().and_then(Weak::upgrade) {
+            Some(replication) => replication.handle(caller, method, payload),
+            None => Box::pin(async {
+                Err(RemoteFailure {
+                    code: keel_cluster::messages::CODE_NOT_READY,
+                    message: "not started".to_string(),
+                })
+            }),
+        }
+    }
+
+    fn node_id(&self) -> NodeId {
+        self.cluster.current_node_id()
+    }
+}
+
+struct TestNode {
+    address: String,
+    cluster: Arc<Cluster>,
+    volumes: Arc<VolumeManager>,
+    replication: Arc<Replication>,
+    _dispatch: Arc<Dispatch>,
+}
+
+async fn start(network: &LocalNetwork, test: &str, name: &str, join: Option<String>) -> TestNode {
+    let dir = node_dir(test, name);
+    let address = format!("{name}.test:1");
+    let store =
+        tokio::task::spawn_blocking(move || Store::open(StoreConfig::new(vec![dir])).unwrap())
+            .await
+            .unwrap();
+    let handler = ClusterHandler::new();
+    let dispatch = Arc::new(Dispatch {
+        cluster: handler.clone(),
+        replication: OnceLock::new(),
+    });
+    let weak: Weak<dyn Handler> = Arc::downgrade(&(dispatch.clone() as Arc<dyn Handler>));
+    network.listen(&address, weak);
+    let from = handler.clone();
+    let transport: Arc<dyn keel_cluster::Transport> =
+        Arc::new(network.transport(Arc::new(move || from.current_node_id())));
+    let config = ClusterConfig {
+        name: name.to_string(),
+        role: NodeRole::Storage,
+        addresses: NodeAddresses {
+            cluster: address.clone(),
+            ..NodeAddresses::default()
+        },
+        labels: Default::default(),
+        devices: Vec::new(),
+        join,
+        cluster_id: None,
+        voters: 3,
+        timing: timing(),
+        clock: Arc::new(keel_clock::SystemClock),
+    };
+    let cluster = Cluster::start(store.clone(), config, transport.clone(), &handler)
+        .await
+        .unwrap();
+    let metadata: Arc<dyn keel_catalog::Metadata> = cluster.clone();
+    let volumes = Arc::new(
+        tokio::task::spawn_blocking(move || VolumeManager::open(store, metadata).unwrap())
+            .await
+            .unwrap(),
+    );
+    let replication = Replication::new(
+        cluster.clone(),
+        transport,
+        Arc::new(Copies {
+            volumes: volumes.clone(),
+        }),
+        tokio::runtime::Handle::current(),
+        Settings {
+            move_after: Duration::from_secs(3600),
+            resync_bytes_per_second: None,
+            resync_busy_percent: 100,
+        },
+        keel_ops::Ops::disabled(),
+    );
+    let _ = dispatch.replication.set(Arc::downgrade(&replication));
+    TestNode {
+        address,
+        cluster,
+        volumes,
+        replication,
+        _dispatch: dispatch,
+    }
+}
+
+/// Stops every node still running (and Raft on all), so that no engine task outlives the test's
+/// runtime.
+async fn stop(nodes: &[&TestNode], crashed: &TestNode) {
+    for node in nodes {
+        if !std::ptr::eq(*node, crashed) {
+            let replication = node.replication.clone();
+            blocking(move || replication.shutdown()).await;
+            node.cluster.shutdown().await;
+        }
+    }
+}
+
+async fn wait_for(what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + SETTLE;
+    while !check() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Runs blocking volume I/O off the runtime, as an NBD worker thread does.
+async fn blocking<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(work).await.unwrap()
+}
+
+fn pattern(round: u8) -> Vec<u8> {
+    (0..65536u32)
+        .map(|i| (i as u8) ^ round.wrapping_mul(31))
+        .collect()
+}
+
+/// The volume's in-sync set as Raft records it, seen from `node`.
+fn in_sync(node: &TestNode, volume: &str) -> Vec<NodeId> {
+    node.cluster
+        .catalog()
+        .read()
+        .volume(volume)
+        .map(|entry| entry.record.replication.in_sync.to_vec())
+        .unwrap_or_default()
+}
+
+// Proves the engine keeps its contract over the cluster's in-process transport: a FLUSH on
+// an R=2 volume reaches the replica's own copy; a replica cut off is taken out of the in-sync
+// set through Raft and the primary's FLUSHes go on without it; after healing it is caught up
+// and taken back in; and when the primary's node dies, the replica takes the volume over with
+// every flushed write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_r2_volume_keeps_every_flushed_write_through_a_partition_and_a_lost_primary() {
+    let network = LocalNetwork::new();
+    let (nodes, primary, replica) = r2_volume(&network, "r2_in_process", 128).await;
+    let ids: Vec<NodeId> = nodes.iter().map(|n| n.cluster.node_id()).collect();
+    let primary_node = &nodes[primary];
+    let replica_node = &nodes[replica];
+
+    // Round 0: written and flushed through the primary. The attach made the primary alone in
+    // sync and catches the replica up; once back in sync, its own copy holds the write.
+    let replication = primary_node.replication.clone();
+    let volume = blocking(move || replication.open("v")).await.unwrap();
+    let io = volume.clone();
+    blocking(move || {
+        io.write(0, &pattern(0), false).unwrap();
+        io.flush().unwrap();
+    })
+    .await;
+    let replica_id = replica_node.cluster.node_id();
+    wait_for("the replica in sync", || {
+        in_sync(primary_node, "v").contains(&replica_id)
+    })
+    .await;
+    let replica_volumes = replica_node.volumes.clone();
+    let on_replica = blocking(move || {
+        let copy = replica_volumes.open_volume("v").unwrap();
+        let mut buf = vec![0u8; 65536];
+        copy.read(0, &mut buf).unwrap();
+        buf
+    })
+    .await;
+    assert!(
+        on_replica == pattern(0),
+        "the flushed write is not on the replica"
+    );
+
+    // Round 1: the replica cut off; the FLUSH completes once Raft took it out of the set,
+    // not before (delayed messages keep Raft's commit from racing a FLUSH that did not wait).
+    network.partition(&[replica_id], &ids);
+    network.set_chaos(1, 0, Duration::from_millis(40));
+    let io = volume.clone();
+    let catalog = primary_node.cluster.catalog().clone();
+    let in_sync_at_flush = blocking(move || {
+        io.write(65536, &pattern(1), false).unwrap();
+        io.flush().unwrap();
+        catalog
+            .read()
+            .volume("v")
+            .unwrap()
+            .record
+            .replication
+            .in_sync
+            .clone()
+    })
+    .await;
+    assert!(
+        !in_sync_at_flush.contains(&replica_id),
+        "a FLUSH completed without the replica while Raft still counted it in sync"
+    );
+
+    // Healed: caught up and back in the set (a catch-up call sent into the cut waits out its
+    // timeout first, as one lost to a real partition would: this takes about 10 s).
+    network.calm();
+    network.heal();
+    wait_for("the replica back in sync", || {
+        in_sync(primary_node, "v").contains(&replica_id)
+    })
+    .await;
+
+    // Round 2, then the primary's node dies.
+    let io = volume.clone();
+    blocking(move || {
+        io.write(2 * 65536, &pattern(2), false).unwrap();
+        io.flush().unwrap();
+    })
+    .await;
+    network.close(&primary_node.address);
+    primary_node.cluster.shutdown().await;
+
+    let replication = replica_node.replication.clone();
+    let deadline = tokio::time::Instant::now() + SETTLE;
+    let taken_over = loop {
+        let replication = replication.clone();
+        match blocking(move || replication.open("v")).await {
+            Ok(volume) => break volume,
+            Err(error) => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "no take-over: {error}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    let read = blocking(move || {
+        let mut rounds = Vec::new();
+        for round in 0..3u64 {
+            let mut buf = vec![0u8; 65536];
+            taken_over.read(round * 65536, &mut buf).unwrap();
+            rounds.push(buf);
+        }
+        rounds
+    })
+    .await;
+    for (round, data) in read.iter().enumerate() {
+        assert!(
+            *data == pattern(round as u8),
+            "round {round} was lost in the take-over"
+        );
+    }
+    stop(&nodes.iter().collect::<Vec<_>>(), primary_node).await;
+}
+
+/// Starts three nodes and an R=2 volume `v` of `units` 64 KiB units; returns the nodes and
+/// the indexes of the volume's first replica (where it is attached) and its second.
+async fn r2_volume(
+    network: &LocalNetwork,
+    test: &str,
+    units: u64,
+) -> (Vec<TestNode>, usize, usize) {
+    let a = start(network, test, "a", None).await;
+    let b = start(network, test, "b", Some(a.address.clone())).await;
+    let c = start(network, test, "c", Some(a.address.clone())).await;
+    let nodes = vec![a, b, c];
+    wait_for("three voters on every node", || {
+        nodes.iter().all(|n| {
+            let metrics = n.cluster.metrics();
+            metrics.membership_config.voter_ids().count() == 3
+                && metrics.membership_config.get_joint_config().len() == 1
+        })
+    })
+    .await;
+    let volumes = nodes[0].volumes.clone();
+    blocking(move || {
+        let mut spec = VolumeSpec::new("v", units * 65536);
+        spec.replicas = 2;
+        volumes.create(&spec).unwrap()
+    })
+    .await;
+    let replicas = nodes[0]
+        .cluster
+        .catalog()
+        .read()
+        .volume("v")
+        .unwrap()
+        .record
+        .replication
+        .replicas
+        .clone();
+    assert_eq!(replicas.len(), 2);
+    let index_of = |id: NodeId| {
+        nodes
+            .iter()
+            .position(|n| n.cluster.node_id() == id)
+            .unwrap()
+    };
+    let (primary, replica) = (index_of(replicas[0]), index_of(replicas[1]));
+    (nodes, primary, replica)
+}
+
+/// Opens `v` through `node`, retrying while a take-over waits out the old primary's lease.
+async fn open_when_possible(node: &TestNode) -> Arc<dyn VolumeIo> {
+    let deadline = tokio::time::Instant::now() + SETTLE;
+    loop {
+        let replication = node.replication.clone();
+        match blocking(move || replication.open("v")).await {
+            Ok(volume) => return volume,
+            Err(error) => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "no take-over: {error}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+// Proves no flushed write is lost when the links lose and delay messages (Raft's and the
+// replication stream's alike) and the replica is cut off and healed at random: a seeded
+// workload of 64 KiB writes and FLUSHes runs through the primary, then the primary's node
+// dies and the replica takes the volume over; every unit holds the last value written to it
+// before a FLUSH that succeeded, or one written after it.
+// Seeds 1 to 4 (the machine's threads still vary the schedule), or `KEEL_TEST_SEED`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flushed_writes_survive_lossy_links_cuts_and_a_lost_primary() {
+    let seeds: Vec<u64> = match std::env::var("KEEL_TEST_SEED") {
+        Ok(seed) => vec![seed.parse().expect("KEEL_TEST_SEED is a number")],
+        Err(_) => (1..=4).collect(),
+    };
+    for seed in seeds {
+        lossy_run(seed).await;
+    }
+}
+
+async fn lossy_run(seed: u64) {
+    use rand::{Rng, SeedableRng};
+    const UNITS: u64 = 64;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let network = LocalNetwork::new();
+    let (nodes, primary, replica) = r2_volume(&network, &format!("lossy-{seed}"), UNITS).await;
+    let ids: Vec<NodeId> = nodes.iter().map(|n| n.cluster.node_id()).collect();
+    let replica_id = nodes[replica].cluster.node_id();
+    let volume = open_when_possible(&nodes[primary]).await;
+
+    // Per unit: the value a successful FLUSH made durable, and the values written since.
+    let mut flushed: Vec<Option<u8>> = vec![None; UNITS as usize];
+    let mut since_flush: Vec<Vec<u8>> = vec![Vec::new(); UNITS as usize];
+    let (mut flushes, mut failed_flushes, mut cuts) = (0, 0, 0);
+    network.set_chaos(seed, 10_000, Duration::from_millis(15));
+    let mut cut = false;
+    let mut killed_after_flush = false;
+    for step in 0..60u32 {
+        let roll = rng.gen_range(0..100);
+        if roll < 60 {
+            let unit = rng.gen_range(0..UNITS);
+            let value = (step % 250) as u8 + 1;
+            let io = volume.clone();
+            let written = blocking(move || io.write(unit * 65536, &pattern(value), false)).await;
+            // A write that failed may still have reached the copies: it counts as written.
+            since_flush[unit as usize].push(value);
+            if written.is_err() {
+                break;
+            }
+        } else if roll < 90 {
+            let io = volume.clone();
+            let catalog = nodes[primary].cluster.catalog().clone();
+            let flushed_with = blocking(move || {
+                io.flush().map(|()| {
+                    let state = catalog.read();
+                    let record = &state.volume("v").unwrap().record;
+                    record.replication.in_sync.contains(&replica_id)
+                })
+            })
+            .await;
+            match flushed_with {
+                Ok(replica_in_sync) => {
+                    flushes += 1;
+                    for (unit, values) in since_flush.iter_mut().enumerate() {
+                        if let Some(last) = values.last() {
+                            flushed[unit] = Some(*last);
+                        }
+                        values.clear();
+                    }
+                    // The primary dies right after a FLUSH that counted the replica while
+                    // it was cut off, and now and then otherwise: the replica must hold that
+                    // FLUSH's writes without any catch-up.
+                    if replica_in_sync && (cut || (step > 20 && rng.gen_range(0..4) == 0)) {
+                        killed_after_flush = true;
+                        break;
+                    }
+                }
+                Err(_) => {
+                    failed_flushes += 1;
+                    break;
+                }
+            }
+        } else if cut {
+            // Healed, the replica is caught up and taken back in sync (the workload waits for
+            // it, so that most FLUSHes count it).
+            network.heal();
+            cut = false;
+            wait_for("the replica back in sync", || {
+                in_sync(&nodes[primary], "v").contains(&replica_id)
+            })
+            .await;
+        } else {
+            network.partition(&[replica_id], &ids);
+            cut = true;
+            cuts += 1;
+        }
+    }
+    eprintln!(
+        "seed {seed}: {flushes} FLUSHes, {failed_flushes} failed, {cuts} cuts, killed right \
+         after a FLUSH: {killed_after_flush}"
+    );
+    assert!(flushes > 0, "seed {seed}: no FLUSH succeeded");
+    if !killed_after_flush {
+        network.calm();
+        network.heal();
+        // The take-over needs the replica in sync (a replica that is not refuses it).
+        wait_for("the replica in sync", || {
+            in_sync(&nodes[primary], "v").contains(&replica_id)
+        })
+        .await;
+    }
+    // Killed before healing: nothing the primary still had in flight reaches the replica.
+    network.close(&nodes[primary].address);
+    nodes[primary].cluster.shutdown().await;
+    network.calm();
+    network.heal();
+    let taken_over = open_when_possible(&nodes[replica]).await;
+    let found = blocking(move || {
+        (0..UNITS)
+            .map(|unit| {
+                let mut buf = vec![0u8; 65536];
+                taken_over.read(unit * 65536, &mut buf).unwrap();
+                buf
+            })
+            .collect::<Vec<_>>()
+    })
+    .await;
+    for unit in 0..UNITS as usize {
+        let mut allowed: Vec<Vec<u8>> = since_flush[unit].iter().map(|v| pattern(*v)).collect();
+        allowed.push(match flushed[unit] {
+            Some(value) => pattern(value),
+            None => vec![0u8; 65536],
+        });
+        assert!(
+            allowed.contains(&found[unit]),
+            "seed {seed}: unit {unit} lost its flushed value {:?} ({flushes} FLUSHes, \
+             {failed_flushes} failed, {cuts} cuts)",
+            flushed[unit]
+        );
+    }
+    stop(&nodes.iter().collect::<Vec<_>>(), &nodes[primary]).await;
+}
