@@ -298,7 +298,7 @@ fn in_sync(node: &TestNode, volume: &str) -> Vec<NodeId> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_r2_volume_keeps_every_flushed_write_through_a_partition_and_a_lost_primary() {
     let network = LocalNetwork::new();
-    let (nodes, primary, replica) = r2_volume(&network, "r2_in_process", 128).await;
+    let (nodes, primary, replica) = replicated_volume(&network, "r2_in_process", 128, 2).await;
     let ids: Vec<NodeId> = nodes.iter().map(|n| n.cluster.node_id()).collect();
     let primary_node = &nodes[primary];
     let replica_node = &nodes[replica];
@@ -408,12 +408,14 @@ async fn an_r2_volume_keeps_every_flushed_write_through_a_partition_and_a_lost_p
     stop(&nodes.iter().collect::<Vec<_>>(), Some(primary_node)).await;
 }
 
-/// Starts three nodes and an R=2 volume `v` of `units` 64 KiB units; returns the nodes and
-/// the indexes of the volume's first replica (where it is attached) and its second.
-async fn r2_volume(
+/// Starts three nodes and a volume `v` of `units` 64 KiB units with `replicas` replicas;
+/// returns the nodes and the indexes of the volume's first replica (where it is attached) and
+/// its second.
+async fn replicated_volume(
     network: &LocalNetwork,
     test: &str,
     units: u64,
+    replicas: u8,
 ) -> (Vec<TestNode>, usize, usize) {
     let a = start(network, test, "a", None).await;
     let b = start(network, test, "b", Some(a.address.clone())).await;
@@ -430,11 +432,11 @@ async fn r2_volume(
     let volumes = nodes[0].volumes.clone();
     blocking(move || {
         let mut spec = VolumeSpec::new("v", units * 65536);
-        spec.replicas = 2;
+        spec.replicas = replicas;
         volumes.create(&spec).unwrap()
     })
     .await;
-    let replicas = nodes[0]
+    let placed = nodes[0]
         .cluster
         .catalog()
         .read()
@@ -444,14 +446,14 @@ async fn r2_volume(
         .replication
         .replicas
         .clone();
-    assert_eq!(replicas.len(), 2);
+    assert_eq!(placed.len(), usize::from(replicas));
     let index_of = |id: NodeId| {
         nodes
             .iter()
             .position(|n| n.cluster.node_id() == id)
             .unwrap()
     };
-    let (primary, replica) = (index_of(replicas[0]), index_of(replicas[1]));
+    let (primary, replica) = (index_of(placed[0]), index_of(placed[1]));
     (nodes, primary, replica)
 }
 
@@ -480,24 +482,38 @@ async fn open_when_possible(node: &TestNode) -> Arc<dyn VolumeIo> {
 // FLUSH), right after a FLUSH that counted the replica when one comes; the replica takes the
 // volume over, and every unit holds the last value written to it before a FLUSH that
 // succeeded, or one written after it, never one the cut-off primary took.
-// Seeds 1 to 4 (the machine's threads still vary the schedule), or `KEEL_TEST_SEED`.
+// R=2, seeds 1 to 4 (the machine's threads still vary the schedule), or `KEEL_TEST_SEED`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flushed_writes_survive_lossy_links_cuts_and_a_lost_primary() {
-    let seeds: Vec<u64> = match std::env::var("KEEL_TEST_SEED") {
-        Ok(seed) => vec![seed.parse().expect("KEEL_TEST_SEED is a number")],
-        Err(_) => (1..=4).collect(),
-    };
-    for seed in seeds {
-        lossy_run(seed).await;
+    for seed in seeds(4) {
+        lossy_run(seed, 2).await;
     }
 }
 
-async fn lossy_run(seed: u64) {
+// The same at R=3 (minimum in sync 2: one replica cut off, the primary goes on with the other),
+// seeds 1 and 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flushed_writes_survive_lossy_links_cuts_and_a_lost_primary_at_r3() {
+    for seed in seeds(2) {
+        lossy_run(seed, 3).await;
+    }
+}
+
+/// Seeds 1 to `count`, or the one in `KEEL_TEST_SEED`.
+fn seeds(count: u64) -> Vec<u64> {
+    match std::env::var("KEEL_TEST_SEED") {
+        Ok(seed) => vec![seed.parse().expect("KEEL_TEST_SEED is a number")],
+        Err(_) => (1..=count).collect(),
+    }
+}
+
+async fn lossy_run(seed: u64, replicas: u8) {
     use rand::{Rng, SeedableRng};
     const UNITS: u64 = 64;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let network = LocalNetwork::new();
-    let (nodes, primary, replica) = r2_volume(&network, &format!("lossy-{seed}"), UNITS).await;
+    let test = format!("lossy-r{replicas}-{seed}");
+    let (nodes, primary, replica) = replicated_volume(&network, &test, UNITS, replicas).await;
     let ids: Vec<NodeId> = nodes.iter().map(|n| n.cluster.node_id()).collect();
     let replica_id = nodes[replica].cluster.node_id();
     let volume = open_when_possible(&nodes[primary]).await;
@@ -569,7 +585,7 @@ async fn lossy_run(seed: u64) {
             cuts += 1;
         }
     }
-    assert!(flushes > 0, "seed {seed}: no FLUSH succeeded");
+    assert!(flushes > 0, "R={replicas} seed {seed}: no FLUSH succeeded");
     if !killed_after_flush {
         network.calm();
         network.heal();
@@ -585,7 +601,7 @@ async fn lossy_run(seed: u64) {
     let primary_id = nodes[primary].cluster.node_id();
     let isolated = rng.gen_range(0..2) == 0;
     eprintln!(
-        "seed {seed}: {flushes} FLUSHes, {failed_flushes} failed, {cuts} cuts, ended right \
+        "R={replicas} seed {seed}: {flushes} FLUSHes, {failed_flushes} failed, {cuts} cuts, ended right \
          after a FLUSH: {killed_after_flush}, primary {}",
         if isolated { "cut off" } else { "killed" }
     );
@@ -626,12 +642,12 @@ async fn lossy_run(seed: u64) {
             .unwrap();
         assert_eq!(
             flushed_upto, 0,
-            "seed {seed}: the primary cut off from every node acknowledged a FLUSH"
+            "R={replicas} seed {seed}: the primary cut off from every node acknowledged a FLUSH"
         );
         // Its writes are not allowed below: none reached the replica while it was cut off, and
         // once healed the replica, now primary, refuses what it still sends (fenced).
         eprintln!(
-            "seed {seed}: the cut-off primary took {} writes",
+            "R={replicas} seed {seed}: the cut-off primary took {} writes",
             written.len()
         );
         network.heal();
@@ -654,7 +670,7 @@ async fn lossy_run(seed: u64) {
         });
         assert!(
             allowed.contains(&found[unit]),
-            "seed {seed}: unit {unit} lost its flushed value {:?} ({flushes} FLUSHes, \
+            "R={replicas} seed {seed}: unit {unit} lost its flushed value {:?} ({flushes} FLUSHes, \
              {failed_flushes} failed, {cuts} cuts)",
             flushed[unit]
         );
