@@ -1,5 +1,7 @@
 //! The cluster's calls between nodes: method numbers and message shapes (postcard-encoded).
-//! Method numbers are part of the wire protocol: never reuse one.
+//! Method numbers are part of the wire protocol: never reuse one. A new message's types go in
+//! `crates/keel/tests/protocol.rs`, and any change of a message's shape comes with a new
+//! `keel_rpc::handshake::PROTOCOL` (that test fails until it does).
 
 use keel_catalog::{Command, NodeId, NodeSpec};
 use serde::{Deserialize, Serialize};

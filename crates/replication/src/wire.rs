@@ -1,6 +1,9 @@
-//! What a primary and its replicas say to each other over the cluster's transport (`keel-rpc`): method numbers, message
-//! shapes (postcard-encoded) and error codes. Method numbers are part of the wire protocol:
-//! never reuse one. They sit above `keel_cluster::messages::METHOD_FIRST_ABOVE`.
+//! What a primary and its replicas say to each other over the cluster's transport (`keel-rpc`
+//! in a server): method numbers, message shapes (postcard-encoded) and error codes. Method
+//! numbers are part of the wire protocol: never reuse one. They sit above
+//! `keel_cluster::messages::METHOD_FIRST_ABOVE`. A new message's types go in
+//! `crates/keel/tests/protocol.rs`, and any change of a message's shape comes with a new
+//! `keel_rpc::handshake::PROTOCOL` (that test fails until it does).
 //!
 //! The messages carry the volume's own writes (offset, data), never the store's keys, so each
 //! node's store layout can change without touching this protocol.
