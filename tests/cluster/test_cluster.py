@@ -191,15 +191,18 @@ def test_a_restarted_node_catches_up_by_snapshot(cluster, workdir):
 
 
 def test_wrong_token_and_garbage_are_refused(cluster, workdir):
-    """A node with the wrong cluster secret cannot join (it exits with a clear error and the
-    member logs the refusal); garbage sent to the cluster port closes that connection only."""
+    """A node with the wrong cluster secret cannot join: it exits with a clear error at the
+    first refusal (a refusal at the handshake is not retried) and the member logs it; garbage
+    sent to the cluster port closes that connection only."""
     a = cluster.add()
     wrong = "keel1-" + a.token_file.read_text().split("-")[1] + "-" + "ab" * 32
     intruder = Node(workdir, 2)
     cluster.nodes.append(intruder)
     code = intruder.start(join=a, token=wrong, expect_failure=True)
     assert code != 0
-    assert "join" in intruder.log().lower()
+    log = intruder.log().lower()
+    assert "join" in log and "refused this node" in log and "secret" in log, log[-2000:]
+    assert "retrying" not in log, log[-2000:]
     wait_until("the member logged the refusal", lambda: "refus" in a.log().lower() or "authentic" in a.log().lower())
     with socket.create_connection((a.host, a.cluster_port), timeout=5) as raw:
         raw.sendall(b"GET / HTTP/1.1\r\n\r\n" + os.urandom(4096))

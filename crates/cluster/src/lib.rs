@@ -627,6 +627,13 @@ impl Cluster {
                         detail: message,
                     })
                 }
+                // The seed refused this node at the handshake: a retry would be refused too.
+                Err(error @ TransportError::Refused { .. }) => {
+                    return Err(ClusterError::Join {
+                        seed: seed.to_string(),
+                        detail: error.to_string(),
+                    })
+                }
                 Err(error) => error,
             };
             if tokio::time::Instant::now() >= deadline {

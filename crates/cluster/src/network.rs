@@ -122,7 +122,7 @@ impl NetworkClient {
                     decode("a raft answer", &bytes).map_err(|error| NetworkError::new(&error))?;
                 answer.map_err(|error| RPCError::Unreachable(Unreachable::new(&error)))
             }
-            Err(error @ TransportError::Unreachable { .. }) => {
+            Err(error @ (TransportError::Unreachable { .. } | TransportError::Refused { .. })) => {
                 Err(RPCError::Unreachable(Unreachable::new(&error)))
             }
             Err(TransportError::Timeout { .. }) => Err(RPCError::Timeout(Timeout {

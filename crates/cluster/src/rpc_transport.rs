@@ -27,9 +27,8 @@ fn transport_error(error: keel_rpc::RpcError) -> TransportError {
             code: error.code,
             message: error.message,
         },
-        E::Unreachable { peer, detail } | E::Auth { peer, detail } => {
-            TransportError::Unreachable { peer, detail }
-        }
+        E::Unreachable { peer, detail } => TransportError::Unreachable { peer, detail },
+        E::Auth { peer, detail } => TransportError::Refused { peer, detail },
         error @ (E::WrongPeer { .. } | E::FrameTooLarge { .. }) => TransportError::Unreachable {
             peer: String::new(),
             detail: error.to_string(),

@@ -46,6 +46,10 @@ pub enum TransportError {
     /// The call was not sent (no connection, refused, partitioned): nothing happened there.
     #[error("{peer} is unreachable: {detail}")]
     Unreachable { peer: String, detail: String },
+    /// Not sent: the peer refused this node itself at the handshake (another cluster, another
+    /// node-to-node protocol, a wrong secret). Retrying does not help.
+    #[error("{peer} refused this node: {detail}")]
+    Refused { peer: String, detail: String },
     /// Sent, and no answer in time: it may or may not have happened there.
     #[error("{peer} did not answer within {timeout:?}")]
     Timeout { peer: String, timeout: Duration },
@@ -64,7 +68,10 @@ pub enum TransportError {
 impl TransportError {
     /// Whether the call certainly did not take effect at the peer.
     pub fn never_sent(&self) -> bool {
-        matches!(self, TransportError::Unreachable { .. })
+        matches!(
+            self,
+            TransportError::Unreachable { .. } | TransportError::Refused { .. }
+        )
     }
 }
 
