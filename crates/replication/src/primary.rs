@@ -77,7 +77,8 @@ impl Item {
 #[derive(Clone, Copy)]
 enum InSyncChange {
     Drop(NodeId),
-    Add(NodeId),
+    /// A replica caught up on its stream (the id): refused if that stream failed meanwhile.
+    Add(NodeId, u64),
 }
 
 /// Whether a replica's queue should be sent now.
@@ -1413,14 +1414,26 @@ impl Primary {
     }
 
     /// Records through Raft that this node's in-sync set is now `in_sync` (epoch + 1).
+    /// Serialized with [`Self::drop_replica`]'s look at the set: a replica whose stream fails
+    /// while it is being added is seen in the set once the addition lands, and dropped again.
     async fn propose_in_sync(&self, change: InSyncChange) -> Result<(), String> {
         let _proposing = self.proposing.lock().await;
         let (epoch, in_sync) = {
             let state = self.state();
             let mut in_sync = state.in_sync.clone();
             match change {
-                InSyncChange::Drop(node) => in_sync.remove(&node),
-                InSyncChange::Add(node) => in_sync.insert(node),
+                InSyncChange::Drop(node) => {
+                    in_sync.remove(&node);
+                }
+                InSyncChange::Add(node, stream) => {
+                    let healthy = state.peers.get(&node).is_some_and(|peer| {
+                        peer.streaming && !peer.failed && peer.stream == stream
+                    });
+                    if !healthy {
+                        return Err("the replica's stream failed before it joined".to_string());
+                    }
+                    in_sync.insert(node);
+                }
             };
             (state.epoch, in_sync)
         };
@@ -1443,12 +1456,21 @@ impl Primary {
     /// then starts catching it up.
     async fn drop_replica(self: Arc<Self>, node: NodeId) {
         loop {
+            // Looked at with no change of the set in flight (an addition of this replica that
+            // was on its way lands first), and uncounted only while out of it.
             let member = {
-                let state = self.state();
+                let _proposing = self.proposing.lock().await;
+                let mut state = self.state();
                 if state.closed.is_some() {
                     return;
                 }
-                state.in_sync.contains(&node)
+                let member = state.in_sync.contains(&node);
+                if !member {
+                    if let Some(peer) = state.peers.get_mut(&node) {
+                        peer.counted = false;
+                    }
+                }
+                member
             };
             if !member {
                 break;
@@ -1456,7 +1478,6 @@ impl Primary {
             match self.propose_in_sync(InSyncChange::Drop(node)).await {
                 Ok(()) => {
                     tracing::warn!(volume = %self.name, node, "replica taken out of the in-sync set");
-                    break;
                 }
                 Err(error) => {
                     if self.is_closed() {
@@ -1465,12 +1486,6 @@ impl Primary {
                     tracing::warn!(volume = %self.name, node, %error, "could not record the in-sync set yet; FLUSHes wait");
                     self.shared.clock().sleep(Duration::from_millis(200)).await;
                 }
-            }
-        }
-        {
-            let mut state = self.state();
-            if let Some(peer) = state.peers.get_mut(&node) {
-                peer.counted = false;
             }
         }
         self.changed.notify_all();
@@ -1556,6 +1571,11 @@ impl Primary {
             let mut state = self.state();
             if state.closed.is_some() {
                 return Ok(());
+            }
+            // A replica still in the in-sync set stays counted for FLUSHes until Raft records
+            // it out ([`Self::drop_replica`]); its catch-up starts after that.
+            if state.in_sync.contains(&node) {
+                return Err("still in the in-sync set: waiting for it to be taken out".to_string());
             }
             let stream = rand::random::<u64>();
             let Some(peer) = state.peers.get_mut(&node) else {
@@ -1735,19 +1755,21 @@ impl Primary {
             }
             self.shared.clock().sleep(Duration::from_millis(2)).await;
         }
-        if let Err(error) = self.propose_in_sync(InSyncChange::Add(node)).await {
-            if let Some(peer) = self.state().peers.get_mut(&node) {
-                peer.counted = false;
-            }
-            return Err(error);
-        }
+        // On an error it stays counted: the addition may have landed all the same (its answer
+        // lost), and waiting for a replica that streams costs nothing.
+        self.propose_in_sync(InSyncChange::Add(node, stream))
+            .await?;
         // Unless its stream failed meanwhile: then what it carried unconfirmed was added to
-        // what the replica lacks, and the next catch-up compares that and all of this one.
-        if let Some(peer) = self.state().peers.get_mut(&node) {
-            if peer.streaming && !peer.failed && peer.stream == stream {
-                peer.lacking.caught_up();
-                peer.added = false;
+        // what the replica lacks, it is dropped again ([`Self::drop_replica`], which waited for
+        // this addition), and the next catch-up compares that and all of this one.
+        {
+            let mut state = self.state();
+            let peer = state.peers.get_mut(&node).ok_or("replica gone")?;
+            if !(peer.streaming && !peer.failed && peer.stream == stream) {
+                return Err("the replica's stream failed as it joined the in-sync set".to_string());
             }
+            peer.lacking.caught_up();
+            peer.added = false;
         }
         self.changed.notify_all();
         // A FLUSH with the replica in sync gives both nodes a common point at once, rather
