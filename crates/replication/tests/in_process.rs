@@ -521,13 +521,16 @@ async fn lossy_run(seed: u64, replicas: u8) {
     // Per unit: the value a successful FLUSH made durable, and the values written since.
     let mut flushed: Vec<Option<u8>> = vec![None; UNITS as usize];
     let mut since_flush: Vec<Vec<u8>> = vec![Vec::new(); UNITS as usize];
+    // Per unit, the last value written; and each snapshot with what it must show.
+    let mut current: Vec<Option<u8>> = vec![None; UNITS as usize];
+    let mut snapshots: Vec<(String, Vec<Option<u8>>)> = Vec::new();
     let (mut flushes, mut failed_flushes, mut cuts) = (0, 0, 0);
     network.set_chaos(seed, 10_000, Duration::from_millis(15));
     let mut cut = false;
     let mut killed_after_flush = false;
     for step in 0..60u32 {
         let roll = rng.gen_range(0..100);
-        if roll < 60 {
+        if roll < 55 {
             let unit = rng.gen_range(0..UNITS);
             let value = (step % 250) as u8 + 1;
             let io = volume.clone();
@@ -536,6 +539,23 @@ async fn lossy_run(seed: u64, replicas: u8) {
             since_flush[unit as usize].push(value);
             if written.is_err() {
                 break;
+            }
+            current[unit as usize] = Some(value);
+        } else if roll < 60 {
+            // A snapshot (not while the replica is cut off: it would wait for it): it cuts the
+            // same writes on every replica in sync.
+            if cut {
+                continue;
+            }
+            let name = format!("s{step}");
+            let replication = nodes[primary].replication.clone();
+            let volumes = nodes[primary].volumes.clone();
+            let taken =
+                blocking(move || replication.quiesce("v", || volumes.snapshot_create("v", &name)))
+                    .await;
+            match taken {
+                Ok(_) => snapshots.push((format!("s{step}"), current.clone())),
+                Err(_) => break,
             }
         } else if roll < 90 {
             let io = volume.clone();
@@ -675,6 +695,53 @@ async fn lossy_run(seed: u64, replicas: u8) {
             flushed[unit]
         );
     }
+    // Each snapshot the new primary holds whole shows exactly the writes before it.
+    let mut checked = 0;
+    for (name, expected) in &snapshots {
+        let whole_here = nodes[replica]
+            .cluster
+            .catalog()
+            .read()
+            .volume("v")
+            .and_then(|entry| {
+                entry
+                    .snapshot_by_name(name)
+                    .map(|snap| !snap.incomplete_on.contains(&replica_id))
+            })
+            .unwrap_or(false);
+        if !whole_here {
+            continue;
+        }
+        checked += 1;
+        let replication = nodes[replica].replication.clone();
+        let snapshot_name = name.clone();
+        let found = blocking(move || {
+            let snapshot = replication.open_snapshot("v", &snapshot_name).unwrap();
+            (0..UNITS)
+                .map(|unit| {
+                    let mut buf = vec![0u8; 65536];
+                    snapshot.read(unit * 65536, &mut buf).unwrap();
+                    buf
+                })
+                .collect::<Vec<_>>()
+        })
+        .await;
+        for unit in 0..UNITS as usize {
+            let wanted = expected[unit]
+                .map(pattern)
+                .unwrap_or_else(|| vec![0u8; 65536]);
+            assert!(
+                found[unit] == wanted,
+                "R={replicas} seed {seed}: snapshot {name} shows another value of unit {unit} \
+                 than {:?}",
+                expected[unit]
+            );
+        }
+    }
+    eprintln!(
+        "R={replicas} seed {seed}: {checked} of {} snapshots checked on the new primary",
+        snapshots.len()
+    );
     let crashed = (!isolated).then_some(&nodes[primary]);
     stop(&nodes.iter().collect::<Vec<_>>(), crashed).await;
 }
