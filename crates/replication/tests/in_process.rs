@@ -43,11 +43,7 @@ fn node_dir(test: &str, node: &str) -> PathBuf {
     static RUN: AtomicU64 = AtomicU64::new(0);
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../target/test-data/replication")
-        .join(format!(
-            "{test}-{}-{}",
-            std::process::id(),
-            RUN.fetch_add(1, Ordering::Relaxed)
-        ))
+        .join(format!("{test}-{}", RUN.fetch_add(1, Ordering::Relaxed)))
         .join(node);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
