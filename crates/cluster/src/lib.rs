@@ -273,6 +273,54 @@ impl Handler for ClusterHandler {
     }
 }
 
+/// A node's incoming calls, routed: the cluster's methods to its [`ClusterHandler`], those
+/// of the layers above it (from [`messages::METHOD_FIRST_ABOVE`] up: replication) to the
+/// handler they set once they are open.
+pub struct Dispatch {
+    cluster: Arc<ClusterHandler>,
+    above: OnceLock<Arc<dyn Handler>>,
+}
+
+impl Dispatch {
+    pub fn new(cluster: Arc<ClusterHandler>) -> Arc<Dispatch> {
+        Arc::new(Dispatch {
+            cluster,
+            above: OnceLock::new(),
+        })
+    }
+
+    /// The handler of the methods above the cluster's (set once; a second call is ignored).
+    pub fn set_above(&self, handler: Arc<dyn Handler>) {
+        let _ = self.above.set(handler);
+    }
+}
+
+impl Handler for Dispatch {
+    fn handle(
+        &self,
+        caller: Caller,
+        method: u16,
+        payload: Vec<u8>,
+    ) -> BoxFuture<Result<Vec<u8>, RemoteFailure>> {
+        if method < messages::METHOD_FIRST_ABOVE {
+            return self.cluster.handle(caller, method, payload);
+        }
+        match self.above.get() {
+            Some(handler) => handler.handle(caller, method, payload),
+            None => Box::pin(async {
+                Err(RemoteFailure {
+                    code: CODE_NOT_READY,
+                    message: "this node is still starting".to_string(),
+                })
+            }),
+        }
+    }
+
+    fn node_id(&self) -> NodeId {
+        self.cluster.current_node_id()
+    }
+}
+
 /// What the leader last heard from each node.
 #[derive(Default)]
 struct Liveness {

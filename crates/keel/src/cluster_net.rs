@@ -8,11 +8,11 @@
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use keel_catalog::{DeviceRecord, NodeAddresses, NodeRole};
-use keel_cluster::{Cluster, ClusterConfig, ClusterHandler};
+use keel_cluster::{Cluster, ClusterConfig, ClusterHandler, Dispatch};
 use tokio::net::TcpListener;
 
 use crate::config::Config;
@@ -92,42 +92,13 @@ impl FaultControl {
     }
 }
 
-/// Routes node-to-node calls: the cluster's methods to the cluster, the layers above it
-/// (replication) to the handler set once they are open.
-struct Dispatch {
-    cluster: Arc<dyn keel_rpc::Handler>,
-    above: Arc<OnceLock<Arc<dyn keel_rpc::Handler>>>,
-}
-
-impl keel_rpc::Handler for Dispatch {
-    fn call(
-        &self,
-        caller: keel_rpc::Caller,
-        method: u16,
-        payload: Vec<u8>,
-    ) -> keel_rpc::BoxFuture<Result<Vec<u8>, keel_rpc::RemoteError>> {
-        if method < keel_cluster::messages::METHOD_FIRST_ABOVE {
-            return self.cluster.call(caller, method, payload);
-        }
-        match self.above.get() {
-            Some(handler) => handler.call(caller, method, payload),
-            None => Box::pin(async {
-                Err(keel_rpc::RemoteError {
-                    code: keel_cluster::messages::CODE_NOT_READY,
-                    message: "this node is still starting".to_string(),
-                })
-            }),
-        }
-    }
-}
-
 /// This node's place in the cluster, and what serves it.
 pub struct Membership {
     pub cluster: Arc<Cluster>,
     /// The client side of node-to-node calls (replication uses it too).
     pub transport: Arc<dyn keel_cluster::Transport>,
-    /// Where the replication engine's handler goes once it is open.
-    pub above: Arc<OnceLock<Arc<dyn keel_rpc::Handler>>>,
+    /// Routes incoming calls; the replication engine's handler goes in once it is open.
+    pub dispatch: Arc<Dispatch>,
     /// This start formed a new cluster.
     pub formed: bool,
     pub listen: SocketAddr,
@@ -231,16 +202,13 @@ pub async fn start_cluster(
     let faults = keel_rpc::Faults::new();
     let rpc_config = keel_rpc::RpcConfig::default();
     let peers = keel_rpc::Peers::new(identity.clone(), rpc_config.clone(), faults.clone());
-    let above: Arc<OnceLock<Arc<dyn keel_rpc::Handler>>> = Arc::new(OnceLock::new());
+    let dispatch = Dispatch::new(handler.clone());
     let server = {
         let identity = identity.clone();
         let faults = faults.clone();
-        let handler: Arc<dyn keel_rpc::Handler> = Arc::new(Dispatch {
-            cluster: Arc::new(keel_cluster::rpc_transport::RpcHandler::new(
-                handler.clone(),
-            )),
-            above: above.clone(),
-        });
+        let handler: Arc<dyn keel_rpc::Handler> = Arc::new(
+            keel_cluster::rpc_transport::RpcHandler::new(dispatch.clone()),
+        );
         tokio::spawn(async move {
             let mut stopped = stopped;
             keel_rpc::serve(
@@ -291,7 +259,7 @@ pub async fn start_cluster(
     Ok(Membership {
         cluster,
         transport,
-        above,
+        dispatch,
         formed,
         listen,
         faults: config

@@ -236,12 +236,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         },
         ops.clone(),
     );
-    {
-        let handler: Arc<dyn keel_rpc::Handler> = Arc::new(
-            keel_cluster::rpc_transport::RpcHandler::new(replication.clone()),
-        );
-        let _ = membership.above.set(handler);
-    }
+    membership.dispatch.set_above(replication.clone());
     let s3 = {
         let store = store.clone();
         let metadata = metadata.clone();

@@ -13,8 +13,8 @@
 //! - [`Replication`]: the engine. A client attaching to a replicated volume on a node that
 //!   holds a replica makes that node the volume's primary ([`Replication::open`]); the
 //!   primary ([`primary`]) streams the volume's own writes (offset, data) to the replicas
-//!   over the cluster's transport; the replica side ([`replica`]) applies them in order to its local
-//!   volume. Nothing below this crate knows about other nodes.
+//!   over the cluster's transport; the replica side ([`replica`]) applies them in order to
+//!   its local volume. Nothing below this crate knows about other nodes.
 
 mod attached;
 mod dirty;

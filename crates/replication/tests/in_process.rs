@@ -7,13 +7,12 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use keel_catalog::{NodeAddresses, NodeId, NodeRole};
 use keel_cluster::{
-    BoxFuture, Caller, Cluster, ClusterConfig, ClusterHandler, Handler, LocalNetwork,
-    RemoteFailure, Timing,
+    Cluster, ClusterConfig, ClusterHandler, Dispatch, Handler, LocalNetwork, Timing,
 };
 use keel_namespace::volume::{VolumeManager, VolumeSpec};
 use keel_replication::{LocalVolumes, Replication, Settings};
@@ -135,39 +134,6 @@ impl LocalVolumes for Copies {
     }
 }
 
-/// Routes a node's incoming calls: the cluster's methods to the cluster, the rest to the
-/// replication engine (as the server's dispatcher does).
-struct Dispatch {
-    cluster: Arc<ClusterHandler>,
-    replication: OnceLock<Weak<Replication>>,
-}
-
-impl Handler for Dispatch {
-    fn handle(
-        &self,
-        caller: Caller,
-        method: u16,
-        payload: Vec<u8>,
-    ) -> BoxFuture<Result<Vec<u8>, RemoteFailure>> {
-        if method < keel_cluster::messages::METHOD_FIRST_ABOVE {
-            return self.cluster.handle(caller, method, payload);
-        }
-        match self.replication.get().and_then(Weak::upgrade) {
-            Some(replication) => replication.handle(caller, method, payload),
-            None => Box::pin(async {
-                Err(RemoteFailure {
-                    code: keel_cluster::messages::CODE_NOT_READY,
-                    message: "not started".to_string(),
-                })
-            }),
-        }
-    }
-
-    fn node_id(&self) -> NodeId {
-        self.cluster.current_node_id()
-    }
-}
-
 struct TestNode {
     address: String,
     cluster: Arc<Cluster>,
@@ -184,10 +150,7 @@ async fn start(network: &LocalNetwork, test: &str, name: &str, join: Option<Stri
             .await
             .unwrap();
     let handler = ClusterHandler::new();
-    let dispatch = Arc::new(Dispatch {
-        cluster: handler.clone(),
-        replication: OnceLock::new(),
-    });
+    let dispatch = Dispatch::new(handler.clone());
     let weak: Weak<dyn Handler> = Arc::downgrade(&(dispatch.clone() as Arc<dyn Handler>));
     network.listen(&address, weak);
     let from = handler.clone();
@@ -231,7 +194,7 @@ async fn start(network: &LocalNetwork, test: &str, name: &str, join: Option<Stri
         },
         keel_ops::Ops::disabled(),
     );
-    let _ = dispatch.replication.set(Arc::downgrade(&replication));
+    dispatch.set_above(replication.clone());
     TestNode {
         address,
         cluster,
