@@ -111,13 +111,16 @@ struct Endpoint {
 
 /// An in-process network of nodes, for tests and simulations: calls go straight to the
 /// target's handler on the same runtime, with partitions that drop traffic between chosen
-/// nodes (both directions), so the real cluster code runs without sockets.
+/// nodes (both directions), seeded loss and delay, and answers lost on demand, so the real
+/// cluster code runs without sockets.
 #[derive(Clone, Default)]
 pub struct LocalNetwork {
     endpoints: Arc<RwLock<HashMap<String, Endpoint>>>,
     /// Pairs of node ids that cannot reach each other.
     cut: Arc<Mutex<BTreeSet<(NodeId, NodeId)>>>,
     chaos: Arc<Mutex<Option<Chaos>>>,
+    /// `(caller, method)`: such calls are delivered and handled, and their answers lost.
+    answers_lost: Arc<Mutex<BTreeSet<(NodeId, u16)>>>,
 }
 
 /// Message loss and delay (hence reordering), from a seeded generator: the same seed and the
@@ -189,6 +192,30 @@ impl LocalNetwork {
             .chaos
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
+    }
+
+    /// Loses the answer of every call `from` makes with `method`, after the callee handled
+    /// it: the caller cannot know whether what it asked was done.
+    pub fn lose_answers(&self, from: NodeId, method: u16) {
+        self.answers_lost
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert((from, method));
+    }
+
+    /// Answers are no longer lost on purpose ([`LocalNetwork::lose_answers`]).
+    pub fn keep_answers(&self) {
+        self.answers_lost
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clear();
+    }
+
+    fn loses_answer(&self, from: NodeId, method: u16) -> bool {
+        self.answers_lost
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .contains(&(from, method))
     }
 
     fn fate(&self) -> Fate {
@@ -316,7 +343,7 @@ impl Transport for LocalTransport {
             } else {
                 Caller::Member(from)
             };
-            let (delay, answer_lost) = match network.fate() {
+            let (delay, mut answer_lost) = match network.fate() {
                 Fate::Delivered { delay } => (delay, false),
                 Fate::RequestLost => {
                     tokio::time::sleep(budget).await;
@@ -332,6 +359,7 @@ impl Transport for LocalTransport {
             }
             let answer =
                 tokio::time::timeout(budget, handler.handle(caller, method, payload)).await;
+            answer_lost |= network.loses_answer(from, method);
             if answer_lost {
                 return Err(TransportError::Lost {
                     peer: address,

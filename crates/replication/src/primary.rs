@@ -54,6 +54,10 @@ const FLUSH_POINTS_KEPT: usize = 4096;
 const CHANGED_TIMEOUT: Duration = Duration::from_secs(300);
 /// How long a replica's stream stays idle before an empty batch tells it its common point.
 const TELL_WHEN_IDLE: Duration = Duration::from_millis(200);
+/// How long an unanswered in-sync change may keep being refused (the epoch moved on) without
+/// this node's catalog showing the change that moved it, before the primary stops serving.
+const SETTLE_REFUSED_MAX: Duration = Duration::from_secs(30);
+
 /// How long a FLUSH waits in one round before it checks the lease and the epoch again.
 const WAIT_ROUND: Duration = Duration::from_millis(100);
 
@@ -1390,12 +1394,7 @@ impl Primary {
     /// on the epoch): this node stops serving the volume. Any other refusal (a move's target
     /// became draining meanwhile, a minimum above R) changes nothing and leaves it serving.
     async fn propose(&self, command: Command) -> Result<(), MetadataError> {
-        let metadata = self.shared.metadata.clone();
-        let outcome = tokio::task::spawn_blocking(move || metadata.propose(command))
-            .await
-            .map_err(|error| MetadataError::Failed {
-                detail: error.to_string(),
-            })?;
+        let outcome = self.propose_raw(command).await;
         if let Err(MetadataError::Refused(refusal)) = &outcome {
             let epoch = self.state().epoch;
             let moved_on = self
@@ -1410,7 +1409,18 @@ impl Primary {
                 self.close(format!("its replication changed elsewhere: {refusal}"));
             }
         }
-        outcome.map(|_| ())
+        outcome
+    }
+
+    /// Proposes `command` through Raft and waits for its outcome, off the runtime's threads.
+    async fn propose_raw(&self, command: Command) -> Result<(), MetadataError> {
+        let metadata = self.shared.metadata.clone();
+        tokio::task::spawn_blocking(move || metadata.propose(command))
+            .await
+            .map_err(|error| MetadataError::Failed {
+                detail: error.to_string(),
+            })?
+            .map(|_| ())
     }
 
     /// Records through Raft that this node's in-sync set is now `in_sync` (epoch + 1).
@@ -1443,13 +1453,128 @@ impl Primary {
             primary: self.shared.local_node,
             in_sync: in_sync.iter().copied().collect(),
         };
-        self.propose(command)
-            .await
-            .map_err(|error| error.to_string())?;
-        let mut state = self.state();
-        state.epoch = epoch + 1;
-        state.in_sync = in_sync;
-        Ok(())
+        match self.propose(command).await {
+            Ok(()) => {
+                let mut state = self.state();
+                state.epoch = epoch + 1;
+                state.in_sync = in_sync;
+                Ok(())
+            }
+            Err(MetadataError::Timeout { detail }) => {
+                tracing::warn!(volume = %self.name, epoch, %detail, "an in-sync change went unanswered; settling whether it was made");
+                self.settle_unknown(epoch, in_sync).await
+            }
+            Err(error) => Err(error.to_string()),
+        }
+    }
+
+    /// Settles an in-sync change made against `epoch` whose answer never came (it may have
+    /// been made or not), before anything else about the set is decided (call it holding
+    /// `proposing`): either this node's catalog shows it made, and it is taken as made; or a
+    /// change against the same epoch that keeps the set as it was is made, and then the
+    /// unanswered one never can be (each is a compare-and-set on the epoch). Until then
+    /// nothing is uncounted: a replica Raft may list in sync stays counted for FLUSHes, so no
+    /// FLUSH completes without a replica a take-over could pick.
+    async fn settle_unknown(&self, epoch: u64, proposed: BTreeSet<NodeId>) -> Result<(), String> {
+        let clock = self.shared.clock();
+        let kept = self.state().in_sync.clone();
+        let mut refused_since: Option<Instant> = None;
+        loop {
+            if let Some(why) = &self.state().closed {
+                return Err(why.clone());
+            }
+            let recorded = self
+                .shared
+                .metadata
+                .catalog()
+                .read()
+                .volumes
+                .get(&self.volume_id)
+                .map(|entry| entry.record.replication.clone());
+            let Some(recorded) = recorded else {
+                self.close("the volume was deleted".to_string());
+                return Err("the volume was deleted".to_string());
+            };
+            if recorded.epoch > epoch {
+                let set: BTreeSet<NodeId> = recorded.in_sync.iter().copied().collect();
+                // Only the two changes made here against `epoch` can have given `epoch + 1`
+                // this primary, these replicas and one of these sets.
+                let same_replicas = {
+                    let state = self.state();
+                    let others: BTreeSet<NodeId> = recorded
+                        .replicas
+                        .iter()
+                        .copied()
+                        .filter(|node| *node != self.shared.local_node)
+                        .collect();
+                    others.iter().eq(state.peers.keys())
+                        && usize::from(recorded.in_sync_min) == state.in_sync_min
+                };
+                let ours = recorded.epoch == epoch + 1
+                    && recorded.primary == self.shared.local_node
+                    && same_replicas
+                    && (set == proposed || set == kept);
+                if !ours {
+                    let why = format!(
+                        "its replication changed elsewhere (epoch {}) while an in-sync change \
+                         went unanswered",
+                        recorded.epoch
+                    );
+                    self.close(why.clone());
+                    return Err(why);
+                }
+                let made = set == proposed;
+                let mut state = self.state();
+                state.epoch = epoch + 1;
+                state.in_sync = set;
+                drop(state);
+                tracing::info!(volume = %self.name, epoch = epoch + 1, made, "the unanswered in-sync change is settled");
+                return if made {
+                    Ok(())
+                } else {
+                    Err("the in-sync change was not made".to_string())
+                };
+            }
+            // Not seen here: the same set as before, against the same epoch.
+            let keep = Command::VolumeSetReplication {
+                volume_id: self.volume_id,
+                epoch,
+                primary: self.shared.local_node,
+                in_sync: kept.iter().copied().collect(),
+            };
+            match self.propose_raw(keep).await {
+                Ok(()) => {
+                    let mut state = self.state();
+                    state.epoch = epoch + 1;
+                    state.in_sync = kept;
+                    drop(state);
+                    tracing::info!(volume = %self.name, epoch = epoch + 1, "the unanswered in-sync change is settled: not made");
+                    return Err("the in-sync change was not made".to_string());
+                }
+                // The epoch moved on (by the unanswered change, or another node's): this
+                // node's catalog shows which once it applied it.
+                Err(MetadataError::Refused(refusal)) => {
+                    let since = *refused_since.get_or_insert_with(|| clock.now());
+                    if clock.now().saturating_duration_since(since) > SETTLE_REFUSED_MAX {
+                        let why =
+                            format!("an unanswered in-sync change could not be settled: {refusal}");
+                        self.close(why.clone());
+                        return Err(why);
+                    }
+                    clock.sleep(Duration::from_millis(20)).await;
+                }
+                Err(MetadataError::Failed { detail }) => {
+                    let why =
+                        format!("an unanswered in-sync change could not be settled: {detail}");
+                    self.close(why.clone());
+                    return Err(why);
+                }
+                Err(error) => {
+                    tracing::info!(volume = %self.name, %error, "could not settle the unanswered in-sync change yet; retrying");
+                    clock.sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
     }
 
     /// Takes a failed replica out of the in-sync set (FLUSHes wait until Raft recorded it),

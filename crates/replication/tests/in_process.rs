@@ -367,6 +367,108 @@ async fn an_r2_volume_keeps_every_flushed_write_through_a_partition_and_a_lost_p
     stop(&nodes.iter().collect::<Vec<_>>(), Some(primary_node)).await;
 }
 
+// Proves an in-sync change whose answer is lost does not let a FLUSH complete without a
+// replica Raft lists in sync: the replica's return to the set is made in Raft but its answer
+// never reaches the primary (a metadata timeout: made or not, the primary cannot tell). The
+// primary settles it before anything else, so once the replica is cut off again, a FLUSH
+// completes only after Raft took the replica out. Then the replica is caught up once more,
+// and takes every flushed write over when the primary dies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_sync_change_whose_answer_is_lost_is_settled_before_a_flush_goes_on_without_it() {
+    let network = LocalNetwork::new();
+    let (nodes, primary, replica) = replicated_volume(&network, "unanswered", 64, 2).await;
+    let ids: Vec<NodeId> = nodes.iter().map(|n| n.cluster.node_id()).collect();
+    let primary_node = &nodes[primary];
+    let replica_node = &nodes[replica];
+    let primary_id = primary_node.cluster.node_id();
+    let replica_id = replica_node.cluster.node_id();
+    // The third node leads, so the primary's proposals cross the network to it.
+    let third = nodes
+        .iter()
+        .find(|n| ![primary_id, replica_id].contains(&n.cluster.node_id()))
+        .unwrap();
+    let leader = third.cluster.node_id();
+    primary_node
+        .cluster
+        .transfer_leadership(leader)
+        .await
+        .unwrap();
+    wait_for("the third node to lead everywhere", || {
+        nodes.iter().all(|n| n.cluster.leader() == Some(leader))
+    })
+    .await;
+
+    let replication = primary_node.replication.clone();
+    let volume = blocking(move || replication.open("v")).await.unwrap();
+    let write_and_flush = |round: u8| {
+        let io = volume.clone();
+        let catalog = primary_node.cluster.catalog().clone();
+        blocking(move || {
+            io.write(u64::from(round) * 65536, &pattern(round), false)
+                .unwrap();
+            io.flush().unwrap();
+            let entry = catalog.read().volume("v").unwrap().clone();
+            entry.record.replication.in_sync.clone()
+        })
+    };
+    write_and_flush(0).await;
+    wait_for("the replica in sync", || {
+        in_sync(primary_node, "v").contains(&replica_id)
+    })
+    .await;
+
+    // Out of the set, cut off; then back, with every answer to the primary's proposals lost.
+    network.partition(&[replica_id], &ids);
+    let at_flush = write_and_flush(1).await;
+    assert!(!at_flush.contains(&replica_id));
+    network.lose_answers(primary_id, keel_cluster::messages::METHOD_PROPOSE);
+    network.heal();
+    wait_for("Raft to list the replica in sync again", || {
+        in_sync(primary_node, "v").contains(&replica_id)
+    })
+    .await;
+    // The primary's proposal times out (4 s), and a catch-up failing would be retried after
+    // a second: past both.
+    tokio::time::sleep(timing().propose_timeout + Duration::from_secs(2)).await;
+
+    // Cut off again: the FLUSH must wait until Raft took the replica out.
+    network.partition(&[replica_id], &ids);
+    let at_flush = write_and_flush(2).await;
+    assert!(
+        !at_flush.contains(&replica_id),
+        "a FLUSH completed without the replica while Raft listed it in sync"
+    );
+
+    // Answers come again: the replica is caught up, then takes over with every flushed write.
+    network.keep_answers();
+    network.heal();
+    wait_for("the replica back in sync", || {
+        in_sync(primary_node, "v").contains(&replica_id)
+    })
+    .await;
+    write_and_flush(3).await;
+    network.close(&primary_node.address);
+    primary_node.cluster.shutdown().await;
+    let taken_over = open_when_possible(replica_node).await;
+    let read = blocking(move || {
+        (0..4u64)
+            .map(|round| {
+                let mut buf = vec![0u8; 65536];
+                taken_over.read(round * 65536, &mut buf).unwrap();
+                buf
+            })
+            .collect::<Vec<_>>()
+    })
+    .await;
+    for (round, data) in read.iter().enumerate() {
+        assert!(
+            *data == pattern(round as u8),
+            "round {round} was lost in the take-over"
+        );
+    }
+    stop(&nodes.iter().collect::<Vec<_>>(), Some(primary_node)).await;
+}
+
 /// Starts three nodes and a volume `v` of `units` 64 KiB units with `replicas` replicas;
 /// returns the nodes and the indexes of the volume's first replica (where it is attached) and
 /// its second.
