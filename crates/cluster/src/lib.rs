@@ -1507,6 +1507,11 @@ impl Cluster {
         }
     }
 
+    /// Whether [`Cluster::shutdown`] was called: layers above stop their own work with it.
+    pub fn is_stopping(&self) -> bool {
+        *self.stopping.borrow()
+    }
+
     pub fn catalog(&self) -> &Arc<Catalog> {
         &self.catalog
     }

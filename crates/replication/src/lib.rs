@@ -1147,6 +1147,9 @@ async fn move_loop(replication: std::sync::Weak<Replication>, after: Duration) {
         let Some(strong) = replication.upgrade() else {
             return;
         };
+        if strong.shared.cluster.is_stopping() {
+            return;
+        }
         let clock = strong.shared.clock();
         for name in strong.needing_a_primary(after) {
             let this = strong.clone();

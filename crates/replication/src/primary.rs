@@ -401,7 +401,13 @@ impl Primary {
         }
     }
 
+    /// Whether this primary stopped serving. One whose node's cluster is shutting down is
+    /// closed here: its loops (catching replicas up, recording the in-sync set) end with Raft
+    /// rather than retry against it.
     pub fn is_closed(&self) -> bool {
+        if self.shared.cluster.is_stopping() {
+            self.close("this node's cluster membership stopped (shutting down)".to_string());
+        }
         self.state().closed.is_some()
     }
 
@@ -1480,8 +1486,8 @@ impl Primary {
         let kept = self.state().in_sync.clone();
         let mut refused_since: Option<Instant> = None;
         loop {
-            if let Some(why) = &self.state().closed {
-                return Err(why.clone());
+            if self.is_closed() {
+                return Err("this node stopped serving the volume".to_string());
             }
             let recorded = self
                 .shared

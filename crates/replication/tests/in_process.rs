@@ -332,6 +332,19 @@ async fn an_r2_volume_keeps_every_flushed_write_through_a_partition_and_a_lost_p
     .await;
     network.close(&primary_node.address);
     primary_node.cluster.shutdown().await;
+    // Its engine stops serving with it (rather than retry against a stopped Raft).
+    let volume_id = primary_node
+        .cluster
+        .catalog()
+        .read()
+        .volume("v")
+        .unwrap()
+        .record
+        .id;
+    assert!(
+        primary_node.replication.primary_status(volume_id).is_none(),
+        "the primary outlived its node's cluster"
+    );
 
     let replication = replica_node.replication.clone();
     let deadline = tokio::time::Instant::now() + SETTLE;
