@@ -228,9 +228,28 @@ async fn wait_for(what: &str, mut check: impl FnMut() -> bool) {
     }
 }
 
-/// Runs blocking volume I/O off the runtime, as an NBD worker thread does.
+/// How long one blocking call of a test may take before the test fails rather than hangs.
+const BLOCKED_MAX: Duration = Duration::from_secs(120);
+
+/// Runs blocking volume I/O on a thread of its own, as an NBD worker does: its answer, or
+/// nothing if it panicked. A thread still blocked when the test ends is left behind (a
+/// runtime's blocking pool would be waited for, and a hung FLUSH would hang the test).
+fn on_thread<T: Send + 'static>(
+    work: impl FnOnce() -> T + Send + 'static,
+) -> tokio::sync::oneshot::Receiver<T> {
+    let (answer, answered) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        let _ = answer.send(work());
+    });
+    answered
+}
+
+/// [`on_thread`], waited for: a call blocked for [`BLOCKED_MAX`] fails the test.
 async fn blocking<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> T {
-    tokio::task::spawn_blocking(work).await.unwrap()
+    tokio::time::timeout(BLOCKED_MAX, on_thread(work))
+        .await
+        .expect("a blocking call (volume I/O) neither failed nor completed in 2 minutes")
+        .expect("a blocking call panicked")
 }
 
 fn pattern(round: u8) -> Vec<u8> {
@@ -703,7 +722,7 @@ async fn lossy_run(seed: u64, replicas: u8) {
         network.heal();
         network.partition(&[primary_id], &ids);
         let io = volume.clone();
-        Some(tokio::task::spawn_blocking(move || {
+        Some(on_thread(move || {
             let mut written = Vec::new();
             let mut flushed_upto = 0;
             for k in 0..20u8 {
