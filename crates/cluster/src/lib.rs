@@ -824,8 +824,12 @@ impl Cluster {
         let mut last_problem = String::from("no leader is known");
         loop {
             if self.metrics().state == ServerState::Shutdown {
-                return Err(MetadataError::Unavailable {
-                    detail: format!("{kind}: this node's Raft has stopped (shutting down)"),
+                let detail = format!("{kind}: this node's Raft has stopped (shutting down)");
+                // An earlier attempt may have reached the leader.
+                return Err(if maybe_sent {
+                    MetadataError::Timeout { detail }
+                } else {
+                    MetadataError::Unavailable { detail }
                 });
             }
             let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());

@@ -668,3 +668,56 @@ async fn a_voter_change_under_way_is_reported_until_it_ends() {
     }
     change.abort();
 }
+
+// Proves a proposal whose answer is lost is reported as perhaps made (a timeout), never as
+// not made: the leader made it, the answers to the proposing follower are lost, and the
+// follower says it timed out, also when its Raft is shut down while it retries (a caller told
+// "unavailable" takes the change as never made, and may act on that).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proposal_whose_answer_is_lost_is_reported_as_perhaps_made() {
+    let network = LocalNetwork::new();
+    let nodes = form_three(&network, "answer_lost").await;
+    let leader = nodes[0].cluster.leader().unwrap();
+    let follower = nodes
+        .iter()
+        .find(|n| n.cluster.node_id() != leader)
+        .unwrap();
+    let leading = nodes
+        .iter()
+        .find(|n| n.cluster.node_id() == leader)
+        .unwrap();
+    network.lose_answers(
+        follower.cluster.node_id(),
+        keel_cluster::messages::METHOD_PROPOSE,
+    );
+
+    let outcome = follower
+        .cluster
+        .propose_async(volume_command("timed-out", leader))
+        .await;
+    assert!(
+        matches!(outcome, Err(MetadataError::Timeout { .. })),
+        "{outcome:?}"
+    );
+    assert!(volume_names(leading).contains("timed-out"));
+
+    let cluster = follower.cluster.clone();
+    let proposing = tokio::spawn(async move {
+        cluster
+            .propose_async(volume_command("shut-down", leader))
+            .await
+    });
+    wait_for("the leader to make the change", SETTLE, || {
+        volume_names(leading).contains("shut-down")
+    })
+    .await;
+    follower.cluster.shutdown().await;
+    let outcome = proposing.await.unwrap();
+    assert!(
+        matches!(outcome, Err(MetadataError::Timeout { .. })),
+        "{outcome:?}"
+    );
+    for node in &nodes {
+        node.cluster.shutdown().await;
+    }
+}
