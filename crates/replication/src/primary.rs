@@ -1418,15 +1418,9 @@ impl Primary {
         outcome
     }
 
-    /// Proposes `command` through Raft and waits for its outcome, off the runtime's threads.
+    /// Proposes `command` through Raft and waits until this node applied it.
     async fn propose_raw(&self, command: Command) -> Result<(), MetadataError> {
-        let metadata = self.shared.metadata.clone();
-        tokio::task::spawn_blocking(move || metadata.propose(command))
-            .await
-            .map_err(|error| MetadataError::Failed {
-                detail: error.to_string(),
-            })?
-            .map(|_| ())
+        self.shared.cluster.propose_async(command).await.map(|_| ())
     }
 
     /// Records through Raft that this node's in-sync set is now `in_sync` (epoch + 1).
