@@ -842,6 +842,73 @@ def test_a_snapshot_incomplete_on_a_replica_is_never_served_or_rolled_back_there
         assert "holding the snapshot whole" in str(refused) and "node 1" in str(refused), refused
 
 
+def keel_binary(node, *args, stdin=None):
+    """`keel ARGS` against `node`, with binary standard input and output."""
+    cmd = [KEEL_BIN, *args, "--admin", node.admin, "--token-dir", str(node.dir)]
+    return subprocess.run(cmd, input=stdin, capture_output=True, env=node.env, timeout=120)
+
+
+def test_a_stream_received_into_a_replicated_volume_reaches_its_replicas(cluster):
+    """A full stream received on node 1 makes volume `dst`, raised to R=2; an incremental stream
+    (32 of its 64 blocks rewritten) is refused through node 2 with the primary's address, then
+    received through node 1, the primary. Its blocks were written on node 1 only: node 2 is
+    taken out of the in-sync set while the volume switches to them, caught up, and back in
+    sync; the received snapshot says it is incomplete on node 2. Node 1 is then killed and the
+    volume, attached through node 2, holds the stream's contents; a stream based on a snapshot
+    node 2 never had the data of is refused there."""
+    first, second = two_nodes_and_witness(cluster)
+    code, created = first.api("POST", "/api/v1/volumes", {"name": "src", "size_bytes": SIZE}, timeout=30)
+    assert code == 200, created
+    client = attach(first, "src")
+    for index in range(64):
+        client.write(index * BLOCK, block("one", index))
+    client.flush()
+    first.cli("snapshot", "create", "src@one")
+    for index in range(32):
+        client.write(index * BLOCK, block("two", index))
+    client.flush()
+    first.cli("snapshot", "create", "src@two")
+    client.write(0, block("three", 0))
+    client.flush()
+    first.cli("snapshot", "create", "src@three")
+    client.close()
+    full = keel_binary(first, "snapshot", "send", "src@one")
+    incremental = keel_binary(first, "snapshot", "send", "src@one", "src@two")
+    assert full.returncode == 0 and incremental.returncode == 0, (full.stderr, incremental.stderr)
+    onto_one = keel_binary(first, "snapshot", "send", "src@one", "src@three")
+    assert onto_one.returncode == 0, onto_one.stderr
+
+    received = keel_binary(first, "snapshot", "receive", "dst", stdin=full.stdout)
+    assert received.returncode == 0, received.stderr
+    first.cli("volume", "set-replication", "dst", "--replicas", "2")
+    wait_until("dst in sync on both nodes", lambda: sorted(replication(first, "dst")["in_sync"]) == [1, 2],
+               timeout=60)
+    epoch = replication(first, "dst")["epoch"]
+
+    refused = keel_binary(second, "snapshot", "receive", "dst", stdin=incremental.stdout)
+    assert refused.returncode != 0 and b"its primary is node 1" in refused.stderr, refused.stderr
+    received = keel_binary(first, "snapshot", "receive", "dst", stdin=incremental.stdout)
+    assert received.returncode == 0, received.stderr
+    info = replication(first, "dst")
+    assert info["epoch"] > epoch, f"node 2 was never taken out of the in-sync set: {info}"
+    wait_until("node 2 caught up with the stream", lambda: sorted(replication(first, "dst")["in_sync"]) == [1, 2],
+               timeout=60)
+    code, snapshots = first.api("GET", "/api/v1/volumes/dst/snapshots")
+    assert code == 200, snapshots
+    two = [snapshot for snapshot in snapshots if snapshot["name"] == "two"]
+    assert two and two[0]["incomplete_on"] == [2], snapshots
+
+    first.kill9()
+    other = attach(second, "dst", timeout=60)
+    for index in range(64):
+        expected = block("two" if index < 32 else "one", index)
+        assert other.read(index * BLOCK, BLOCK) == expected, f"block {index} is not the stream's on node 2"
+    # Node 2, now primary, never had snapshot `one`'s data (it joined after): a stream based on
+    # it is refused there rather than received onto holes.
+    refused = keel_binary(second, "snapshot", "receive", "dst", stdin=onto_one.stdout)
+    assert refused.returncode != 0 and b"incomplete on this node" in refused.stderr, refused.stderr
+
+
 def test_a_rollback_during_a_catch_up_restarts_it(cluster, workdir):
     """As above, but the rollback comes while node 2 is still catching up (paced to 16 MiB/s):
     the chunks it already compared hold the current data, which the rollback hides on node 2

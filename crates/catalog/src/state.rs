@@ -1745,7 +1745,17 @@ impl CatalogState {
             size_bytes,
             view: frozen_view,
             created_unix_seconds,
-            incomplete_on: Vec::new(),
+            // The stream's blocks are on the node that received them, the primary (the
+            // replication layer receives into a replicated volume only there): the other
+            // replicas are caught up with the current contents only.
+            incomplete_on: entry
+                .record
+                .replication
+                .replicas
+                .iter()
+                .copied()
+                .filter(|node| *node != entry.record.replication.primary)
+                .collect(),
         };
         let mut record = entry.record.clone();
         rebase_onto(

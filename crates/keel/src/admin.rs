@@ -1058,14 +1058,24 @@ async fn receive_volume(
     request: Request,
 ) -> ApiResult<Json<serde_json::Value>> {
     use futures::StreamExt;
+    if let Err(refusal) = state.replication.check_receive_here(&name) {
+        // Read (and drop) the body first: the client sends all of it before reading the
+        // answer, and would see a broken pipe instead.
+        let mut body = request.into_body().into_data_stream();
+        while let Some(Ok(_)) = body.next().await {}
+        return Err(refusal.into());
+    }
     let (sender, receiver) = tokio::sync::mpsc::channel::<bytes::Bytes>(STREAM_CHANNEL_CHUNKS_MAX);
     let volumes = state.volumes.clone();
+    let replication = state.replication.clone();
     let applying = tokio::task::spawn_blocking(move || {
         let mut reader = ChannelReader {
             receiver,
             current: bytes::Bytes::new(),
         };
-        volumes.receive(&mut reader, &name)
+        volumes.receive_published_by(&mut reader, &name, &|publish| {
+            replication.publish_received(&name, publish)
+        })
     });
     let mut body = request.into_body().into_data_stream();
     let mut forwarding = true;

@@ -701,7 +701,17 @@ impl VolumeManager {
     /// snapshot (like `zfs receive -F`). Nothing is visible until the whole stream verified; a
     /// bad, truncated or mismatched stream leaves the volume as it was.
     pub fn receive(&self, input: &mut dyn io::Read, volume: &str) -> VolumeResult<ReceiveReport> {
-        keel_volume::receive(&self.engine, self.metadata.as_ref(), input, volume)
+        self.receive_published_by(input, volume, &|publish| publish())
+    }
+
+    /// [`VolumeManager::receive`], its last step run by `publish` ([`keel_volume::Publish`]).
+    pub fn receive_published_by(
+        &self,
+        input: &mut dyn io::Read,
+        volume: &str,
+        publish: keel_volume::Publish<'_>,
+    ) -> VolumeResult<ReceiveReport> {
+        keel_volume::receive(&self.engine, self.metadata.as_ref(), input, volume, publish)
     }
 
     /// Stops the engine's background worker (after the job it is running).

@@ -543,6 +543,44 @@ impl Replication {
             .quiesce_dropping(&incomplete, rollback)
     }
 
+    /// Refuses to receive a stream into `volume` here when it is replicated and another node
+    /// is its primary (answered with its address): only the primary's copy may take the
+    /// stream. A volume that does not exist yet (a full stream creates it here) passes.
+    pub fn check_receive_here(&self, volume: &str) -> VolumeResult<()> {
+        let Ok(record) = self.shared.volume_record(volume) else {
+            return Ok(());
+        };
+        let replication = &record.replication;
+        if replication.replicas.len() > 1 && replication.primary != self.shared.local_node {
+            return Err(self.shared.elsewhere(volume, replication.primary));
+        }
+        Ok(())
+    }
+
+    /// Runs the last step of a stream received into `volume` on this node (a
+    /// [`keel_volume::Publish`]). A replicated volume's stream is in this node's copy only:
+    /// this node must be its primary (served from now on if nothing attached it); the other
+    /// replicas are taken out of the in-sync set first, and caught up from the start once
+    /// the volume shows the stream, as for a rollback onto a snapshot they lack. Blocking.
+    pub fn publish_received(
+        &self,
+        volume: &str,
+        publish: &mut dyn FnMut() -> VolumeResult<()>,
+    ) -> VolumeResult<()> {
+        // (A volume a full stream creates is not ready before it is published: one replica.)
+        let record = match self.shared.volume_record(volume) {
+            Ok(record) if record.replication.replicas.len() > 1 => record,
+            _ => return publish(),
+        };
+        let local = self.shared.local_node;
+        let others: Vec<NodeId> = (record.replication.replicas.iter())
+            .copied()
+            .filter(|node| *node != local)
+            .collect();
+        self.primary_served_here(volume, &record)?
+            .quiesce_dropping(&others, publish)
+    }
+
     /// The replicated volumes this node is named primary of: those a scheduled scrub compares.
     pub fn primary_here(&self) -> Vec<String> {
         let local = self.shared.local_node;

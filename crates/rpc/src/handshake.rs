@@ -37,8 +37,11 @@ const STATUS_OTHER_PROTOCOL: u8 = 2;
 /// layer carried in them (Raft and the catalog's commands, joins, reports, replication,
 /// forwarding). Nodes speaking different protocols refuse each other at the handshake, so a
 /// message is never decoded by a build that reads it differently. Bump it with any change to
-/// a message's encoding; `crates/keel/tests/protocol.rs` fails until it is bumped.
-pub const PROTOCOL: u16 = 1;
+/// a message's encoding (`crates/keel/tests/protocol.rs` fails until it is bumped), and with
+/// any change of what the catalog's state machine makes of a command (nodes applying the same
+/// log differently would hold different catalogs). 2: a stream received into a replicated
+/// volume leaves its snapshot incomplete on the replicas that did not receive it.
+pub const PROTOCOL: u16 = 2;
 
 fn protocol_of(hello: &[u8]) -> u16 {
     u16::from_le_bytes([hello[6], hello[7]])

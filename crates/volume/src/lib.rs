@@ -49,7 +49,7 @@ pub use keel_catalog::{
 pub use limiter::{Clock, SystemClock};
 pub use record::{copy_record_key, hex, new_unique_id, unix_seconds_now};
 pub use scan::{changed_blocks_since, Usage};
-pub use stream::{receive, ReceiveReport, SendStream};
+pub use stream::{receive, Publish, ReceiveReport, SendStream};
 pub use volume_io::VolumeIo;
 
 /// Everything that can go wrong with a volume, with the volume it happened to.

@@ -417,16 +417,23 @@ fn propose(metadata: &dyn Metadata, volume: &str, command: Command) -> VolumeRes
     })
 }
 
+/// How a receive's last step runs: it is handed the step (the catalog switching the volume to
+/// the received contents, through Raft) and runs it, as it is (`&|publish| publish()`) or
+/// within what the volume needs around it (a replicated volume's primary: with its other
+/// replicas out of the in-sync set, since only this node's copy holds the stream's blocks).
+pub type Publish<'a> = &'a dyn Fn(&mut dyn FnMut() -> VolumeResult<()>) -> VolumeResult<()>;
+
 /// Applies a stream made by [`SendStream`] on this node. A full stream creates volume `volume`
 /// (which must not exist) here; an incremental one needs `volume` to be hosted here with the
 /// stream's base snapshot, and replaces its current contents by the stream's target snapshot
-/// (like `zfs receive -F`). Nothing is visible until the whole stream verified; a bad,
-/// truncated or mismatched stream leaves the volume as it was.
+/// (like `zfs receive -F`), the last step run by `publish`. Nothing is visible until the whole
+/// stream verified; a bad, truncated or mismatched stream leaves the volume as it was.
 pub fn receive(
     engine: &Engine,
     metadata: &dyn Metadata,
     input: &mut dyn Read,
     volume: &str,
+    publish: Publish<'_>,
 ) -> VolumeResult<ReceiveReport> {
     keel_catalog::validate_name("volume", volume).map_err(VolumeError::from_catalog)?;
     let mut reader = StreamReader {
@@ -453,19 +460,22 @@ pub fn receive(
     let target = prepare(engine, metadata, volume, &header)?;
     match apply(engine, &mut reader, &header, &target, &mut payload) {
         Ok(blocks) => {
-            let published = propose(
-                metadata,
-                volume,
-                Command::ReceivePublish {
-                    volume_id: target.shared.id,
-                    generation: target.generation,
-                    base_generation: target.base_generation,
-                    target_name: header.target.name.clone(),
-                    target_guid: header.target.guid,
-                    size_bytes: header.size_bytes,
-                    created_unix_seconds: super::record::unix_seconds_now(),
-                },
-            );
+            let published = publish(&mut || {
+                propose(
+                    metadata,
+                    volume,
+                    Command::ReceivePublish {
+                        volume_id: target.shared.id,
+                        generation: target.generation,
+                        base_generation: target.base_generation,
+                        target_name: header.target.name.clone(),
+                        target_guid: header.target.guid,
+                        size_bytes: header.size_bytes,
+                        created_unix_seconds: super::record::unix_seconds_now(),
+                    },
+                )
+                .map(|_| ())
+            });
             match published {
                 Ok(_) => Ok(ReceiveReport {
                     volume: volume.to_string(),
@@ -538,12 +548,15 @@ fn prepare(
         base_name: base.name.clone(),
         base_guid: hex(&base.guid),
     };
-    let volume_id = metadata
-        .catalog()
-        .read()
-        .volume(volume)
-        .map(|entry| entry.record.id)
-        .ok_or_else(base_missing)?;
+    let volume_id = {
+        let catalog = metadata.catalog().read();
+        let entry = catalog.volume(volume).ok_or_else(base_missing)?;
+        // A base this node's copy lacks data of would give the received snapshot its holes.
+        if let Some(frozen) = entry.snapshot_by_guid(&base.guid) {
+            super::check_snapshot_complete(&entry.record, frozen, engine.local_node())?;
+        }
+        entry.record.id
+    };
     let shared = engine.get(volume_id).ok_or_else(base_missing)?;
     let base_generation = read(&shared.state)
         .snapshots
