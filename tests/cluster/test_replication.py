@@ -909,6 +909,50 @@ def test_a_stream_received_into_a_replicated_volume_reaches_its_replicas(cluster
     assert refused.returncode != 0 and b"incomplete on this node" in refused.stderr, refused.stderr
 
 
+def test_limits_resize_and_clones_work_on_a_replicated_volume(cluster):
+    """An R=2 volume limited to 100 operations per second: 300 writes through the primary take
+    at least 1.5 s. Grown online to twice its size: a write past the old end, flushed, is on
+    node 2's copy. A clone of its snapshot is placed on both nodes. Node 1 is then killed:
+    through node 2 the volume holds every flushed write, the new end's included, and the clone
+    reads the snapshot's data from node 2's own copy."""
+    first, second = two_nodes_and_witness(cluster)
+    code, created = first.api("POST", "/api/v1/volumes",
+                              {"name": "lim", "size_bytes": SIZE, "replicas": 2, "iops_max": 100}, timeout=30)
+    assert code == 200, created
+    client = attach(first, "lim")
+    wait_until("both replicas in sync", lambda: sorted(replication(first, "lim")["in_sync"]) == [1, 2])
+    started = time.monotonic()
+    for index in range(300):
+        client.write(index * BLOCK, block("limited", index))
+    client.flush()
+    took = time.monotonic() - started
+    assert took >= 1.5, f"300 writes at 100 IOPS took {took:.2f} s: the limit is not applied"
+    client.close()
+
+    code, answer = first.api("POST", "/api/v1/volumes/lim/resize", {"size_bytes": 2 * SIZE})
+    assert code == 200, answer
+    grown = attach(first, "lim")
+    grown.write(SIZE, block("past-the-old-end", 0))
+    grown.flush()
+    assert sorted(replication(first, "lim")["in_sync"]) == [1, 2], "node 2 fell out writing past the old end"
+    code, answer = first.api("POST", "/api/v1/volumes/lim/snapshots", {"name": "c"})
+    assert code == 200, answer
+    code, clone = first.api("POST", "/api/v1/volumes/lim/snapshots/c/clone", {"name": "copy"})
+    assert code == 200, clone
+    assert sorted(replication(first, "copy")["replicas"]) == [1, 2], replication(first, "copy")
+    grown.close()
+
+    first.kill9()
+    after = attach(second, "lim", timeout=60)
+    assert after.read(SIZE, BLOCK) == block("past-the-old-end", 0)
+    for index in (0, 150, 299):
+        assert after.read(index * BLOCK, BLOCK) == block("limited", index), f"block {index} lost"
+    copy = attach(second, "copy", timeout=60)
+    for index in (0, 150, 299):
+        assert copy.read(index * BLOCK, BLOCK) == block("limited", index), f"clone block {index}"
+    assert copy.read(SIZE, BLOCK) == block("past-the-old-end", 0)
+
+
 def test_a_rollback_during_a_catch_up_restarts_it(cluster, workdir):
     """As above, but the rollback comes while node 2 is still catching up (paced to 16 MiB/s):
     the chunks it already compared hold the current data, which the rollback hides on node 2
