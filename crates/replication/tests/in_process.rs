@@ -142,7 +142,13 @@ struct TestNode {
     _dispatch: Arc<Dispatch>,
 }
 
-async fn start(network: &LocalNetwork, test: &str, name: &str, join: Option<String>) -> TestNode {
+async fn start(
+    network: &LocalNetwork,
+    test: &str,
+    name: &str,
+    join: Option<String>,
+    resync_bytes_per_second: Option<u64>,
+) -> TestNode {
     let dir = node_dir(test, name);
     let address = format!("{name}.test:1");
     let store =
@@ -189,7 +195,7 @@ async fn start(network: &LocalNetwork, test: &str, name: &str, join: Option<Stri
         tokio::runtime::Handle::current(),
         Settings {
             move_after: Duration::from_secs(3600),
-            resync_bytes_per_second: None,
+            resync_bytes_per_second,
             resync_busy_percent: 100,
         },
         keel_ops::Ops::disabled(),
@@ -276,7 +282,8 @@ fn in_sync(node: &TestNode, volume: &str) -> Vec<NodeId> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_r2_volume_keeps_every_flushed_write_through_a_partition_and_a_lost_primary() {
     let network = LocalNetwork::new();
-    let (nodes, primary, replica) = replicated_volume(&network, "r2_in_process", 128, 2).await;
+    let (nodes, primary, replica) =
+        replicated_volume(&network, "r2_in_process", 128, 2, None).await;
     let ids: Vec<NodeId> = nodes.iter().map(|n| n.cluster.node_id()).collect();
     let primary_node = &nodes[primary];
     let replica_node = &nodes[replica];
@@ -408,7 +415,7 @@ async fn an_r2_volume_keeps_every_flushed_write_through_a_partition_and_a_lost_p
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_in_sync_change_whose_answer_is_lost_is_settled_before_a_flush_goes_on_without_it() {
     let network = LocalNetwork::new();
-    let (nodes, primary, replica) = replicated_volume(&network, "unanswered", 64, 2).await;
+    let (nodes, primary, replica) = replicated_volume(&network, "unanswered", 64, 2, None).await;
     let ids: Vec<NodeId> = nodes.iter().map(|n| n.cluster.node_id()).collect();
     let primary_node = &nodes[primary];
     let replica_node = &nodes[replica];
@@ -501,6 +508,74 @@ async fn an_in_sync_change_whose_answer_is_lost_is_settled_before_a_flush_goes_o
     stop(&nodes.iter().collect::<Vec<_>>(), Some(primary_node)).await;
 }
 
+// Proves a replica refuses a stream from an old primary once another node took the volume
+// over: R=3, the primary catching one replica up slowly (rate-limited) when it is cut off
+// from the other replica's node, which leads Raft and takes the volume over; the primary can
+// still reach the replica it was catching up, and keeps sending it (a catch-up's copies are
+// not client I/O, which the lapsed lease stops). That replica must fence it, by the catalog's
+// primary, which closes the old primary; without the check the replica takes either
+// primary's stream, each replacing the other's, and the old one never learns it was replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_fences_an_old_primary_still_catching_it_up_after_a_take_over() {
+    let network = LocalNetwork::new();
+    let (nodes, primary, _) = replicated_volume(&network, "fenced", 64, 3, Some(128 << 10)).await;
+    let ids: Vec<NodeId> = nodes.iter().map(|n| n.cluster.node_id()).collect();
+    let old = &nodes[primary];
+    let old_id = old.cluster.node_id();
+    let catalog = old
+        .cluster
+        .catalog()
+        .read()
+        .volume("v")
+        .unwrap()
+        .record
+        .clone();
+    let (heir_id, caught_up_id) = (
+        catalog.replication.replicas[1],
+        catalog.replication.replicas[2],
+    );
+    let node = |id: NodeId| nodes.iter().find(|n| n.cluster.node_id() == id).unwrap();
+    let heir = node(heir_id);
+    old.cluster.transfer_leadership(heir_id).await.unwrap();
+    wait_for("the heir to lead everywhere", || {
+        nodes.iter().all(|n| n.cluster.leader() == Some(heir_id))
+    })
+    .await;
+
+    let replication = old.replication.clone();
+    let volume = blocking(move || replication.open("v")).await.unwrap();
+    wait_for("all three in sync", || in_sync(old, "v").len() == 3).await;
+    // The third replica misses the whole volume's writes: its catch-up ships 4 MiB at
+    // 128 KiB/s, about 30 s.
+    network.partition(&[caught_up_id], &ids);
+    let io = volume.clone();
+    blocking(move || {
+        for unit in 0..64u64 {
+            io.write(unit * 65536, &pattern(unit as u8), false).unwrap();
+        }
+        io.flush().unwrap();
+    })
+    .await;
+    network.heal();
+    let volume_id = catalog.id;
+    wait_for("the catch-up under way", || {
+        old.replication
+            .primary_status(volume_id)
+            .is_some_and(|status| !status.catching_up.is_empty())
+    })
+    .await;
+
+    // Cut off from the leader and the heir, not from the replica it is catching up.
+    network.partition(&[old_id], &[old_id, heir_id]);
+    let _taken_over = open_when_possible(heir).await;
+    wait_for(
+        "the old primary fenced by the replica it was catching up",
+        || old.replication.primary_status(volume_id).is_none(),
+    )
+    .await;
+    stop(&nodes.iter().collect::<Vec<_>>(), None).await;
+}
+
 /// Starts three nodes and a volume `v` of `units` 64 KiB units with `replicas` replicas;
 /// returns the nodes and the indexes of the volume's first replica (where it is attached) and
 /// its second.
@@ -509,10 +584,12 @@ async fn replicated_volume(
     test: &str,
     units: u64,
     replicas: u8,
+    resync_bytes_per_second: Option<u64>,
 ) -> (Vec<TestNode>, usize, usize) {
-    let a = start(network, test, "a", None).await;
-    let b = start(network, test, "b", Some(a.address.clone())).await;
-    let c = start(network, test, "c", Some(a.address.clone())).await;
+    let a = start(network, test, "a", None, resync_bytes_per_second).await;
+    let join = Some(a.address.clone());
+    let b = start(network, test, "b", join.clone(), resync_bytes_per_second).await;
+    let c = start(network, test, "c", join, resync_bytes_per_second).await;
     let nodes = vec![a, b, c];
     wait_for("three voters on every node", || {
         nodes.iter().all(|n| {
@@ -592,6 +669,27 @@ async fn flushed_writes_survive_lossy_links_cuts_and_a_lost_primary_at_r3() {
     }
 }
 
+/// The volume's minimum in sync at `replicas` replicas (1 at R=2, 2 at R=3).
+fn minimum(replicas: u8) -> usize {
+    if replicas >= 3 {
+        2
+    } else {
+        1
+    }
+}
+
+/// Whether Raft lists fewer replicas in sync than the minimum (writes and FLUSHes fail then).
+fn below_minimum(node: &TestNode, replicas: u8) -> bool {
+    in_sync(node, "v").len() < minimum(replicas)
+}
+
+async fn wait_for_minimum(node: &TestNode, replicas: u8) {
+    wait_for("the minimum in sync again", || {
+        !below_minimum(node, replicas)
+    })
+    .await;
+}
+
 /// Seeds 1 to `count`, or the one in `KEEL_TEST_SEED`.
 fn seeds(count: u64) -> Vec<u64> {
     match std::env::var("KEEL_TEST_SEED") {
@@ -606,10 +704,16 @@ async fn lossy_run(seed: u64, replicas: u8) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let network = LocalNetwork::new();
     let test = format!("lossy-r{replicas}-{seed}");
-    let (nodes, primary, replica) = replicated_volume(&network, &test, UNITS, replicas).await;
+    let (nodes, primary, replica) = replicated_volume(&network, &test, UNITS, replicas, None).await;
     let ids: Vec<NodeId> = nodes.iter().map(|n| n.cluster.node_id()).collect();
     let replica_id = nodes[replica].cluster.node_id();
     let volume = open_when_possible(&nodes[primary]).await;
+    // The attach returns with the minimum in sync; the workload cuts one replica off and
+    // expects the others to carry on (at R=3, the second replica must have joined).
+    wait_for("every replica in sync", || {
+        in_sync(&nodes[primary], "v").len() == usize::from(replicas)
+    })
+    .await;
 
     // Per unit: the value a successful FLUSH made durable, and the values written since.
     let mut flushed: Vec<Option<u8>> = vec![None; UNITS as usize];
@@ -631,6 +735,10 @@ async fn lossy_run(seed: u64, replicas: u8) {
             // A write that failed may still have reached the copies: it counts as written.
             since_flush[unit as usize].push(value);
             if written.is_err() {
+                if below_minimum(&nodes[primary], replicas) {
+                    wait_for_minimum(&nodes[primary], replicas).await;
+                    continue;
+                }
                 break;
             }
             current[unit as usize] = Some(value);
@@ -680,6 +788,12 @@ async fn lossy_run(seed: u64, replicas: u8) {
                 }
                 Err(_) => {
                     failed_flushes += 1;
+                    // The other replica was dropped too (a lost message): FLUSHes fail, as the
+                    // minimum asks, until it is back.
+                    if below_minimum(&nodes[primary], replicas) {
+                        wait_for_minimum(&nodes[primary], replicas).await;
+                        continue;
+                    }
                     break;
                 }
             }
