@@ -88,7 +88,7 @@ pub enum VolumeError {
     Deleted { volume: String },
 
     #[error(
-        "volume {volume:?} is not hosted on this node; its primary is node {node} ({address})"
+        "volume {volume:?} is not served by this node; its primary is node {node} ({address})"
     )]
     Elsewhere {
         volume: String,
