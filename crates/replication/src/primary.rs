@@ -1404,13 +1404,8 @@ impl Primary {
         if let Err(MetadataError::Refused(refusal)) = &outcome {
             let epoch = self.state().epoch;
             let moved_on = self
-                .shared
-                .metadata
-                .catalog()
-                .read()
-                .volumes
-                .get(&self.volume_id)
-                .is_none_or(|entry| entry.record.replication.epoch != epoch);
+                .catalog_replication()
+                .is_none_or(|recorded| recorded.epoch != epoch);
             if moved_on {
                 self.close(format!("its replication changed elsewhere: {refusal}"));
             }
@@ -1447,17 +1442,9 @@ impl Primary {
             };
             (state.epoch, in_sync)
         };
-        let command = Command::VolumeSetReplication {
-            volume_id: self.volume_id,
-            epoch,
-            primary: self.shared.local_node,
-            in_sync: in_sync.iter().copied().collect(),
-        };
-        match self.propose(command).await {
+        match self.propose(self.in_sync_command(epoch, &in_sync)).await {
             Ok(()) => {
-                let mut state = self.state();
-                state.epoch = epoch + 1;
-                state.in_sync = in_sync;
+                self.recorded(epoch + 1, in_sync);
                 Ok(())
             }
             Err(MetadataError::Timeout { detail }) => {
@@ -1466,6 +1453,30 @@ impl Primary {
             }
             Err(error) => Err(error.to_string()),
         }
+    }
+
+    /// The volume's replication as this node's catalog shows it (`None`: deleted).
+    fn catalog_replication(&self) -> Option<keel_catalog::Replication> {
+        let catalog = self.shared.metadata.catalog().read();
+        let entry = catalog.volumes.get(&self.volume_id)?;
+        Some(entry.record.replication.clone())
+    }
+
+    /// The change of this primary's in-sync set to `in_sync`, made against `epoch`.
+    fn in_sync_command(&self, epoch: u64, in_sync: &BTreeSet<NodeId>) -> Command {
+        Command::VolumeSetReplication {
+            volume_id: self.volume_id,
+            epoch,
+            primary: self.shared.local_node,
+            in_sync: in_sync.iter().copied().collect(),
+        }
+    }
+
+    /// Takes `epoch` and `in_sync` as Raft recorded them.
+    fn recorded(&self, epoch: u64, in_sync: BTreeSet<NodeId>) {
+        let mut state = self.state();
+        state.epoch = epoch;
+        state.in_sync = in_sync;
     }
 
     /// Settles an in-sync change made against `epoch` whose answer never came (it may have
@@ -1483,15 +1494,7 @@ impl Primary {
             if self.is_closed() {
                 return Err("this node stopped serving the volume".to_string());
             }
-            let recorded = self
-                .shared
-                .metadata
-                .catalog()
-                .read()
-                .volumes
-                .get(&self.volume_id)
-                .map(|entry| entry.record.replication.clone());
-            let Some(recorded) = recorded else {
+            let Some(recorded) = self.catalog_replication() else {
                 self.close("the volume was deleted".to_string());
                 return Err("the volume was deleted".to_string());
             };
@@ -1524,10 +1527,7 @@ impl Primary {
                     return Err(why);
                 }
                 let made = set == proposed;
-                let mut state = self.state();
-                state.epoch = epoch + 1;
-                state.in_sync = set;
-                drop(state);
+                self.recorded(epoch + 1, set);
                 tracing::info!(volume = %self.name, epoch = epoch + 1, made, "the unanswered in-sync change is settled");
                 return if made {
                     Ok(())
@@ -1536,18 +1536,9 @@ impl Primary {
                 };
             }
             // Not seen here: the same set as before, against the same epoch.
-            let keep = Command::VolumeSetReplication {
-                volume_id: self.volume_id,
-                epoch,
-                primary: self.shared.local_node,
-                in_sync: kept.iter().copied().collect(),
-            };
-            match self.propose_raw(keep).await {
+            match self.propose_raw(self.in_sync_command(epoch, &kept)).await {
                 Ok(()) => {
-                    let mut state = self.state();
-                    state.epoch = epoch + 1;
-                    state.in_sync = kept;
-                    drop(state);
+                    self.recorded(epoch + 1, kept);
                     tracing::info!(volume = %self.name, epoch = epoch + 1, "the unanswered in-sync change is settled: not made");
                     return Err("the in-sync change was not made".to_string());
                 }

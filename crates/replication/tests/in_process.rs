@@ -372,37 +372,8 @@ async fn an_r2_volume_keeps_every_flushed_write_through_a_partition_and_a_lost_p
         "the primary outlived its node's cluster"
     );
 
-    let replication = replica_node.replication.clone();
-    let deadline = tokio::time::Instant::now() + SETTLE;
-    let taken_over = loop {
-        let replication = replication.clone();
-        match blocking(move || replication.open("v")).await {
-            Ok(volume) => break volume,
-            Err(error) => {
-                assert!(
-                    tokio::time::Instant::now() < deadline,
-                    "no take-over: {error}"
-                );
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    };
-    let read = blocking(move || {
-        let mut rounds = Vec::new();
-        for round in 0..3u64 {
-            let mut buf = vec![0u8; 65536];
-            taken_over.read(round * 65536, &mut buf).unwrap();
-            rounds.push(buf);
-        }
-        rounds
-    })
-    .await;
-    for (round, data) in read.iter().enumerate() {
-        assert!(
-            *data == pattern(round as u8),
-            "round {round} was lost in the take-over"
-        );
-    }
+    let taken_over = open_when_possible(replica_node).await;
+    assert_rounds_kept(taken_over, 3).await;
     stop(&nodes.iter().collect::<Vec<_>>(), Some(primary_node)).await;
 }
 
@@ -426,16 +397,7 @@ async fn an_in_sync_change_whose_answer_is_lost_is_settled_before_a_flush_goes_o
         .iter()
         .find(|n| ![primary_id, replica_id].contains(&n.cluster.node_id()))
         .unwrap();
-    let leader = third.cluster.node_id();
-    primary_node
-        .cluster
-        .transfer_leadership(leader)
-        .await
-        .unwrap();
-    wait_for("the third node to lead everywhere", || {
-        nodes.iter().all(|n| n.cluster.leader() == Some(leader))
-    })
-    .await;
+    lead(&nodes, third.cluster.node_id()).await;
 
     let replication = primary_node.replication.clone();
     let volume = blocking(move || replication.open("v")).await.unwrap();
@@ -489,22 +451,7 @@ async fn an_in_sync_change_whose_answer_is_lost_is_settled_before_a_flush_goes_o
     network.close(&primary_node.address);
     primary_node.cluster.shutdown().await;
     let taken_over = open_when_possible(replica_node).await;
-    let read = blocking(move || {
-        (0..4u64)
-            .map(|round| {
-                let mut buf = vec![0u8; 65536];
-                taken_over.read(round * 65536, &mut buf).unwrap();
-                buf
-            })
-            .collect::<Vec<_>>()
-    })
-    .await;
-    for (round, data) in read.iter().enumerate() {
-        assert!(
-            *data == pattern(round as u8),
-            "round {round} was lost in the take-over"
-        );
-    }
+    assert_rounds_kept(taken_over, 4).await;
     stop(&nodes.iter().collect::<Vec<_>>(), Some(primary_node)).await;
 }
 
@@ -536,11 +483,7 @@ async fn a_replica_fences_an_old_primary_still_catching_it_up_after_a_take_over(
     );
     let node = |id: NodeId| nodes.iter().find(|n| n.cluster.node_id() == id).unwrap();
     let heir = node(heir_id);
-    old.cluster.transfer_leadership(heir_id).await.unwrap();
-    wait_for("the heir to lead everywhere", || {
-        nodes.iter().all(|n| n.cluster.leader() == Some(heir_id))
-    })
-    .await;
+    lead(&nodes, heir_id).await;
 
     let replication = old.replication.clone();
     let volume = blocking(move || replication.open("v")).await.unwrap();
@@ -625,6 +568,35 @@ async fn replicated_volume(
     };
     let (primary, replica) = (index_of(placed[0]), index_of(placed[1]));
     (nodes, primary, replica)
+}
+
+/// Makes node `id` the Raft leader, as every node sees it.
+async fn lead(nodes: &[TestNode], id: NodeId) {
+    nodes[0].cluster.transfer_leadership(id).await.unwrap();
+    wait_for("the chosen node to lead everywhere", || {
+        nodes.iter().all(|n| n.cluster.leader() == Some(id))
+    })
+    .await;
+}
+
+/// Reads the first `rounds` 64 KiB units of `volume`: unit `r` must hold `pattern(r)`.
+async fn assert_rounds_kept(volume: Arc<dyn VolumeIo>, rounds: u64) {
+    let read = blocking(move || {
+        (0..rounds)
+            .map(|round| {
+                let mut buf = vec![0u8; 65536];
+                volume.read(round * 65536, &mut buf).unwrap();
+                buf
+            })
+            .collect::<Vec<_>>()
+    })
+    .await;
+    for (round, data) in read.iter().enumerate() {
+        assert!(
+            *data == pattern(round as u8),
+            "round {round} was lost in the take-over"
+        );
+    }
 }
 
 /// Opens `v` through `node`, retrying while a take-over waits out the old primary's lease.
