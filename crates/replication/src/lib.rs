@@ -184,6 +184,16 @@ impl Shared {
         }
     }
 
+    /// Refuses (with the primary's address) a change of a replicated volume that another
+    /// node serves as primary; one with a single replica is its own node's to change.
+    fn refuse_if_served_elsewhere(&self, volume: &str, record: &VolumeRecord) -> VolumeResult<()> {
+        let replication = &record.replication;
+        if replication.replicas.len() > 1 && replication.primary != self.local_node {
+            return Err(self.elsewhere(volume, replication.primary));
+        }
+        Ok(())
+    }
+
     /// The generations a volume's view excludes now (rollbacks), if it exists.
     fn excluded(&self, name: &str) -> Option<Vec<(u64, u64)>> {
         let catalog = self.metadata.catalog().read();
@@ -491,12 +501,10 @@ impl Replication {
             .cloned();
         match served {
             Some(primary) => primary.quiesce(change),
-            None if record.replication.replicas.len() > 1
-                && record.replication.primary != self.shared.local_node =>
-            {
-                Err(self.shared.elsewhere(volume, record.replication.primary))
+            None => {
+                self.shared.refuse_if_served_elsewhere(volume, &record)?;
+                change()
             }
-            None => change(),
         }
     }
 
@@ -547,14 +555,10 @@ impl Replication {
     /// is its primary (answered with its address): only the primary's copy may take the
     /// stream. A volume that does not exist yet (a full stream creates it here) passes.
     pub fn check_receive_here(&self, volume: &str) -> VolumeResult<()> {
-        let Ok(record) = self.shared.volume_record(volume) else {
-            return Ok(());
-        };
-        let replication = &record.replication;
-        if replication.replicas.len() > 1 && replication.primary != self.shared.local_node {
-            return Err(self.shared.elsewhere(volume, replication.primary));
+        match self.shared.volume_record(volume) {
+            Ok(record) => self.shared.refuse_if_served_elsewhere(volume, &record),
+            Err(_) => Ok(()),
         }
-        Ok(())
     }
 
     /// Runs the last step of a stream received into `volume` on this node (a
