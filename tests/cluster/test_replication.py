@@ -35,9 +35,18 @@ CHUNK = 1 << 20
 UNIT = 64 << 10
 
 
-def two_nodes_and_witness(cluster):
-    first = cluster.add()
-    second = cluster.add()
+def cluster_config(workdir, name, settings):
+    """A configuration file for `keel server` whose [cluster] section holds `settings` (TOML
+    lines); the arguments that load it."""
+    config = workdir / f"{name}.toml"
+    config.write_text(f"[cluster]\n{settings}\n")
+    return ["--config", str(config)]
+
+
+def two_nodes_and_witness(cluster, extra_args=()):
+    """Two storage nodes started with `extra_args`, and a witness."""
+    first = cluster.add(extra_args=extra_args)
+    second = cluster.add(extra_args=extra_args)
     cluster.add(witness=True)
     wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
     return first, second
@@ -66,9 +75,7 @@ def attach(node, name, timeout=30):
 def pair_with_one_replica(cluster, workdir, settings, name, size=SIZE):
     """Node 1 with `settings` (TOML lines of its [cluster] section), node 2 and a witness; an
     R=1 volume `name` on node 1, attached there. Returns (node 1, node 2, the client)."""
-    config = workdir / f"{name}.toml"
-    config.write_text(f"[cluster]\n{settings}\n")
-    first = cluster.add(extra_args=["--config", str(config)])
+    first = cluster.add(extra_args=cluster_config(workdir, name, settings))
     second = cluster.add()
     cluster.add(witness=True)
     wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
@@ -805,8 +812,9 @@ def test_a_snapshot_incomplete_on_a_replica_is_never_served_or_rolled_back_there
     takes over and serves the rolled-back contents. The snapshot exported through node 2
     shows node 1's copy (node 2's own lacks it) while node 1 lives, and is refused, naming
     node 1, once node 1 is gone. (Rolled back in place, node 2 read zeroes: its copy of the
-    snapshot never had the data.)"""
-    first, second, client = pair_with_one_replica(cluster, workdir, "", "undo")
+    snapshot never had the data.) Snapshot repair is off here: it would make node 2's copy
+    complete."""
+    first, second, client = pair_with_one_replica(cluster, workdir, "snapshot_repair = false", "undo")
     original = {index: block("original", index) for index in range(128)}
     for index, data in original.items():
         client.write(index * BLOCK, data)
@@ -842,21 +850,114 @@ def test_a_snapshot_incomplete_on_a_replica_is_never_served_or_rolled_back_there
         assert "holding the snapshot whole" in str(refused) and "node 1" in str(refused), refused
 
 
+def test_a_snapshot_taken_while_a_replica_was_down_is_copied_to_it(cluster):
+    """Node 2, the replica of an R=2 volume whose 64 blocks are written, is killed -9. Half
+    the blocks are rewritten and a quarter trimmed, the volume is snapshotted (`gone`, which
+    says it is incomplete on node 2) and written again. Node 2 comes back, is caught up with the
+    current contents and rejoins the in-sync set; then node 1 copies the snapshot's data to it
+    and the snapshot becomes complete there. Node 1 is killed -9: node 2 exports the snapshot
+    with exactly its data (the trimmed blocks read as zeroes, not as node 2's older copy),
+    rolls the volume back onto it, and serves the rolled-back contents."""
+    first, second = two_nodes_and_witness(cluster)
+    create_r2(first, "away")
+    client = attach(first, "away")
+    wait_until("both replicas in sync", lambda: sorted(replication(first, "away")["in_sync"]) == [1, 2])
+    for index in range(64):
+        client.write(index * BLOCK, block("one", index))
+    client.flush()
+    second.kill9()
+    for index in range(32):
+        client.write(index * BLOCK, block("two", index))
+    client.trim(32 * BLOCK, 16 * BLOCK)
+    client.flush()
+    assert sorted(replication(first, "away")["in_sync"]) == [1], "a FLUSH completed with node 2 counted"
+    code, answer = first.api("POST", "/api/v1/volumes/away/snapshots", {"name": "gone"})
+    assert code == 200, answer
+    code, snapshots = first.api("GET", "/api/v1/volumes/away/snapshots")
+    assert code == 200 and [s["incomplete_on"] for s in snapshots] == [[2]], snapshots
+    for index in range(16):
+        client.write(index * BLOCK, block("three", index))
+    client.flush()
+    second.start()
+    wait_until("node 2 back in sync", lambda: sorted(replication(first, "away")["in_sync"]) == [1, 2], timeout=60)
+    wait_until("the snapshot complete on node 2", lambda: first.api(
+        "GET", "/api/v1/volumes/away/snapshots")[1][0]["incomplete_on"] == [], timeout=60)
+    client.close()
+    first.kill9()
+
+    snapshot = ["two"] * 32 + [None] * 16 + ["one"] * 16
+    exported = wait_until("node 2 exporting the snapshot",
+                          lambda: Client(second.host, second.nbd_port, "away@gone", timeout=30),
+                          timeout=60, interval=0.2)
+    for index, tag in enumerate(snapshot):
+        expected = bytes(BLOCK) if tag is None else block(tag, index)
+        assert exported.read(index * BLOCK, BLOCK) == expected, f"snapshot block {index} on node 2"
+    exported.close()
+    current = attach(second, "away", timeout=60)
+    assert current.read(0, BLOCK) == block("three", 0), "node 2 lost a flushed write"
+    current.close()
+    code, answer = second.api("POST", "/api/v1/volumes/away/snapshots/gone/rollback")
+    assert code == 200, answer
+    rolled_back = attach(second, "away", timeout=60)
+    for index, tag in enumerate(snapshot):
+        expected = bytes(BLOCK) if tag is None else block(tag, index)
+        assert rolled_back.read(index * BLOCK, BLOCK) == expected, f"rolled-back block {index} on node 2"
+
+
+def test_a_new_primary_lacking_a_snapshot_copies_it_from_the_old_one(cluster, workdir):
+    """An R=1 volume on node 1 (snapshot repair off there) is written and snapshotted, then
+    raised to R=2: node 2's copy of the snapshot lacks its data. Node 1 is killed -9 and node 2
+    takes the volume over; node 1 comes back and is caught up by node 2. Node 2, the primary,
+    then copies the snapshot's data from node 1 into its own copy (the snapshot becomes
+    complete there), so once node 1 is killed again node 2 still exports the snapshot, from its
+    own copy, with exactly its data."""
+    first, second, client = pair_with_one_replica(cluster, workdir, "snapshot_repair = false", "heal")
+    for index in range(64):
+        client.write(index * BLOCK, block("kept", index))
+    client.flush()
+    code, answer = first.api("POST", "/api/v1/volumes/heal/snapshots", {"name": "old"})
+    assert code == 200, answer
+    for index in range(32):
+        client.write(index * BLOCK, block("newer", index))
+    client.flush()
+    first.cli("volume", "set-replication", "heal", "--replicas", "2")
+    wait_until("node 2 in sync", lambda: sorted(replication(first, "heal")["in_sync"]) == [1, 2], timeout=60)
+    client.close()
+    first.kill9()
+    other = attach(second, "heal", timeout=60)
+    code, snapshots = second.api("GET", "/api/v1/volumes/heal/snapshots")
+    assert code == 200 and [s["incomplete_on"] for s in snapshots] == [[2]], snapshots
+    first.start()
+    wait_until("node 1 caught up by node 2", lambda: sorted(replication(second, "heal")["in_sync"]) == [1, 2],
+               timeout=60)
+    wait_until("the snapshot complete on node 2", lambda: second.api(
+        "GET", "/api/v1/volumes/heal/snapshots")[1][0]["incomplete_on"] == [], timeout=60)
+    other.close()
+    first.kill9()
+    exported = Client(second.host, second.nbd_port, "heal@old", timeout=30)
+    for index in range(64):
+        assert exported.read(index * BLOCK, BLOCK) == block("kept", index), f"snapshot block {index} on node 2"
+
+
 def keel_binary(node, *args, stdin=None):
     """`keel ARGS` against `node`, with binary standard input and output."""
     cmd = [KEEL_BIN, *args, "--admin", node.admin, "--token-dir", str(node.dir)]
     return subprocess.run(cmd, input=stdin, capture_output=True, env=node.env, timeout=120)
 
 
-def test_a_stream_received_into_a_replicated_volume_reaches_its_replicas(cluster):
+@pytest.mark.parametrize("repair", [False, True], ids=["repair-off", "repair-on"])
+def test_a_stream_received_into_a_replicated_volume_reaches_its_replicas(cluster, workdir, repair):
     """A full stream received on node 1 makes volume `dst`, raised to R=2; an incremental stream
     (32 of its 64 blocks rewritten) is refused through node 2 with the primary's address, then
     received through node 1, the primary. Its blocks were written on node 1 only: node 2 is
     taken out of the in-sync set while the volume switches to them, caught up, and back in
     sync; the received snapshot says it is incomplete on node 2. Node 1 is then killed and the
-    volume, attached through node 2, holds the stream's contents; a stream based on a snapshot
-    node 2 never had the data of is refused there."""
-    first, second = two_nodes_and_witness(cluster)
+    volume, attached through node 2, holds the stream's contents. With snapshot repair off, a
+    stream based on a snapshot node 2 never had the data of is refused there. With it on, node
+    1 copies both snapshots' data to node 2 first (they become complete there): node 2 then
+    exports both with their data and receives that stream."""
+    first, second = two_nodes_and_witness(
+        cluster, cluster_config(workdir, "nodes", f"snapshot_repair = {'true' if repair else 'false'}"))
     code, created = first.api("POST", "/api/v1/volumes", {"name": "src", "size_bytes": SIZE}, timeout=30)
     assert code == 200, created
     client = attach(first, "src")
@@ -896,17 +997,38 @@ def test_a_stream_received_into_a_replicated_volume_reaches_its_replicas(cluster
     code, snapshots = first.api("GET", "/api/v1/volumes/dst/snapshots")
     assert code == 200, snapshots
     two = [snapshot for snapshot in snapshots if snapshot["name"] == "two"]
-    assert two and two[0]["incomplete_on"] == [2], snapshots
+    assert two and two[0]["incomplete_on"] in ([2], []), snapshots
+    if repair:
+        wait_until("both snapshots complete on node 2", lambda: all(
+            not snapshot["incomplete_on"] for snapshot in first.api("GET", "/api/v1/volumes/dst/snapshots")[1]),
+            timeout=60)
+    else:
+        assert two[0]["incomplete_on"] == [2], snapshots
 
     first.kill9()
     other = attach(second, "dst", timeout=60)
     for index in range(64):
         expected = block("two" if index < 32 else "one", index)
         assert other.read(index * BLOCK, BLOCK) == expected, f"block {index} is not the stream's on node 2"
-    # Node 2, now primary, never had snapshot `one`'s data (it joined after): a stream based on
-    # it is refused there rather than received onto holes.
-    refused = keel_binary(second, "snapshot", "receive", "dst", stdin=onto_one.stdout)
-    assert refused.returncode != 0 and b"incomplete on this node" in refused.stderr, refused.stderr
+    other.close()
+    if not repair:
+        # Node 2, now primary, never had snapshot `one`'s data (it joined after): a stream
+        # based on it is refused there rather than received onto holes.
+        refused = keel_binary(second, "snapshot", "receive", "dst", stdin=onto_one.stdout)
+        assert refused.returncode != 0 and b"incomplete on this node" in refused.stderr, refused.stderr
+        return
+    # Node 2's own copies of `one` and `two` now hold their data.
+    for name, tags in (("one", ["one"] * 64), ("two", ["two"] * 32 + ["one"] * 32)):
+        exported = Client(second.host, second.nbd_port, f"dst@{name}", timeout=30)
+        for index, tag in enumerate(tags):
+            assert exported.read(index * BLOCK, BLOCK) == block(tag, index), f"dst@{name} block {index} on node 2"
+        exported.close()
+    received = keel_binary(second, "snapshot", "receive", "dst", stdin=onto_one.stdout)
+    assert received.returncode == 0, received.stderr
+    after = attach(second, "dst", timeout=60)
+    for index in range(64):
+        expected = block("three" if index == 0 else "two" if index < 32 else "one", index)
+        assert after.read(index * BLOCK, BLOCK) == expected, f"block {index} is not src@three's on node 2"
 
 
 def test_limits_resize_and_clones_work_on_a_replicated_volume(cluster):

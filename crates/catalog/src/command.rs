@@ -257,6 +257,26 @@ pub enum Command {
         compression_code: u8,
         created_unix_ms: i64,
     },
+
+    // ---- snapshot repair (appended) ----
+    /// Starts copying the snapshot at `snapshot_generation` to `node`, whose copy of it is
+    /// incomplete: reserves a generation of the volume for the blocks that differ
+    /// ([`Outcome::Reserved`], its `base_generation` the snapshot's), excluded from every
+    /// view until [`Command::SnapshotRepairEnd`]. A repair already under way for `node` answers
+    /// its generation again, so an interrupted repair resumes.
+    SnapshotRepairBegin {
+        volume_id: u64,
+        snapshot_generation: u64,
+        node: NodeId,
+    },
+    /// `node` holds every block of the snapshot that differed, durably, in `generation`: it
+    /// joins the snapshot's view and the copy on `node` is complete.
+    SnapshotRepairEnd {
+        volume_id: u64,
+        snapshot_generation: u64,
+        node: NodeId,
+        generation: u64,
+    },
 }
 
 impl Command {
@@ -298,6 +318,8 @@ impl Command {
             Command::BucketSetObjectLock { .. } => "bucket-set-object-lock",
             Command::BucketCreateLocked { .. } => "bucket-create-locked",
             Command::BucketSetPolicy { .. } => "bucket-set-policy",
+            Command::SnapshotRepairBegin { .. } => "snapshot-repair-begin",
+            Command::SnapshotRepairEnd { .. } => "snapshot-repair-end",
         }
     }
 }
@@ -315,7 +337,8 @@ pub enum Outcome {
         volume_id: u64,
         generation: u64,
     },
-    /// Where an incremental receive writes, and the base it builds on.
+    /// Where an incremental receive (or a snapshot repair) writes, and the snapshot it builds
+    /// on (repairs).
     Reserved {
         volume_id: u64,
         generation: u64,

@@ -26,8 +26,8 @@ pub use command::{Command, Event, NodeSpec, Outcome, VolumeSettings};
 pub use records::{
     default_in_sync_min, BucketRecord, BucketSettings, ClusterRecord, CorsRule, DefaultRetention,
     DeviceRecord, KeyRecord, LifecycleRule, LockMode, NodeAddresses, NodeRecord, NodeRole,
-    NodeState, ObjectLock, Origin, Replication, SnapshotRecord, Versioning, VolumeRecord,
-    VolumeStatus, REPLICAS_MAX, SNAPSHOT_RECORD_FORMAT,
+    NodeState, ObjectLock, Origin, Replication, SnapshotRecord, SnapshotRepair, Versioning,
+    VolumeRecord, VolumeStatus, REPLICAS_MAX, SNAPSHOT_RECORD_FORMAT,
 };
 pub use state::{CatalogState, Change, Plan, VolumeEntry};
 

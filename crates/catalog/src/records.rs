@@ -236,9 +236,21 @@ pub struct VolumeRecord {
     pub replication: Replication,
 }
 
-/// Snapshot records since they name the nodes whose copy of the snapshot is incomplete; the
-/// formats before it (1 and 2) end at `created_unix_seconds` and read as complete everywhere.
-pub const SNAPSHOT_RECORD_FORMAT: u8 = 3;
+/// Snapshot records since they list the copies being repaired ([`SnapshotRepair`]). Format 3
+/// ends at `incomplete_on` (no repairs); formats 1 and 2 end at `created_unix_seconds` and read
+/// as complete everywhere.
+pub const SNAPSHOT_RECORD_FORMAT: u8 = 4;
+/// The first snapshot record format that names the nodes whose copy is incomplete.
+const SNAPSHOT_RECORD_FORMAT_INCOMPLETE: u8 = 3;
+
+/// A snapshot's data being copied to a node whose copy lacks it: the blocks that differ land
+/// in `generation`, reserved for it (every other view excludes it; the garbage collector
+/// leaves it alone), which joins the snapshot's view once the copy is complete.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotRepair {
+    pub node: NodeId,
+    pub generation: u64,
+}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SnapshotRecord {
@@ -255,8 +267,10 @@ pub struct SnapshotRecord {
     /// or down) when it was taken, or placed on their node after it. A resync compares and
     /// copies the volume's current contents only, so on these nodes the snapshot's older
     /// generations may not hold what the primary's did: they neither serve it nor roll back
-    /// onto it.
+    /// onto it, until their copy is repaired.
     pub incomplete_on: Vec<NodeId>,
+    /// Copies of this snapshot being repaired, one per node of `incomplete_on` at most.
+    pub repairs: Vec<SnapshotRepair>,
 }
 
 impl SnapshotRecord {
@@ -264,14 +278,31 @@ impl SnapshotRecord {
     pub fn complete_on(&self, node: NodeId) -> bool {
         !self.incomplete_on.contains(&node)
     }
+
+    /// The generation reserved for repairing `node`'s copy, if a repair is under way.
+    pub fn repair_of(&self, node: NodeId) -> Option<u64> {
+        self.repairs
+            .iter()
+            .find(|repair| repair.node == node)
+            .map(|repair| repair.generation)
+    }
+
+    /// The view `node`'s copy is compared and repaired through: the snapshot's view, and the
+    /// generation reserved for `node`'s repair (no other node holds extents in it).
+    pub fn repair_view(&self, generation: u64) -> Vec<Layer> {
+        let mut view = self.view.clone();
+        view[0].include(generation);
+        view
+    }
 }
 
 /// Postcard encodes a struct as its fields in order, so this is the derived encoding of the
-/// fields, then `incomplete_on` (always written, in format [`SNAPSHOT_RECORD_FORMAT`]).
+/// fields, then `incomplete_on` and `repairs` (always written, in format
+/// [`SNAPSHOT_RECORD_FORMAT`]).
 impl Serialize for SnapshotRecord {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeTuple;
-        let mut tuple = serializer.serialize_tuple(9)?;
+        let mut tuple = serializer.serialize_tuple(10)?;
         tuple.serialize_element(&SNAPSHOT_RECORD_FORMAT)?;
         tuple.serialize_element(&self.volume_id)?;
         tuple.serialize_element(&self.name)?;
@@ -281,6 +312,7 @@ impl Serialize for SnapshotRecord {
         tuple.serialize_element(&self.view)?;
         tuple.serialize_element(&self.created_unix_seconds)?;
         tuple.serialize_element(&self.incomplete_on)?;
+        tuple.serialize_element(&self.repairs)?;
         tuple.end()
     }
 }
@@ -304,7 +336,7 @@ impl<'de> Deserialize<'de> for SnapshotRecord {
                     index: usize,
                 ) -> Result<T, A::Error> {
                     seq.next_element()?
-                        .ok_or_else(|| serde::de::Error::invalid_length(index, &"9 fields"))
+                        .ok_or_else(|| serde::de::Error::invalid_length(index, &"10 fields"))
                 }
                 let format: u8 = field(&mut seq, 0)?;
                 let volume_id = field(&mut seq, 1)?;
@@ -314,8 +346,13 @@ impl<'de> Deserialize<'de> for SnapshotRecord {
                 let size_bytes = field(&mut seq, 5)?;
                 let view = field(&mut seq, 6)?;
                 let created_unix_seconds = field(&mut seq, 7)?;
-                let incomplete_on = if format >= SNAPSHOT_RECORD_FORMAT {
+                let incomplete_on = if format >= SNAPSHOT_RECORD_FORMAT_INCOMPLETE {
                     field(&mut seq, 8)?
+                } else {
+                    Vec::new()
+                };
+                let repairs = if format >= SNAPSHOT_RECORD_FORMAT {
+                    field(&mut seq, 9)?
                 } else {
                     Vec::new()
                 };
@@ -329,10 +366,11 @@ impl<'de> Deserialize<'de> for SnapshotRecord {
                     view,
                     created_unix_seconds,
                     incomplete_on,
+                    repairs,
                 })
             }
         }
-        deserializer.deserialize_tuple(9, Fields)
+        deserializer.deserialize_tuple(10, Fields)
     }
 }
 
@@ -767,6 +805,13 @@ mod tests {
         created_unix_seconds: u64,
     }
 
+    /// A snapshot record as format 3 wrote it: `incomplete_on`, no repairs.
+    #[derive(Serialize)]
+    struct SnapshotFormat3 {
+        old: SnapshotBeforeFormat3,
+        incomplete_on: Vec<NodeId>,
+    }
+
     // Proves records written before `incomplete_on` still decode (complete everywhere),
     // alone and inside a larger encoding (a Raft snapshot of the catalog holds them in maps:
     // the next field must still line up), and that the new format round-trips.
@@ -792,6 +837,7 @@ mod tests {
             view: vec![Layer::new(7, 4)],
             created_unix_seconds: 99,
             incomplete_on: Vec::new(),
+            repairs: Vec::new(),
         };
         let decoded: SnapshotRecord =
             decode_plain(b"k", &postcard::to_allocvec(&old).expect("encodes")).expect("decodes");
@@ -801,8 +847,31 @@ mod tests {
                 .expect("decodes");
         assert_eq!(nested, (expected.clone(), 12345));
 
+        // Format 3: `incomplete_on`, no repairs.
+        let third = SnapshotFormat3 {
+            old: SnapshotBeforeFormat3 { format: 3, ..old },
+            incomplete_on: vec![2],
+        };
+        let nested: (SnapshotRecord, u64) =
+            postcard::from_bytes(&postcard::to_allocvec(&(&third, 77u64)).expect("encodes"))
+                .expect("decodes");
+        assert_eq!(
+            nested,
+            (
+                SnapshotRecord {
+                    incomplete_on: vec![2],
+                    ..expected.clone()
+                },
+                77
+            )
+        );
+
         let new = SnapshotRecord {
             incomplete_on: vec![2, 3],
+            repairs: vec![SnapshotRepair {
+                node: 3,
+                generation: 9,
+            }],
             ..expected
         };
         let round: (SnapshotRecord, u64) =
@@ -810,6 +879,7 @@ mod tests {
                 .expect("decodes");
         assert_eq!(round, (new.clone(), 6));
         assert!(new.complete_on(1) && !new.complete_on(2));
+        assert_eq!((new.repair_of(3), new.repair_of(2)), (Some(9), None));
         assert!(decode_plain::<SnapshotRecord>(b"k", &encode_plain(&new)[..20]).is_err());
     }
 

@@ -195,16 +195,12 @@ fn hex(bytes: &[u8]) -> String {
 
 /// Points `record`'s current view at a frozen view (rollback, receive): a fresh generation on
 /// top of it, skipping every own generation written after it.
-fn rebase_onto(
-    record: &mut VolumeRecord,
-    frozen_view: &[Layer],
-    frozen_generation: u64,
-    size_bytes: u64,
-) {
+fn rebase_onto(record: &mut VolumeRecord, frozen_view: &[Layer], size_bytes: u64) {
     let next = record.generation_next;
     let mut view = frozen_view.to_vec();
-    view[0].generation_max = next;
-    view[0].exclude(frozen_generation + 1, next - 1);
+    // Everything the frozen view did not show stays hidden (a repaired snapshot's view shows
+    // a generation above its own).
+    view[0].include(next);
     record.view = view;
     record.generation = next;
     record.generation_next = next + 1;
@@ -654,12 +650,7 @@ impl CatalogState {
                     });
                 }
                 let mut record = entry.record.clone();
-                rebase_onto(
-                    &mut record,
-                    &target.view,
-                    target.generation,
-                    target.size_bytes,
-                );
+                rebase_onto(&mut record, &target.view, target.size_bytes);
                 let volume_id = record.id;
                 Ok(Plan::new(Outcome::Done)
                     .change(Change::PutVolume(record))
@@ -689,6 +680,17 @@ impl CatalogState {
                 *size_bytes,
                 *created_unix_seconds,
             ),
+            Command::SnapshotRepairBegin {
+                volume_id,
+                snapshot_generation,
+                node,
+            } => self.plan_repair_begin(*volume_id, *snapshot_generation, *node),
+            Command::SnapshotRepairEnd {
+                volume_id,
+                snapshot_generation,
+                node,
+                generation,
+            } => self.plan_repair_end(*volume_id, *snapshot_generation, *node, *generation),
             Command::ReceiveAbandon {
                 volume_id,
                 generation,
@@ -1610,6 +1612,7 @@ impl CatalogState {
                 .copied()
                 .filter(|node| !replication.in_sync.contains(node))
                 .collect(),
+            repairs: Vec::new(),
         };
         let next = record.generation_next;
         record.generation = next;
@@ -1623,6 +1626,97 @@ impl CatalogState {
         .change(Change::PutSnapshot(frozen))
         .change(Change::PutVolume(record))
         .event(Event::VolumeChanged { volume_id }))
+    }
+
+    /// The snapshot at `generation` of volume `volume_id`, with its volume's record.
+    fn snapshot_at(
+        &self,
+        volume_id: u64,
+        generation: u64,
+    ) -> Result<(&VolumeRecord, &SnapshotRecord), CatalogError> {
+        let entry = self
+            .volumes
+            .get(&volume_id)
+            .ok_or_else(|| CatalogError::Invalid {
+                subject: format!("volume id {volume_id}"),
+                detail: "no such volume".to_string(),
+            })?;
+        let snapshot =
+            entry
+                .snapshots
+                .get(&generation)
+                .ok_or_else(|| CatalogError::SnapshotNotFound {
+                    volume: entry.record.name.clone(),
+                    snapshot: format!("(generation {generation})"),
+                })?;
+        Ok((&entry.record, snapshot))
+    }
+
+    fn plan_repair_begin(
+        &self,
+        volume_id: u64,
+        snapshot_generation: u64,
+        node: NodeId,
+    ) -> Result<Plan, CatalogError> {
+        let (record, snapshot) = self.snapshot_at(volume_id, snapshot_generation)?;
+        let reserved = |generation| Outcome::Reserved {
+            volume_id,
+            generation,
+            base_generation: snapshot_generation,
+        };
+        if let Some(generation) = snapshot.repair_of(node) {
+            return Ok(Plan::new(reserved(generation)));
+        }
+        let invalid = |detail: String| CatalogError::Invalid {
+            subject: format!("snapshot {:?} of volume {:?}", snapshot.name, record.name),
+            detail,
+        };
+        if !record.replication.hosts(node) {
+            return Err(invalid(format!("node {node} holds no replica")));
+        }
+        if snapshot.complete_on(node) {
+            return Err(invalid(format!("node {node}'s copy is complete")));
+        }
+        if record.status != VolumeStatus::Ready {
+            return Err(invalid("the volume is not ready".to_string()));
+        }
+        let mut record = record.clone();
+        let generation = record.generation_next;
+        record.generation_next += 1;
+        record.view[0].exclude(generation, generation);
+        let mut snapshot = snapshot.clone();
+        snapshot
+            .repairs
+            .push(records::SnapshotRepair { node, generation });
+        Ok(Plan::new(reserved(generation))
+            .change(Change::PutSnapshot(snapshot))
+            .change(Change::PutVolume(record))
+            .event(Event::VolumeChanged { volume_id }))
+    }
+
+    fn plan_repair_end(
+        &self,
+        volume_id: u64,
+        snapshot_generation: u64,
+        node: NodeId,
+        generation: u64,
+    ) -> Result<Plan, CatalogError> {
+        let (record, snapshot) = self.snapshot_at(volume_id, snapshot_generation)?;
+        if snapshot.repair_of(node) != Some(generation) {
+            return Err(CatalogError::Invalid {
+                subject: format!("snapshot {:?} of volume {:?}", snapshot.name, record.name),
+                detail: format!("no repair of node {node}'s copy into generation {generation}"),
+            });
+        }
+        let mut snapshot = snapshot.clone();
+        snapshot.view = snapshot.repair_view(generation);
+        snapshot.repairs.retain(|repair| repair.node != node);
+        snapshot
+            .incomplete_on
+            .retain(|incomplete| *incomplete != node);
+        Ok(Plan::new(Outcome::Done)
+            .change(Change::PutSnapshot(snapshot))
+            .event(Event::VolumeChanged { volume_id }))
     }
 
     fn plan_receive_reserve(
@@ -1724,8 +1818,7 @@ impl CatalogState {
                         }
                     })?;
                     let mut view = base.view.clone();
-                    view[0].generation_max = generation;
-                    view[0].exclude(base.generation + 1, generation - 1);
+                    view[0].include(generation);
                     if size_blocks < base.size_bytes / crate::BLOCK_SIZE_BYTES {
                         view[0].truncations.push(Truncation {
                             block_from: size_blocks,
@@ -1756,14 +1849,10 @@ impl CatalogState {
                 .copied()
                 .filter(|node| *node != entry.record.replication.primary)
                 .collect(),
+            repairs: Vec::new(),
         };
         let mut record = entry.record.clone();
-        rebase_onto(
-            &mut record,
-            &snapshot.view,
-            snapshot.generation,
-            snapshot.size_bytes,
-        );
+        rebase_onto(&mut record, &snapshot.view, snapshot.size_bytes);
         record.status = VolumeStatus::Ready;
         record.receiving_generation = None;
         Ok(Plan::new(Outcome::Snapshot {

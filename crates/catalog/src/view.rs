@@ -66,6 +66,32 @@ impl Layer {
         self.excluded = merged;
     }
 
+    /// Makes `generation` visible: above `generation_max`, raises it there and excludes the
+    /// generations in between (this layer saw none of them); otherwise takes it out of the
+    /// excluded ranges.
+    pub fn include(&mut self, generation: u64) {
+        if generation > self.generation_max {
+            let below = self.generation_max + 1;
+            self.generation_max = generation;
+            self.exclude(below, generation - 1);
+            return;
+        }
+        let mut kept = Vec::with_capacity(self.excluded.len() + 1);
+        for &(low, high) in &self.excluded {
+            if generation < low || generation > high {
+                kept.push((low, high));
+                continue;
+            }
+            if low < generation {
+                kept.push((low, generation - 1));
+            }
+            if generation < high {
+                kept.push((generation + 1, high));
+            }
+        }
+        self.excluded = kept;
+    }
+
     /// The excluded range holding `generation`, if any.
     pub fn excluded_range(&self, generation: u64) -> Option<(u64, u64)> {
         // Ranges are sorted and disjoint: the candidate is the last one starting at or below.
@@ -139,6 +165,28 @@ mod tests {
         assert_eq!(layer.excluded_range(13), None);
         assert_eq!(layer.excluded_range(31), Some((30, 31)));
         assert_eq!(layer.excluded_range(32), None);
+    }
+
+    // Proves including a generation raises the layer past it (hiding what lies between) or
+    // splits the excluded range holding it, and shows nothing else.
+    #[test]
+    fn include_shows_one_generation() {
+        let mut layer = Layer::new(1, 4);
+        layer.exclude(2, 2);
+        layer.include(9);
+        assert_eq!(layer.generation_max, 9);
+        assert_eq!(layer.excluded, vec![(2, 2), (5, 8)]);
+        layer.include(7);
+        assert_eq!(layer.excluded, vec![(2, 2), (5, 6), (8, 8)]);
+        layer.include(8);
+        layer.include(5);
+        assert_eq!(layer.excluded, vec![(2, 2), (6, 6)]);
+        layer.include(3); // already visible
+        assert_eq!(layer.excluded, vec![(2, 2), (6, 6)]);
+        let shown: Vec<u64> = (1..=10)
+            .filter(|&generation| layer.visible(0, &[generation]).is_some())
+            .collect();
+        assert_eq!(shown, vec![1, 3, 4, 5, 7, 8, 9]);
     }
 
     // Proves resolution skips excluded generations, honours truncations and falls through to

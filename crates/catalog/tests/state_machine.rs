@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use keel_catalog::{
     Catalog, CatalogState, Command, KeyRecord, LocalCatalog, Metadata, NodeAddresses, NodeRole,
-    NodeSpec, VolumeSettings, VolumeStatus,
+    NodeSpec, Outcome, VolumeSettings, VolumeStatus,
 };
 use keel_store::{Durability, Store, StoreConfig};
 use proptest::prelude::*;
@@ -110,6 +110,21 @@ fn command() -> impl Strategy<Value = Command> {
         }),
         (volume.clone(), snapshot.clone())
             .prop_map(|(volume, snapshot)| Command::SnapshotDelete { volume, snapshot }),
+        (0u64..6, 1u64..8, 1u64..4).prop_map(|(volume_id, snapshot_generation, node)| {
+            Command::SnapshotRepairBegin {
+                volume_id,
+                snapshot_generation,
+                node,
+            }
+        }),
+        (0u64..6, 1u64..8, 1u64..4, 1u64..12).prop_map(
+            |(volume_id, snapshot_generation, node, generation)| Command::SnapshotRepairEnd {
+                volume_id,
+                snapshot_generation,
+                node,
+                generation,
+            }
+        ),
         (volume.clone(), snapshot.clone())
             .prop_map(|(volume, snapshot)| Command::VolumeRollback { volume, snapshot }),
         (volume.clone(), snapshot.clone(), volume.clone()).prop_map(|(parent, snapshot, name)| {
@@ -274,6 +289,20 @@ fn check_invariants(state: &CatalogState) {
         assert!(record.generation < record.generation_next);
         for snapshot in entry.snapshots.values() {
             assert!(snapshot.generation < record.generation_next);
+            // A repair under way writes a generation no view shows.
+            for repair in &snapshot.repairs {
+                assert!(repair.generation < record.generation_next);
+                assert!(!snapshot.complete_on(repair.node));
+                let views = std::iter::once(&record.view)
+                    .chain(entry.snapshots.values().map(|snapshot| &snapshot.view));
+                for view in views {
+                    assert!(
+                        view[0].visible(0, &[repair.generation]).is_none(),
+                        "repair generation {} is shown by {view:?}",
+                        repair.generation
+                    );
+                }
+            }
         }
         if let Some(origin) = &record.origin {
             if record.status == VolumeStatus::Ready {
@@ -604,6 +633,145 @@ fn snapshots_know_where_their_data_is_incomplete() {
         record.snapshot_by_name("alone").unwrap().incomplete_on,
         vec![2, 3]
     );
+}
+
+// Proves a snapshot repair writes into a generation that no view shows (the volume's, later
+// snapshots', the snapshot's own) until it ends; that it resumes in the same generation; and
+// that once ended the snapshot's view, a rollback onto it, a clone of it and a stream received
+// on top of it all show the repaired generation, and nothing the snapshot did not show.
+#[test]
+fn a_snapshot_repair_is_shown_only_once_it_ends() {
+    let dir = store_dir("repair");
+    let catalog = LocalCatalog::open(open(&dir)).unwrap();
+    catalog.propose(second_node()).unwrap();
+    catalog.propose(third_node()).unwrap();
+    let id = create_r2(&catalog);
+    let snapshot = |name: &str, guid: u8| Command::SnapshotCreate {
+        volume: "r2".to_string(),
+        snapshot: name.to_string(),
+        guid: [guid; 16],
+        created_unix_seconds: 6,
+    };
+    catalog
+        .propose(Command::VolumeSetReplication {
+            volume_id: id,
+            epoch: 1,
+            primary: 1,
+            in_sync: vec![1],
+        })
+        .unwrap();
+    catalog.propose(snapshot("alone", 1)).unwrap();
+    let entry = || catalog.catalog().read().volume("r2").unwrap().clone();
+    let frozen = entry().snapshot_by_name("alone").unwrap().clone();
+    let shows = |view: &[keel_catalog::view::Layer], generation: u64| {
+        view[0].visible(0, &[generation]).is_some()
+    };
+    let begin = |node| Command::SnapshotRepairBegin {
+        volume_id: id,
+        snapshot_generation: frozen.generation,
+        node,
+    };
+    for (node, why) in [(1, "complete"), (3, "holds no replica")] {
+        let refused = catalog.propose(begin(node)).unwrap_err();
+        assert!(refused.to_string().contains(why), "{refused}");
+    }
+    let reserved = catalog.propose(begin(2)).unwrap();
+    let Outcome::Reserved { generation, .. } = reserved else {
+        panic!("{reserved:?}")
+    };
+    let live_generation = entry().record.generation;
+    assert!(generation > live_generation, "a fresh generation");
+    assert!(!shows(&entry().record.view, generation));
+    assert!(!shows(
+        &entry().snapshot_by_name("alone").unwrap().view,
+        generation
+    ));
+    assert_eq!(catalog.propose(begin(2)).unwrap(), reserved, "resumed");
+    // A snapshot taken meanwhile, and the volume after it, still skip the repair's generation.
+    catalog.propose(snapshot("later", 2)).unwrap();
+    assert!(entry().record.generation > generation);
+    assert!(!shows(&entry().record.view, generation));
+    assert!(!shows(
+        &entry().snapshot_by_name("later").unwrap().view,
+        generation
+    ));
+
+    let end = |generation| Command::SnapshotRepairEnd {
+        volume_id: id,
+        snapshot_generation: frozen.generation,
+        node: 2,
+        generation,
+    };
+    assert!(
+        catalog.propose(end(generation + 1)).is_err(),
+        "not its generation"
+    );
+    catalog.propose(end(generation)).unwrap();
+    assert!(catalog.propose(end(generation)).is_err(), "ended already");
+    let repaired = entry().snapshot_by_name("alone").unwrap().clone();
+    assert!(repaired.complete_on(2) && repaired.repairs.is_empty());
+    assert!(shows(&repaired.view, generation) && shows(&repaired.view, frozen.generation));
+    assert!(
+        !shows(&repaired.view, live_generation),
+        "written after the snapshot"
+    );
+    assert!(!shows(&entry().record.view, generation));
+
+    // A clone of it, a stream received on top of it and a rollback onto it show the repair.
+    catalog
+        .propose(Command::VolumeClone {
+            parent: "r2".to_string(),
+            snapshot: "alone".to_string(),
+            name: "copy".to_string(),
+            uuid: [9; 16],
+            created_unix_seconds: 7,
+        })
+        .unwrap();
+    let clone = catalog
+        .catalog()
+        .read()
+        .volume("copy")
+        .unwrap()
+        .record
+        .clone();
+    assert!(clone.view[1].visible(0, &[generation]).is_some());
+    let Outcome::Reserved {
+        generation: receiving,
+        ..
+    } = catalog
+        .propose(Command::ReceiveReserve {
+            volume: "r2".to_string(),
+            base_guid: [1; 16],
+            target_name: "received".to_string(),
+            target_guid: [3; 16],
+        })
+        .unwrap()
+    else {
+        panic!("no reservation")
+    };
+    catalog
+        .propose(Command::ReceivePublish {
+            volume_id: id,
+            generation: receiving,
+            base_generation: Some(frozen.generation),
+            target_name: "received".to_string(),
+            target_guid: [3; 16],
+            size_bytes: 1 << 20,
+            created_unix_seconds: 8,
+        })
+        .unwrap();
+    let received = entry().snapshot_by_name("received").unwrap().clone();
+    assert!(shows(&received.view, generation) && shows(&received.view, receiving));
+    assert!(!shows(&received.view, live_generation));
+    catalog
+        .propose(Command::VolumeRollback {
+            volume: "r2".to_string(),
+            snapshot: "alone".to_string(),
+        })
+        .unwrap();
+    let record = entry().record;
+    assert!(shows(&record.view, generation) && shows(&record.view, frozen.generation));
+    assert!(!shows(&record.view, live_generation) && !shows(&record.view, receiving));
 }
 
 // Proves new replicas go to the nodes that share the fewest failure-domain labels with the

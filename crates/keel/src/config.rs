@@ -125,6 +125,11 @@ pub struct ClusterSettings {
     /// does not take their latency with it; when they are idle it goes at full speed. Default
     /// 25; 100: never yields.
     pub resync_busy_percent: u8,
+    /// Whether a primary copies a snapshot's data to the in-sync replicas whose copy of it is
+    /// incomplete (out of sync when it was taken, placed after it, or not the node that
+    /// received its stream), paced as a resync. Default true; false leaves such copies
+    /// incomplete, served by the nodes that hold them whole.
+    pub snapshot_repair: bool,
     /// Enables `POST /api/v1/debug/faults` (dropping traffic to chosen nodes, for partition
     /// tests). Never on in production. Default false.
     pub debug_faults: bool,
@@ -148,6 +153,7 @@ impl Default for ClusterSettings {
             replica_move_after_ms: 300_000,
             resync_mib_per_second: 0,
             resync_busy_percent: 25,
+            snapshot_repair: true,
             debug_faults: false,
         }
     }

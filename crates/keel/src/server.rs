@@ -233,6 +233,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             resync_bytes_per_second: (config.cluster.resync_mib_per_second > 0)
                 .then_some(config.cluster.resync_mib_per_second << 20),
             resync_busy_percent: config.cluster.resync_busy_percent,
+            snapshot_repair: config.cluster.snapshot_repair,
         },
         ops.clone(),
     );
@@ -602,6 +603,28 @@ impl keel_replication::LocalVolumes for LocalVolumes {
         snapshot: &str,
     ) -> keel_namespace::volume::VolumeResult<Arc<dyn VolumeIo>> {
         self.volumes.open_snapshot(volume, snapshot)
+    }
+
+    fn open_snapshot_copy(
+        &self,
+        volume_id: u64,
+        generation: u64,
+        repair: Option<u64>,
+    ) -> keel_namespace::volume::VolumeResult<Arc<dyn VolumeIo>> {
+        self.volumes
+            .open_snapshot_copy(volume_id, generation, repair)
+    }
+
+    fn write_snapshot_repair(
+        &self,
+        volume_id: u64,
+        generation: u64,
+        repair: u64,
+        offset: u64,
+        data: &[u8],
+    ) -> keel_namespace::volume::VolumeResult<()> {
+        self.volumes
+            .write_snapshot_repair(volume_id, generation, repair, offset, data)
     }
 
     fn committed_sequence(&self) -> u64 {

@@ -72,6 +72,8 @@ fn registry() -> Registry {
         wire::CopyAnswer,
         wire::ChangedRequest,
         wire::ChangedAnswer,
+        wire::SnapshotRange,
+        wire::SnapshotRepairWrite,
         wire::ForwardOpen,
         wire::ForwardOpened,
         wire::ForwardRequest,

@@ -639,6 +639,37 @@ impl VolumeManager {
         Ok(handle)
     }
 
+    /// A read-only handle on this node's copy of the snapshot at `generation` of volume
+    /// `volume_id` (see [`Engine::open_snapshot_copy`]).
+    pub fn open_snapshot_copy(
+        &self,
+        volume_id: u64,
+        generation: u64,
+        repair: Option<u64>,
+    ) -> VolumeResult<Arc<dyn VolumeIo>> {
+        let handle = self
+            .engine
+            .open_snapshot_copy(volume_id, generation, repair)?
+            .ok_or_else(|| VolumeError::NotFound {
+                name: format!("(id {volume_id})"),
+            })?;
+        Ok(handle)
+    }
+
+    /// Writes blocks of a snapshot's repair into this node's copy, durably (see
+    /// [`Engine::write_snapshot_repair`]).
+    pub fn write_snapshot_repair(
+        &self,
+        volume_id: u64,
+        generation: u64,
+        repair: u64,
+        offset: u64,
+        data: &[u8],
+    ) -> VolumeResult<()> {
+        self.engine
+            .write_snapshot_repair(volume_id, generation, repair, offset, data)
+    }
+
     /// Deletes the volume's extents that no view needs any more (rollback leftovers, data
     /// of deleted snapshots, interrupted receives). Runs while I/O continues.
     pub fn collect_garbage(

@@ -41,7 +41,8 @@ use crate::replica::Replicas;
 use crate::wire::{
     ForwardClose, ForwardOpen, ForwardRequest, CODE_BAD_REQUEST, CODE_NOT_FOUND, CODE_REFUSED,
     CODE_SESSION_GONE, METHOD_CHANGED, METHOD_FORWARD_CLOSE, METHOD_FORWARD_IO,
-    METHOD_FORWARD_OPEN, METHOD_HASHES, METHOD_READ_COPY, METHOD_REPLICATE, METHOD_UNWRITTEN,
+    METHOD_FORWARD_OPEN, METHOD_HASHES, METHOD_READ_COPY, METHOD_REPLICATE, METHOD_SNAPSHOT_HASHES,
+    METHOD_SNAPSHOT_READ, METHOD_SNAPSHOT_REPAIR, METHOD_UNWRITTEN,
 };
 
 /// A primary serves only while it heard from the Raft leader within this.
@@ -74,6 +75,25 @@ pub trait LocalVolumes: Send + Sync + 'static {
     /// A read-only handle on this node's copy of `volume@snapshot` (refused when the copy does
     /// not hold the snapshot whole).
     fn open_local_snapshot(&self, volume: &str, snapshot: &str) -> VolumeResult<Arc<dyn VolumeIo>>;
+    /// A read-only handle on this node's copy of the snapshot at `generation` of volume
+    /// `volume_id`: with `repair`, through the generation reserved for repairing this copy
+    /// (whole or not); without, refused unless the copy holds the snapshot whole.
+    fn open_snapshot_copy(
+        &self,
+        volume_id: u64,
+        generation: u64,
+        repair: Option<u64>,
+    ) -> VolumeResult<Arc<dyn VolumeIo>>;
+    /// Writes whole blocks at `offset` into the generation `repair` reserved for repairing this
+    /// node's copy of the snapshot at `generation`; durable on return.
+    fn write_snapshot_repair(
+        &self,
+        volume_id: u64,
+        generation: u64,
+        repair: u64,
+        offset: u64,
+        data: &[u8],
+    ) -> VolumeResult<()>;
     /// Keeps `value` as the record `name` about this node's copy of volume `volume_id` (the
     /// store erases such records with the copy), replacing the one before. With `sync` it is
     /// durable on return; otherwise the store's next sync makes it durable, in order with
@@ -140,6 +160,9 @@ pub struct Settings {
     /// The share of the time (1 to 100 %) a resync works while clients are active on the
     /// primary's node or the replica's (any volume or bucket); 100: it never yields.
     pub resync_busy_percent: u8,
+    /// Whether primaries copy snapshots' data to the in-sync replicas whose copy lacks it
+    /// (paced as a resync); off, such copies stay incomplete and are served by the others.
+    pub snapshot_repair: bool,
 }
 
 /// What the primary side and the replica side share.
@@ -154,6 +177,7 @@ pub(crate) struct Shared {
     pub counters: Counters,
     pub resync_bytes_per_second: Option<u64>,
     pub resync_busy_percent: u8,
+    pub snapshot_repair: bool,
     /// Counts this node's client requests (every frontend): a resync yields while they come.
     pub activity: keel_ops::Ops,
     /// Per volume, what the clients forwarding through this node left unflushed.
@@ -381,6 +405,7 @@ impl Replication {
                 counters: Counters::default(),
                 resync_bytes_per_second: settings.resync_bytes_per_second,
                 resync_busy_percent: settings.resync_busy_percent,
+                snapshot_repair: settings.snapshot_repair,
                 activity,
                 forwarding: Mutex::new(HashMap::new()),
             }),
@@ -1047,6 +1072,21 @@ impl Replication {
                 let answer = replica::changed(shared, sender, request).map_err(refused)?;
                 encode(postcard::to_allocvec(&answer))
             }
+            METHOD_SNAPSHOT_HASHES => {
+                let request = decode(&payload)?;
+                let answer = replica::snapshot_hashes(shared, sender, request).map_err(refused)?;
+                encode(postcard::to_allocvec(&answer))
+            }
+            METHOD_SNAPSHOT_READ => {
+                let request = decode(&payload)?;
+                let answer = replica::snapshot_read(shared, sender, request).map_err(refused)?;
+                encode(postcard::to_allocvec(&answer))
+            }
+            METHOD_SNAPSHOT_REPAIR => {
+                let request = decode(&payload)?;
+                replica::snapshot_repair(shared, sender, request).map_err(refused)?;
+                Ok(Vec::new())
+            }
             METHOD_READ_COPY => {
                 let request = decode(&payload)?;
                 let answer = replica::read_copy(shared, sender, request).map_err(refused)?;
@@ -1133,7 +1173,8 @@ impl Replication {
     /// Replicated volumes that need a primary to restore their redundancy but that no client
     /// attached anywhere: this node serves them in the background, as an attach would.
     /// - Named primary here, not served here, with a replica out of sync or on a node that is
-    ///   gone (R raised, a replica lost, a node drained while nobody used the volume).
+    ///   gone (R raised, a replica lost, a node drained while nobody used the volume), or a
+    ///   snapshot copy to repair.
     /// - Primary on a node down (or removed) for `after`, this node the lowest in-sync replica
     ///   whose node is up: it takes the volume over (fenced by the epoch like any take-over).
     fn needing_a_primary(&self, after: Duration) -> Vec<String> {
@@ -1161,6 +1202,8 @@ impl Replication {
                 }
                 if replication.primary == local {
                     replication.in_sync.len() < replication.replicas.len()
+                        || (self.shared.snapshot_repair
+                            && snapshot_repair_due(&catalog, entry, local).is_some())
                         || replication
                             .replicas
                             .iter()
@@ -1181,8 +1224,50 @@ impl Replication {
     }
 }
 
-/// Each primary served here moves replicas off nodes that are gone, one at a time; a
-/// volume that needs a primary to get its replicas back and has none is served here first
+/// A snapshot copy due for a repair ([`primary`]'s `repair` module): the snapshot's
+/// generation, the replica whose copy lacks its data, and the node to copy it from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RepairDue {
+    pub generation: u64,
+    pub target: NodeId,
+    pub source: NodeId,
+}
+
+/// The first snapshot of a volume (oldest first) whose copy on an in-sync replica that is up
+/// is incomplete, while an in-sync node that is up holds it whole (`local` first).
+pub(crate) fn snapshot_repair_due(
+    catalog: &keel_catalog::CatalogState,
+    entry: &keel_catalog::VolumeEntry,
+    local: NodeId,
+) -> Option<RepairDue> {
+    let replication = &entry.record.replication;
+    let up = |node: &NodeId| {
+        catalog
+            .nodes
+            .get(node)
+            .is_some_and(|record| record.state == keel_catalog::NodeState::Up)
+    };
+    let ready: Vec<NodeId> = replication.in_sync.iter().copied().filter(up).collect();
+    entry.snapshots.values().find_map(|snapshot| {
+        let target = ready
+            .iter()
+            .copied()
+            .find(|node| !snapshot.complete_on(*node))?;
+        let source = std::iter::once(local)
+            .filter(|node| ready.contains(node))
+            .chain(ready.iter().copied())
+            .find(|node| snapshot.complete_on(*node))?;
+        Some(RepairDue {
+            generation: snapshot.generation,
+            target,
+            source,
+        })
+    })
+}
+
+/// Each primary served here moves replicas off nodes that are gone, one at a time, and
+/// repairs incomplete snapshot copies; a volume that needs a primary to get its replicas (or
+/// its snapshot copies) back and has none is served here first
 /// ([`Replication::needing_a_primary`]).
 async fn move_loop(replication: std::sync::Weak<Replication>, after: Duration) {
     loop {
@@ -1214,6 +1299,7 @@ async fn move_loop(replication: std::sync::Weak<Replication>, after: Duration) {
         drop(strong);
         for primary in primaries {
             primary.move_replicas(after).await;
+            primary.spawn_snapshot_repair();
         }
         clock.sleep(MOVE_CHECK_EVERY).await;
     }

@@ -5,8 +5,10 @@
 //! without it; a replica outside the set catches up (`Primary::resync`) and is put back
 //! through Raft.
 
+mod repair;
+
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -226,6 +228,8 @@ struct State {
     /// Blocks of the local copy that failed their checksum on read and were replaced by an
     /// in-sync replica's copy.
     repaired_blocks: u64,
+    /// The snapshot copy being repaired, and how far it got.
+    snapshot_repair: Option<repair::SnapshotRepairProgress>,
 }
 
 /// A replicated volume served by this node as its primary.
@@ -244,6 +248,10 @@ pub struct Primary {
     proposing: tokio::sync::Mutex<()>,
     /// Client requests served so far: a resync that sees it move yields to them.
     client_requests: AtomicU64,
+    /// A snapshot repair runs (one at a time).
+    repairing: AtomicBool,
+    /// Snapshot repairs that failed in a row (logged once, then every 30th).
+    repair_failures: AtomicU64,
 }
 
 /// A replica being caught up: how far the comparison got, and when it should be done at the
@@ -293,6 +301,8 @@ pub struct PrimaryStatus {
     pub resync_compared_bytes: u64,
     /// Damaged blocks of this node's copy replaced by a replica's copy since it became primary.
     pub repaired_blocks: u64,
+    /// The snapshot copy being repaired now.
+    pub snapshot_repair: Option<repair::SnapshotRepairProgress>,
     pub closed: Option<String>,
 }
 
@@ -347,10 +357,13 @@ impl Primary {
                 resync_skipped_bytes: 0,
                 resync_compared_bytes: 0,
                 repaired_blocks: 0,
+                snapshot_repair: None,
             }),
             changed: Condvar::new(),
             proposing: tokio::sync::Mutex::new(()),
             client_requests: AtomicU64::new(0),
+            repairing: AtomicBool::new(false),
+            repair_failures: AtomicU64::new(0),
         });
         let others: Vec<NodeId> = lock(&this.state).peers.keys().copied().collect();
         for peer in others {
@@ -397,6 +410,7 @@ impl Primary {
             resync_skipped_bytes: state.resync_skipped_bytes,
             resync_compared_bytes: state.resync_compared_bytes,
             repaired_blocks: state.repaired_blocks,
+            snapshot_repair: state.snapshot_repair.clone(),
             closed: state.closed.clone(),
         }
     }

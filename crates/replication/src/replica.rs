@@ -10,8 +10,8 @@ use keel_volume::VolumeIo;
 
 use crate::wire::{
     block_hash, Batch, BatchAck, ChangedAnswer, ChangedRequest, CopyAnswer, HashAnswer,
-    HashRequest, Op, UnwrittenAnswer, BLOCK_HASH_BYTES, CODE_BEHIND, CODE_FAILED, CODE_FENCED,
-    CODE_OUT_OF_ORDER, UNREADABLE_BLOCK_HASH,
+    HashRequest, Op, SnapshotRange, SnapshotRepairWrite, UnwrittenAnswer, BLOCK_HASH_BYTES,
+    CODE_BEHIND, CODE_FAILED, CODE_FENCED, CODE_OUT_OF_ORDER, UNREADABLE_BLOCK_HASH,
 };
 use crate::{lock, Shared, POINT_EVERY};
 
@@ -454,45 +454,137 @@ pub(crate) fn hashes(
     request: HashRequest,
 ) -> Result<HashAnswer, Refusal> {
     with_chunk(shared, sender, &request, |volume| {
-        let block = u64::from(volume.block_size_bytes());
-        let unwritten = volume
-            .range_unwritten(request.offset, request.length)
+        let hashes = hash_range(volume, request.offset, request.length)
             .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
-        if unwritten {
-            return Ok(HashAnswer { hashes: Vec::new() });
-        }
-        let mut data = vec![0u8; request.length as usize];
-        let mut hashes = Vec::with_capacity(data.len() / block as usize * BLOCK_HASH_BYTES);
-        match volume.read(request.offset, &mut data) {
-            Ok(()) => {
-                for chunk in data.chunks(block as usize) {
-                    hashes.extend_from_slice(&block_hash(chunk));
-                }
-            }
-            // A damaged copy here: block by block, a block that fails its checksum answers a
-            // hash no content has, so the primary ships its good copy and the write replaces it.
-            Err(error) if error.is_corrupt() => {
-                for (index, chunk) in data.chunks_mut(block as usize).enumerate() {
-                    let offset = request.offset + index as u64 * block;
-                    match volume.read(offset, chunk) {
-                        Ok(()) => hashes.extend_from_slice(&block_hash(chunk)),
-                        Err(error) if error.is_corrupt() => {
-                            tracing::warn!(
-                                volume = volume.name(),
-                                offset,
-                                %error,
-                                "a block of this replica is damaged: the primary's copy replaces it"
-                            );
-                            hashes.extend_from_slice(&UNREADABLE_BLOCK_HASH);
-                        }
-                        Err(error) => return Err(refusal(CODE_FAILED, error.to_string())),
-                    }
-                }
-            }
-            Err(error) => return Err(refusal(CODE_FAILED, error.to_string())),
-        }
         Ok(HashAnswer { hashes })
     })
+}
+
+/// Hashes of the blocks of a range of `volume` (a copy of the volume, or of a snapshot);
+/// none when the range was never written here.
+pub(crate) fn hash_range(
+    volume: &dyn VolumeIo,
+    offset: u64,
+    length: u64,
+) -> keel_volume::VolumeResult<Vec<u8>> {
+    let block = u64::from(volume.block_size_bytes());
+    if volume.range_unwritten(offset, length)? {
+        return Ok(Vec::new());
+    }
+    let mut data = vec![0u8; length as usize];
+    let mut hashes = Vec::with_capacity(data.len() / block as usize * BLOCK_HASH_BYTES);
+    match volume.read(offset, &mut data) {
+        Ok(()) => {
+            for chunk in data.chunks(block as usize) {
+                hashes.extend_from_slice(&block_hash(chunk));
+            }
+        }
+        // A damaged copy here: block by block, a block that fails its checksum answers a hash
+        // no content has, so the good copy is shipped and the write replaces it.
+        Err(error) if error.is_corrupt() => {
+            for (index, chunk) in data.chunks_mut(block as usize).enumerate() {
+                let at = offset + index as u64 * block;
+                match volume.read(at, chunk) {
+                    Ok(()) => hashes.extend_from_slice(&block_hash(chunk)),
+                    Err(error) if error.is_corrupt() => {
+                        tracing::warn!(
+                            volume = volume.name(),
+                            offset = at,
+                            %error,
+                            "a block of this copy is damaged: a good copy replaces it"
+                        );
+                        hashes.extend_from_slice(&UNREADABLE_BLOCK_HASH);
+                    }
+                    Err(error) => return Err(error),
+                }
+            }
+        }
+        Err(error) => return Err(error),
+    }
+    Ok(hashes)
+}
+
+/// This node's copy of a snapshot, for a range request of the volume's primary: once the
+/// catalog here applied what the primary had (the repair's start), for whole blocks of at
+/// most a chunk.
+fn snapshot_copy(
+    shared: &Shared,
+    sender: NodeId,
+    request: &SnapshotRange,
+) -> Result<Arc<dyn VolumeIo>, Refusal> {
+    wait_for_catalog(shared, request.catalog_index)?;
+    check_sender(shared, request.volume_id, request.epoch, sender)?;
+    check_chunk(request.offset, request.length)?;
+    shared
+        .local
+        .open_snapshot_copy(
+            request.volume_id,
+            request.snapshot_generation,
+            request.repair,
+        )
+        .map_err(|error| refusal(CODE_FAILED, error.to_string()))
+}
+
+fn check_chunk(offset: u64, length: u64) -> Result<(), Refusal> {
+    let block = keel_volume::BLOCK_SIZE_BYTES;
+    if !offset.is_multiple_of(block)
+        || !length.is_multiple_of(block)
+        || length > crate::RESYNC_CHUNK_BYTES
+    {
+        return Err(refusal(
+            crate::wire::CODE_BAD_REQUEST,
+            format!("range {offset}+{length} is not whole blocks of at most a chunk"),
+        ));
+    }
+    Ok(())
+}
+
+/// Hashes of this node's copy of a range of a snapshot (blocking).
+pub(crate) fn snapshot_hashes(
+    shared: &Shared,
+    sender: NodeId,
+    request: SnapshotRange,
+) -> Result<HashAnswer, Refusal> {
+    let copy = snapshot_copy(shared, sender, &request)?;
+    let hashes = hash_range(copy.as_ref(), request.offset, request.length)
+        .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
+    Ok(HashAnswer { hashes })
+}
+
+/// This node's copy of a range of a snapshot it holds whole (blocking).
+pub(crate) fn snapshot_read(
+    shared: &Shared,
+    sender: NodeId,
+    request: SnapshotRange,
+) -> Result<CopyAnswer, Refusal> {
+    let copy = snapshot_copy(shared, sender, &request)?;
+    let mut data = vec![0u8; request.length as usize];
+    copy.read(request.offset, &mut data)
+        .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
+    Ok(CopyAnswer { data })
+}
+
+/// Writes blocks of a snapshot into the repair of this node's copy, durably (blocking).
+pub(crate) fn snapshot_repair(
+    shared: &Shared,
+    sender: NodeId,
+    request: SnapshotRepairWrite,
+) -> Result<(), Refusal> {
+    wait_for_catalog(shared, request.catalog_index)?;
+    check_sender(shared, request.volume_id, request.epoch, sender)?;
+    check_chunk(request.offset, request.data.len() as u64)?;
+    shared
+        .local
+        .write_snapshot_repair(
+            request.volume_id,
+            request.snapshot_generation,
+            request.repair,
+            request.offset,
+            &request.data,
+        )
+        .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
+    shared.counters.received(request.data.len() as u64);
+    Ok(())
 }
 
 #[cfg(test)]

@@ -38,6 +38,16 @@ pub const METHOD_READ_COPY: u16 = 0x0206;
 /// take-over compares only that and what the primary changed since its own.
 pub const METHOD_CHANGED: u16 = 0x0207;
 
+/// Primary → replica: hashes of the replica's copy of a snapshot's blocks in a range
+/// ([`SnapshotRange`] → [`HashAnswer`]), to repair a copy that lacks the snapshot's data.
+pub const METHOD_SNAPSHOT_HASHES: u16 = 0x0208;
+/// Primary → replica holding a snapshot whole: its copy of a range of the snapshot
+/// ([`SnapshotRange`] → [`CopyAnswer`]), the source of a repair.
+pub const METHOD_SNAPSHOT_READ: u16 = 0x0209;
+/// Primary → replica whose copy of a snapshot is being repaired: blocks that differ, written
+/// durably into the generation reserved for the repair ([`SnapshotRepairWrite`] → nothing).
+pub const METHOD_SNAPSHOT_REPAIR: u16 = 0x020a;
+
 /// The sender is not the volume's primary in the replica's view (an older epoch or another
 /// node): it must stop acknowledging anything for the volume.
 pub const CODE_FENCED: u16 = 0x0201;
@@ -191,6 +201,34 @@ pub struct HashRequest {
     pub epoch: u64,
     pub offset: u64,
     pub length: u64,
+}
+
+/// A range of a replica's copy of the snapshot at `snapshot_generation`: with `repair`, as
+/// the repair into that generation sees it; without, only from a copy holding it whole.
+/// `catalog_index`: the Raft index the primary had applied (the repair's start), which the
+/// replica waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotRange {
+    pub volume_id: u64,
+    pub epoch: u64,
+    pub snapshot_generation: u64,
+    pub repair: Option<u64>,
+    pub catalog_index: u64,
+    pub offset: u64,
+    pub length: u64,
+}
+
+/// Blocks of a snapshot for the replica's repair of its copy, whole blocks at `offset`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotRepairWrite {
+    pub volume_id: u64,
+    pub epoch: u64,
+    pub snapshot_generation: u64,
+    pub repair: u64,
+    pub catalog_index: u64,
+    pub offset: u64,
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -112,6 +112,28 @@ impl LocalVolumes for Copies {
             ))
     }
 
+    fn open_snapshot_copy(
+        &self,
+        volume_id: u64,
+        generation: u64,
+        repair: Option<u64>,
+    ) -> VolumeResult<Arc<dyn VolumeIo>> {
+        self.volumes
+            .open_snapshot_copy(volume_id, generation, repair)
+    }
+
+    fn write_snapshot_repair(
+        &self,
+        volume_id: u64,
+        generation: u64,
+        repair: u64,
+        offset: u64,
+        data: &[u8],
+    ) -> VolumeResult<()> {
+        self.volumes
+            .write_snapshot_repair(volume_id, generation, repair, offset, data)
+    }
+
     fn committed_sequence(&self) -> u64 {
         self.volumes.store().committed_sequence()
     }
@@ -197,6 +219,7 @@ async fn start(
             move_after: Duration::from_secs(3600),
             resync_bytes_per_second,
             resync_busy_percent: 100,
+            snapshot_repair: true,
         },
         keel_ops::Ops::disabled(),
     );
@@ -519,9 +542,129 @@ async fn a_replica_fences_an_old_primary_still_catching_it_up_after_a_take_over(
     stop(&nodes.iter().collect::<Vec<_>>(), None).await;
 }
 
+// Proves a snapshot whose data a replica lacks is copied to it: an R=1 volume is written and
+// snapshotted twice (`s1`, then `s2` after an overwrite) and overwritten again; raised to R=2,
+// the new replica (placed after both) is caught up with the current contents only. Both
+// snapshots then become complete on it, and its own copy of each — and of `s3`, taken with it
+// in sync — shows exactly what the primary's does (a block trimmed before `s2` included), while
+// its current contents are untouched by the repairs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_a_replica_lacks_are_copied_to_it() {
+    let network = LocalNetwork::new();
+    let (nodes, primary, replica) =
+        replicated_volume(&network, "snapshot_repair", 64, 1, None).await;
+    let primary_node = &nodes[primary];
+    let replica_node = &nodes[replica];
+    let replication = primary_node.replication.clone();
+    let volume = blocking(move || replication.open("v")).await.unwrap();
+    let write = |unit: u64, round: u8| {
+        let io = volume.clone();
+        blocking(move || {
+            io.write(unit * 65536, &pattern(round), false).unwrap();
+            io.flush().unwrap();
+        })
+    };
+    let snapshot = |name: &'static str| {
+        let replication = primary_node.replication.clone();
+        let volumes = primary_node.volumes.clone();
+        blocking(move || {
+            replication
+                .quiesce("v", || volumes.snapshot_create("v", name))
+                .unwrap()
+        })
+    };
+    write(0, 1).await;
+    write(1, 2).await;
+    // Unit 3: written, then trimmed: the snapshot after shows zeroes there.
+    write(3, 9).await;
+    snapshot("s1").await;
+    write(0, 3).await;
+    let io = volume.clone();
+    blocking(move || io.trim(3 * 65536, 65536).unwrap()).await;
+    snapshot("s2").await;
+    write(1, 4).await;
+    write(2, 5).await;
+
+    let replication = primary_node.replication.clone();
+    blocking(move || replication.set_replicas("v", Some(2), None))
+        .await
+        .unwrap();
+    let replica_id = replica_node.cluster.node_id();
+    wait_for("the new replica in sync", || {
+        in_sync(primary_node, "v").contains(&replica_id)
+    })
+    .await;
+    write(2, 6).await;
+    snapshot("s3").await;
+    let complete = |node: &TestNode| {
+        node.cluster
+            .catalog()
+            .read()
+            .volume("v")
+            .is_some_and(|entry| {
+                entry.snapshots.len() == 3
+                    && entry
+                        .snapshots
+                        .values()
+                        .all(|snapshot| snapshot.incomplete_on.is_empty())
+            })
+    };
+    wait_for("every snapshot complete on the new replica", || {
+        complete(replica_node)
+    })
+    .await;
+
+    // (snapshot, unit) → the round written there, or None for zeroes.
+    let expected: [(&str, [Option<u8>; 4]); 3] = [
+        ("s1", [Some(1), Some(2), None, Some(9)]),
+        ("s2", [Some(3), Some(2), None, None]),
+        ("s3", [Some(3), Some(4), Some(6), None]),
+    ];
+    let read_units = |volume: Arc<dyn VolumeIo>| {
+        blocking(move || {
+            (0..4u64)
+                .map(|unit| {
+                    let mut buf = vec![0u8; 65536];
+                    volume.read(unit * 65536, &mut buf).unwrap();
+                    buf
+                })
+                .collect::<Vec<_>>()
+        })
+    };
+    let shows = |data: &[Vec<u8>], units: &[Option<u8>; 4]| {
+        data.iter().zip(units).all(|(data, round)| match round {
+            Some(round) => *data == pattern(*round),
+            None => data.iter().all(|byte| *byte == 0),
+        })
+    };
+    for (name, units) in &expected {
+        for node in [primary_node, replica_node] {
+            let volumes = node.volumes.clone();
+            let snapshot_name = name.to_string();
+            let copy = blocking(move || volumes.open_snapshot("v", &snapshot_name))
+                .await
+                .unwrap_or_else(|error| panic!("snapshot {name}: {error}"));
+            let data = read_units(copy).await;
+            assert!(
+                shows(&data, units),
+                "node {}'s copy of snapshot {name} does not hold its data",
+                node.cluster.node_id()
+            );
+        }
+    }
+    let volumes = replica_node.volumes.clone();
+    let current = blocking(move || volumes.open_volume("v")).await.unwrap();
+    let data = read_units(current).await;
+    assert!(
+        shows(&data, &[Some(3), Some(4), Some(6), None]),
+        "the repairs changed the replica's current contents"
+    );
+    stop(&nodes.iter().collect::<Vec<_>>(), None).await;
+}
+
 /// Starts three nodes and a volume `v` of `units` 64 KiB units with `replicas` replicas;
 /// returns the nodes and the indexes of the volume's first replica (where it is attached) and
-/// its second.
+/// its second (or another node, with one replica).
 async fn replicated_volume(
     network: &LocalNetwork,
     test: &str,
@@ -566,7 +709,12 @@ async fn replicated_volume(
             .position(|n| n.cluster.node_id() == id)
             .unwrap()
     };
-    let (primary, replica) = (index_of(placed[0]), index_of(placed[1]));
+    let primary = index_of(placed[0]);
+    // With one replica: the node a second one would go to first.
+    let replica = placed
+        .get(1)
+        .map(|id| index_of(*id))
+        .unwrap_or((primary + 1) % nodes.len());
     (nodes, primary, replica)
 }
 

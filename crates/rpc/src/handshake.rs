@@ -40,8 +40,9 @@ const STATUS_OTHER_PROTOCOL: u8 = 2;
 /// a message's encoding (`crates/keel/tests/protocol.rs` fails until it is bumped), and with
 /// any change of what the catalog's state machine makes of a command (nodes applying the same
 /// log differently would hold different catalogs). 2: a stream received into a replicated
-/// volume leaves its snapshot incomplete on the replicas that did not receive it.
-pub const PROTOCOL: u16 = 2;
+/// volume leaves its snapshot incomplete on the replicas that did not receive it. 3: snapshot
+/// repairs (two commands, a snapshot record format, three replication methods).
+pub const PROTOCOL: u16 = 3;
 
 fn protocol_of(hello: &[u8]) -> u16 {
     u16::from_le_bytes([hello[6], hello[7]])

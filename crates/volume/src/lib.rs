@@ -13,7 +13,7 @@
 //! - the current generation of a volume is never seen by any snapshot: writes in it never change
 //!   a snapshot, so snapshots are frozen without copying anything;
 //! - an extent is deleted only when no view of its volume (current or snapshot) sees it, it is
-//!   not in the generation a receive is filling, and it is below the `generation_next` captured
+//!   not in the generation a receive or a snapshot repair is filling, and it is below the `generation_next` captured
 //!   with those views;
 //! - a volume whose record is `Deleting`, gone, or no longer placed on this node refuses I/O;
 //!   its blocks are erased by the engine's worker, which then asks the catalog to forget it.
@@ -268,6 +268,42 @@ pub fn check_snapshot_complete(
             } else {
                 format!("it is whole on {}", whole.join(", "))
             }
+        ),
+    })
+}
+
+/// The snapshot at `generation` of a hosted volume.
+fn snapshot_at<'a>(
+    shared: &VolumeShared,
+    state: &'a VolumeState,
+    generation: u64,
+) -> VolumeResult<&'a SnapshotRecord> {
+    state
+        .snapshots
+        .get(&generation)
+        .ok_or_else(|| VolumeError::SnapshotNotFound {
+            volume: shared.name.clone(),
+            snapshot: format!("(generation {generation})"),
+        })
+}
+
+/// Refuses a repair of `node`'s copy of a snapshot into `repair` that the catalog (as this
+/// node applied it) does not record.
+fn check_repair(
+    shared: &VolumeShared,
+    snapshot: &SnapshotRecord,
+    node: NodeId,
+    repair: u64,
+) -> VolumeResult<()> {
+    if snapshot.repair_of(node) == Some(repair) {
+        return Ok(());
+    }
+    Err(VolumeError::Unavailable {
+        volume: shared.name.clone(),
+        detail: format!(
+            "no repair of snapshot {:?} on node {node} into generation {repair} is under way \
+             here (yet)",
+            snapshot.name
         ),
     })
 }
@@ -566,6 +602,106 @@ impl Engine {
                 _user: user,
             }),
         ))))
+    }
+
+    /// A read-only handle on this node's copy of the snapshot at `generation` of a hosted
+    /// volume. With `repair`, through the snapshot's view and the generation reserved for
+    /// repairing this copy ([`SnapshotRecord::repair_view`]): what the repair compares, whole
+    /// or not. Without, refused unless the copy here is complete.
+    pub fn open_snapshot_copy(
+        &self,
+        volume_id: u64,
+        generation: u64,
+        repair: Option<u64>,
+    ) -> VolumeResult<Option<Arc<VolumeHandle>>> {
+        let Some(shared) = self.get(volume_id) else {
+            return Ok(None);
+        };
+        let (view, size_bytes) = {
+            let state = read(&shared.state);
+            let frozen = snapshot_at(&shared, &state, generation)?;
+            match repair {
+                Some(repair) => {
+                    check_repair(&shared, frozen, self.local_node, repair)?;
+                    (frozen.repair_view(repair), frozen.size_bytes)
+                }
+                None => {
+                    check_snapshot_complete(&state.record, frozen, self.local_node)?;
+                    (frozen.view.clone(), frozen.size_bytes)
+                }
+            }
+        };
+        let user = shared.use_snapshot(generation);
+        Ok(Some(Arc::new(VolumeHandle::new(
+            self.store.clone(),
+            shared,
+            Some(handle::FrozenView {
+                view,
+                size_bytes,
+                _user: user,
+            }),
+        ))))
+    }
+
+    /// Writes `data`, whole blocks at `offset`, into the generation `repair` reserved for
+    /// repairing this node's copy of the snapshot at `generation`, durably on return. An
+    /// all-zero block is written as a hole marker: it hides what older generations of the
+    /// copy hold.
+    pub fn write_snapshot_repair(
+        &self,
+        volume_id: u64,
+        generation: u64,
+        repair: u64,
+        offset: u64,
+        data: &[u8],
+    ) -> VolumeResult<()> {
+        let shared = self.get(volume_id).ok_or_else(|| VolumeError::NotFound {
+            name: format!("(id {volume_id})"),
+        })?;
+        // Held across the write: the repair cannot end, nor the snapshot go, in between.
+        let state = read(&shared.state);
+        let frozen = snapshot_at(&shared, &state, generation)?;
+        check_repair(&shared, frozen, self.local_node, repair)?;
+        let block = BLOCK_SIZE_BYTES;
+        let length = data.len() as u64;
+        if !offset.is_multiple_of(block)
+            || !length.is_multiple_of(block)
+            || offset
+                .checked_add(length)
+                .is_none_or(|end| end > frozen.size_bytes)
+        {
+            return Err(VolumeError::Invalid {
+                volume: shared.name.clone(),
+                detail: format!(
+                    "a repair of {length} bytes at {offset} is not whole blocks within the \
+                     snapshot's {} bytes",
+                    frozen.size_bytes
+                ),
+            });
+        }
+        let ops: Vec<keel_store::WriteOp> = data
+            .chunks(block as usize)
+            .enumerate()
+            .map(|(index, content)| {
+                let value = if content.iter().all(|byte| *byte == 0) {
+                    Vec::new()
+                } else {
+                    content.to_vec()
+                };
+                keel_store::WriteOp::put(
+                    keel_store::block_key(volume_id, offset / block + index as u64, repair),
+                    value,
+                    state.compression,
+                )
+            })
+            .collect();
+        if ops.is_empty() {
+            return Ok(());
+        }
+        self.store
+            .write(ops, keel_store::Durability::Sync)
+            .map(drop)
+            .map_err(VolumeError::store(&shared.name, "repairing a snapshot"))
     }
 
     /// Space use of a hosted volume (scans its block keys).

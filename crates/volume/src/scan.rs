@@ -7,9 +7,9 @@
 //! one block's generations.
 //!
 //! Collector safety: it captures the volume's views (current and every snapshot's own layer),
-//! `generation_next` and the generation a receive is filling (all in the volume's record), under
-//! the state lock; then it
-//! deletes only extents below that `generation_next`, not being received, and shown by none of
+//! `generation_next` and the generations a receive or a snapshot repair is filling (all in the
+//! volume's records), under the state lock; then it
+//! deletes only extents below that `generation_next`, not being filled, and shown by none of
 //! the captured views. Views created later are built from captured ones or from newer
 //! generations, so they never need what it deletes. Deletes are `Buffered`: a crash can bring a
 //! deleted extent back, but only an extent no view shows, and the log keeps them in order with
@@ -204,7 +204,18 @@ fn own_layers(shared: &VolumeShared) -> (Layer, Vec<(u64, Layer)>, u64, Vec<u64>
         .collect();
     // The receive's generation is reserved in the same record change that raises
     // generation_next, so both are captured together.
-    let pending: Vec<u64> = state.record.receiving_generation.into_iter().collect();
+    // So are the generations of snapshot repairs under way.
+    let pending: Vec<u64> = state
+        .record
+        .receiving_generation
+        .into_iter()
+        .chain(
+            state
+                .snapshots
+                .values()
+                .flat_map(|snapshot| snapshot.repairs.iter().map(|repair| repair.generation)),
+        )
+        .collect();
     let size_blocks = state.record.size_bytes / BLOCK_SIZE_BYTES;
     (
         current,
