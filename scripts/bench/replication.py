@@ -5,6 +5,7 @@ engine, on one loopback cluster (three storage nodes; volumes attached on node 1
     python3 scripts/bench/replication.py [--rounds 5] [--seconds 10] [--json out.json]
         [--pgbench [--pgbench-seconds 30] [--pgbench-scale 20]] [--catch-up-gib 4] [--forwarded]
         [--rebuild-gib 1 [--resync-busy-percent 25]] [--resync-gib 1 [--absent-mib 16]]
+        [--snapshot-repair-gib 1]
 
 Workloads (the profiles of scripts/bench/volume.py): sync QD1 (4 KiB sequential writes, each
 followed by a FLUSH) and randrw QD64 (4 KiB random, 75% reads); with --pgbench, also Postgres
@@ -26,7 +27,11 @@ is back in sync and the bytes the catch-up compared and shipped are recorded; ea
 it twice, in alternating order: as is (the primary knows what node 2 lacks) and with the
 primary's node killed -9 and started again while node 2 is away (its record in memory is
 gone: the two nodes' common points say what to compare; before them, it compared every
-written stretch). Every round runs every R
+written stretch). --snapshot-repair-gib N measures a snapshot's repair: an N GiB R=1 volume
+written whole and snapshotted, raised to R=2; once the new replica is in sync (the current
+contents copied), the time until the snapshot is complete on it too (its N GiB copied again,
+the replica having none of it), as a share of the disk's sequential write bandwidth. Every
+round runs every R
 in turn, in an order that rotates between rounds; medians are quoted with the ratio to R=1.
 
 All nodes share this machine's one disk (and its two cores): every replica's fdatasync lands on
@@ -192,6 +197,48 @@ def summarize_rebuilds(runs):
     return {"rebuild_share_of_disk": share, "client_read_p99_ratio": read, "client_write_p99_ratio": write, "runs": runs}
 
 
+def snapshot_repair(node, name, gib):
+    """Writes a fresh R=1 volume whole, snapshots it, raises it to R=2; returns (seconds until
+    the new replica is in sync, seconds from then until its copy of the snapshot is complete)."""
+    code, answer = node.api("POST", "/api/v1/volumes", {"name": name, "size_bytes": gib << 30, "replicas": 1})
+    assert code == 200, answer
+    subprocess.run(["fio", "--name=fill", "--ioengine=nbd", f"--uri=nbd://{node.host}:{node.nbd_port}/{name}",
+                    f"--size={gib}g", "--rw=write", "--bs=1m", "--iodepth=8", "--end_fsync=1"],
+                   capture_output=True, check=True, timeout=900)
+    code, answer = node.api("POST", f"/api/v1/volumes/{name}/snapshots", {"name": "s"})
+    assert code == 200, answer
+    started = time.time()
+    code, answer = node.api("POST", f"/api/v1/volumes/{name}/replication", {"replicas": 2})
+    assert code == 200, answer
+
+    def in_sync():
+        code, status = node.api("GET", "/api/v1/status")
+        return code == 200 and not any(f'volume "{name}"' in reason for reason in status["reasons"])
+
+    def complete():
+        code, snapshots = node.api("GET", f"/api/v1/volumes/{name}/snapshots")
+        return code == 200 and not snapshots[0]["incomplete_on"]
+
+    wait_until(f"{name} in sync", in_sync, timeout=900, interval=0.05)
+    synced = time.time()
+    wait_until(f"{name}@s complete on the new replica", complete, timeout=900, interval=0.05)
+    return synced - started, time.time() - synced
+
+
+def run_snapshot_repairs(first, args, results):
+    for round_index in range(args.rounds):
+        gib = args.snapshot_repair_gib
+        disk = disk_seq_write(gib)
+        catch_up_seconds, repair_seconds = snapshot_repair(first, f"repair{round_index}", gib)
+        delete_volume(first, f"repair{round_index}")
+        run = {"disk_seq_write_bytes_per_second": disk, "catch_up_seconds": catch_up_seconds,
+               "repair_seconds": repair_seconds, "repair_bytes_per_second": (gib << 30) / repair_seconds}
+        results.setdefault("snapshot-repair", []).append(run)
+        print(f"round {round_index + 1} snapshot repair {gib} GiB: {run['repair_bytes_per_second'] / 2**20:.0f} MiB/s "
+              f"({run['repair_bytes_per_second'] / disk:.2f}× the disk's {disk / 2**20:.0f} MiB/s); the catch-up "
+              f"before it {catch_up_seconds:.1f} s", flush=True)
+
+
 def kill_and_write(first, second, name, absent_mib, restart_primary):
     """Kills node 2, writes `absent_mib` MiB of 4 KiB random writes through node 1 (killed -9
     and started again first when `restart_primary`: a clean stop would note what node 2 lacks),
@@ -285,6 +332,8 @@ def main():
                         help="also measure a replica's catch-up after an absence, on an N GiB volume")
     parser.add_argument("--absent-mib", type=int, default=16,
                         help="MiB of 4 KiB random writes while the replica is away (--resync-gib)")
+    parser.add_argument("--snapshot-repair-gib", type=int, default=0,
+                        help="also measure the repair of an N GiB snapshot on a new replica")
     parser.add_argument("--forwarded", action="store_true",
                         help="also the R=2 volume through node 3, which holds no replica")
     args = parser.parse_args()
@@ -327,6 +376,8 @@ def main():
             run_rebuilds(first, args, results)
         if args.resync_gib:
             run_resyncs(first, second, args, results)
+        if args.snapshot_repair_gib:
+            run_snapshot_repairs(first, args, results)
         order = [1, 2, 3]
         for round_index in range(args.rounds):
             if args.pgbench:
@@ -363,6 +414,13 @@ def main():
         summary["rebuild"] = summarize_rebuilds(results["rebuild"])
     if results.get("resync"):
         summary["resync"] = summarize_resyncs(results["resync"], args.absent_mib, args.resync_gib)
+    if results.get("snapshot-repair"):
+        runs = results["snapshot-repair"]
+        rate = statistics.median(run["repair_bytes_per_second"] for run in runs)
+        share = statistics.median(run["repair_bytes_per_second"] / run["disk_seq_write_bytes_per_second"]
+                                  for run in runs)
+        summary["snapshot-repair"] = {"bytes_per_second": rate, "share_of_disk": share, "runs": runs}
+        print(f"  {'snapshot repair':12}  {rate / 2**20:8.0f} MiB/s ({share:.2f}× the disk's sequential write)")
     if args.pgbench:
         base = statistics.median(m["tps"] for m in results[1]["pgbench"])
         for replicas in (1, 2, 3):

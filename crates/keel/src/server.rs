@@ -620,11 +620,10 @@ impl keel_replication::LocalVolumes for LocalVolumes {
         volume_id: u64,
         generation: u64,
         repair: u64,
-        offset: u64,
-        data: &[u8],
+        runs: &[(u64, &[u8])],
     ) -> keel_namespace::volume::VolumeResult<()> {
         self.volumes
-            .write_snapshot_repair(volume_id, generation, repair, offset, data)
+            .write_snapshot_repair(volume_id, generation, repair, runs)
     }
 
     fn committed_sequence(&self) -> u64 {

@@ -663,11 +663,10 @@ impl VolumeManager {
         volume_id: u64,
         generation: u64,
         repair: u64,
-        offset: u64,
-        data: &[u8],
+        runs: &[(u64, &[u8])],
     ) -> VolumeResult<()> {
         self.engine
-            .write_snapshot_repair(volume_id, generation, repair, offset, data)
+            .write_snapshot_repair(volume_id, generation, repair, runs)
     }
 
     /// Deletes the volume's extents that no view needs any more (rollback leftovers, data

@@ -84,15 +84,14 @@ pub trait LocalVolumes: Send + Sync + 'static {
         generation: u64,
         repair: Option<u64>,
     ) -> VolumeResult<Arc<dyn VolumeIo>>;
-    /// Writes whole blocks at `offset` into the generation `repair` reserved for repairing this
-    /// node's copy of the snapshot at `generation`; durable on return.
+    /// Writes `runs` (whole blocks at an offset each) into the generation `repair` reserved
+    /// for repairing this node's copy of the snapshot at `generation`; durable on return.
     fn write_snapshot_repair(
         &self,
         volume_id: u64,
         generation: u64,
         repair: u64,
-        offset: u64,
-        data: &[u8],
+        runs: &[(u64, &[u8])],
     ) -> VolumeResult<()>;
     /// Keeps `value` as the record `name` about this node's copy of volume `volume_id` (the
     /// store erases such records with the copy), replacing the one before. With `sync` it is

@@ -1921,6 +1921,8 @@ impl Primary {
             total_ms = took.as_millis() as u64,
             "replica back in sync"
         );
+        // Snapshots it lacks can be copied now (rather than at the engine's next check).
+        self.spawn_snapshot_repair();
         Ok(())
     }
 

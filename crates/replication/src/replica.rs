@@ -572,18 +572,28 @@ pub(crate) fn snapshot_repair(
 ) -> Result<(), Refusal> {
     wait_for_catalog(shared, request.catalog_index)?;
     check_sender(shared, request.volume_id, request.epoch, sender)?;
-    check_chunk(request.offset, request.data.len() as u64)?;
+    let mut bytes = 0u64;
+    for run in &request.runs {
+        check_chunk(run.offset, run.data.len() as u64)?;
+        bytes += run.data.len() as u64;
+    }
+    // Whole blocks of one chunk at most.
+    check_chunk(0, bytes)?;
+    let runs: Vec<(u64, &[u8])> = request
+        .runs
+        .iter()
+        .map(|run| (run.offset, run.data.as_slice()))
+        .collect();
     shared
         .local
         .write_snapshot_repair(
             request.volume_id,
             request.snapshot_generation,
             request.repair,
-            request.offset,
-            &request.data,
+            &runs,
         )
         .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
-    shared.counters.received(request.data.len() as u64);
+    shared.counters.received(bytes);
     Ok(())
 }
 

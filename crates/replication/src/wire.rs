@@ -218,7 +218,8 @@ pub struct SnapshotRange {
     pub length: u64,
 }
 
-/// Blocks of a snapshot for the replica's repair of its copy, whole blocks at `offset`.
+/// The blocks of a chunk of a snapshot that differ on the replica, for its repair of its
+/// copy: written together, durably, in one store write.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SnapshotRepairWrite {
     pub volume_id: u64,
@@ -226,6 +227,12 @@ pub struct SnapshotRepairWrite {
     pub snapshot_generation: u64,
     pub repair: u64,
     pub catalog_index: u64,
+    pub runs: Vec<RepairRun>,
+}
+
+/// Whole blocks of a snapshot at `offset`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RepairRun {
     pub offset: u64,
     #[serde(with = "serde_bytes")]
     pub data: Vec<u8>,

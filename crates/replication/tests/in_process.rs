@@ -127,11 +127,10 @@ impl LocalVolumes for Copies {
         volume_id: u64,
         generation: u64,
         repair: u64,
-        offset: u64,
-        data: &[u8],
+        runs: &[(u64, &[u8])],
     ) -> VolumeResult<()> {
         self.volumes
-            .write_snapshot_repair(volume_id, generation, repair, offset, data)
+            .write_snapshot_repair(volume_id, generation, repair, runs)
     }
 
     fn committed_sequence(&self) -> u64 {

@@ -643,17 +643,16 @@ impl Engine {
         ))))
     }
 
-    /// Writes `data`, whole blocks at `offset`, into the generation `repair` reserved for
-    /// repairing this node's copy of the snapshot at `generation`, durably on return. An
-    /// all-zero block is written as a hole marker: it hides what older generations of the
-    /// copy hold.
+    /// Writes `runs`, each whole blocks at an offset, into the generation `repair` reserved
+    /// for repairing this node's copy of the snapshot at `generation`: one store write,
+    /// durable on return. An all-zero block is written as a hole marker: it hides what older
+    /// generations of the copy hold.
     pub fn write_snapshot_repair(
         &self,
         volume_id: u64,
         generation: u64,
         repair: u64,
-        offset: u64,
-        data: &[u8],
+        runs: &[(u64, &[u8])],
     ) -> VolumeResult<()> {
         let shared = self.get(volume_id).ok_or_else(|| VolumeError::NotFound {
             name: format!("(id {volume_id})"),
@@ -663,38 +662,37 @@ impl Engine {
         let frozen = snapshot_at(&shared, &state, generation)?;
         check_repair(&shared, frozen, self.local_node, repair)?;
         let block = BLOCK_SIZE_BYTES;
-        let length = data.len() as u64;
-        if !offset.is_multiple_of(block)
-            || !length.is_multiple_of(block)
-            || offset
-                .checked_add(length)
-                .is_none_or(|end| end > frozen.size_bytes)
-        {
-            return Err(VolumeError::Invalid {
-                volume: shared.name.clone(),
-                detail: format!(
-                    "a repair of {length} bytes at {offset} is not whole blocks within the \
-                     snapshot's {} bytes",
-                    frozen.size_bytes
-                ),
-            });
-        }
-        let ops: Vec<keel_store::WriteOp> = data
-            .chunks(block as usize)
-            .enumerate()
-            .map(|(index, content)| {
+        let mut ops: Vec<keel_store::WriteOp> = Vec::new();
+        for &(offset, data) in runs {
+            let length = data.len() as u64;
+            if !offset.is_multiple_of(block)
+                || !length.is_multiple_of(block)
+                || offset
+                    .checked_add(length)
+                    .is_none_or(|end| end > frozen.size_bytes)
+            {
+                return Err(VolumeError::Invalid {
+                    volume: shared.name.clone(),
+                    detail: format!(
+                        "a repair of {length} bytes at {offset} is not whole blocks within the \
+                         snapshot's {} bytes",
+                        frozen.size_bytes
+                    ),
+                });
+            }
+            for (index, content) in data.chunks(block as usize).enumerate() {
                 let value = if content.iter().all(|byte| *byte == 0) {
                     Vec::new()
                 } else {
                     content.to_vec()
                 };
-                keel_store::WriteOp::put(
+                ops.push(keel_store::WriteOp::put(
                     keel_store::block_key(volume_id, offset / block + index as u64, repair),
                     value,
                     state.compression,
-                )
-            })
-            .collect();
+                ));
+            }
+        }
         if ops.is_empty() {
             return Ok(());
         }

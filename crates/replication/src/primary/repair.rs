@@ -29,7 +29,7 @@ use keel_catalog::{Command, NodeId, Outcome};
 use super::Primary;
 use crate::replica::hash_range;
 use crate::wire::{
-    self, CopyAnswer, HashAnswer, SnapshotRange, SnapshotRepairWrite, BLOCK_HASH_BYTES,
+    self, CopyAnswer, HashAnswer, RepairRun, SnapshotRange, SnapshotRepairWrite, BLOCK_HASH_BYTES,
     METHOD_SNAPSHOT_HASHES, METHOD_SNAPSHOT_READ, METHOD_SNAPSHOT_REPAIR,
 };
 use crate::{RepairDue, RESYNC_CHUNK_BYTES};
@@ -183,20 +183,26 @@ impl Primary {
                         data.len()
                     ));
                 }
-                for (first, end) in runs {
-                    let (start, stop) = (first * block as usize, end * block as usize);
-                    let write = SnapshotRepairWrite {
-                        volume_id: self.volume_id,
-                        epoch: self.state().epoch,
-                        snapshot_generation: due.generation,
-                        repair,
-                        catalog_index,
-                        offset: offset + start as u64,
-                        data: data[start..stop].to_vec(),
-                    };
-                    self.snapshot_write(due.target, write).await?;
-                    shipped += (stop - start) as u64;
-                }
+                let runs: Vec<RepairRun> = runs
+                    .into_iter()
+                    .map(|(first, end)| {
+                        let (start, stop) = (first * block as usize, end * block as usize);
+                        RepairRun {
+                            offset: offset + start as u64,
+                            data: data[start..stop].to_vec(),
+                        }
+                    })
+                    .collect();
+                shipped += runs.iter().map(|run| run.data.len() as u64).sum::<u64>();
+                let write = SnapshotRepairWrite {
+                    volume_id: self.volume_id,
+                    epoch: self.state().epoch,
+                    snapshot_generation: due.generation,
+                    repair,
+                    catalog_index,
+                    runs,
+                };
+                self.snapshot_write(due.target, write).await?;
             }
             offset += length;
             if let Some(progress) = self.state().snapshot_repair.as_mut() {
@@ -287,13 +293,17 @@ impl Primary {
         }
         let local = self.shared.local.clone();
         tokio::task::spawn_blocking(move || {
+            let runs: Vec<(u64, &[u8])> = write
+                .runs
+                .iter()
+                .map(|run| (run.offset, run.data.as_slice()))
+                .collect();
             local
                 .write_snapshot_repair(
                     write.volume_id,
                     write.snapshot_generation,
                     write.repair,
-                    write.offset,
-                    &write.data,
+                    &runs,
                 )
                 .map_err(|error| error.to_string())
         })
