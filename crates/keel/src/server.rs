@@ -637,14 +637,7 @@ impl keel_replication::LocalVolumes for LocalVolumes {
         since: u64,
         changed: &mut dyn FnMut(u64, u64),
     ) -> keel_namespace::volume::VolumeResult<()> {
-        let block = keel_namespace::volume::BLOCK_SIZE_BYTES;
-        keel_namespace::volume::changed_blocks_since(
-            self.volumes.store(),
-            name,
-            volume_id,
-            since,
-            &mut |index| changed(index * block, block),
-        )
+        self.volumes.changed_since(name, volume_id, since, changed)
     }
 
     fn keep_record(
@@ -654,21 +647,7 @@ impl keel_replication::LocalVolumes for LocalVolumes {
         value: Vec<u8>,
         sync: bool,
     ) -> keel_namespace::volume::VolumeResult<()> {
-        let key = keel_namespace::volume::copy_record_key(volume_id, name);
-        let op = keel_store::WriteOp::put(key, value, keel_store::Compression::None);
-        let durability = if sync {
-            keel_store::Durability::Sync
-        } else {
-            keel_store::Durability::Buffered
-        };
-        self.volumes
-            .store()
-            .write(vec![op], durability)
-            .map(|_| ())
-            .map_err(keel_namespace::volume::VolumeError::store(
-                "replication record",
-                "keep",
-            ))
+        self.volumes.keep_copy_record(volume_id, name, value, sync)
     }
 
     fn record(
@@ -676,13 +655,7 @@ impl keel_replication::LocalVolumes for LocalVolumes {
         volume_id: u64,
         name: &[u8],
     ) -> keel_namespace::volume::VolumeResult<Option<Vec<u8>>> {
-        self.volumes
-            .store()
-            .get(&keel_namespace::volume::copy_record_key(volume_id, name))
-            .map_err(keel_namespace::volume::VolumeError::store(
-                "replication record",
-                "read",
-            ))
+        self.volumes.copy_record(volume_id, name)
     }
 
     fn forget_record(
@@ -690,18 +663,7 @@ impl keel_replication::LocalVolumes for LocalVolumes {
         volume_id: u64,
         name: &[u8],
     ) -> keel_namespace::volume::VolumeResult<()> {
-        let key = keel_namespace::volume::copy_record_key(volume_id, name);
-        self.volumes
-            .store()
-            .write(
-                vec![keel_store::WriteOp::Delete { key }],
-                keel_store::Durability::Sync,
-            )
-            .map(|_| ())
-            .map_err(keel_namespace::volume::VolumeError::store(
-                "replication record",
-                "delete",
-            ))
+        self.volumes.forget_copy_record(volume_id, name)
     }
 }
 

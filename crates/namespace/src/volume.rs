@@ -669,6 +669,63 @@ impl VolumeManager {
             .write_snapshot_repair(volume_id, generation, repair, runs)
     }
 
+    /// Keeps `value` as the record `name` about this node's copy of volume `volume_id` (the
+    /// store erases such records with the copy), replacing the one before. With `sync` it is
+    /// durable on return; otherwise the store's next sync makes it durable, in order with
+    /// every write before it.
+    pub fn keep_copy_record(
+        &self,
+        volume_id: u64,
+        name: &[u8],
+        value: Vec<u8>,
+        sync: bool,
+    ) -> VolumeResult<()> {
+        let op =
+            keel_store::WriteOp::put(copy_record_key(volume_id, name), value, Compression::None);
+        let durability = if sync {
+            keel_store::Durability::Sync
+        } else {
+            keel_store::Durability::Buffered
+        };
+        self.store()
+            .write(vec![op], durability)
+            .map(|_| ())
+            .map_err(VolumeError::store("copy record", "keep"))
+    }
+
+    /// The record `name` about this node's copy of volume `volume_id`.
+    pub fn copy_record(&self, volume_id: u64, name: &[u8]) -> VolumeResult<Option<Vec<u8>>> {
+        self.store()
+            .get(&copy_record_key(volume_id, name))
+            .map_err(VolumeError::store("copy record", "read"))
+    }
+
+    /// Deletes the record `name` about this node's copy of volume `volume_id`, durably.
+    pub fn forget_copy_record(&self, volume_id: u64, name: &[u8]) -> VolumeResult<()> {
+        let key = copy_record_key(volume_id, name);
+        self.store()
+            .write(
+                vec![keel_store::WriteOp::Delete { key }],
+                keel_store::Durability::Sync,
+            )
+            .map(|_| ())
+            .map_err(VolumeError::store("copy record", "delete"))
+    }
+
+    /// Calls `changed(offset, length)` for each block of this node's copy of volume
+    /// `volume_id` (named `name`) written, or trimmed, after store sequence `since`.
+    pub fn changed_since(
+        &self,
+        name: &str,
+        volume_id: u64,
+        since: u64,
+        changed: &mut dyn FnMut(u64, u64),
+    ) -> VolumeResult<()> {
+        changed_blocks_since(self.store(), name, volume_id, since, &mut |index| {
+            changed(index * BLOCK_SIZE_BYTES, BLOCK_SIZE_BYTES)
+        })
+    }
+
     /// Deletes the volume's extents that no view needs any more (rollback leftovers, data
     /// of deleted snapshots, interrupted receives). Runs while I/O continues.
     pub fn collect_garbage(

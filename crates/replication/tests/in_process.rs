@@ -70,46 +70,15 @@ impl LocalVolumes for Copies {
         value: Vec<u8>,
         sync: bool,
     ) -> VolumeResult<()> {
-        let key = keel_volume::copy_record_key(volume_id, name);
-        let op = keel_store::WriteOp::put(key, value, keel_store::Compression::None);
-        let durability = if sync {
-            keel_store::Durability::Sync
-        } else {
-            keel_store::Durability::Buffered
-        };
-        self.volumes
-            .store()
-            .write(vec![op], durability)
-            .map(|_| ())
-            .map_err(keel_volume::VolumeError::store(
-                "replication record",
-                "keep",
-            ))
+        self.volumes.keep_copy_record(volume_id, name, value, sync)
     }
 
     fn record(&self, volume_id: u64, name: &[u8]) -> VolumeResult<Option<Vec<u8>>> {
-        self.volumes
-            .store()
-            .get(&keel_volume::copy_record_key(volume_id, name))
-            .map_err(keel_volume::VolumeError::store(
-                "replication record",
-                "read",
-            ))
+        self.volumes.copy_record(volume_id, name)
     }
 
     fn forget_record(&self, volume_id: u64, name: &[u8]) -> VolumeResult<()> {
-        let key = keel_volume::copy_record_key(volume_id, name);
-        self.volumes
-            .store()
-            .write(
-                vec![keel_store::WriteOp::Delete { key }],
-                keel_store::Durability::Sync,
-            )
-            .map(|_| ())
-            .map_err(keel_volume::VolumeError::store(
-                "replication record",
-                "delete",
-            ))
+        self.volumes.forget_copy_record(volume_id, name)
     }
 
     fn open_snapshot_copy(
@@ -144,14 +113,7 @@ impl LocalVolumes for Copies {
         since: u64,
         changed: &mut dyn FnMut(u64, u64),
     ) -> VolumeResult<()> {
-        let block = keel_volume::BLOCK_SIZE_BYTES;
-        keel_volume::changed_blocks_since(
-            self.volumes.store(),
-            name,
-            volume_id,
-            since,
-            &mut |index| changed(index * block, block),
-        )
+        self.volumes.changed_since(name, volume_id, since, changed)
     }
 }
 
