@@ -137,7 +137,7 @@ async fn start_node(world: &mut World, index: usize, join: Option<String>) -> Re
     let transport = Arc::new(
         world
             .network
-            .transport(Arc::new(move || from.current_node_id())),
+            .transport(&node.address, Arc::new(move || from.current_node_id())),
     );
     let clock: Arc<dyn keel_clock::Clock> = node.clock.clone();
     let config = ClusterConfig {

@@ -107,6 +107,9 @@ pub trait Handler: Send + Sync + 'static {
 
 struct Endpoint {
     handler: Weak<dyn Handler>,
+    /// Which `listen` put it there: a node that crashed, or crashed and came back, answers
+    /// none of the calls it was handling (its answers die with it).
+    incarnation: u64,
 }
 
 /// An in-process network of nodes, for tests and simulations: calls go straight to the
@@ -121,6 +124,8 @@ pub struct LocalNetwork {
     chaos: Arc<Mutex<Option<Chaos>>>,
     /// `(caller, method)`: such calls are delivered and handled, and their answers lost.
     answers_lost: Arc<Mutex<BTreeSet<(NodeId, u16)>>>,
+    /// Counts `listen`s: each endpoint's incarnation.
+    listens: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Message loss and delay (hence reordering), from a seeded generator: the same seed and the
@@ -149,7 +154,15 @@ impl LocalNetwork {
         self.endpoints
             .write()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .insert(address.to_string(), Endpoint { handler });
+            .insert(
+                address.to_string(),
+                Endpoint {
+                    handler,
+                    incarnation: self
+                        .listens
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+                },
+            );
     }
 
     /// Nothing answers at `address` any more, and calls its node made are not delivered (the
@@ -262,6 +275,15 @@ impl LocalNetwork {
             })
     }
 
+    /// The incarnation of what listens at `address` now.
+    fn incarnation(&self, address: &str) -> Option<u64> {
+        self.endpoints
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .get(address)
+            .map(|endpoint| endpoint.incarnation)
+    }
+
     fn is_cut(&self, a: NodeId, b: NodeId) -> bool {
         self.cut
             .lock()
@@ -269,11 +291,20 @@ impl LocalNetwork {
             .contains(&(a.min(b), a.max(b)))
     }
 
-    /// A transport for the node `from` (its id may change once it joins: read through `from`).
-    pub fn transport(&self, from: Arc<dyn Fn() -> NodeId + Send + Sync>) -> LocalTransport {
+    /// A transport for the node listening at `address` (its id may change once it joins:
+    /// read through `from`). Made after [`LocalNetwork::listen`], it dies with that
+    /// incarnation of the node: once the node crashed, or crashed and came back, calls its
+    /// old tasks make are never delivered (a dead process sends nothing).
+    pub fn transport(
+        &self,
+        address: &str,
+        from: Arc<dyn Fn() -> NodeId + Send + Sync>,
+    ) -> LocalTransport {
         LocalTransport {
             network: self.clone(),
             from,
+            address: address.to_string(),
+            incarnation: self.incarnation(address),
         }
     }
 }
@@ -285,6 +316,9 @@ const CUT_POLL: Duration = Duration::from_millis(10);
 pub struct LocalTransport {
     network: LocalNetwork,
     from: Arc<dyn Fn() -> NodeId + Send + Sync>,
+    /// Where its node listens, and in which incarnation (none if it did not listen yet).
+    address: String,
+    incarnation: Option<u64>,
 }
 
 impl Transport for LocalTransport {
@@ -297,19 +331,20 @@ impl Transport for LocalTransport {
     ) -> BoxFuture<Result<Vec<u8>, TransportError>> {
         let network = self.network.clone();
         let from = (self.from)();
+        let own = (self.address.clone(), self.incarnation);
         Box::pin(async move {
             let address = peer.address().to_string();
             let unreachable = |detail: &str| TransportError::Unreachable {
                 peer: address.clone(),
                 detail: detail.to_string(),
             };
-            let handler = network
+            let found = network
                 .endpoints
                 .read()
                 .unwrap_or_else(|poisoned| poisoned.into_inner())
                 .get(&address)
-                .and_then(|endpoint| endpoint.handler.upgrade());
-            let Some(handler) = handler else {
+                .and_then(|endpoint| Some((endpoint.handler.upgrade()?, endpoint.incarnation)));
+            let Some((handler, incarnation)) = found else {
                 return Err(unreachable("nothing listens there"));
             };
             let target = handler.node_id();
@@ -333,8 +368,12 @@ impl Transport for LocalTransport {
                 }
                 tokio::time::sleep(left.min(CUT_POLL)).await;
             }
-            // A node that crashed sends nothing more: calls it made are never delivered.
-            if from != 0 && !network.is_live(from) {
+            // A node that crashed sends nothing more: calls it made are never delivered (nor
+            // those a task of an incarnation before its restart makes).
+            let (own_address, own_incarnation) = &own;
+            let restarted =
+                own_incarnation.is_some_and(|own| network.incarnation(own_address) != Some(own));
+            if restarted || (from != 0 && !network.is_live(from)) {
                 return Err(unreachable("the calling node is down"));
             }
             let budget = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -359,6 +398,14 @@ impl Transport for LocalTransport {
             }
             let answer =
                 tokio::time::timeout(budget, handler.handle(caller, method, payload)).await;
+            // A node that crashed while it handled the call never answers (what it did
+            // after the crash is not on its disk: a power cut ends all of it).
+            if network.incarnation(&address) != Some(incarnation) {
+                return Err(TransportError::Lost {
+                    peer: address,
+                    detail: "the node went down with the call in flight".to_string(),
+                });
+            }
             answer_lost |= network.loses_answer(from, method);
             if answer_lost {
                 return Err(TransportError::Lost {

@@ -144,7 +144,7 @@ async fn start(
     network.listen(&address, weak);
     let from = handler.clone();
     let transport: Arc<dyn keel_cluster::Transport> =
-        Arc::new(network.transport(Arc::new(move || from.current_node_id())));
+        Arc::new(network.transport(&address, Arc::new(move || from.current_node_id())));
     let config = ClusterConfig {
         name: name.to_string(),
         role: NodeRole::Storage,

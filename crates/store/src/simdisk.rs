@@ -247,7 +247,9 @@ impl SimDisk {
     pub fn power_cut(&self) -> SimDisk {
         let mut state = self.lock();
         let mut files: HashMap<u64, FileState> = HashMap::new();
-        let ids: Vec<u64> = state.files.keys().copied().collect();
+        // In file order: the random fates are drawn in the same order at every run of a seed.
+        let mut ids: Vec<u64> = state.files.keys().copied().collect();
+        ids.sort_unstable();
         for id in ids {
             let Some(file) = state.files.get(&id).cloned() else {
                 continue;

@@ -81,7 +81,7 @@ pub async fn start(network: &LocalNetwork, dir: PathBuf, name: &str, options: Op
         Arc::downgrade(&(handler.clone() as Arc<dyn keel_cluster::Handler>));
     network.listen(&address, weak);
     let from = handler.clone();
-    let transport = Arc::new(network.transport(Arc::new(move || from.current_node_id())));
+    let transport = Arc::new(network.transport(&address, Arc::new(move || from.current_node_id())));
     let config = ClusterConfig {
         name: name.to_string(),
         role: options.role,
