@@ -63,6 +63,26 @@ pub const RESYNC_PROBE_BYTES: u64 = 64 << 20;
 /// caught up). Well under an NBD client's handshake timeout.
 const ATTACH_WAIT_FOR_IN_SYNC: Duration = Duration::from_secs(10);
 
+/// Runs blocking work (store I/O) off the async runtime's workers, from engine tasks. (Client
+/// I/O runs its store work inline on the client's own thread.)
+#[cfg(not(feature = "simulation"))]
+pub(crate) async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, String> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|error| format!("a blocking task failed: {error}"))
+}
+
+/// In the simulation store work runs inline: a blocking-pool thread finishing in real time
+/// would make the order of events depend on the machine, not on the seed.
+#[cfg(feature = "simulation")]
+pub(crate) async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, String> {
+    Ok(work())
+}
+
 pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
         .lock()
@@ -181,6 +201,8 @@ pub(crate) struct Shared {
     pub activity: keel_ops::Ops,
     /// Per volume, what the clients forwarding through this node left unflushed.
     pub forwarding: Mutex<HashMap<String, Weak<forward::Unflushed>>>,
+    /// Streams begun here (the simulation derives their ids from it).
+    pub streams_begun: AtomicU64,
 }
 
 impl Shared {
@@ -194,6 +216,34 @@ impl Shared {
 
     pub(crate) fn holds_lease(&self) -> bool {
         self.cluster.holds_lease(LEASE)
+    }
+
+    /// Runs blocking work (a store write nobody waits for) in the background; inline in the
+    /// simulation, where a thread would finish at a time the seed does not decide.
+    pub(crate) fn detached(&self, work: impl FnOnce() + Send + 'static) {
+        if cfg!(feature = "simulation") {
+            work();
+        } else {
+            drop(self.runtime.spawn_blocking(work));
+        }
+    }
+
+    /// A new replication stream's id: unique among the streams any primary of any volume ever
+    /// sent a replica (a replica takes a batch as continuing its stream by id and index).
+    /// Random; in the simulation derived from the node, the epoch and a count instead (a
+    /// node that restarts takes its volumes over in a later epoch).
+    pub(crate) fn new_stream_id(&self, volume_id: u64, epoch: u64) -> u64 {
+        let count = self.streams_begun.fetch_add(1, Ordering::Relaxed);
+        if !cfg!(feature = "simulation") {
+            return rand::random::<u64>();
+        }
+        let mut hasher = blake3::Hasher::new();
+        for part in [self.local_node, volume_id, epoch, count] {
+            hasher.update(&part.to_le_bytes());
+        }
+        let mut id = [0u8; 8];
+        id.copy_from_slice(&hasher.finalize().as_bytes()[..8]);
+        u64::from_le_bytes(id)
     }
 
     /// The answer for a volume another node serves: its node and client address.
@@ -348,12 +398,12 @@ impl Shared {
 /// This node's replication engine: the primaries it serves and the replicas it holds.
 pub struct Replication {
     shared: Arc<Shared>,
-    primaries: Mutex<HashMap<u64, Arc<Primary>>>,
+    primaries: Mutex<BTreeMap<u64, Arc<Primary>>>,
     /// Volumes with one replica that clients attached here (raising R switches them over to
     /// a primary).
     singles: Mutex<HashMap<u64, Weak<Attached>>>,
     /// Serializes attaches and replica-set changes (one take-over of a volume at a time).
-    attaching: Mutex<()>,
+    attaching: tokio::sync::Mutex<()>,
     /// Volumes served here for clients attached to nodes without a replica.
     sessions: Sessions,
     /// This engine, for the RPC handler's blocking tasks.
@@ -407,10 +457,11 @@ impl Replication {
                 snapshot_repair: settings.snapshot_repair,
                 activity,
                 forwarding: Mutex::new(HashMap::new()),
+                streams_begun: AtomicU64::new(0),
             }),
-            primaries: Mutex::new(HashMap::new()),
+            primaries: Mutex::new(BTreeMap::new()),
             singles: Mutex::new(HashMap::new()),
-            attaching: Mutex::new(()),
+            attaching: tokio::sync::Mutex::new(()),
             sessions: Sessions::default(),
             this: this.clone(),
         });
@@ -656,7 +707,7 @@ impl Replication {
         match served {
             Some(primary) => Ok(primary),
             None => {
-                drop(self.open_hosted(name)?);
+                drop(self.shared.runtime.block_on(self.open_hosted(name))?);
                 lock(&self.primaries)
                     .get(&record.id)
                     .cloned()
@@ -686,7 +737,7 @@ impl Replication {
         if !self.hosted_here(name)? {
             return Ok(Forwarded::open(self.shared.clone(), name)?);
         }
-        self.open_hosted(name)
+        self.shared.runtime.block_on(self.open_hosted(name))
     }
 
     /// A read-only handle on `volume@snapshot`: this node's copy when it holds the snapshot
@@ -720,7 +771,21 @@ impl Replication {
 
     /// [`Replication::open`] on a node that holds a replica (another node is refused with the
     /// primary's address).
-    fn open_hosted(&self, name: &str) -> VolumeResult<Arc<dyn VolumeIo>> {
+    async fn open_hosted(&self, name: &str) -> VolumeResult<Arc<dyn VolumeIo>> {
+        let record = self.shared.volume_record(name)?;
+        if record.replication.hosts(self.shared.local_node)
+            && record.replication.replicas.len() <= 1
+        {
+            return self.open_single(name, record.id).await;
+        }
+        Ok(self.open_primary(name).await?)
+    }
+
+    /// [`Replication::open`] for an async client of a replicated volume on a node that holds a
+    /// replica (the simulation's): the primary, served here from now on. A volume with one
+    /// replica, and one this node holds no replica of, are refused. Store I/O runs inline:
+    /// a server's clients use [`Replication::open`].
+    pub async fn open_primary(&self, name: &str) -> VolumeResult<Arc<Primary>> {
         let local_node = self.shared.local_node;
         let record = self.shared.volume_record(name)?;
         let replication = record.replication.clone();
@@ -728,14 +793,17 @@ impl Replication {
             return Err(self.shared.elsewhere(name, replication.primary));
         }
         if replication.replicas.len() <= 1 {
-            return self.open_single(name, record.id);
+            return Err(VolumeError::Invalid {
+                volume: name.to_string(),
+                detail: "it has one replica: its local copy serves it".to_string(),
+            });
         }
         let primary_address = || {
             self.shared
                 .node_address(replication.primary, true)
                 .unwrap_or_else(|| "unknown".to_string())
         };
-        let _attaching = lock(&self.attaching);
+        let _attaching = self.attaching.lock().await;
         if let Some(primary) = lock(&self.primaries).get(&record.id) {
             if replication.primary != local_node {
                 primary.close(format!(
@@ -761,8 +829,9 @@ impl Replication {
             }
             let silence = self
                 .shared
-                .runtime
-                .block_on(self.shared.cluster.silent_for(replication.primary))
+                .cluster
+                .silent_for(replication.primary)
+                .await
                 .map_err(|error| unavailable(name, error.to_string()))?;
             if silence < TAKE_OVER_SILENCE {
                 return Err(unavailable(
@@ -787,16 +856,17 @@ impl Replication {
         // Under the replica slot: no batch of an older stream is being applied while this
         // node takes over, and none is accepted after (the catalog names this node).
         let slot = self.shared.replicas.slot(record.id);
-        let mut slot = lock(&slot.state);
+        let mut slot = slot.state.lock().await;
         Replicas::forget(&mut slot);
         self.shared
-            .metadata
-            .propose(Command::VolumeSetReplication {
+            .cluster
+            .propose_async(Command::VolumeSetReplication {
                 volume_id: record.id,
                 epoch: replication.epoch,
                 primary: local_node,
                 in_sync: vec![local_node],
             })
+            .await
             .map_err(|error| match error {
                 MetadataError::Refused(refusal) => unavailable(
                     name,
@@ -825,22 +895,21 @@ impl Replication {
         );
         lock(&self.primaries).insert(record.id, primary.clone());
         // Writes need `in_sync_min` replicas: give the others a moment to catch up.
-        let deadline = self.shared.clock_now() + ATTACH_WAIT_FOR_IN_SYNC;
+        let clock = self.shared.clock();
+        let deadline = clock.now() + ATTACH_WAIT_FOR_IN_SYNC;
         while primary.status().in_sync.len() < usize::from(replication.in_sync_min)
-            && self.shared.clock_now() < deadline
+            && clock.now() < deadline
             && !primary.is_closed()
         {
-            self.shared
-                .clock()
-                .sleep_blocking(Duration::from_millis(20));
+            clock.sleep(Duration::from_millis(20)).await;
         }
         Ok(primary)
     }
 
     /// A volume with one replica: the primary already serving it here (its R was lowered to
     /// 1), or its local copy behind a switch that raising R turns into a primary.
-    fn open_single(&self, name: &str, volume_id: u64) -> VolumeResult<Arc<dyn VolumeIo>> {
-        let _attaching = lock(&self.attaching);
+    async fn open_single(&self, name: &str, volume_id: u64) -> VolumeResult<Arc<dyn VolumeIo>> {
+        let _attaching = self.attaching.lock().await;
         if let Some(primary) = lock(&self.primaries)
             .get(&volume_id)
             .filter(|primary| !primary.is_closed())
@@ -871,7 +940,7 @@ impl Replication {
         in_sync_min: Option<u8>,
     ) -> VolumeResult<()> {
         let local_node = self.shared.local_node;
-        let _attaching = lock(&self.attaching);
+        let _attaching = self.attaching.blocking_lock();
         let (record, replicas) = {
             let catalog = self.shared.metadata.catalog().read();
             let record = catalog
@@ -1007,7 +1076,7 @@ impl Replication {
         };
         let opened = match snapshot {
             Some(snapshot) => self.shared.local.open_local_snapshot(volume, snapshot),
-            None => self.open_hosted(volume),
+            None => self.shared.runtime.block_on(self.open_hosted(volume)),
         }
         .map_err(|error| match error {
             VolumeError::NotFound { .. } | VolumeError::SnapshotNotFound { .. } => {
@@ -1035,8 +1104,11 @@ impl Replication {
         postcard::to_allocvec(&answer).map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))
     }
 
-    fn serve(
-        &self,
+    /// Answers another node's call: a primary's (to this node as a replica) async, its
+    /// store work through [`blocking`]; a forwarding client's on a thread that may block (it
+    /// serves through the blocking [`VolumeIo`]).
+    async fn serve(
+        self: Arc<Self>,
         caller: Caller,
         method: u16,
         payload: Vec<u8>,
@@ -1053,44 +1125,78 @@ impl Replication {
         match method {
             METHOD_REPLICATE => {
                 let batch = decode(&payload)?;
-                let ack = replica::apply(shared, sender, batch).map_err(refused)?;
+                let ack = replica::apply(shared, sender, batch)
+                    .await
+                    .map_err(refused)?;
                 encode(postcard::to_allocvec(&ack))
             }
             METHOD_HASHES => {
                 let request = decode(&payload)?;
-                let answer = replica::hashes(shared, sender, request).map_err(refused)?;
+                let answer = replica::hashes(shared, sender, request)
+                    .await
+                    .map_err(refused)?;
                 encode(postcard::to_allocvec(&answer))
             }
             METHOD_UNWRITTEN => {
                 let request = decode(&payload)?;
-                let answer = replica::unwritten(shared, sender, request).map_err(refused)?;
+                let answer = replica::unwritten(shared, sender, request)
+                    .await
+                    .map_err(refused)?;
                 encode(postcard::to_allocvec(&answer))
             }
             METHOD_CHANGED => {
                 let request = decode(&payload)?;
-                let answer = replica::changed(shared, sender, request).map_err(refused)?;
+                let answer = replica::changed(shared, sender, request)
+                    .await
+                    .map_err(refused)?;
                 encode(postcard::to_allocvec(&answer))
             }
             METHOD_SNAPSHOT_HASHES => {
                 let request = decode(&payload)?;
-                let answer = replica::snapshot_hashes(shared, sender, request).map_err(refused)?;
+                let answer = replica::snapshot_hashes(shared, sender, request)
+                    .await
+                    .map_err(refused)?;
                 encode(postcard::to_allocvec(&answer))
             }
             METHOD_SNAPSHOT_READ => {
                 let request = decode(&payload)?;
-                let answer = replica::snapshot_read(shared, sender, request).map_err(refused)?;
+                let answer = replica::snapshot_read(shared, sender, request)
+                    .await
+                    .map_err(refused)?;
                 encode(postcard::to_allocvec(&answer))
             }
             METHOD_SNAPSHOT_REPAIR => {
                 let request = decode(&payload)?;
-                replica::snapshot_repair(shared, sender, request).map_err(refused)?;
+                replica::snapshot_repair(shared, sender, request)
+                    .await
+                    .map_err(refused)?;
                 Ok(Vec::new())
             }
             METHOD_READ_COPY => {
                 let request = decode(&payload)?;
-                let answer = replica::read_copy(shared, sender, request).map_err(refused)?;
+                let answer = replica::read_copy(shared, sender, request)
+                    .await
+                    .map_err(refused)?;
                 encode(postcard::to_allocvec(&answer))
             }
+            METHOD_FORWARD_OPEN | METHOD_FORWARD_IO | METHOD_FORWARD_CLOSE => {
+                tokio::task::spawn_blocking(move || self.serve_forward(sender, method, payload))
+                    .await
+                    .map_err(|error| remote(wire::CODE_FAILED, error.to_string()))?
+            }
+            other => Err(remote(CODE_BAD_REQUEST, format!("unknown method {other}"))),
+        }
+    }
+
+    /// Serves a client attached to `sender`, a node without a replica (blocking).
+    fn serve_forward(
+        &self,
+        sender: NodeId,
+        method: u16,
+        payload: Vec<u8>,
+    ) -> Result<Vec<u8>, RemoteFailure> {
+        let remote = |code: u16, message: String| RemoteFailure { code, message };
+        match method {
             METHOD_FORWARD_OPEN => {
                 let request = decode(&payload)?;
                 self.serve_forward_open(sender, request)
@@ -1099,16 +1205,16 @@ impl Replication {
                 let request: ForwardRequest = decode(&payload)?;
                 let answer = self
                     .sessions
-                    .serve(shared, sender, request)
+                    .serve(&self.shared, sender, request)
                     .map_err(|why| remote(CODE_SESSION_GONE, why))?;
-                encode(postcard::to_allocvec(&answer))
+                postcard::to_allocvec(&answer)
+                    .map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))
             }
-            METHOD_FORWARD_CLOSE => {
+            _ => {
                 let request: ForwardClose = decode(&payload)?;
                 self.sessions.close(sender, request.session);
                 Ok(Vec::new())
             }
-            other => Err(remote(CODE_BAD_REQUEST, format!("unknown method {other}"))),
         }
     }
 }
@@ -1278,20 +1384,16 @@ async fn move_loop(replication: std::sync::Weak<Replication>, after: Duration) {
         }
         let clock = strong.shared.clock();
         for name in strong.needing_a_primary(after) {
-            let this = strong.clone();
-            let volume = name.clone();
-            let opened = tokio::task::spawn_blocking(move || this.open_hosted(&volume).map(drop));
-            match opened.await {
-                Ok(Ok(())) => tracing::info!(
+            match strong.open_hosted(&name).await {
+                Ok(_) => tracing::info!(
                     volume = name,
                     "serving the volume without a client to restore its replicas"
                 ),
-                Ok(Err(error)) => tracing::info!(
+                Err(error) => tracing::info!(
                     volume = name,
                     %error,
                     "could not serve the volume to restore its replicas yet"
                 ),
-                Err(error) => tracing::warn!(volume = name, %error, "serving the volume failed"),
             }
         }
         let primaries: Vec<Arc<Primary>> = lock(&strong.primaries).values().cloned().collect();
@@ -1313,18 +1415,13 @@ impl Handler for Replication {
     ) -> BoxFuture<Result<Vec<u8>, RemoteFailure>> {
         let this = self.this.clone();
         Box::pin(async move {
-            tokio::task::spawn_blocking(move || match this.upgrade() {
-                Some(this) => this.serve(caller, method, payload),
-                None => Err(RemoteFailure {
+            let Some(this) = this.upgrade() else {
+                return Err(RemoteFailure {
                     code: wire::CODE_FAILED,
                     message: "the replication engine is shutting down".to_string(),
-                }),
-            })
-            .await
-            .map_err(|error| RemoteFailure {
-                code: wire::CODE_FAILED,
-                message: error.to_string(),
-            })?
+                });
+            };
+            this.serve(caller, method, payload).await
         })
     }
 

@@ -9,7 +9,7 @@ mod repair;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use keel_catalog::{Command, MetadataError, NodeId};
@@ -240,10 +240,12 @@ pub struct Primary {
     shared: Arc<Shared>,
     /// Serializes ordering: a write takes its position, is applied locally and is queued to
     /// every stream under this lock, so every replica applies overlapping writes in the order
-    /// the primary did.
-    order: Mutex<()>,
+    /// the primary did. Async: a metadata change holds it while it waits for the replicas.
+    order: tokio::sync::Mutex<()>,
     state: Mutex<State>,
-    changed: Condvar,
+    /// Woken whenever the state changes in a way a waiter may want (a confirmation, room in a
+    /// queue, a replica out of the set, the primary closed).
+    changed: tokio::sync::Notify,
     /// One in-sync-set proposal at a time (each is a compare-and-set on the epoch).
     proposing: tokio::sync::Mutex<()>,
     /// Client requests served so far: a resync that sees it move yields to them.
@@ -343,7 +345,7 @@ impl Primary {
             name,
             local,
             shared,
-            order: Mutex::new(()),
+            order: tokio::sync::Mutex::new(()),
             state: Mutex::new(State {
                 epoch: taken.epoch,
                 in_sync: taken.in_sync.iter().copied().collect(),
@@ -359,7 +361,7 @@ impl Primary {
                 repaired_blocks: 0,
                 snapshot_repair: None,
             }),
-            changed: Condvar::new(),
+            changed: tokio::sync::Notify::new(),
             proposing: tokio::sync::Mutex::new(()),
             client_requests: AtomicU64::new(0),
             repairing: AtomicBool::new(false),
@@ -429,9 +431,10 @@ impl Primary {
     /// no write is ordered once it began; a FLUSH of everything goes to every replica
     /// streaming (and this copy) and is waited for, until `deadline`, from those counted for
     /// FLUSHes; what a replica did not confirm is added to what it lacks. `None` when this
-    /// copy could not be flushed or the primary had already stopped. Blocking.
-    pub(crate) fn stop_for_shutdown(&self, deadline: Instant) -> Option<ShutdownNote> {
-        let _order = lock(&self.order);
+    /// copy could not be flushed or the primary had already stopped. Store I/O inline: call
+    /// it from a thread that may block ([`Self::stop_for_shutdown`]) or in a simulation.
+    pub(crate) async fn stop_for_shutdown_async(&self, deadline: Instant) -> Option<ShutdownNote> {
+        let _order = self.order.lock().await;
         let upto = {
             let mut state = self.state();
             if state.closed.is_some() {
@@ -446,10 +449,15 @@ impl Primary {
         }
         // Only replicas counted for FLUSHes are waited for: one being caught up (or whose
         // node is down) keeps whatever it lacks in the note either way.
-        drop(self.wait_confirmed(
-            |_, peer| peer.streaming && peer.counted && peer.durable_upto < upto,
-            Some(deadline),
-        ));
+        drop(
+            self.wait_confirmed(
+                |_, peer| peer.streaming && peer.counted && peer.durable_upto < upto,
+                Some(deadline),
+                None,
+                |_| Ok(()),
+            )
+            .await,
+        );
         self.close("this node is shutting down".to_string());
         let mut state = self.state();
         let epoch = state.epoch;
@@ -464,6 +472,13 @@ impl Primary {
         Some(ShutdownNote { epoch, lacking })
     }
 
+    /// [`Self::stop_for_shutdown_async`], blocking the calling thread (not a runtime worker).
+    pub(crate) fn stop_for_shutdown(&self, deadline: Instant) -> Option<ShutdownNote> {
+        self.shared
+            .runtime
+            .block_on(self.stop_for_shutdown_async(deadline))
+    }
+
     /// Stops serving: every later I/O fails with `why`.
     pub(crate) fn close(&self, why: String) {
         let mut state = self.state();
@@ -475,7 +490,7 @@ impl Primary {
             peer.wake.notify_one();
         }
         drop(state);
-        self.changed.notify_all();
+        self.changed.notify_waiters();
     }
 
     /// Whether this node may act as primary now: not closed, the catalog still names it in
@@ -522,15 +537,18 @@ impl Primary {
 
     /// A client's request arrives: counted (a resync yields while they do), then
     /// [`Primary::lease`].
-    fn client_request(&self) -> VolumeResult<()> {
+    async fn client_request(&self) -> VolumeResult<()> {
         self.client_requests.fetch_add(1, Ordering::Relaxed);
-        self.lease()
+        self.lease().await
     }
 
     /// Waits (briefly) until this node holds its lease: a lapse of a report or two on a busy
     /// machine costs latency, not an error; a node cut off from the leader fails the I/O.
     /// Nothing is served or acknowledged without a lease.
-    fn lease(&self) -> VolumeResult<()> {
+    async fn lease(&self) -> VolumeResult<()> {
+        if self.shared.holds_lease() {
+            return Ok(());
+        }
         let clock = self.shared.clock();
         let deadline = clock.now() + LEASE_WAIT;
         while !self.shared.holds_lease() {
@@ -542,7 +560,7 @@ impl Primary {
                         .to_string(),
                 ));
             }
-            clock.sleep_blocking(Duration::from_millis(10));
+            clock.sleep(Duration::from_millis(10)).await;
         }
         Ok(())
     }
@@ -564,39 +582,50 @@ impl Primary {
     }
 
     /// Waits (without the order lock) until every streaming replica has room in its queue.
-    fn wait_for_room(&self) -> VolumeResult<()> {
-        let mut state = self.state();
+    async fn wait_for_room(&self) -> VolumeResult<()> {
         let mut _waiting = None;
         loop {
-            self.check_serving(&state)?;
-            let full = state
-                .peers
-                .values()
-                .any(|peer| peer.streaming && peer.queued_bytes >= QUEUE_BYTES_MAX);
-            if !full {
-                return Ok(());
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            {
+                let state = self.state();
+                self.check_serving(&state)?;
+                let full = state
+                    .peers
+                    .values()
+                    .any(|peer| peer.streaming && peer.queued_bytes >= QUEUE_BYTES_MAX);
+                if !full {
+                    return Ok(());
+                }
             }
             _waiting.get_or_insert_with(|| keel_ops::Phase::enter(keel_ops::phase::QUEUED));
-            state = self
-                .changed
-                .wait_timeout(state, WAIT_ROUND)
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .0;
+            self.wait_changed(changed).await;
+        }
+    }
+
+    /// Waits until `changed` (a [`Self::changed`] notification enabled before the state was
+    /// looked at) fires, or [`WAIT_ROUND`] passes: the caller then looks again.
+    async fn wait_changed(&self, changed: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>) {
+        tokio::select! {
+            _ = changed => {}
+            _ = self.shared.clock().sleep(WAIT_ROUND) => {}
         }
     }
 
     /// Orders one change of `length` bytes at `offset`: applies it locally and queues it to
     /// every streaming replica, built once per replica by `op` (a write's data is copied only
     /// for the replicas that get it); a resync reading an overlapping chunk reads it again.
-    fn ordered(
+    /// `apply` runs inline (client I/O: on the client's thread).
+    async fn ordered(
         &self,
         (offset, length): (u64, u64),
         op: impl Fn() -> Op,
         apply: impl FnOnce() -> VolumeResult<()>,
     ) -> VolumeResult<()> {
-        self.client_request()?;
-        self.wait_for_room()?;
-        let _order = lock(&self.order);
+        self.client_request().await?;
+        self.wait_for_room().await?;
+        let _order = self.order.lock().await;
         self.check_writable(&self.state())?;
         apply()?;
         let mut state = self.state();
@@ -630,30 +659,23 @@ impl Primary {
         upto
     }
 
-    /// Waits until no replica is `pending` (has yet to confirm something durable). Fails once
-    /// this node may no longer serve, loses its lease for good, or at `deadline`. Returns the
-    /// state, locked.
-    fn wait_confirmed(
-        &self,
-        pending: impl Fn(NodeId, &Peer) -> bool,
-        deadline: Option<Instant>,
-    ) -> VolumeResult<MutexGuard<'_, State>> {
-        self.wait_confirmed_since(pending, deadline, None)
-    }
-
-    /// [`Self::wait_confirmed`]; with `since`, a request being tracked (`keel ops`) records for
-    /// each replica counted for FLUSHes when, after `since`, it was seen confirmed.
-    fn wait_confirmed_since(
+    /// Waits until no replica is `pending` (has yet to confirm something durable), then answers
+    /// `done` of the state as it is then. Fails once this node may no longer serve, loses its
+    /// lease for good, or at `deadline`. With `since`, a request being tracked (`keel ops`)
+    /// records for each replica counted for FLUSHes when, after `since`, it was seen
+    /// confirmed.
+    async fn wait_confirmed<T>(
         &self,
         pending: impl Fn(NodeId, &Peer) -> bool,
         deadline: Option<Instant>,
         since: Option<Instant>,
-    ) -> VolumeResult<MutexGuard<'_, State>> {
-        let mut state = self.state();
+        done: impl FnOnce(&State) -> VolumeResult<T>,
+    ) -> VolumeResult<T> {
         let mut _waiting = None;
         let since = since.filter(|_| keel_ops::tracking());
         let mut unconfirmed: Vec<NodeId> = match since {
-            Some(_) => state
+            Some(_) => self
+                .state()
                 .peers
                 .iter()
                 .filter(|(_, peer)| peer.counted)
@@ -662,66 +684,73 @@ impl Primary {
             None => Vec::new(),
         };
         loop {
-            self.check_serving(&state)?;
-            if !self.shared.holds_lease() {
-                drop(state);
-                self.lease()?;
-                state = self.state();
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            let leased = {
+                let state = self.state();
+                self.check_serving(&state)?;
+                let leased = self.shared.holds_lease();
+                if leased {
+                    if let Some(since) = since {
+                        let now = self.shared.clock().now();
+                        unconfirmed.retain(|node| {
+                            let still = state
+                                .peers
+                                .get(node)
+                                .is_some_and(|peer| pending(*node, peer));
+                            if !still {
+                                keel_ops::waited_for(
+                                    || format!("replica on node {node}"),
+                                    now.saturating_duration_since(since),
+                                );
+                            }
+                            still
+                        });
+                    }
+                    if !state.peers.iter().any(|(node, peer)| pending(*node, peer)) {
+                        return done(&state);
+                    }
+                    if deadline.is_some_and(|deadline| self.shared.clock().now() >= deadline) {
+                        return Err(unavailable(
+                            &self.name,
+                            "a replica did not confirm its writes in time; try again".to_string(),
+                        ));
+                    }
+                }
+                leased
+            };
+            if !leased {
+                self.lease().await?;
                 continue;
             }
-            if let Some(since) = since {
-                let now = self.shared.clock().now();
-                unconfirmed.retain(|node| {
-                    let still = state
-                        .peers
-                        .get(node)
-                        .is_some_and(|peer| pending(*node, peer));
-                    if !still {
-                        keel_ops::waited_for(
-                            || format!("replica on node {node}"),
-                            now.saturating_duration_since(since),
-                        );
-                    }
-                    still
-                });
-            }
-            if !state.peers.iter().any(|(node, peer)| pending(*node, peer)) {
-                return Ok(state);
-            }
-            if deadline.is_some_and(|deadline| self.shared.clock().now() >= deadline) {
-                return Err(unavailable(
-                    &self.name,
-                    "a replica did not confirm its writes in time; try again".to_string(),
-                ));
-            }
             _waiting.get_or_insert_with(|| keel_ops::Phase::enter(keel_ops::phase::REPLICATING));
-            state = self
-                .changed
-                .wait_timeout(state, WAIT_ROUND)
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .0;
+            self.wait_changed(changed).await;
         }
     }
 
     /// A FLUSH's wait: every replica counted for FLUSHes confirmed `upto`, and enough of them
     /// are still in sync.
-    fn wait_durable(&self, upto: u64, since: Instant) -> VolumeResult<()> {
-        let state = self.wait_confirmed_since(
+    async fn wait_durable(&self, upto: u64, since: Instant) -> VolumeResult<()> {
+        self.wait_confirmed(
             |_, peer| peer.counted && peer.durable_upto < upto,
             None,
             Some(since),
-        )?;
-        if state.in_sync.len() < state.in_sync_min {
-            return Err(unavailable(
-                &self.name,
-                format!(
-                    "a replica was lost: only {} in sync, fewer than the minimum of {}",
-                    state.in_sync.len(),
-                    state.in_sync_min
-                ),
-            ));
-        }
-        Ok(())
+            |state| {
+                if state.in_sync.len() < state.in_sync_min {
+                    return Err(unavailable(
+                        &self.name,
+                        format!(
+                            "a replica was lost: only {} in sync, fewer than the minimum of {}",
+                            state.in_sync.len(),
+                            state.in_sync_min
+                        ),
+                    ));
+                }
+                Ok(())
+            },
+        )
+        .await
     }
 
     fn spawn_sender(self: &Arc<Self>, node: NodeId, state: &mut State) {
@@ -827,22 +856,31 @@ impl Primary {
     }
 
     /// Queues a FLUSH to every streaming replica and makes everything ordered so far durable
-    /// here; returns the position it covers (the replicas' confirmations come later).
-    fn flush_here(&self) -> VolumeResult<u64> {
-        let upto = {
-            let _order = lock(&self.order);
-            let mut state = self.state();
-            self.check_serving(&state)?;
-            self.queue_flush(&mut state)
-        };
+    /// here, inline (a client's FLUSH: on the client's thread); returns the position it covers
+    /// (the replicas' confirmations come later).
+    async fn flush_here(&self) -> VolumeResult<u64> {
+        let upto = self.queue_flush_here().await?;
         self.local.flush()?;
+        self.flushed_here(upto);
+        Ok(upto)
+    }
+
+    /// The first half of [`Self::flush_here`]: a FLUSH queued to every streaming replica.
+    async fn queue_flush_here(&self) -> VolumeResult<u64> {
+        let _order = self.order.lock().await;
+        let mut state = self.state();
+        self.check_serving(&state)?;
+        Ok(self.queue_flush(&mut state))
+    }
+
+    /// The second half of [`Self::flush_here`]: this copy is durable through `upto`.
+    fn flushed_here(&self, upto: u64) {
         let points = {
             let mut state = self.state();
             state.local_durable_upto = state.local_durable_upto.max(upto);
             self.advance_common(&mut state)
         };
         self.keep_points(points);
-        Ok(upto)
     }
 
     /// Sends a batch taken from a replica's queue, in the background: its stream and the send.
@@ -894,7 +932,7 @@ impl Primary {
                 }
                 let points = self.advance_common(&mut state);
                 drop(state);
-                self.changed.notify_all();
+                self.changed.notify_waiters();
                 self.keep_points(points);
                 true
             }
@@ -912,7 +950,7 @@ impl Primary {
                 peer.sender_running = false;
                 peer.end_stream();
                 drop(state);
-                self.changed.notify_all();
+                self.changed.notify_waiters();
                 let this = self.clone();
                 self.shared.runtime.spawn(async move {
                     this.drop_replica(node).await;
@@ -973,7 +1011,7 @@ impl Primary {
             let shared = self.shared.clone();
             let name = self.name.clone();
             let volume_id = self.volume_id;
-            self.shared.runtime.spawn_blocking(move || {
+            self.shared.detached(move || {
                 shared.keep_point(&name, volume_id, node, sequence);
             });
         }
@@ -988,12 +1026,8 @@ impl Primary {
         let name = self.name.clone();
         let volume_id = self.volume_id;
         let ours =
-            tokio::task::spawn_blocking(move || shared.changed_since_point(&name, volume_id, node))
-                .await;
-        let mut ours = match ours
-            .map_err(|error| error.to_string())
-            .and_then(|listed| listed.map_err(|error| error.to_string()))
-        {
+            crate::blocking(move || shared.changed_since_point(&name, volume_id, node)).await;
+        let mut ours = match ours.and_then(|listed| listed.map_err(|error| error.to_string())) {
             Ok(Some(chunks)) => chunks,
             Ok(None) => return Ok(None),
             Err(error) => {
@@ -1198,9 +1232,13 @@ impl Primary {
     /// write stream on every replica: no write is ordered meanwhile; every replica streaming
     /// has applied every earlier write before `change` runs (and one that failed is out of the
     /// in-sync set), and applies later writes only after its catalog has the change.
-    pub fn quiesce<T>(&self, change: impl FnOnce() -> VolumeResult<T>) -> VolumeResult<T> {
-        self.lease()?;
-        let _order = lock(&self.order);
+    /// `change` runs inline, after the wait: [`Self::quiesce`] is the blocking form.
+    pub async fn quiesce_async<T>(
+        &self,
+        change: impl std::future::Future<Output = VolumeResult<T>>,
+    ) -> VolumeResult<T> {
+        self.lease().await?;
+        let _order = self.order.lock().await;
         let upto = {
             let mut state = self.state();
             self.check_serving(&state)?;
@@ -1209,11 +1247,14 @@ impl Primary {
         let deadline = self.shared.clock().now() + QUIESCE_WAIT;
         // A replica that failed is still counted until Raft recorded it out of the in-sync
         // set: wait for that too, so a snapshot never names it complete.
-        drop(self.wait_confirmed(
+        self.wait_confirmed(
             |_, peer| (peer.streaming || peer.counted) && peer.durable_upto < upto,
             Some(deadline),
-        )?);
-        let outcome = change()?;
+            None,
+            |_| Ok(()),
+        )
+        .await?;
+        let outcome = change.await?;
         let index = self.shared.cluster.applied_index();
         let mut state = self.state();
         // A point is kept with the view's excluded generations as they are when it is kept:
@@ -1230,6 +1271,14 @@ impl Primary {
         Ok(outcome)
     }
 
+    /// [`Self::quiesce_async`] for a blocking `change` (one that asks Raft synchronously),
+    /// blocking the calling thread (not a runtime worker).
+    pub fn quiesce<T>(&self, change: impl FnOnce() -> VolumeResult<T>) -> VolumeResult<T> {
+        self.shared
+            .runtime
+            .block_on(self.quiesce_async(async { change() }))
+    }
+
     /// [`Primary::quiesce`], with the replicas `nodes` out of the in-sync set (Raft records
     /// it first) and their streams stopped while `change` runs; each is caught up afterwards
     /// from the start, whatever `change` answered (a catch-up already under way would keep
@@ -1240,8 +1289,9 @@ impl Primary {
         nodes: &[NodeId],
         change: impl FnOnce() -> VolumeResult<T>,
     ) -> VolumeResult<T> {
-        let outcome = self.drop_for_change(nodes).and_then(|()| {
-            let outcome = self.quiesce(change);
+        let outcome = self.shared.runtime.block_on(async {
+            self.drop_for_change(nodes).await?;
+            let outcome = self.quiesce_async(async { change() }).await;
             // A catch-up that restarted meanwhile compared chunks before the change.
             self.stop_streams(nodes);
             outcome
@@ -1255,13 +1305,12 @@ impl Primary {
         outcome
     }
 
-    fn drop_for_change(self: &Arc<Self>, nodes: &[NodeId]) -> VolumeResult<()> {
+    async fn drop_for_change(self: &Arc<Self>, nodes: &[NodeId]) -> VolumeResult<()> {
         for &node in nodes {
             let member = self.state().in_sync.contains(&node);
             if member {
-                self.shared
-                    .runtime
-                    .block_on(self.propose_in_sync(InSyncChange::Drop(node)))
+                self.propose_in_sync(InSyncChange::Drop(node))
+                    .await
                     .map_err(|error| unavailable(&self.name, error))?;
             }
             self.stop_streams(&[node]);
@@ -1280,7 +1329,7 @@ impl Primary {
             }
         }
         drop(state);
-        self.changed.notify_all();
+        self.changed.notify_waiters();
     }
 
     /// Moves a replica off a node that has been down for `after`, is draining or was removed,
@@ -1338,7 +1387,7 @@ impl Primary {
                 }
                 state.peers.insert(to, Peer::new());
                 drop(state);
-                self.changed.notify_all();
+                self.changed.notify_waiters();
                 tracing::warn!(volume = %self.name, from, to, "replica moved off a node that is gone; catching the new one up");
                 self.spawn_resync(to);
             }
@@ -1400,7 +1449,7 @@ impl Primary {
             }
             added
         };
-        self.changed.notify_all();
+        self.changed.notify_waiters();
         tracing::info!(volume = %self.name, ?replicas, in_sync_min, ?added, "replica set changed");
         for node in added {
             self.spawn_resync(node);
@@ -1618,7 +1667,7 @@ impl Primary {
                 }
             }
         }
-        self.changed.notify_all();
+        self.changed.notify_waiters();
         self.spawn_resync(node);
     }
 
@@ -1707,7 +1756,7 @@ impl Primary {
             if state.in_sync.contains(&node) {
                 return Err("still in the in-sync set: waiting for it to be taken out".to_string());
             }
-            let stream = rand::random::<u64>();
+            let stream = self.shared.new_stream_id(self.volume_id, state.epoch);
             let Some(peer) = state.peers.get_mut(&node) else {
                 return Ok(());
             };
@@ -1816,12 +1865,9 @@ impl Primary {
                     }
                     self.shared.clock().sleep(Duration::from_millis(5)).await;
                 }
-                let this = self.clone();
-                let copied = tokio::task::spawn_blocking(move || {
-                    this.queue_differences(node, offset, length, block, &theirs)
-                })
-                .await
-                .map_err(|error| error.to_string())??;
+                let copied = self
+                    .queue_differences(node, offset, length, block, theirs)
+                    .await?;
                 shipped += copied;
                 self.state().resync_compared_bytes += length;
                 offset += length;
@@ -1854,7 +1900,7 @@ impl Primary {
         // Everything is queued: the replica becomes counted, flushes, and joins once that
         // flush (the one behind the last data queued) is confirmed.
         let flush = {
-            let _order = lock(&self.order);
+            let _order = self.order.lock().await;
             let mut state = self.state();
             let upto = state.next_seq - 1;
             let peer = state.peers.get_mut(&node).ok_or("replica gone")?;
@@ -1901,14 +1947,19 @@ impl Primary {
             peer.lacking.caught_up();
             peer.added = false;
         }
-        self.changed.notify_all();
+        self.changed.notify_waiters();
         // A FLUSH with the replica in sync gives both nodes a common point at once, rather
         // than at the client's next FLUSH (a volume left idle after the catch-up keeps none).
-        let this = self.clone();
-        let flushed = tokio::task::spawn_blocking(move || this.flush_here())
-            .await
-            .map_err(|error| error.to_string())
-            .and_then(|flushed| flushed.map_err(|error| error.to_string()));
+        let flushed = match self.queue_flush_here().await {
+            Ok(upto) => {
+                let local = self.local.clone();
+                crate::blocking(move || local.flush().map_err(|error| error.to_string()))
+                    .await
+                    .and_then(|flushed| flushed)
+                    .map(|()| self.flushed_here(upto))
+            }
+            Err(error) => Err(error.to_string()),
+        };
         if let Err(error) = flushed {
             tracing::info!(volume = %self.name, node, %error, "the FLUSH after a catch-up failed; the next one gives the common point");
         }
@@ -2000,7 +2051,9 @@ impl Primary {
                         .block_on(self.remote_hashes(*node, offset, length))
                         .map_err(failed)?;
                     let shipped = self
-                        .queue_differences(*node, offset, length, block, &theirs)
+                        .shared
+                        .runtime
+                        .block_on(self.queue_differences(*node, offset, length, block, theirs))
                         .map_err(failed)?;
                     report.replica_blocks_repaired += shipped / block;
                 }
@@ -2014,7 +2067,7 @@ impl Primary {
             }
         }
         // What was shipped is durable on every replica before the report says so.
-        self.flush_shipped()?;
+        self.shared.runtime.block_on(self.flush_shipped())?;
         report.replicas = self.state().in_sync.len() as u64;
         report.local_blocks_repaired = self.state().repaired_blocks - repaired_before;
         Ok(report)
@@ -2024,10 +2077,10 @@ impl Primary {
     /// replica counted for FLUSHes: a flush is queued, and each replica's wait ends when that
     /// flush of its stream is confirmed (its position alone may have been confirmed by an
     /// earlier flush). A replica that fails meanwhile is out of the in-sync set.
-    fn flush_shipped(&self) -> VolumeResult<()> {
-        self.lease()?;
+    async fn flush_shipped(&self) -> VolumeResult<()> {
+        self.lease().await?;
         let wanted: BTreeMap<NodeId, u64> = {
-            let _order = lock(&self.order);
+            let _order = self.order.lock().await;
             let mut state = self.state();
             self.check_serving(&state)?;
             self.queue_flush(&mut state);
@@ -2039,7 +2092,7 @@ impl Primary {
                 .collect()
         };
         self.local.flush()?;
-        drop(self.wait_confirmed(
+        self.wait_confirmed(
             |node, peer| {
                 peer.counted
                     && !peer.failed
@@ -2048,18 +2101,20 @@ impl Primary {
                         .is_some_and(|flush| peer.flushes_confirmed < *flush)
             },
             None,
-        )?);
-        Ok(())
+            None,
+            |_| Ok(()),
+        )
+        .await
     }
 
     /// A read that met a block failing its checksum here: block by block, each damaged block
     /// is read from an in-sync replica and written back to the local copy.
-    fn read_repairing(&self, offset: u64, buf: &mut [u8]) -> VolumeResult<()> {
+    async fn read_repairing(&self, offset: u64, buf: &mut [u8]) -> VolumeResult<()> {
         let block = self.local.block_size_bytes() as usize;
         for (index, chunk) in buf.chunks_mut(block).enumerate() {
             let at = offset + (index * block) as u64;
             match self.local.read(at, chunk) {
-                Err(error) if error.is_corrupt() => self.repair_block(at, chunk, error)?,
+                Err(error) if error.is_corrupt() => self.repair_block(at, chunk, error).await?,
                 other => other?,
             }
         }
@@ -2069,7 +2124,12 @@ impl Primary {
     /// Replaces a damaged block of the local copy with an in-sync replica's, read once that
     /// replica applied every write ordered before (no write is ordered meanwhile, so the
     /// copies agree). Fails with `damage` when no replica can give it.
-    fn repair_block(&self, offset: u64, chunk: &mut [u8], damage: VolumeError) -> VolumeResult<()> {
+    async fn repair_block(
+        &self,
+        offset: u64,
+        chunk: &mut [u8],
+        damage: VolumeError,
+    ) -> VolumeResult<()> {
         let sources: Vec<NodeId> = self
             .state()
             .in_sync
@@ -2078,14 +2138,11 @@ impl Primary {
             .filter(|node| *node != self.shared.local_node)
             .collect();
         let length = chunk.len() as u64;
-        self.quiesce(|| {
+        self.quiesce_async(async {
             for node in sources {
-                let copy = self.shared.runtime.block_on(self.ask_range::<CopyAnswer>(
-                    node,
-                    METHOD_READ_COPY,
-                    offset,
-                    length,
-                ));
+                let copy = self
+                    .ask_range::<CopyAnswer>(node, METHOD_READ_COPY, offset, length)
+                    .await;
                 match copy {
                     Ok(copy) if copy.data.len() == chunk.len() => {
                         // No fdatasync here (writes wait behind this quiesce): a repair lost
@@ -2112,6 +2169,7 @@ impl Primary {
             }
             Err(damage)
         })
+        .await
     }
 
     /// Which of the replica and this node ever wrote `[offset, offset + length)`: the replica
@@ -2129,15 +2187,14 @@ impl Primary {
         if !answer.unwritten {
             return Ok(Stretch::Written);
         }
-        let this = self.clone();
-        let ours_unwritten = tokio::task::spawn_blocking(move || {
-            let _order = lock(&this.order);
-            this.local
+        let _order = self.order.lock().await;
+        let local = self.local.clone();
+        let ours_unwritten = crate::blocking(move || {
+            local
                 .range_unwritten(offset, length)
                 .map_err(|error| error.to_string())
         })
-        .await
-        .map_err(|error| error.to_string())??;
+        .await??;
         Ok(if ours_unwritten {
             Stretch::Unwritten
         } else {
@@ -2203,13 +2260,13 @@ impl Primary {
     /// meanwhile), then queued under it only if no change ordered meanwhile overlapped it;
     /// otherwise it is read again, the last time under the lock throughout. Returns the
     /// bytes queued.
-    fn queue_differences(
-        &self,
+    async fn queue_differences(
+        self: &Arc<Self>,
         node: NodeId,
         offset: u64,
         length: u64,
         block: u64,
-        theirs: &[u8],
+        theirs: Vec<u8>,
     ) -> Result<u64, String> {
         let block = block as usize;
         let blocks = length as usize / block;
@@ -2219,17 +2276,22 @@ impl Primary {
                 theirs.len()
             ));
         }
+        let theirs = Arc::new(theirs);
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let mut order = Some(lock(&self.order));
-            if theirs.is_empty()
-                && self
-                    .local
-                    .range_unwritten(offset, length)
-                    .map_err(|error| error.to_string())?
-            {
-                return Ok(0);
+            let mut order = Some(self.order.lock().await);
+            if theirs.is_empty() {
+                let local = self.local.clone();
+                let unwritten = crate::blocking(move || {
+                    local
+                        .range_unwritten(offset, length)
+                        .map_err(|error| error.to_string())
+                })
+                .await??;
+                if unwritten {
+                    return Ok(0);
+                }
             }
             self.state()
                 .peers
@@ -2239,8 +2301,16 @@ impl Primary {
             if attempt < RESYNC_READ_ATTEMPTS {
                 order = None;
             }
-            let compared = self.read_differences(offset, length, block, theirs);
-            let _order = order.unwrap_or_else(|| lock(&self.order));
+            let this = self.clone();
+            let hashes = theirs.clone();
+            let compared =
+                crate::blocking(move || this.read_differences(offset, length, block, &hashes))
+                    .await
+                    .and_then(|compared| compared);
+            let _order = match order {
+                Some(order) => order,
+                None => self.order.lock().await,
+            };
             let mut state = self.state();
             let next_position = state.next_seq;
             let peer = state.peers.get_mut(&node).ok_or("replica gone")?;
@@ -2353,6 +2423,76 @@ pub(crate) struct Failure {
     pub message: String,
 }
 
+/// Client I/O, async: store I/O runs inline (on the client's thread in a server, which blocks
+/// on these through [`VolumeIo`]; on the simulation's one thread in `sim/`).
+impl Primary {
+    pub async fn read_async(&self, offset: u64, buf: &mut [u8]) -> VolumeResult<()> {
+        self.client_request().await?;
+        self.check_serving(&self.state())?;
+        match self.local.read(offset, buf) {
+            Err(error) if error.is_corrupt() => self.read_repairing(offset, buf).await,
+            other => other,
+        }
+    }
+
+    pub async fn write_async(&self, offset: u64, data: &[u8], fua: bool) -> VolumeResult<()> {
+        self.ordered(
+            (offset, data.len() as u64),
+            || Op::Write {
+                offset,
+                data: data.to_vec(),
+            },
+            || self.local.write(offset, data, false),
+        )
+        .await?;
+        if fua {
+            self.flush_async().await?;
+        }
+        Ok(())
+    }
+
+    pub async fn flush_async(&self) -> VolumeResult<()> {
+        let started = self.shared.clock().now();
+        self.client_request().await?;
+        let upto = self.flush_here().await?;
+        self.wait_durable(upto, started).await
+    }
+
+    pub async fn trim_async(&self, offset: u64, length: u64) -> VolumeResult<()> {
+        self.ordered(
+            (offset, length),
+            || Op::Trim { offset, length },
+            || self.local.trim(offset, length),
+        )
+        .await
+    }
+
+    pub async fn write_zeroes_async(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        may_trim: bool,
+    ) -> VolumeResult<()> {
+        self.ordered(
+            (offset, length),
+            || Op::Zeroes {
+                offset,
+                length,
+                may_trim,
+            },
+            || self.local.write_zeroes(offset, length, false, may_trim),
+        )
+        .await?;
+        if fua {
+            self.flush_async().await?;
+        }
+        Ok(())
+    }
+}
+
+/// The blocking form for NBD workers and other threads that may block (never a runtime
+/// worker): each call drives its async form to completion on the calling thread.
 impl VolumeIo for Primary {
     fn name(&self) -> &str {
         &self.name
@@ -2371,42 +2511,23 @@ impl VolumeIo for Primary {
     }
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> VolumeResult<()> {
-        self.client_request()?;
-        self.check_serving(&self.state())?;
-        match self.local.read(offset, buf) {
-            Err(error) if error.is_corrupt() => self.read_repairing(offset, buf),
-            other => other,
-        }
+        self.shared.runtime.block_on(self.read_async(offset, buf))
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> VolumeResult<()> {
-        self.ordered(
-            (offset, data.len() as u64),
-            || Op::Write {
-                offset,
-                data: data.to_vec(),
-            },
-            || self.local.write(offset, data, false),
-        )?;
-        if fua {
-            self.flush()?;
-        }
-        Ok(())
+        self.shared
+            .runtime
+            .block_on(self.write_async(offset, data, fua))
     }
 
     fn flush(&self) -> VolumeResult<()> {
-        let started = self.shared.clock().now();
-        self.client_request()?;
-        let upto = self.flush_here()?;
-        self.wait_durable(upto, started)
+        self.shared.runtime.block_on(self.flush_async())
     }
 
     fn trim(&self, offset: u64, length: u64) -> VolumeResult<()> {
-        self.ordered(
-            (offset, length),
-            || Op::Trim { offset, length },
-            || self.local.trim(offset, length),
-        )
+        self.shared
+            .runtime
+            .block_on(self.trim_async(offset, length))
     }
 
     fn write_zeroes(
@@ -2416,18 +2537,8 @@ impl VolumeIo for Primary {
         fua: bool,
         may_trim: bool,
     ) -> VolumeResult<()> {
-        self.ordered(
-            (offset, length),
-            || Op::Zeroes {
-                offset,
-                length,
-                may_trim,
-            },
-            || self.local.write_zeroes(offset, length, false, may_trim),
-        )?;
-        if fua {
-            self.flush()?;
-        }
-        Ok(())
+        self.shared
+            .runtime
+            .block_on(self.write_zeroes_async(offset, length, fua, may_trim))
     }
 }

@@ -2,8 +2,10 @@
 //! the sender is the volume's primary in this node's view of the catalog (epoch fencing).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use tokio::sync::OwnedMutexGuard;
 
 use keel_catalog::NodeId;
 use keel_volume::VolumeIo;
@@ -51,7 +53,8 @@ struct Replica {
 }
 
 /// Every volume this node holds a replica of. Each volume's mutex is held while a batch is
-/// applied, so hashes, batches and a take-over never interleave.
+/// applied, so hashes, batches and a take-over never interleave. (Async: a take-over holds it
+/// while Raft records it; store work under it runs through [`crate::blocking`].)
 #[derive(Default)]
 pub(crate) struct Replicas {
     volumes: Mutex<HashMap<u64, Arc<Slot>>>,
@@ -61,8 +64,8 @@ pub(crate) struct Replicas {
 /// (a primary keeps several in flight; they may arrive, or be scheduled, out of order).
 #[derive(Default)]
 pub(crate) struct Slot {
-    pub(crate) state: Mutex<ReplicaSlot>,
-    turn: Condvar,
+    pub(crate) state: Arc<tokio::sync::Mutex<ReplicaSlot>>,
+    turn: tokio::sync::Notify,
 }
 
 #[derive(Default)]
@@ -134,7 +137,7 @@ pub fn admit(
 }
 
 /// [`admit`], waiting a moment for this node's catalog when it is behind the sender's epoch.
-fn check_sender(
+async fn check_sender(
     shared: &Shared,
     volume_id: u64,
     epoch: u64,
@@ -152,7 +155,7 @@ fn check_sender(
         );
         match verdict {
             Err(refusal) if refusal.code == CODE_BEHIND && clock.now() < deadline => {
-                clock.sleep_blocking(Duration::from_millis(5));
+                clock.sleep(Duration::from_millis(5)).await;
             }
             other => return other,
         }
@@ -205,7 +208,7 @@ pub fn apply_ops(volume: &dyn VolumeIo, ops: &[Op], flush: bool) -> keel_volume:
 
 /// Waits until this node's catalog applied Raft index `index` (what the primary had applied
 /// when it changed the volume's metadata between two writes).
-fn wait_for_catalog(shared: &Shared, index: u64) -> Result<(), Refusal> {
+async fn wait_for_catalog(shared: &Shared, index: u64) -> Result<(), Refusal> {
     let clock = shared.clock();
     let deadline = clock.now() + CATALOG_CATCH_UP;
     while shared.cluster.applied_index() < index {
@@ -215,24 +218,53 @@ fn wait_for_catalog(shared: &Shared, index: u64) -> Result<(), Refusal> {
                 format!("this node has not applied metadata index {index} yet"),
             ));
         }
-        clock.sleep_blocking(Duration::from_millis(2));
+        clock.sleep(Duration::from_millis(2)).await;
     }
     Ok(())
 }
 
-/// Applies one batch of a primary's stream (blocking: store I/O). A batch that comes before
-/// the one it follows waits its turn (the primary keeps several in flight); one whose
-/// predecessor never comes, or that follows nothing this node holds, is refused.
-pub(crate) fn apply(shared: &Shared, sender: NodeId, batch: Batch) -> Result<BatchAck, Refusal> {
-    wait_for_catalog(shared, batch.catalog_index)?;
+/// Applies one batch of a primary's stream (its store I/O through [`crate::blocking`]). A
+/// batch that comes before the one it follows waits its turn (the primary keeps several in
+/// flight); one whose predecessor never comes, or that follows nothing this node holds, is
+/// refused.
+pub(crate) async fn apply(
+    shared: &Arc<Shared>,
+    sender: NodeId,
+    batch: Batch,
+) -> Result<BatchAck, Refusal> {
+    wait_for_catalog(shared, batch.catalog_index).await?;
     let slot = shared.replicas.slot(batch.volume_id);
-    let mut state = lock(&slot.state);
+    let held = wait_for_turn(shared, &slot, &batch).await?;
     // After the wait: a take-over may have happened while this batch waited.
-    state = wait_for_turn(shared, &slot, state, &batch)?;
-    let name = check_sender(shared, batch.volume_id, batch.epoch, sender)?;
+    let checked = check_sender(shared, batch.volume_id, batch.epoch, sender).await;
+    let applied = match checked {
+        Ok(name) => {
+            let shared = shared.clone();
+            crate::blocking(move || apply_held(&shared, held, sender, &name, &batch))
+                .await
+                .unwrap_or_else(|error| Err(refusal(CODE_FAILED, error)))
+        }
+        Err(refused) => {
+            drop(held);
+            Err(refused)
+        }
+    };
+    slot.turn.notify_waiters();
+    applied
+}
+
+/// The blocking part of [`apply`]: the batch applied to the local volume under its slot,
+/// which is dropped on return.
+fn apply_held(
+    shared: &Shared,
+    mut state: OwnedMutexGuard<ReplicaSlot>,
+    sender: NodeId,
+    name: &str,
+    batch: &Batch,
+) -> Result<BatchAck, Refusal> {
     // A failure below leaves the position unset: the primary must resync this replica.
     let previous = state.replica.position.take();
-    let applied = apply_batch(shared, &mut state, &name, &batch);
+    let applied = apply_batch(shared, &mut state, name, batch);
     if applied.is_ok() {
         let mut flushes = previous
             .filter(|position| position.stream == batch.stream)
@@ -263,7 +295,7 @@ pub(crate) fn apply(shared: &Shared, sender: NodeId, batch: Batch) -> Result<Bat
                 state.replica.point_kept = Some(now);
                 for peer in std::iter::once(sender).chain(batch.common_with.iter().copied()) {
                     if peer != shared.local_node {
-                        shared.keep_point(&name, batch.volume_id, peer, sequence);
+                        shared.keep_point(name, batch.volume_id, peer, sequence);
                     }
                 }
             }
@@ -274,8 +306,6 @@ pub(crate) fn apply(shared: &Shared, sender: NodeId, batch: Batch) -> Result<Bat
             flushes,
         });
     }
-    drop(state);
-    slot.turn.notify_all();
     applied
 }
 
@@ -298,16 +328,20 @@ fn apply_batch(
 /// Waits until `batch` continues what this node holds: the first of a stream, or the next of
 /// the stream it holds. A batch further on in that stream, or of another stream (its first
 /// batch may still be on its way), waits for the ones before it, at most [`TURN_WAIT`]; any
-/// other (an earlier index: a repeat) is refused, as is one still waiting then.
-fn wait_for_turn<'a>(
+/// other (an earlier index: a repeat) is refused, as is one still waiting then. Returns the
+/// volume's slot, held.
+async fn wait_for_turn(
     shared: &Shared,
-    slot: &'a Slot,
-    mut state: MutexGuard<'a, ReplicaSlot>,
+    slot: &Slot,
     batch: &Batch,
-) -> Result<MutexGuard<'a, ReplicaSlot>, Refusal> {
+) -> Result<OwnedMutexGuard<ReplicaSlot>, Refusal> {
     let clock = shared.clock();
     let deadline = clock.now() + TURN_WAIT;
     loop {
+        let turn = slot.turn.notified();
+        tokio::pin!(turn);
+        turn.as_mut().enable();
+        let mut state = slot.state.clone().lock_owned().await;
         let waits = match &state.replica.position {
             _ if batch.index == 0 => return Ok(state),
             Some(position) if position.stream == batch.stream => {
@@ -322,7 +356,7 @@ fn wait_for_turn<'a>(
         if !waits || now >= deadline {
             state.replica.position = None;
             drop(state);
-            slot.turn.notify_all();
+            slot.turn.notify_waiters();
             return Err(refusal(
                 CODE_OUT_OF_ORDER,
                 format!(
@@ -332,27 +366,25 @@ fn wait_for_turn<'a>(
                 ),
             ));
         }
-        state = slot
-            .turn
-            .wait_timeout(state, deadline - now)
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .0;
+        drop(state);
+        tokio::select! {
+            _ = turn => {}
+            _ = clock.sleep(deadline - now) => {}
+        }
     }
 }
 
-/// The volume a range request is about, once the sender's epoch is checked and the range is
-/// whole blocks of at most `max` bytes (`unit` names that limit in the refusal). Called
-/// holding the volume's slot, which the caller keeps while it reads.
+/// The volume a range request is about (`name`, its sender checked), once the range is whole
+/// blocks of at most `max` bytes (`unit` names that limit in the refusal). Called holding the
+/// volume's slot, which the caller keeps while it reads.
 fn range_volume(
     shared: &Shared,
     slot: &mut ReplicaSlot,
-    sender: NodeId,
+    name: &str,
     request: &HashRequest,
-    max: u64,
-    unit: &str,
+    (max, unit): (u64, &str),
 ) -> Result<Arc<dyn VolumeIo>, Refusal> {
-    let name = check_sender(shared, request.volume_id, request.epoch, sender)?;
-    let volume = handle(shared, slot, &name, request.epoch)?;
+    let volume = handle(shared, slot, name, request.epoch)?;
     let block = u64::from(volume.block_size_bytes());
     if !request.offset.is_multiple_of(block)
         || !request.length.is_multiple_of(block)
@@ -372,14 +404,18 @@ fn range_volume(
 /// What this node's copy changed since its common point with the primary asking (a catch-up
 /// after a crash or a take-over compares only that, and what the primary changed since its
 /// own point).
-pub(crate) fn changed(
-    shared: &Shared,
+pub(crate) async fn changed(
+    shared: &Arc<Shared>,
     sender: NodeId,
     request: ChangedRequest,
 ) -> Result<ChangedAnswer, Refusal> {
-    let name = check_sender(shared, request.volume_id, request.epoch, sender)?;
-    let chunks = shared
-        .changed_since_point(&name, request.volume_id, sender)
+    let name = check_sender(shared, request.volume_id, request.epoch, sender).await?;
+    let shared = shared.clone();
+    let listed =
+        crate::blocking(move || shared.changed_since_point(&name, request.volume_id, sender))
+            .await
+            .map_err(|error| refusal(CODE_FAILED, error))?;
+    let chunks = listed
         .map_err(|error| refusal(CODE_FAILED, error.to_string()))?
         .map(|chunks| postcard::to_allocvec(&chunks))
         .transpose()
@@ -387,77 +423,78 @@ pub(crate) fn changed(
     Ok(ChangedAnswer { chunks })
 }
 
+/// A probe: at most this many bytes.
+const PROBE: (u64, &str) = (crate::RESYNC_PROBE_BYTES, "probe");
+/// A chunk: at most this many bytes.
+const CHUNK: (u64, &str) = (crate::RESYNC_CHUNK_BYTES, "chunk");
+
 /// Whether a range (at most a probe) was never written here.
-pub(crate) fn unwritten(
-    shared: &Shared,
+pub(crate) async fn unwritten(
+    shared: &Arc<Shared>,
     sender: NodeId,
     request: HashRequest,
 ) -> Result<UnwrittenAnswer, Refusal> {
-    let slot = shared.replicas.slot(request.volume_id);
-    let mut slot = lock(&slot.state);
-    let volume = range_volume(
-        shared,
-        &mut slot,
-        sender,
-        &request,
-        crate::RESYNC_PROBE_BYTES,
-        "probe",
-    )?;
-    let unwritten = volume
-        .range_unwritten(request.offset, request.length)
-        .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
-    Ok(UnwrittenAnswer { unwritten })
+    with_range(shared, sender, request, PROBE, move |volume, request| {
+        let unwritten = volume
+            .range_unwritten(request.offset, request.length)
+            .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
+        Ok(UnwrittenAnswer { unwritten })
+    })
+    .await
 }
 
 /// This node's copy of a range (at most a chunk), for a primary whose own copy of it failed its
 /// checksum. The primary asks only once every write it ordered before has been applied here.
-pub(crate) fn read_copy(
-    shared: &Shared,
+pub(crate) async fn read_copy(
+    shared: &Arc<Shared>,
     sender: NodeId,
     request: HashRequest,
 ) -> Result<CopyAnswer, Refusal> {
-    with_chunk(shared, sender, &request, |volume| {
+    with_range(shared, sender, request, CHUNK, |volume, request| {
         let mut data = vec![0u8; request.length as usize];
         volume
             .read(request.offset, &mut data)
             .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
         Ok(CopyAnswer { data })
     })
+    .await
 }
 
-/// Runs `work` on the local volume for a request about at most a chunk of it, holding the
-/// volume's replica slot (no batch is applied meanwhile).
-fn with_chunk<T>(
-    shared: &Shared,
+/// Runs `work` on the local volume for a request about a range of it (at most `limit`),
+/// holding the volume's replica slot (no batch is applied meanwhile), through
+/// [`crate::blocking`].
+async fn with_range<T: Send + 'static>(
+    shared: &Arc<Shared>,
     sender: NodeId,
-    request: &HashRequest,
-    work: impl FnOnce(&dyn VolumeIo) -> Result<T, Refusal>,
+    request: HashRequest,
+    limit: (u64, &'static str),
+    work: impl FnOnce(&dyn VolumeIo, &HashRequest) -> Result<T, Refusal> + Send + 'static,
 ) -> Result<T, Refusal> {
     let slot = shared.replicas.slot(request.volume_id);
-    let mut slot = lock(&slot.state);
-    let volume = range_volume(
-        shared,
-        &mut slot,
-        sender,
-        request,
-        crate::RESYNC_CHUNK_BYTES,
-        "chunk",
-    )?;
-    work(volume.as_ref())
+    let mut held = slot.state.clone().lock_owned().await;
+    let name = check_sender(shared, request.volume_id, request.epoch, sender).await?;
+    let shared = shared.clone();
+    crate::blocking(move || {
+        let volume = range_volume(&shared, &mut held, &name, &request, limit)?;
+        work(volume.as_ref(), &request)
+    })
+    .await
+    .unwrap_or_else(|error| Err(refusal(CODE_FAILED, error)))
 }
 
-/// Hashes of this node's blocks of a range (blocking: reads the local volume); none when the
-/// range was never written here.
-pub(crate) fn hashes(
-    shared: &Shared,
+/// Hashes of this node's blocks of a range (at most a chunk); none when the range was never
+/// written here.
+pub(crate) async fn hashes(
+    shared: &Arc<Shared>,
     sender: NodeId,
     request: HashRequest,
 ) -> Result<HashAnswer, Refusal> {
-    with_chunk(shared, sender, &request, |volume| {
+    with_range(shared, sender, request, CHUNK, |volume, request| {
         let hashes = hash_range(volume, request.offset, request.length)
             .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
         Ok(HashAnswer { hashes })
     })
+    .await
 }
 
 /// Hashes of the blocks of a range of `volume` (a copy of the volume, or of a snapshot);
@@ -504,17 +541,20 @@ pub(crate) fn hash_range(
     Ok(hashes)
 }
 
-/// This node's copy of a snapshot, for a range request of the volume's primary: once the
-/// catalog here applied what the primary had (the repair's start), for whole blocks of at
-/// most a chunk.
-fn snapshot_copy(
+/// Checks a range request about a snapshot of the volume's primary: once the catalog here
+/// applied what the primary had (the repair's start), for whole blocks of at most a chunk.
+async fn check_snapshot_range(
     shared: &Shared,
     sender: NodeId,
     request: &SnapshotRange,
-) -> Result<Arc<dyn VolumeIo>, Refusal> {
-    wait_for_catalog(shared, request.catalog_index)?;
-    check_sender(shared, request.volume_id, request.epoch, sender)?;
-    check_chunk(request.offset, request.length)?;
+) -> Result<(), Refusal> {
+    wait_for_catalog(shared, request.catalog_index).await?;
+    check_sender(shared, request.volume_id, request.epoch, sender).await?;
+    check_chunk(request.offset, request.length)
+}
+
+/// This node's copy of the snapshot a range request is about (blocking).
+fn snapshot_copy(shared: &Shared, request: &SnapshotRange) -> Result<Arc<dyn VolumeIo>, Refusal> {
     shared
         .local
         .open_snapshot_copy(
@@ -539,39 +579,58 @@ fn check_chunk(offset: u64, length: u64) -> Result<(), Refusal> {
     Ok(())
 }
 
-/// Hashes of this node's copy of a range of a snapshot (blocking).
-pub(crate) fn snapshot_hashes(
-    shared: &Shared,
+/// Runs blocking `work` for a request, through [`crate::blocking`].
+async fn in_blocking<T: Send + 'static>(
+    shared: &Arc<Shared>,
+    work: impl FnOnce(&Shared) -> Result<T, Refusal> + Send + 'static,
+) -> Result<T, Refusal> {
+    let shared = shared.clone();
+    crate::blocking(move || work(&shared))
+        .await
+        .unwrap_or_else(|error| Err(refusal(CODE_FAILED, error)))
+}
+
+/// Hashes of this node's copy of a range of a snapshot.
+pub(crate) async fn snapshot_hashes(
+    shared: &Arc<Shared>,
     sender: NodeId,
     request: SnapshotRange,
 ) -> Result<HashAnswer, Refusal> {
-    let copy = snapshot_copy(shared, sender, &request)?;
-    let hashes = hash_range(copy.as_ref(), request.offset, request.length)
-        .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
-    Ok(HashAnswer { hashes })
+    check_snapshot_range(shared, sender, &request).await?;
+    in_blocking(shared, move |shared| {
+        let copy = snapshot_copy(shared, &request)?;
+        let hashes = hash_range(copy.as_ref(), request.offset, request.length)
+            .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
+        Ok(HashAnswer { hashes })
+    })
+    .await
 }
 
-/// This node's copy of a range of a snapshot it holds whole (blocking).
-pub(crate) fn snapshot_read(
-    shared: &Shared,
+/// This node's copy of a range of a snapshot it holds whole.
+pub(crate) async fn snapshot_read(
+    shared: &Arc<Shared>,
     sender: NodeId,
     request: SnapshotRange,
 ) -> Result<CopyAnswer, Refusal> {
-    let copy = snapshot_copy(shared, sender, &request)?;
-    let mut data = vec![0u8; request.length as usize];
-    copy.read(request.offset, &mut data)
-        .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
-    Ok(CopyAnswer { data })
+    check_snapshot_range(shared, sender, &request).await?;
+    in_blocking(shared, move |shared| {
+        let copy = snapshot_copy(shared, &request)?;
+        let mut data = vec![0u8; request.length as usize];
+        copy.read(request.offset, &mut data)
+            .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
+        Ok(CopyAnswer { data })
+    })
+    .await
 }
 
-/// Writes blocks of a snapshot into the repair of this node's copy, durably (blocking).
-pub(crate) fn snapshot_repair(
-    shared: &Shared,
+/// Writes blocks of a snapshot into the repair of this node's copy, durably.
+pub(crate) async fn snapshot_repair(
+    shared: &Arc<Shared>,
     sender: NodeId,
     request: SnapshotRepairWrite,
 ) -> Result<(), Refusal> {
-    wait_for_catalog(shared, request.catalog_index)?;
-    check_sender(shared, request.volume_id, request.epoch, sender)?;
+    wait_for_catalog(shared, request.catalog_index).await?;
+    check_sender(shared, request.volume_id, request.epoch, sender).await?;
     let mut bytes = 0u64;
     for run in &request.runs {
         check_chunk(run.offset, run.data.len() as u64)?;
@@ -579,22 +638,25 @@ pub(crate) fn snapshot_repair(
     }
     // Whole blocks of one chunk at most.
     check_chunk(0, bytes)?;
-    let runs: Vec<(u64, &[u8])> = request
-        .runs
-        .iter()
-        .map(|run| (run.offset, run.data.as_slice()))
-        .collect();
-    shared
-        .local
-        .write_snapshot_repair(
-            request.volume_id,
-            request.snapshot_generation,
-            request.repair,
-            &runs,
-        )
-        .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
-    shared.counters.received(bytes);
-    Ok(())
+    in_blocking(shared, move |shared| {
+        let runs: Vec<(u64, &[u8])> = request
+            .runs
+            .iter()
+            .map(|run| (run.offset, run.data.as_slice()))
+            .collect();
+        shared
+            .local
+            .write_snapshot_repair(
+                request.volume_id,
+                request.snapshot_generation,
+                request.repair,
+                &runs,
+            )
+            .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
+        shared.counters.received(bytes);
+        Ok(())
+    })
+    .await
 }
 
 #[cfg(test)]

@@ -252,14 +252,13 @@ impl Primary {
             return Ok(answer.hashes);
         }
         let local = self.shared.local.clone();
-        tokio::task::spawn_blocking(move || {
+        crate::blocking(move || {
             let copy = local
                 .open_snapshot_copy(range.volume_id, range.snapshot_generation, range.repair)
                 .map_err(|error| error.to_string())?;
             hash_range(copy.as_ref(), range.offset, range.length).map_err(|error| error.to_string())
         })
-        .await
-        .map_err(|error| error.to_string())?
+        .await?
     }
 
     /// `node`'s copy of a range of the snapshot, which it holds whole.
@@ -271,7 +270,7 @@ impl Primary {
             return Ok(answer.data);
         }
         let local = self.shared.local.clone();
-        tokio::task::spawn_blocking(move || {
+        crate::blocking(move || {
             let copy = local
                 .open_snapshot_copy(range.volume_id, range.snapshot_generation, None)
                 .map_err(|error| error.to_string())?;
@@ -280,8 +279,7 @@ impl Primary {
                 .map_err(|error| error.to_string())?;
             Ok(data)
         })
-        .await
-        .map_err(|error| error.to_string())?
+        .await?
     }
 
     /// Writes blocks into the repair of `node`'s copy, durably.
@@ -292,7 +290,7 @@ impl Primary {
                 .await;
         }
         let local = self.shared.local.clone();
-        tokio::task::spawn_blocking(move || {
+        crate::blocking(move || {
             let runs: Vec<(u64, &[u8])> = write
                 .runs
                 .iter()
@@ -307,8 +305,7 @@ impl Primary {
                 )
                 .map_err(|error| error.to_string())
         })
-        .await
-        .map_err(|error| error.to_string())?
+        .await?
     }
 }
 
