@@ -32,6 +32,10 @@ fn refusal(code: u16, message: String) -> Refusal {
 struct Position {
     stream: u64,
     next_index: u64,
+    /// The newest epoch a batch of the stream carried: a primary starts each stream in an
+    /// epoch at least that of its streams before, and a node takes a volume over in a newer
+    /// one, so a batch of another stream in an older epoch is a late one of a replaced stream.
+    epoch: u64,
     /// The stream's FLUSH batches applied here, oldest first, with this node's store
     /// sequence once each was applied: a later batch names one both nodes made durable
     /// (`Batch::common_index`), and its sequence becomes this node's common point.
@@ -266,10 +270,10 @@ fn apply_held(
     let previous = state.replica.position.take();
     let applied = apply_batch(shared, &mut state, name, batch);
     if applied.is_ok() {
-        let mut flushes = previous
+        let (mut flushes, epoch) = previous
             .filter(|position| position.stream == batch.stream)
-            .map(|position| position.flushes)
-            .unwrap_or_default();
+            .map(|position| (position.flushes, position.epoch.max(batch.epoch)))
+            .unwrap_or((VecDeque::new(), batch.epoch));
         if batch.flush {
             // Every change of this batch and the ones before is committed, none after it.
             flushes.push_back((batch.index, shared.local.committed_sequence()));
@@ -303,6 +307,7 @@ fn apply_held(
         state.replica.position = Some(Position {
             stream: batch.stream,
             next_index: batch.index + 1,
+            epoch,
             flushes,
         });
     }
@@ -343,13 +348,28 @@ async fn wait_for_turn(
         turn.as_mut().enable();
         let mut state = slot.state.clone().lock_owned().await;
         let waits = match &state.replica.position {
-            _ if batch.index == 0 => return Ok(state),
+            // A late batch of a stream older than this node's (a replaced primary's, or one
+            // its node sent before it restarted): never applied over what the newer stream
+            // wrote, and the newer stream goes on.
+            Some(position) if position.stream != batch.stream && batch.epoch < position.epoch => {
+                let held = (position.stream, position.epoch);
+                drop(state);
+                return Err(refusal(
+                    CODE_OUT_OF_ORDER,
+                    format!(
+                        "batch {} of stream {:x} (epoch {}) for volume #{} is older than stream \
+                         {:x} (epoch {}) this node applies",
+                        batch.index, batch.stream, batch.epoch, batch.volume_id, held.0, held.1
+                    ),
+                ));
+            }
             Some(position) if position.stream == batch.stream => {
                 if position.next_index == batch.index {
                     return Ok(state);
                 }
                 position.next_index < batch.index
             }
+            _ if batch.index == 0 => return Ok(state),
             _ => true,
         };
         let now = clock.now();

@@ -623,6 +623,121 @@ async fn snapshots_a_replica_lacks_are_copied_to_it() {
     stop(&nodes.iter().collect::<Vec<_>>(), None).await;
 }
 
+// Proves a replica never applies a late batch of a replaced stream over what a newer stream
+// wrote: a batch that starts a stream (index 0) in an epoch older than the stream the replica
+// applies — one a primary's node sent before it restarted and took the volume over again, or
+// one of a primary that was replaced — is refused, the replica's copy keeps the newer data,
+// and the current stream goes on (the replica stays in sync). Without the check the replica
+// took it as a new stream: the late write landed over the flushed one, and the current stream
+// failed on its next batch, leaving a copy the primary does not know differs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_batch_of_a_replaced_stream_is_not_applied_over_a_newer_one() {
+    use keel_replication::wire::{Batch, Op, CODE_OUT_OF_ORDER, METHOD_REPLICATE};
+    let network = LocalNetwork::new();
+    let (nodes, primary, replica) = replicated_volume(&network, "late-stream", 16, 2, None).await;
+    let primary_node = &nodes[primary];
+    let replica_node = &nodes[replica];
+    let (primary_id, replica_id) = (
+        primary_node.cluster.node_id(),
+        replica_node.cluster.node_id(),
+    );
+    let replication = primary_node.replication.clone();
+    let volume = blocking(move || replication.open("v")).await.unwrap();
+    wait_for("the replica in sync", || {
+        in_sync(primary_node, "v").contains(&replica_id)
+    })
+    .await;
+    let io = volume.clone();
+    blocking(move || {
+        io.write(0, &pattern(1), false).unwrap();
+        io.flush().unwrap();
+    })
+    .await;
+    let record = primary_node
+        .cluster
+        .catalog()
+        .read()
+        .volume("v")
+        .unwrap()
+        .record
+        .clone();
+    assert!(record.replication.epoch > 1);
+
+    // A first batch of another stream, from the primary's node, in an older epoch.
+    let late = Batch {
+        volume_id: record.id,
+        epoch: record.replication.epoch - 1,
+        stream: 0x1a7e,
+        index: 0,
+        ops: vec![Op::Write {
+            offset: 0,
+            data: pattern(9),
+        }],
+        flush: true,
+        catalog_index: 0,
+        common_index: None,
+        common_with: Vec::new(),
+    };
+    let transport = network.transport(&primary_node.address, Arc::new(move || primary_id));
+    let answer = keel_cluster::Transport::call(
+        &transport,
+        keel_cluster::Peer::Node {
+            id: replica_id,
+            address: replica_node.address.clone(),
+        },
+        METHOD_REPLICATE,
+        postcard::to_allocvec(&late).unwrap(),
+        Duration::from_secs(5),
+    )
+    .await;
+    match answer {
+        Err(keel_cluster::TransportError::Remote { code, .. }) => {
+            assert_eq!(code, CODE_OUT_OF_ORDER, "refused, but not as out of order")
+        }
+        other => panic!("a late batch of an older stream was taken: {other:?}"),
+    }
+    let replica_volumes = replica_node.volumes.clone();
+    let unit0 = blocking(move || {
+        let copy = replica_volumes.open_volume("v").unwrap();
+        let mut buf = vec![0u8; 65536];
+        copy.read(0, &mut buf).unwrap();
+        buf
+    })
+    .await;
+    assert!(unit0 == pattern(1), "the late write landed on the replica");
+
+    // The current stream goes on: the next FLUSH counts the replica, still in sync.
+    let io = volume.clone();
+    let catalog = primary_node.cluster.catalog().clone();
+    let in_sync_at_flush = blocking(move || {
+        io.write(65536, &pattern(2), false).unwrap();
+        io.flush().unwrap();
+        let state = catalog.read();
+        state
+            .volume("v")
+            .unwrap()
+            .record
+            .replication
+            .in_sync
+            .to_vec()
+    })
+    .await;
+    assert!(
+        in_sync_at_flush.contains(&replica_id),
+        "the current stream failed after the late batch"
+    );
+    let replica_volumes = replica_node.volumes.clone();
+    let unit1 = blocking(move || {
+        let copy = replica_volumes.open_volume("v").unwrap();
+        let mut buf = vec![0u8; 65536];
+        copy.read(65536, &mut buf).unwrap();
+        buf
+    })
+    .await;
+    assert!(unit1 == pattern(2), "the next write is not on the replica");
+    stop(&nodes.iter().collect::<Vec<_>>(), None).await;
+}
+
 /// Starts three nodes and a volume `v` of `units` 64 KiB units with `replicas` replicas;
 /// returns the nodes and the indexes of the volume's first replica (where it is attached) and
 /// its second (or another node, with one replica).
