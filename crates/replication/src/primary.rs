@@ -51,9 +51,15 @@ const QUIESCE_WAIT: Duration = Duration::from_secs(10);
 /// FLUSHes remembered until both nodes made them durable (bounded memory; a point found
 /// nowhere is only kept later).
 const FLUSH_POINTS_KEPT: usize = 4096;
-/// How long a replica may take to list what it changed since its common point (it reads
-/// every block key of the volume, never its data).
-const CHANGED_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long a replica may take to list what it changed since its common point: it reads
+/// every block key of the volume, never its data (about 0.1 s per GiB measured), so a base
+/// plus ten times that per GiB, at most [`CHANGED_TIMEOUT_MAX`]. Not one long bound for every
+/// volume: a call lost with its replica's node (no answer ever comes) holds the catch-up
+/// until it runs out.
+fn changed_timeout(volume_bytes: u64) -> Duration {
+    Duration::from_secs(10 + (volume_bytes >> 30)).min(CHANGED_TIMEOUT_MAX)
+}
+const CHANGED_TIMEOUT_MAX: Duration = Duration::from_secs(300);
 /// How long a replica's stream stays idle before an empty batch tells it its common point.
 const TELL_WHEN_IDLE: Duration = Duration::from_millis(200);
 /// How long an unanswered in-sync change may keep being refused (the epoch moved on) without
@@ -1040,7 +1046,12 @@ impl Primary {
             epoch: self.state().epoch,
         };
         let answer: ChangedAnswer = self
-            .ask(node, METHOD_CHANGED, &request, CHANGED_TIMEOUT)
+            .ask(
+                node,
+                METHOD_CHANGED,
+                &request,
+                changed_timeout(self.local.size_bytes()),
+            )
             .await?;
         let Some(theirs) = answer
             .chunks
