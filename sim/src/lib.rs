@@ -19,6 +19,8 @@
 //! from a seeded generator (`keel-cluster/simulation`), every choice here from the seed: the
 //! same seed gives the same [`Report`], down to its trace hash.
 
+pub mod replication;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};

@@ -1,10 +1,12 @@
-//! `keel-sim`: runs the deterministic cluster simulation over many seeds.
+//! `keel-sim`: runs the deterministic simulations over many seeds: the metadata cluster's, or
+//! with `--replication` the replicated volumes'.
 //!
 //! ```text
-//! keel-sim [--seed FIRST] [--seeds N | --minutes M] [--steps K] [--reproduce SEED]
+//! keel-sim [--replication] [--seed FIRST] [--seeds N | --minutes M] [--steps K] [--reproduce SEED]
 //! ```
 //! Prints one line per failing seed with the command that replays it, and a summary; exits 1 on
-//! any violation. Data lives under `target/sim-data` (a real filesystem).
+//! any violation. The cluster simulation's data lives under `target/sim-data` (a real
+//! filesystem); the replication simulation's stores are on simulated disks, in memory.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -25,6 +27,9 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|arg| arg == "--replication") {
+        replication(&args);
+    }
     let steps = value(&args, "--steps").unwrap_or(300) as u32;
     let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/sim-data");
     if let Some(seed) = value(&args, "--reproduce") {
@@ -66,6 +71,57 @@ fn main() {
     }
     println!(
         "{runs} seeds ({first}..{}), {steps} steps each, {:.0} s: {proposals} proposals, {acknowledged} acknowledged, {crashes} crashes, {partitions} partitions; {failures} failing seed(s)",
+        seed.saturating_sub(1),
+        started.elapsed().as_secs_f64()
+    );
+    std::process::exit(if failures == 0 { 0 } else { 1 });
+}
+
+/// `--replication`: the replicated-volume simulation over many seeds (exits).
+fn replication(args: &[String]) -> ! {
+    let steps = value(args, "--steps").unwrap_or(200) as u32;
+    if let Some(seed) = value(args, "--reproduce") {
+        let report = keel_sim::replication::run(seed, steps);
+        println!("{report:#?}");
+        std::process::exit(if report.violations.is_empty() { 0 } else { 1 });
+    }
+    let first = value(args, "--seed").unwrap_or(1);
+    let seeds = value(args, "--seeds");
+    let minutes = value(args, "--minutes");
+    let started = Instant::now();
+    let (mut runs, mut failures) = (0u64, 0u64);
+    let (mut writes, mut flushes, mut attaches, mut cuts, mut partitions) = (0, 0, 0, 0, 0);
+    let mut seed = first;
+    loop {
+        let done = match (seeds, minutes) {
+            (Some(count), _) => runs >= count,
+            (None, Some(limit)) => started.elapsed() >= Duration::from_secs(limit * 60),
+            (None, None) => runs >= 100,
+        };
+        if done {
+            break;
+        }
+        let report = keel_sim::replication::run(seed, steps);
+        runs += 1;
+        writes += report.writes;
+        flushes += report.flushes;
+        attaches += report.attaches;
+        cuts += report.power_cuts;
+        partitions += report.partitions;
+        if !report.violations.is_empty() {
+            failures += 1;
+            println!(
+                "seed {seed} (R={}, witness: {}): {} violation(s): {:?}\n  replay: cargo run --release --bin keel-sim -- --replication --reproduce {seed} --steps {steps}",
+                report.replicas,
+                report.witness,
+                report.violations.len(),
+                report.violations
+            );
+        }
+        seed += 1;
+    }
+    println!(
+        "{runs} seeds ({first}..{}), {steps} steps each, {:.0} s: {writes} writes, {flushes} FLUSHes acknowledged, {attaches} attaches, {cuts} power cuts, {partitions} partitions; {failures} failing seed(s)",
         seed.saturating_sub(1),
         started.elapsed().as_secs_f64()
     );

@@ -1,0 +1,1186 @@
+//! A deterministic simulation of replicated volumes: real nodes — real openraft, the real
+//! replication engine (`keel-replication`, built with its `simulation` feature: its store work
+//! runs inline), real volume engines and real stores — each store on a simulated disk that loses
+//! what was not synced when its node loses power, over an in-process network with seeded
+//! faults, on simulated time, driven by one seed.
+//!
+//! One run ([`run`]): three nodes (R=2 on three storage nodes, R=3 on three, or R=2 on two
+//! storage nodes and a metadata-only witness, chosen by the seed) and one replicated volume.
+//! Two clients write 4 KiB blocks to their own units of the volume and FLUSH, each through the
+//! node it attached to, as NBD clients do; a client whose request fails (or whose node lost
+//! power under it) attaches again wherever the volume is served — the same node, or another
+//! replica taking the volume over once the primary's lease ran out. Meanwhile, for a number of
+//! steps, the seed picks among: a node's power cut (its unsynced writes lost, dropped, kept or
+//! torn) and restart, partitions and healing, message loss and delay, idle time. Then every
+//! link heals, every node comes back, and the volume is served until every replica is in sync.
+//!
+//! What it checks, the contract of `docs/volumes.md`:
+//! 1. **No acknowledged FLUSH is lost.** Each client keeps, per unit, the value its last
+//!    acknowledged FLUSH covered and the values written since (acknowledged or not). Whatever
+//!    a read returns — during the run, after a take-over, and at the end — is one of those.
+//! 2. **A primary reads its own writes.** Until a request fails, a read returns exactly what
+//!    the client last wrote there (or read back when it attached).
+//! 3. **One primary per epoch.** No two nodes acknowledge a FLUSH in the same epoch.
+//! 4. **The copies converge.** Once every replica is back in sync and a FLUSH went through,
+//!    every node's own copy holds the same bytes as the primary's.
+//!
+//! Determinism: as the cluster simulation (a current-thread runtime with paused time and a
+//! seeded scheduler, openraft's randomness seeded), plus the engine's store work inline and
+//! its stream ids derived, not drawn. The stores' own background threads (index checkpoints,
+//! segment preparation) are not the seed's, so a power cut may keep a different torn tail
+//! between two runs of one seed; the trace records what the sim saw, and a seed replays.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, UNIX_EPOCH};
+
+use keel_catalog::{Command, NodeAddresses, NodeId, NodeRole, VolumeSettings, VolumeStatus};
+use keel_cluster::{Cluster, ClusterConfig, ClusterHandler, Dispatch, LocalNetwork, Timing};
+use keel_namespace::volume::{VolumeError, VolumeIo, VolumeManager, VolumeResult};
+use keel_replication::primary::Primary;
+use keel_replication::{LocalVolumes, Replication, Settings};
+use keel_store::simdisk::SimDisk;
+use keel_store::{Store, StoreConfig};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// What one seed did and found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Report {
+    pub seed: u64,
+    /// The volume's replicas, and whether the third node was a witness.
+    pub replicas: u8,
+    pub witness: bool,
+    pub steps: u32,
+    pub writes: u64,
+    pub flushes: u64,
+    pub flushes_failed: u64,
+    pub reads_checked: u64,
+    /// Attaches that made a node the volume's primary anew (a take-over or a re-attach).
+    pub attaches: u64,
+    pub power_cuts: u64,
+    pub partitions: u64,
+    /// Hash of everything observable, in order: two runs of a seed must agree on it.
+    pub trace_hash: String,
+    pub violations: Vec<String>,
+}
+
+/// The volume's name.
+const VOLUME: &str = "v";
+/// Clients, and units (4 KiB blocks, each in its own 64 KiB stretch) per client.
+const CLIENTS: usize = 2;
+const UNITS: u64 = 24;
+const UNIT_STRIDE_BYTES: u64 = 64 << 10;
+const BLOCK_BYTES: usize = 4096;
+const VOLUME_BYTES: u64 = 4 << 20;
+
+fn timing() -> Timing {
+    Timing {
+        raft_heartbeat: Duration::from_millis(50),
+        election_timeout_min: Duration::from_millis(300),
+        election_timeout_max: Duration::from_millis(600),
+        report_interval: Duration::from_millis(100),
+        // Past the replication batch timeout (2 s): a cut-off replica is dropped by its
+        // primary's failed batch first, not by the failure detector.
+        suspect_after: Duration::from_secs(4),
+        down_after: Duration::from_secs(8),
+        propose_timeout: Duration::from_secs(4),
+        call_timeout: Duration::from_millis(500),
+        membership_interval: Duration::from_millis(150),
+        snapshot_every_entries: 200,
+    }
+}
+
+/// The block a client writes as `value` to `unit` (0 is never written: zeroes).
+fn block(client: usize, unit: u64, value: u32) -> Vec<u8> {
+    if value == 0 {
+        return vec![0u8; BLOCK_BYTES];
+    }
+    let mut stamp = [0u8; 16];
+    stamp[..8].copy_from_slice(&(client as u64).to_le_bytes());
+    stamp[8..12].copy_from_slice(&(unit as u32).to_le_bytes());
+    stamp[12..].copy_from_slice(&value.to_le_bytes());
+    stamp.iter().copied().cycle().take(BLOCK_BYTES).collect()
+}
+
+/// The value a block holds, if it is one [`block`] makes for this client and unit.
+fn value_of(client: usize, unit: u64, data: &[u8]) -> Option<u32> {
+    if data.iter().all(|byte| *byte == 0) {
+        return Some(0);
+    }
+    let value = u32::from_le_bytes([data[12], data[13], data[14], data[15]]);
+    (block(client, unit, value) == data).then_some(value)
+}
+
+fn offset_of(client: usize, unit: u64) -> u64 {
+    (client as u64 * UNITS + unit) * UNIT_STRIDE_BYTES
+}
+
+/// One client's knowledge of its units.
+#[derive(Clone)]
+struct Model {
+    /// Per unit: the value its last acknowledged FLUSH covered (0: zeroes).
+    floor: Vec<u32>,
+    /// Per unit: values written since, acknowledged or not, oldest first: any of them may be
+    /// what a later primary holds (a write reaches some replicas and not others).
+    since: Vec<Vec<u32>>,
+    /// Per unit, what the primary the client is attached to holds: read back when it
+    /// attached, then its acknowledged writes. `None` once a request failed.
+    current: Option<Vec<u32>>,
+}
+
+impl Model {
+    fn new() -> Model {
+        Model {
+            floor: vec![0; UNITS as usize],
+            since: vec![Vec::new(); UNITS as usize],
+            current: None,
+        }
+    }
+
+    /// What unit `unit` may hold on any primary now.
+    fn allowed(&self, unit: u64) -> Vec<u32> {
+        let unit = unit as usize;
+        let mut allowed = vec![self.floor[unit]];
+        allowed.extend(&self.since[unit]);
+        allowed
+    }
+
+    /// What a read of `unit` through the attached primary may return: exactly what it holds
+    /// while no request failed, else whatever is allowed.
+    fn expected(&self, unit: u64) -> Vec<u32> {
+        match &self.current {
+            Some(current) => vec![current[unit as usize]],
+            None => self.allowed(unit),
+        }
+    }
+
+    /// A FLUSH was acknowledged: what the primary holds is durable on every replica in sync,
+    /// and no value written before can come back.
+    fn flushed(&mut self) {
+        if let Some(current) = &self.current {
+            self.floor.clone_from(current);
+            for since in &mut self.since {
+                since.clear();
+            }
+        }
+    }
+}
+
+/// What every task of a run shares.
+struct World {
+    network: LocalNetwork,
+    nodes: Vec<Node>,
+    trace: blake3::Hasher,
+    violations: Vec<String>,
+    report: Report,
+    /// Per epoch, the node that acknowledged a FLUSH in it.
+    flush_epochs: BTreeMap<u64, NodeId>,
+    /// The catch-ups' pace (slow ones keep an old primary sending after a take-over).
+    resync_bytes_per_second: Option<u64>,
+    /// Nodes down, and when each comes back.
+    restarts: Vec<(tokio::time::Instant, usize)>,
+    /// When the cut in place heals.
+    heal_at: Option<tokio::time::Instant>,
+    /// A fault the next client to get a FLUSH acknowledged makes to its primary's node.
+    armed: Option<Fault>,
+    /// Print every event as it is recorded, with the simulated time (`KEEL_SIM_TRACE=1`).
+    print_trace: bool,
+    started: tokio::time::Instant,
+}
+
+struct Node {
+    name: String,
+    address: String,
+    role: NodeRole,
+    dir: PathBuf,
+    /// The node's disk as it is now (replaced by its state after a power cut).
+    disk: SimDisk,
+    clock: Arc<keel_clock::SimClock>,
+    live: Option<Live>,
+    /// Bumped at every power cut: a client request through an older one never completes.
+    incarnation: u64,
+}
+
+struct Live {
+    cluster: Arc<Cluster>,
+    /// `None` on the witness.
+    volumes: Option<Arc<VolumeManager>>,
+    replication: Option<Arc<Replication>>,
+    _dispatch: Arc<Dispatch>,
+}
+
+/// The node's own copies of volumes, for the replication engine.
+struct Copies {
+    volumes: Arc<VolumeManager>,
+}
+
+impl LocalVolumes for Copies {
+    fn open_local(&self, name: &str) -> VolumeResult<Arc<dyn VolumeIo>> {
+        self.volumes.open_volume(name)
+    }
+
+    fn open_local_snapshot(&self, volume: &str, snapshot: &str) -> VolumeResult<Arc<dyn VolumeIo>> {
+        self.volumes.open_snapshot(volume, snapshot)
+    }
+
+    fn open_snapshot_copy(
+        &self,
+        volume_id: u64,
+        generation: u64,
+        repair: Option<u64>,
+    ) -> VolumeResult<Arc<dyn VolumeIo>> {
+        self.volumes
+            .open_snapshot_copy(volume_id, generation, repair)
+    }
+
+    fn write_snapshot_repair(
+        &self,
+        volume_id: u64,
+        generation: u64,
+        repair: u64,
+        runs: &[(u64, &[u8])],
+    ) -> VolumeResult<()> {
+        self.volumes
+            .write_snapshot_repair(volume_id, generation, repair, runs)
+    }
+
+    fn keep_record(
+        &self,
+        volume_id: u64,
+        name: &[u8],
+        value: Vec<u8>,
+        sync: bool,
+    ) -> VolumeResult<()> {
+        self.volumes.keep_copy_record(volume_id, name, value, sync)
+    }
+
+    fn record(&self, volume_id: u64, name: &[u8]) -> VolumeResult<Option<Vec<u8>>> {
+        self.volumes.copy_record(volume_id, name)
+    }
+
+    fn forget_record(&self, volume_id: u64, name: &[u8]) -> VolumeResult<()> {
+        self.volumes.forget_copy_record(volume_id, name)
+    }
+
+    fn committed_sequence(&self) -> u64 {
+        self.volumes.store().committed_sequence()
+    }
+
+    fn changed_since(
+        &self,
+        name: &str,
+        volume_id: u64,
+        since: u64,
+        changed: &mut dyn FnMut(u64, u64),
+    ) -> VolumeResult<()> {
+        self.volumes.changed_since(name, volume_id, since, changed)
+    }
+}
+
+type Shared = Rc<RefCell<World>>;
+
+impl World {
+    fn record(&mut self, event: &str) {
+        self.trace.update(event.as_bytes());
+        self.trace.update(b"\n");
+        if self.print_trace {
+            let at = tokio::time::Instant::now().saturating_duration_since(self.started);
+            eprintln!("[{:>9.3} s] {event}", at.as_secs_f64());
+        }
+    }
+
+    fn violation(&mut self, what: String) {
+        self.record(&format!("violation {what}"));
+        self.violations.push(what);
+    }
+
+    fn ids(&self) -> Vec<NodeId> {
+        (1..=self.nodes.len() as u64).collect()
+    }
+
+    /// The replication engine of node `index`, if it is up and holds volumes.
+    fn engine(&self, index: usize) -> Option<(Arc<Replication>, u64)> {
+        let node = &self.nodes[index];
+        let live = node.live.as_ref()?;
+        Some((live.replication.clone()?, node.incarnation))
+    }
+
+    /// The volume's replication as node `index` sees it.
+    fn replication_seen(&self, index: usize) -> Option<keel_catalog::Replication> {
+        let live = self.nodes[index].live.as_ref()?;
+        let catalog = live.cluster.catalog().read();
+        Some(catalog.volume(VOLUME)?.record.replication.clone())
+    }
+}
+
+fn start_node(world: &Shared, index: usize, join: Option<String>) -> StartNode {
+    let (name, address, role, dir, disk, clock, nodes) = {
+        let world = world.borrow();
+        let node = &world.nodes[index];
+        (
+            node.name.clone(),
+            node.address.clone(),
+            node.role,
+            node.dir.clone(),
+            node.disk.clone(),
+            node.clock.clone(),
+            world.nodes.len(),
+        )
+    };
+    StartNode {
+        name,
+        address,
+        role,
+        dir,
+        disk,
+        clock,
+        join,
+        voters: nodes,
+        resync_bytes_per_second: world.borrow().resync_bytes_per_second,
+    }
+}
+
+/// What a node starts from (taken out of the world, which is not held across the start).
+struct StartNode {
+    name: String,
+    address: String,
+    role: NodeRole,
+    dir: PathBuf,
+    disk: SimDisk,
+    clock: Arc<keel_clock::SimClock>,
+    join: Option<String>,
+    voters: usize,
+    resync_bytes_per_second: Option<u64>,
+}
+
+impl StartNode {
+    async fn start(self, network: &LocalNetwork) -> Result<Live, String> {
+        let mut config = StoreConfig::new(vec![self.dir.clone()]);
+        config.disk = Arc::new(self.disk);
+        // Small segments: a simulated disk holds them in memory.
+        config.segment_size_max_bytes = 8 << 20;
+        config.reserve_bytes = 0;
+        let store =
+            Store::open(config).map_err(|error| format!("opening {}: {error}", self.name))?;
+        let handler = ClusterHandler::new();
+        let dispatch = Dispatch::new(handler.clone());
+        let weak: std::sync::Weak<dyn keel_cluster::Handler> =
+            Arc::downgrade(&(dispatch.clone() as Arc<dyn keel_cluster::Handler>));
+        network.listen(&self.address, weak);
+        let from = handler.clone();
+        let transport: Arc<dyn keel_cluster::Transport> =
+            Arc::new(network.transport(&self.address, Arc::new(move || from.current_node_id())));
+        let clock: Arc<dyn keel_clock::Clock> = self.clock;
+        let config = ClusterConfig {
+            name: self.name.clone(),
+            role: self.role,
+            addresses: NodeAddresses {
+                cluster: self.address.clone(),
+                ..NodeAddresses::default()
+            },
+            labels: BTreeMap::new(),
+            devices: Vec::new(),
+            join: self.join,
+            cluster_id: Some([9; 16]),
+            voters: self.voters,
+            timing: timing(),
+            clock,
+        };
+        let cluster = Cluster::start(store.clone(), config, transport.clone(), &handler)
+            .await
+            .map_err(|error| format!("starting {}: {error}", self.name))?;
+        if self.role == NodeRole::Witness {
+            return Ok(Live {
+                cluster,
+                volumes: None,
+                replication: None,
+                _dispatch: dispatch,
+            });
+        }
+        let metadata: Arc<dyn keel_catalog::Metadata> = cluster.clone();
+        let volumes = Arc::new(
+            VolumeManager::open(store, metadata)
+                .map_err(|error| format!("opening {}'s volumes: {error}", self.name))?,
+        );
+        let replication = Replication::new(
+            cluster.clone(),
+            transport,
+            Arc::new(Copies {
+                volumes: volumes.clone(),
+            }),
+            tokio::runtime::Handle::current(),
+            Settings {
+                move_after: Duration::from_secs(3600),
+                resync_bytes_per_second: self.resync_bytes_per_second,
+                resync_busy_percent: 100,
+                snapshot_repair: true,
+            },
+            keel_ops::Ops::disabled(),
+        );
+        dispatch.set_above(replication.clone());
+        Ok(Live {
+            cluster,
+            volumes: Some(volumes),
+            replication: Some(replication),
+            _dispatch: dispatch,
+        })
+    }
+}
+
+async fn bring_up(world: &Shared, index: usize, join: Option<String>) -> Result<(), String> {
+    let network = world.borrow().network.clone();
+    let live = start_node(world, index, join).start(&network).await?;
+    world.borrow_mut().nodes[index].live = Some(live);
+    Ok(())
+}
+
+/// Node `index` loses power: nothing it does reaches anyone any more, and its disk comes back
+/// with only what it synced (each unsynced write dropped, kept or torn).
+async fn power_cut(world: &Shared, index: usize) {
+    let live = {
+        let mut world = world.borrow_mut();
+        let address = world.nodes[index].address.clone();
+        world.network.close(&address);
+        let node = &mut world.nodes[index];
+        node.incarnation += 1;
+        node.disk = node.disk.power_cut();
+        node.live.take()
+    };
+    if let Some(live) = live {
+        // Stops its Raft and, through it, its engine's tasks (they write to the old disk,
+        // which nothing reads any more).
+        live.cluster.shutdown().await;
+    }
+}
+
+/// What happens to a node.
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    /// It loses power and comes back within 10 s.
+    PowerCut,
+    /// Its links to every other node are cut, and heal within 8 s.
+    Isolate,
+}
+
+/// Makes `fault` happen to node `index` now, and schedules its end.
+async fn fail_node(world: &Shared, index: usize, fault: Fault, rng: &mut StdRng) {
+    let now = tokio::time::Instant::now();
+    match fault {
+        Fault::PowerCut => {
+            world.borrow_mut().report.power_cuts += 1;
+            power_cut(world, index).await;
+            let back = now + Duration::from_millis(rng.gen_range(500..10_000));
+            world.borrow_mut().restarts.push((back, index));
+        }
+        Fault::Isolate => {
+            let mut world = world.borrow_mut();
+            let ids = world.ids();
+            world.report.partitions += 1;
+            world.network.partition(&[index as u64 + 1], &ids);
+            world.heal_at = Some(now + Duration::from_millis(rng.gen_range(200..8_000)));
+        }
+    }
+}
+
+/// The outcome of a client request.
+enum Answer<T> {
+    Done(T),
+    Failed(VolumeError),
+    /// The node lost power with the request in flight: it may or may not have been done.
+    Cut,
+}
+
+/// Runs `request` through the primary `primary` of node `index` (incarnation `incarnation`),
+/// unless the node loses power first.
+async fn through<T>(
+    world: &Shared,
+    index: usize,
+    incarnation: u64,
+    request: impl std::future::Future<Output = VolumeResult<T>>,
+) -> Answer<T> {
+    tokio::pin!(request);
+    loop {
+        if world.borrow().nodes[index].incarnation != incarnation {
+            return Answer::Cut;
+        }
+        tokio::select! {
+            answer = &mut request => {
+                // Answered after a power cut: nothing reached the client.
+                if world.borrow().nodes[index].incarnation != incarnation {
+                    return Answer::Cut;
+                }
+                return match answer {
+                    Ok(value) => Answer::Done(value),
+                    Err(error) => Answer::Failed(error),
+                };
+            }
+            _ = tokio::time::sleep(Duration::from_millis(5)) => {}
+        }
+    }
+}
+
+/// A client attached to the volume through one node.
+struct Attached {
+    index: usize,
+    incarnation: u64,
+    primary: Arc<Primary>,
+}
+
+/// Attaches through a node holding a replica that serves the volume or may take it over,
+/// retrying (a take-over waits out the old primary's lease) until `limit`.
+async fn attach(world: &Shared, rng: &mut StdRng, limit: Duration) -> Option<Attached> {
+    let deadline = tokio::time::Instant::now() + limit;
+    while tokio::time::Instant::now() < deadline {
+        // The node the catalog names primary first, then the others holding a replica, from
+        // a random start.
+        let candidates: Vec<usize> = {
+            let world = world.borrow();
+            let count = world.nodes.len();
+            let start = rng.gen_range(0..count);
+            let named = (0..count)
+                .find_map(|index| world.replication_seen(index))
+                .map(|replication| replication.primary);
+            let mut order: Vec<usize> = (0..count).map(|k| (start + k) % count).collect();
+            if let Some(named) = named {
+                order.sort_by_key(|index| (*index as u64 + 1) != named);
+            }
+            order
+        };
+        for index in candidates {
+            let Some((engine, incarnation)) = world.borrow().engine(index) else {
+                continue;
+            };
+            let opened = through(world, index, incarnation, engine.open_primary(VOLUME)).await;
+            if let Answer::Done(primary) = opened {
+                let mut world = world.borrow_mut();
+                world.report.attaches += 1;
+                world.record(&format!("attach n{}", index + 1));
+                return Some(Attached {
+                    index,
+                    incarnation,
+                    primary,
+                });
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    None
+}
+
+/// Reads every unit of client `client` through `attached` (`None` if a read failed) and
+/// checks each against the model ([`Model::expected`]).
+async fn read_units(
+    world: &Shared,
+    client: usize,
+    attached: &Attached,
+    model: &Model,
+    when: &str,
+) -> Option<Vec<u32>> {
+    let mut values = Vec::new();
+    for unit in 0..UNITS {
+        let mut data = vec![0u8; BLOCK_BYTES];
+        let read = through(
+            world,
+            attached.index,
+            attached.incarnation,
+            attached
+                .primary
+                .read_async(offset_of(client, unit), &mut data),
+        )
+        .await;
+        if !matches!(read, Answer::Done(())) {
+            return None;
+        }
+        let found = value_of(client, unit, &data);
+        let mut world = world.borrow_mut();
+        world.report.reads_checked += 1;
+        let allowed = model.expected(unit);
+        match found {
+            Some(value) if allowed.contains(&value) => values.push(value),
+            _ => {
+                let node = attached.index + 1;
+                world.violation(format!(
+                    "{when}: client {client} unit {unit} read through n{node} holds {found:?}, \
+                     not one of {allowed:?} (its last FLUSH covered {})",
+                    model.floor[unit as usize]
+                ));
+                values.push(found.unwrap_or(0));
+            }
+        }
+    }
+    Some(values)
+}
+
+/// One client: writes and FLUSHes through the node it attached to; on any failure, attaches
+/// again and checks what it finds.
+async fn client(world: Shared, client: usize, seed: u64, stop: Rc<RefCell<bool>>) -> Model {
+    let mut rng = StdRng::seed_from_u64(seed ^ (0xc11e_0000 + client as u64));
+    let mut model = Model::new();
+    let mut next_value = 1u32;
+    let mut attached: Option<Attached> = None;
+    while !*stop.borrow() {
+        let Some(current) = attached.as_ref() else {
+            match attach(&world, &mut rng, Duration::from_secs(30)).await {
+                Some(new) => {
+                    // What survived is one of the values the model allows per unit; from now
+                    // on it is what this primary holds (the next FLUSH makes it the floor).
+                    model.current = None;
+                    let Some(found) =
+                        read_units(&world, client, &new, &model, "after attaching").await
+                    else {
+                        continue;
+                    };
+                    model.current = Some(found);
+                    attached = Some(new);
+                }
+                None => {
+                    world
+                        .borrow_mut()
+                        .record(&format!("client {client} found no node to attach to"));
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+            continue;
+        };
+        let (index, incarnation) = (current.index, current.incarnation);
+        let primary = current.primary.clone();
+        let roll = rng.gen_range(0..100);
+        let failed = if roll < 55 {
+            let unit = rng.gen_range(0..UNITS);
+            let value = next_value;
+            next_value += 1;
+            let data = block(client, unit, value);
+            // Written or not, it may be found from now on.
+            model.since[unit as usize].push(value);
+            if let Some(current) = model.current.as_mut() {
+                // (Taken back below if it fails.)
+                current[unit as usize] = value;
+            }
+            let answer = through(
+                &world,
+                index,
+                incarnation,
+                primary.write_async(offset_of(client, unit), &data, false),
+            )
+            .await;
+            let mut world = world.borrow_mut();
+            world.report.writes += 1;
+            match answer {
+                Answer::Done(()) => {
+                    world.record(&format!("c{client} write {unit}={value} ok"));
+                    false
+                }
+                Answer::Failed(error) => {
+                    world.record(&format!("c{client} write {unit}={value} failed: {error}"));
+                    true
+                }
+                Answer::Cut => {
+                    world.record(&format!("c{client} write {unit}={value} cut"));
+                    true
+                }
+            }
+        } else if roll < 85 {
+            let answer = through(&world, index, incarnation, primary.flush_async()).await;
+            let (failed, armed) = {
+                let mut world = world.borrow_mut();
+                match answer {
+                    Answer::Done(()) => {
+                        world.report.flushes += 1;
+                        let epoch = primary.status().epoch;
+                        let node = index as u64 + 1;
+                        match world.flush_epochs.get(&epoch).copied() {
+                            Some(other) if other != node => world.violation(format!(
+                                "n{node} and n{other} both acknowledged a FLUSH in epoch {epoch}"
+                            )),
+                            _ => {
+                                world.flush_epochs.insert(epoch, node);
+                            }
+                        }
+                        world.record(&format!("c{client} flush ok (epoch {epoch})"));
+                        model.flushed();
+                        (false, world.armed.take())
+                    }
+                    Answer::Failed(error) => {
+                        world.report.flushes_failed += 1;
+                        world.record(&format!("c{client} flush failed: {error}"));
+                        (true, None)
+                    }
+                    Answer::Cut => {
+                        world.report.flushes_failed += 1;
+                        world.record(&format!("c{client} flush cut"));
+                        (true, None)
+                    }
+                }
+            };
+            if let Some(fault) = armed {
+                world
+                    .borrow_mut()
+                    .record(&format!("{fault:?} n{} right after that FLUSH", index + 1));
+                fail_node(&world, index, fault, &mut rng).await;
+            }
+            failed
+        } else if roll < 95 {
+            let unit = rng.gen_range(0..UNITS);
+            let mut data = vec![0u8; BLOCK_BYTES];
+            let answer = through(
+                &world,
+                index,
+                incarnation,
+                primary.read_async(offset_of(client, unit), &mut data),
+            )
+            .await;
+            match answer {
+                Answer::Done(()) => {
+                    let found = value_of(client, unit, &data);
+                    let mut world = world.borrow_mut();
+                    world.report.reads_checked += 1;
+                    let expected = model.expected(unit);
+                    if !found.is_some_and(|value| expected.contains(&value)) {
+                        world.violation(format!(
+                            "client {client} unit {unit} read through its primary n{} holds \
+                             {found:?}, not {expected:?}",
+                            index + 1
+                        ));
+                    }
+                    false
+                }
+                _ => true,
+            }
+        } else {
+            tokio::time::sleep(Duration::from_millis(rng.gen_range(0..300))).await;
+            false
+        };
+        if failed {
+            model.current = None;
+            attached = None;
+            // A moment before attaching again, as a client reconnects.
+            tokio::time::sleep(Duration::from_millis(rng.gen_range(50..500))).await;
+        } else {
+            tokio::time::sleep(Duration::from_millis(rng.gen_range(0..20))).await;
+        }
+    }
+    model
+}
+
+/// Runs one seed to completion (blocking).
+pub fn run(seed: u64, steps: u32) -> Report {
+    let mut builder = tokio::runtime::Builder::new_current_thread();
+    builder.enable_all().start_paused(true);
+    #[cfg(tokio_unstable)]
+    builder.rng_seed(tokio::runtime::RngSeed::from_bytes(&seed.to_le_bytes()));
+    let mut report = Report {
+        seed,
+        replicas: 0,
+        witness: false,
+        steps,
+        writes: 0,
+        flushes: 0,
+        flushes_failed: 0,
+        reads_checked: 0,
+        attaches: 0,
+        power_cuts: 0,
+        partitions: 0,
+        trace_hash: String::new(),
+        violations: Vec::new(),
+    };
+    let runtime = match builder.build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            report
+                .violations
+                .push(format!("could not build a runtime: {error}"));
+            return report;
+        }
+    };
+    let local = tokio::task::LocalSet::new();
+    runtime.block_on(
+        local.run_until(openraft_rt::deterministic_rng::DeterministicRng::<
+            openraft::TokioRuntime,
+        >::scope(seed, simulate(report))),
+    )
+}
+
+async fn simulate(mut report: Report) -> Report {
+    let (seed, steps) = (report.seed, report.steps);
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (replicas, witness) = match rng.gen_range(0..3) {
+        0 => (2u8, false),
+        1 => (3, false),
+        _ => (2, true),
+    };
+    report.replicas = replicas;
+    report.witness = witness;
+    let world: Shared = Rc::new(RefCell::new(World {
+        network: LocalNetwork::new(),
+        nodes: (1..=3)
+            .map(|index| Node {
+                name: format!("n{index}"),
+                address: format!("n{index}.sim:1"),
+                role: if witness && index == 3 {
+                    NodeRole::Witness
+                } else {
+                    NodeRole::Storage
+                },
+                dir: PathBuf::from(format!("/sim/n{index}")),
+                disk: SimDisk::new(seed.wrapping_mul(31).wrapping_add(index)),
+                clock: Arc::new(keel_clock::SimClock::new(
+                    UNIX_EPOCH + Duration::from_secs(1_800_000_000),
+                )),
+                live: None,
+                incarnation: 0,
+            })
+            .collect(),
+        trace: blake3::Hasher::new(),
+        violations: Vec::new(),
+        report,
+        flush_epochs: BTreeMap::new(),
+        resync_bytes_per_second: rng.gen_bool(0.3).then_some(256 << 10),
+        restarts: Vec::new(),
+        heal_at: None,
+        armed: None,
+        print_trace: std::env::var_os("KEEL_SIM_TRACE").is_some(),
+        started: tokio::time::Instant::now(),
+    }));
+    let finish = |world: Shared| {
+        let mut world = world.borrow_mut();
+        let mut report = world.report.clone();
+        report.trace_hash = world.trace.finalize().to_hex().to_string();
+        report.violations.append(&mut world.violations);
+        report
+    };
+
+    // Form the cluster and create the volume on a calm network.
+    for index in 0..3 {
+        let join = (index > 0).then(|| world.borrow().nodes[0].address.clone());
+        if let Err(error) = bring_up(&world, index, join).await {
+            world.borrow_mut().violation(format!("forming: {error}"));
+            return finish(world);
+        }
+    }
+    let formed = wait_for(Duration::from_secs(30), || {
+        let world = world.borrow();
+        world.nodes.iter().all(|node| {
+            node.live.as_ref().is_some_and(|live| {
+                let metrics = live.cluster.metrics();
+                metrics.membership_config.voter_ids().count() == 3
+                    && metrics.membership_config.get_joint_config().len() == 1
+            })
+        })
+    })
+    .await;
+    if !formed {
+        world
+            .borrow_mut()
+            .violation("the cluster did not reach three voters".to_string());
+        return finish(world);
+    }
+    let create = Command::VolumeCreate {
+        settings: VolumeSettings {
+            name: VOLUME.to_string(),
+            size_bytes: VOLUME_BYTES,
+            compression: "none".to_string(),
+            iops_max: None,
+            bandwidth_max_mib_per_second: None,
+        },
+        uuid: [5; 16],
+        created_unix_seconds: 1,
+        replicas: (1..=u64::from(replicas)).collect(),
+        status: VolumeStatus::Ready,
+    };
+    let cluster = world.borrow().nodes[0]
+        .live
+        .as_ref()
+        .map(|live| live.cluster.clone());
+    let created = match cluster {
+        Some(cluster) => cluster.propose_async(create).await.map(drop),
+        None => Ok(()),
+    };
+    if let Err(error) = created {
+        world
+            .borrow_mut()
+            .violation(format!("creating the volume: {error}"));
+        return finish(world);
+    }
+    // The clients, and the faults.
+    let stop = Rc::new(RefCell::new(false));
+    let clients: Vec<tokio::task::JoinHandle<Model>> = (0..CLIENTS)
+        .map(|index| tokio::task::spawn_local(client(world.clone(), index, seed, stop.clone())))
+        .collect();
+    {
+        let world = world.borrow();
+        world.network.set_chaos(
+            seed ^ 0x5eed,
+            rng.gen_range(0..20_000),
+            Duration::from_millis(rng.gen_range(0..30)),
+        );
+    }
+    for step in 0..steps {
+        let now = tokio::time::Instant::now();
+        let due: Vec<usize> = {
+            let mut world = world.borrow_mut();
+            let due = world
+                .restarts
+                .iter()
+                .filter(|(at, _)| *at <= now)
+                .map(|(_, index)| *index)
+                .collect();
+            world.restarts.retain(|(at, _)| *at > now);
+            due
+        };
+        for index in due {
+            world
+                .borrow_mut()
+                .record(&format!("{step} restart n{}", index + 1));
+            if let Err(error) = bring_up(&world, index, None).await {
+                world.borrow_mut().violation(format!("restart: {error}"));
+            }
+        }
+        {
+            let mut world = world.borrow_mut();
+            if world.heal_at.is_some_and(|at| at <= now) {
+                world.record(&format!("{step} heal"));
+                world.network.heal();
+                world.heal_at = None;
+            }
+        }
+        let (down, cut, armed) = {
+            let world = world.borrow();
+            (
+                world.restarts.len(),
+                world.heal_at.is_some(),
+                world.armed.is_some(),
+            )
+        };
+        // At most one node down at a time, and one cut at a time: the cluster keeps a Raft
+        // majority.
+        match rng.gen_range(0..100) {
+            0..=5 if down == 0 => {
+                let index = rng.gen_range(0..3);
+                world
+                    .borrow_mut()
+                    .record(&format!("{step} power cut n{}", index + 1));
+                fail_node(&world, index, Fault::PowerCut, &mut rng).await;
+            }
+            6..=11 if !cut => {
+                let index = rng.gen_range(0..3);
+                world
+                    .borrow_mut()
+                    .record(&format!("{step} partition n{}", index + 1));
+                fail_node(&world, index, Fault::Isolate, &mut rng).await;
+            }
+            16..=19 if !cut => {
+                let a = rng.gen_range(0..3);
+                let b = (a + rng.gen_range(1..3)) % 3;
+                let mut world = world.borrow_mut();
+                world.record(&format!("{step} cut the link n{}-n{}", a + 1, b + 1));
+                world.report.partitions += 1;
+                let (a, b) = (a as u64 + 1, b as u64 + 1);
+                world.network.partition(&[a], &[a, b]);
+                world.heal_at = Some(now + Duration::from_millis(rng.gen_range(200..8_000)));
+            }
+            // The moment that matters most: right after a FLUSH was acknowledged, its primary
+            // loses power or is cut off (a client does it as it gets the answer).
+            12..=15 if down == 0 && !cut && !armed => {
+                let fault = if rng.gen_bool(0.5) {
+                    Fault::PowerCut
+                } else {
+                    Fault::Isolate
+                };
+                let mut world = world.borrow_mut();
+                world.record(&format!("{step} armed: {fault:?} after the next FLUSH"));
+                world.armed = Some(fault);
+            }
+            _ => {}
+        }
+        tokio::time::sleep(Duration::from_millis(rng.gen_range(10..250))).await;
+    }
+
+    // Heal everything, bring every node back, and stop the clients.
+    {
+        let mut world = world.borrow_mut();
+        world.record("converge");
+        world.network.heal();
+        world.network.calm();
+    }
+    let down = {
+        let mut world = world.borrow_mut();
+        world.armed = None;
+        std::mem::take(&mut world.restarts)
+    };
+    for (_, index) in down {
+        if let Err(error) = bring_up(&world, index, None).await {
+            world
+                .borrow_mut()
+                .violation(format!("final restart: {error}"));
+        }
+    }
+    *stop.borrow_mut() = true;
+    let mut models = Vec::new();
+    for handle in clients {
+        match handle.await {
+            Ok(model) => models.push(model),
+            Err(error) => world
+                .borrow_mut()
+                .violation(format!("a client panicked: {error}")),
+        }
+    }
+    converge(&world, &mut rng, &models).await;
+    for index in 0..3 {
+        power_cut(&world, index).await;
+    }
+    finish(world)
+}
+
+/// Serves the volume until every replica is back in sync, checks every client's units through
+/// it, and compares every node's own copy with the primary's.
+async fn converge(world: &Shared, rng: &mut StdRng, models: &[Model]) {
+    let Some(attached) = attach(world, rng, Duration::from_secs(120)).await else {
+        world
+            .borrow_mut()
+            .violation("no node serves the volume after healing".to_string());
+        return;
+    };
+    let placed: Vec<NodeId> = world
+        .borrow()
+        .replication_seen(attached.index)
+        .map(|replication| replication.replicas.to_vec())
+        .unwrap_or_default();
+    let replicas = placed.len();
+    for (client, model) in models.iter().enumerate() {
+        let mut model_final = model.clone();
+        model_final.current = None;
+        if read_units(world, client, &attached, &model_final, "after healing")
+            .await
+            .is_none()
+        {
+            world.borrow_mut().violation(format!(
+                "client {client}'s units could not be read after healing"
+            ));
+        }
+    }
+    // Every replica in sync — as Raft records it and as the primary counts it, with no
+    // change of the set in flight — across a FLUSH that went through.
+    let all_in_sync = |world: &Shared| {
+        let status = attached.primary.status();
+        let recorded = world
+            .borrow()
+            .replication_seen(attached.index)
+            .map(|replication| replication.in_sync.len());
+        status.in_sync.len() == replicas
+            && status.catching_up.is_empty()
+            && recorded == Some(replicas)
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        if tokio::time::Instant::now() >= deadline {
+            let status = attached.primary.status();
+            world.borrow_mut().violation(format!(
+                "the replicas did not all come back in sync: {:?} of {replicas}",
+                status.in_sync
+            ));
+            return;
+        }
+        if !all_in_sync(world) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        }
+        let epoch = attached.primary.status().epoch;
+        let flushed = through(
+            world,
+            attached.index,
+            attached.incarnation,
+            attached.primary.flush_async(),
+        )
+        .await;
+        if matches!(flushed, Answer::Done(()))
+            && all_in_sync(world)
+            && attached.primary.status().epoch == epoch
+        {
+            break;
+        }
+    }
+    // Every node's own copy holds what the primary's does.
+    let mut primary_bytes = vec![0u8; VOLUME_BYTES as usize];
+    if through(
+        world,
+        attached.index,
+        attached.incarnation,
+        attached.primary.read_async(0, &mut primary_bytes),
+    )
+    .await
+    .is_failure()
+    {
+        world
+            .borrow_mut()
+            .violation("the primary's copy could not be read".to_string());
+        return;
+    }
+    let copies: Vec<(usize, Arc<VolumeManager>)> = {
+        let world = world.borrow();
+        world
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(index, _)| placed.contains(&(*index as u64 + 1)))
+            .filter_map(|(index, node)| {
+                let volumes = node.live.as_ref()?.volumes.clone()?;
+                Some((index, volumes))
+            })
+            .collect()
+    };
+    for (index, volumes) in copies {
+        if index == attached.index {
+            continue;
+        }
+        let mut copy = vec![0u8; VOLUME_BYTES as usize];
+        let read = volumes
+            .open_volume(VOLUME)
+            .and_then(|volume| volume.read(0, &mut copy));
+        let mut world = world.borrow_mut();
+        match read {
+            Ok(()) if copy == primary_bytes => {
+                world.record(&format!("n{} holds the primary's copy", index + 1));
+            }
+            Ok(()) => {
+                let first = copy
+                    .iter()
+                    .zip(&primary_bytes)
+                    .position(|(a, b)| a != b)
+                    .unwrap_or(0);
+                let at = first - first % BLOCK_BYTES;
+                world.violation(format!(
+                    "n{}'s copy differs from the primary's (n{}) from byte {first}: unit at {at} \
+                     holds {:?} there, {:?} on the primary",
+                    index + 1,
+                    attached.index + 1,
+                    &copy[at..at + 16],
+                    &primary_bytes[at..at + 16]
+                ));
+            }
+            Err(error) => {
+                world.violation(format!("n{}'s copy could not be read: {error}", index + 1))
+            }
+        }
+    }
+}
+
+impl<T> Answer<T> {
+    fn is_failure(&self) -> bool {
+        !matches!(self, Answer::Done(_))
+    }
+}
+
+async fn wait_for(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    while tokio::time::Instant::now() < deadline {
+        if check() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    check()
+}
