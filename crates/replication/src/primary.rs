@@ -236,6 +236,10 @@ struct State {
     repaired_blocks: u64,
     /// The snapshot copy being repaired, and how far it got.
     snapshot_repair: Option<repair::SnapshotRepairProgress>,
+    /// Changes under way that hold ordering back while they wait (a metadata change waiting
+    /// for the replicas, a shutdown's last FLUSH): no write, FLUSH or catch-up copy is ordered
+    /// until they end.
+    paused: usize,
 }
 
 /// A replicated volume served by this node as its primary.
@@ -246,8 +250,10 @@ pub struct Primary {
     shared: Arc<Shared>,
     /// Serializes ordering: a write takes its position, is applied locally and is queued to
     /// every stream under this lock, so every replica applies overlapping writes in the order
-    /// the primary did. Async: a metadata change holds it while it waits for the replicas.
-    order: tokio::sync::Mutex<()>,
+    /// the primary did. Held only for sections that never wait (many client threads take it:
+    /// a fair async mutex would convoy them); a change that must hold ordering back while it
+    /// waits pauses it instead ([`State::paused`], [`Primary::ordering`]).
+    order: Mutex<()>,
     state: Mutex<State>,
     /// Woken whenever the state changes in a way a waiter may want (a confirmation, room in a
     /// queue, a replica out of the set, the primary closed).
@@ -351,7 +357,7 @@ impl Primary {
             name,
             local,
             shared,
-            order: tokio::sync::Mutex::new(()),
+            order: Mutex::new(()),
             state: Mutex::new(State {
                 epoch: taken.epoch,
                 in_sync: taken.in_sync.iter().copied().collect(),
@@ -366,6 +372,7 @@ impl Primary {
                 resync_compared_bytes: 0,
                 repaired_blocks: 0,
                 snapshot_repair: None,
+                paused: 0,
             }),
             changed: tokio::sync::Notify::new(),
             proposing: tokio::sync::Mutex::new(()),
@@ -440,13 +447,13 @@ impl Primary {
     /// copy could not be flushed or the primary had already stopped. Store I/O inline: call
     /// it from a thread that may block ([`Self::stop_for_shutdown`]) or in a simulation.
     pub(crate) async fn stop_for_shutdown_async(&self, deadline: Instant) -> Option<ShutdownNote> {
-        let _order = self.order.lock().await;
-        let upto = {
+        let (upto, _paused) = {
+            let _order = self.ordering().await.ok()?;
             let mut state = self.state();
             if state.closed.is_some() {
                 return None;
             }
-            self.queue_flush(&mut state)
+            (self.queue_flush(&mut state), self.pause(&mut state))
         };
         if let Err(error) = self.local.flush() {
             tracing::warn!(volume = %self.name, %error, "could not flush this copy at shutdown");
@@ -619,6 +626,33 @@ impl Primary {
         }
     }
 
+    /// The order lock, once no change holds ordering back ([`State::paused`]): waits (without
+    /// it) while one does. Hold the guard only for a section that never waits.
+    async fn ordering(&self) -> VolumeResult<MutexGuard<'_, ()>> {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            {
+                let order = lock(&self.order);
+                let state = self.state();
+                self.check_serving(&state)?;
+                if state.paused == 0 {
+                    drop(state);
+                    return Ok(order);
+                }
+            }
+            self.wait_changed(changed).await;
+        }
+    }
+
+    /// Holds ordering back until the returned guard is dropped (call it holding the order
+    /// lock): writes, FLUSHes and catch-up copies wait in [`Self::ordering`] meanwhile.
+    fn pause(&self, state: &mut State) -> Paused<'_> {
+        state.paused += 1;
+        Paused { primary: self }
+    }
+
     /// Orders one change of `length` bytes at `offset`: applies it locally and queues it to
     /// every streaming replica, built once per replica by `op` (a write's data is copied only
     /// for the replicas that get it); a resync reading an overlapping chunk reads it again.
@@ -631,7 +665,7 @@ impl Primary {
     ) -> VolumeResult<()> {
         self.client_request().await?;
         self.wait_for_room().await?;
-        let _order = self.order.lock().await;
+        let _order = self.ordering().await?;
         self.check_writable(&self.state())?;
         apply()?;
         let mut state = self.state();
@@ -873,7 +907,7 @@ impl Primary {
 
     /// The first half of [`Self::flush_here`]: a FLUSH queued to every streaming replica.
     async fn queue_flush_here(&self) -> VolumeResult<u64> {
-        let _order = self.order.lock().await;
+        let _order = self.ordering().await?;
         let mut state = self.state();
         self.check_serving(&state)?;
         Ok(self.queue_flush(&mut state))
@@ -1249,11 +1283,11 @@ impl Primary {
         change: impl std::future::Future<Output = VolumeResult<T>>,
     ) -> VolumeResult<T> {
         self.lease().await?;
-        let _order = self.order.lock().await;
-        let upto = {
+        let (upto, _paused) = {
+            let _order = self.ordering().await?;
             let mut state = self.state();
             self.check_serving(&state)?;
-            self.queue_flush(&mut state)
+            (self.queue_flush(&mut state), self.pause(&mut state))
         };
         let deadline = self.shared.clock().now() + QUIESCE_WAIT;
         // A replica that failed is still counted until Raft recorded it out of the in-sync
@@ -1911,7 +1945,7 @@ impl Primary {
         // Everything is queued: the replica becomes counted, flushes, and joins once that
         // flush (the one behind the last data queued) is confirmed.
         let flush = {
-            let _order = self.order.lock().await;
+            let _order = self.ordering().await.map_err(|error| error.to_string())?;
             let mut state = self.state();
             let upto = state.next_seq - 1;
             let peer = state.peers.get_mut(&node).ok_or("replica gone")?;
@@ -2091,7 +2125,7 @@ impl Primary {
     async fn flush_shipped(&self) -> VolumeResult<()> {
         self.lease().await?;
         let wanted: BTreeMap<NodeId, u64> = {
-            let _order = self.order.lock().await;
+            let _order = self.ordering().await?;
             let mut state = self.state();
             self.check_serving(&state)?;
             self.queue_flush(&mut state);
@@ -2198,14 +2232,24 @@ impl Primary {
         if !answer.unwritten {
             return Ok(Stretch::Written);
         }
-        let _order = self.order.lock().await;
-        let local = self.local.clone();
-        let ours_unwritten = crate::blocking(move || {
-            local
-                .range_unwritten(offset, length)
-                .map_err(|error| error.to_string())
-        })
-        .await??;
+        let ours_unwritten = loop {
+            drop(self.ordering().await.map_err(|error| error.to_string())?);
+            let this = self.clone();
+            let looked = crate::blocking(move || {
+                let _order = lock(&this.order);
+                if this.state().paused > 0 {
+                    return Ok(None);
+                }
+                this.local
+                    .range_unwritten(offset, length)
+                    .map(Some)
+                    .map_err(|error| error.to_string())
+            })
+            .await??;
+            if let Some(unwritten) = looked {
+                break unwritten;
+            }
+        };
         Ok(if ours_unwritten {
             Stretch::Unwritten
         } else {
@@ -2291,73 +2335,96 @@ impl Primary {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let mut order = Some(self.order.lock().await);
-            if theirs.is_empty() {
-                let local = self.local.clone();
-                let unwritten = crate::blocking(move || {
-                    local
-                        .range_unwritten(offset, length)
-                        .map_err(|error| error.to_string())
-                })
-                .await??;
-                if unwritten {
-                    return Ok(0);
-                }
-            }
-            self.state()
-                .peers
-                .get_mut(&node)
-                .ok_or("replica gone")?
-                .resync_reading = Some((offset, offset + length, false));
-            if attempt < RESYNC_READ_ATTEMPTS {
-                order = None;
-            }
+            // Not while a change holds ordering back (the chunk may change under it).
+            drop(self.ordering().await.map_err(|error| error.to_string())?);
             let this = self.clone();
             let hashes = theirs.clone();
-            let compared =
-                crate::blocking(move || this.read_differences(offset, length, block, &hashes))
-                    .await
-                    .and_then(|compared| compared);
-            let _order = match order {
-                Some(order) => order,
-                None => self.order.lock().await,
-            };
-            let mut state = self.state();
-            let next_position = state.next_seq;
-            let peer = state.peers.get_mut(&node).ok_or("replica gone")?;
-            let touched = peer
-                .resync_reading
-                .take()
-                .is_none_or(|(_, _, touched)| touched);
-            let (ours, runs) = compared?;
-            if touched && attempt < RESYNC_READ_ATTEMPTS {
-                continue;
+            let last = attempt >= RESYNC_READ_ATTEMPTS;
+            let step = crate::blocking(move || {
+                this.difference_step(node, (offset, length), block, &hashes, last)
+            })
+            .await??;
+            match step {
+                Step::Queued(bytes) => return Ok(bytes),
+                Step::Again => {}
+                Step::Paused => attempt -= 1,
             }
-            let mut queued = 0u64;
-            if runs == [(0, blocks)] {
-                // The whole chunk: no copy.
-                queued = length;
-                peer.push(Item::Op(Op::Write { offset, data: ours }));
-            } else {
-                for (first, end) in runs {
-                    let (start, stop) = (first * block, end * block);
-                    peer.push(Item::Op(Op::Write {
-                        offset: offset + start as u64,
-                        data: ours[start..stop].to_vec(),
-                    }));
-                    queued += (stop - start) as u64;
-                }
-            }
-            // A scrub's repair of a replica in sync: data without a history position, which
-            // a FLUSH queued after the next write confirms. (A catch-up's copies need no
-            // note: until it succeeds, what the replica lacks keeps all it compares.)
-            if queued > 0 && peer.counted {
-                peer.lacking
-                    .note(peer.streaming, next_position, offset, length);
-            }
-            state.resync_bytes += queued;
-            return Ok(queued);
         }
+    }
+
+    /// One attempt of [`Self::queue_differences`] (blocking: reads the local copy): the chunk
+    /// read and compared without the order lock, then queued under it unless a change ordered
+    /// meanwhile overlapped it; the `last` attempt reads it under the lock throughout.
+    fn difference_step(
+        &self,
+        node: NodeId,
+        (offset, length): (u64, u64),
+        block: usize,
+        theirs: &[u8],
+        last: bool,
+    ) -> Result<Step, String> {
+        let blocks = length as usize / block;
+        let mut order = Some(lock(&self.order));
+        if self.state().paused > 0 {
+            return Ok(Step::Paused);
+        }
+        if theirs.is_empty()
+            && self
+                .local
+                .range_unwritten(offset, length)
+                .map_err(|error| error.to_string())?
+        {
+            return Ok(Step::Queued(0));
+        }
+        self.state()
+            .peers
+            .get_mut(&node)
+            .ok_or("replica gone")?
+            .resync_reading = Some((offset, offset + length, false));
+        if !last {
+            order = None;
+        }
+        let compared = self.read_differences(offset, length, block, theirs);
+        let _order = order.unwrap_or_else(|| lock(&self.order));
+        let mut state = self.state();
+        let paused = state.paused > 0;
+        let next_position = state.next_seq;
+        let peer = state.peers.get_mut(&node).ok_or("replica gone")?;
+        let touched = peer
+            .resync_reading
+            .take()
+            .is_none_or(|(_, _, touched)| touched);
+        let (ours, runs) = compared?;
+        if paused {
+            return Ok(Step::Paused);
+        }
+        if touched && !last {
+            return Ok(Step::Again);
+        }
+        let mut queued = 0u64;
+        if runs == [(0, blocks)] {
+            // The whole chunk: no copy.
+            queued = length;
+            peer.push(Item::Op(Op::Write { offset, data: ours }));
+        } else {
+            for (first, end) in runs {
+                let (start, stop) = (first * block, end * block);
+                peer.push(Item::Op(Op::Write {
+                    offset: offset + start as u64,
+                    data: ours[start..stop].to_vec(),
+                }));
+                queued += (stop - start) as u64;
+            }
+        }
+        // A scrub's repair of a replica in sync: data without a history position, which a
+        // FLUSH queued after the next write confirms. (A catch-up's copies need no note:
+        // until it succeeds, what the replica lacks keeps all it compares.)
+        if queued > 0 && peer.counted {
+            peer.lacking
+                .note(peer.streaming, next_position, offset, length);
+        }
+        state.resync_bytes += queued;
+        Ok(Step::Queued(queued))
     }
 
     /// Reads a chunk of this copy and finds the runs of blocks that differ from the replica's
@@ -2391,6 +2458,16 @@ impl Primary {
     }
 }
 
+/// What one attempt of [`Primary::queue_differences`] did.
+enum Step {
+    /// Queued this many bytes of blocks that differ (maybe none).
+    Queued(u64),
+    /// A change ordered meanwhile overlapped the chunk: read it again.
+    Again,
+    /// A change holds ordering back: wait for it, then read the chunk again.
+    Paused,
+}
+
 /// Consecutive blocks of a chunk, as (first, end) block indexes.
 type BlockRun = (usize, usize);
 
@@ -2414,6 +2491,21 @@ struct BatchFlush {
     count: u64,
     index: u64,
     in_sync: bool,
+}
+
+/// Ordering held back by a change under way ([`Primary::pause`]); released when dropped, also
+/// when the change's future is dropped half way.
+struct Paused<'a> {
+    primary: &'a Primary,
+}
+
+impl Drop for Paused<'_> {
+    fn drop(&mut self) {
+        let mut state = self.primary.state();
+        state.paused -= 1;
+        drop(state);
+        self.primary.changed.notify_waiters();
+    }
 }
 
 /// A replica's block hashes of a chunk, asked for ahead of their use.
