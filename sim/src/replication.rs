@@ -6,10 +6,11 @@
 //!
 //! One run ([`run`]): three nodes (R=2 on three storage nodes, R=3 on three, or R=2 on two
 //! storage nodes and a metadata-only witness, chosen by the seed) and one replicated volume.
-//! Two clients write 4 KiB blocks to their own units of the volume and FLUSH, each through the
-//! node it attached to, as NBD clients do; a client whose request fails (or whose node lost
-//! power under it) attaches again wherever the volume is served — the same node, or another
-//! replica taking the volume over once the primary's lease ran out. Meanwhile, for a number of
+//! Two clients write 4 KiB blocks to their own units of the volume, FLUSH and take snapshots,
+//! each through the node it attached to, as NBD clients and the admin API do; a client whose
+//! request fails (or whose node lost power under it) attaches again wherever the volume is
+//! served — the same node, or another replica taking the volume over once the primary's lease
+//! ran out. Meanwhile, for a number of
 //! steps, the seed picks among: a node's power cut (its unsynced writes lost, dropped, kept or
 //! torn) and restart, partitions and healing, message loss and delay, idle time. Then every
 //! link heals, every node comes back, and the volume is served until every replica is in sync.
@@ -23,6 +24,9 @@
 //! 3. **One primary per epoch.** No two nodes acknowledge a FLUSH in the same epoch.
 //! 4. **The copies converge.** Once every replica is back in sync and a FLUSH went through,
 //!    every node's own copy holds the same bytes as the primary's.
+//! 5. **Snapshots cut the same writes everywhere.** Every snapshot acknowledged exists, and
+//!    on every replica holding it whole — those in sync when it was taken, and those its
+//!    repair copied it to afterwards — it shows exactly what its client's units held then.
 //!
 //! Determinism: as the cluster simulation (a current-thread runtime with paused time and a
 //! seeded scheduler, openraft's randomness seeded), plus the engine's store work inline and
@@ -61,6 +65,9 @@ pub struct Report {
     pub reads_checked: u64,
     /// Attaches that made a node the volume's primary anew (a take-over or a re-attach).
     pub attaches: u64,
+    /// Snapshots acknowledged, and the copies of them checked at the end.
+    pub snapshots: u64,
+    pub snapshot_copies_checked: u64,
     pub power_cuts: u64,
     pub partitions: u64,
     /// Hash of everything observable, in order: two runs of a seed must agree on it.
@@ -179,6 +186,8 @@ struct World {
     report: Report,
     /// Per epoch, the node that acknowledged a FLUSH in it.
     flush_epochs: BTreeMap<u64, NodeId>,
+    /// Snapshots taken: name, the client that took it, and what that client's units held.
+    snapshots: Vec<(String, usize, Vec<u32>)>,
     /// The catch-ups' pace (slow ones keep an old primary sending after a take-over).
     resync_bytes_per_second: Option<u64>,
     /// Nodes down, and when each comes back.
@@ -283,6 +292,14 @@ impl LocalVolumes for Copies {
 
 type Shared = Rc<RefCell<World>>;
 
+/// What a client attaches through on a node.
+struct Engine {
+    replication: Arc<Replication>,
+    cluster: Arc<Cluster>,
+    volumes: Arc<VolumeManager>,
+    incarnation: u64,
+}
+
 impl World {
     fn record(&mut self, event: &str) {
         self.trace.update(event.as_bytes());
@@ -303,10 +320,15 @@ impl World {
     }
 
     /// The replication engine of node `index`, if it is up and holds volumes.
-    fn engine(&self, index: usize) -> Option<(Arc<Replication>, u64)> {
+    fn engine(&self, index: usize) -> Option<Engine> {
         let node = &self.nodes[index];
         let live = node.live.as_ref()?;
-        Some((live.replication.clone()?, node.incarnation))
+        Some(Engine {
+            replication: live.replication.clone()?,
+            cluster: live.cluster.clone(),
+            volumes: live.volumes.clone()?,
+            incarnation: node.incarnation,
+        })
     }
 
     /// The volume's replication as node `index` sees it.
@@ -528,6 +550,9 @@ struct Attached {
     index: usize,
     incarnation: u64,
     primary: Arc<Primary>,
+    /// The node's cluster and volumes (a snapshot is proposed through them).
+    cluster: Arc<Cluster>,
+    volumes: Arc<VolumeManager>,
 }
 
 /// Attaches through a node holding a replica that serves the volume or may take it over,
@@ -551,10 +576,17 @@ async fn attach(world: &Shared, rng: &mut StdRng, limit: Duration) -> Option<Att
             order
         };
         for index in candidates {
-            let Some((engine, incarnation)) = world.borrow().engine(index) else {
+            let Some(engine) = world.borrow().engine(index) else {
                 continue;
             };
-            let opened = through(world, index, incarnation, engine.open_primary(VOLUME)).await;
+            let incarnation = engine.incarnation;
+            let opened = through(
+                world,
+                index,
+                incarnation,
+                engine.replication.open_primary(VOLUME),
+            )
+            .await;
             if let Answer::Done(primary) = opened {
                 let mut world = world.borrow_mut();
                 world.report.attaches += 1;
@@ -563,6 +595,8 @@ async fn attach(world: &Shared, rng: &mut StdRng, limit: Duration) -> Option<Att
                     index,
                     incarnation,
                     primary,
+                    cluster: engine.cluster,
+                    volumes: engine.volumes,
                 });
             }
         }
@@ -750,6 +784,8 @@ async fn client(world: Shared, client: usize, seed: u64, stop: Rc<RefCell<bool>>
                 }
                 _ => true,
             }
+        } else if roll < 97 {
+            snapshot(&world, client, current, &model).await
         } else {
             tokio::time::sleep(Duration::from_millis(rng.gen_range(0..300))).await;
             false
@@ -764,6 +800,68 @@ async fn client(world: Shared, client: usize, seed: u64, stop: Rc<RefCell<bool>>
         }
     }
     model
+}
+
+/// Takes a snapshot through the primary `attached`, as the admin API does: at one point of
+/// the volume's write stream on every replica (the change runs once every replica applied
+/// the writes before it). It must show exactly what this client's units held then. True if
+/// it failed (the client then attaches again).
+async fn snapshot(world: &Shared, client: usize, attached: &Attached, model: &Model) -> bool {
+    let Some(values) = model.current.clone() else {
+        return true;
+    };
+    let name = {
+        let world = world.borrow();
+        format!("s{}", world.report.snapshots + world.report.writes)
+    };
+    let cluster = attached.cluster.clone();
+    let volumes = attached.volumes.clone();
+    let command = Command::SnapshotCreate {
+        volume: VOLUME.to_string(),
+        snapshot: name.clone(),
+        guid: *blake3::hash(name.as_bytes())
+            .as_bytes()
+            .first_chunk()
+            .unwrap_or(&[0; 16]),
+        created_unix_seconds: 1,
+    };
+    let change = async move {
+        cluster
+            .propose_async(command)
+            .await
+            .map_err(|error| VolumeError::Metadata {
+                detail: error.to_string(),
+            })?;
+        // As VolumeManager::snapshot_create: every write before it is durable here first.
+        volumes
+            .store()
+            .flush()
+            .map_err(VolumeError::store(VOLUME, "flushing before a snapshot"))
+    };
+    let answer = through(
+        world,
+        attached.index,
+        attached.incarnation,
+        attached.primary.quiesce_async(change),
+    )
+    .await;
+    let mut world = world.borrow_mut();
+    match answer {
+        Answer::Done(()) => {
+            world.report.snapshots += 1;
+            world.record(&format!("c{client} snapshot {name} ok"));
+            world.snapshots.push((name, client, values));
+            false
+        }
+        Answer::Failed(error) => {
+            world.record(&format!("c{client} snapshot {name} failed: {error}"));
+            true
+        }
+        Answer::Cut => {
+            world.record(&format!("c{client} snapshot {name} cut"));
+            true
+        }
+    }
 }
 
 /// Runs one seed to completion (blocking).
@@ -782,6 +880,8 @@ pub fn run(seed: u64, steps: u32) -> Report {
         flushes_failed: 0,
         reads_checked: 0,
         attaches: 0,
+        snapshots: 0,
+        snapshot_copies_checked: 0,
         power_cuts: 0,
         partitions: 0,
         trace_hash: String::new(),
@@ -838,6 +938,7 @@ async fn simulate(mut report: Report) -> Report {
         violations: Vec::new(),
         report,
         flush_epochs: BTreeMap::new(),
+        snapshots: Vec::new(),
         resync_bytes_per_second: rng.gen_bool(0.3).then_some(256 << 10),
         restarts: Vec::new(),
         heal_at: None,
@@ -1132,7 +1233,8 @@ async fn converge(world: &Shared, rng: &mut StdRng, models: &[Model]) {
             })
             .collect()
     };
-    for (index, volumes) in copies {
+    for (index, volumes) in &copies {
+        let index = *index;
         if index == attached.index {
             continue;
         }
@@ -1164,6 +1266,80 @@ async fn converge(world: &Shared, rng: &mut StdRng, models: &[Model]) {
             Err(error) => {
                 world.violation(format!("n{}'s copy could not be read: {error}", index + 1))
             }
+        }
+    }
+    check_snapshots(world, &copies).await;
+}
+
+/// Every snapshot acknowledged is in the catalog and, on every replica holding it whole (the
+/// one it was taken on, and those its repair copied it to: given a while to finish), shows
+/// exactly what its client's units held when it was taken.
+async fn check_snapshots(world: &Shared, copies: &[(usize, Arc<VolumeManager>)]) {
+    let taken = world.borrow().snapshots.clone();
+    if taken.is_empty() {
+        return;
+    }
+    let Some((_, volumes)) = copies.first() else {
+        return;
+    };
+    // Repairs copy one snapshot at a time; give them a while (a slow catch-up pace too).
+    let whole_everywhere = || {
+        let catalog = volumes.metadata().catalog().read();
+        catalog.volume(VOLUME).is_some_and(|entry| {
+            entry
+                .snapshots
+                .values()
+                .all(|snapshot| snapshot.incomplete_on.is_empty())
+        })
+    };
+    wait_for(Duration::from_secs(300), whole_everywhere).await;
+    for (name, client, values) in taken {
+        let mut found_whole = 0;
+        for (index, volumes) in copies {
+            let node = *index as u64 + 1;
+            let entry = volumes.metadata().catalog().read().volume(VOLUME).cloned();
+            let Some(record) = entry
+                .as_ref()
+                .and_then(|entry| entry.snapshot_by_name(&name))
+            else {
+                world.borrow_mut().violation(format!(
+                    "snapshot {name} (acknowledged) is not in n{node}'s catalog"
+                ));
+                break;
+            };
+            if !record.complete_on(node) {
+                continue;
+            }
+            found_whole += 1;
+            let snapshot = match volumes.open_snapshot(VOLUME, &name) {
+                Ok(snapshot) => snapshot,
+                Err(error) => {
+                    world.borrow_mut().violation(format!(
+                        "snapshot {name} is whole on n{node} but does not open there: {error}"
+                    ));
+                    continue;
+                }
+            };
+            for unit in 0..UNITS {
+                let mut data = vec![0u8; BLOCK_BYTES];
+                let read = snapshot.read(offset_of(client, unit), &mut data);
+                let found = read.ok().and_then(|()| value_of(client, unit, &data));
+                let wanted = values[unit as usize];
+                let mut world = world.borrow_mut();
+                world.report.snapshot_copies_checked += u64::from(unit == 0);
+                if found != Some(wanted) {
+                    world.violation(format!(
+                        "snapshot {name} on n{node}: client {client} unit {unit} holds {found:?}, \
+                         not {wanted} as when it was taken"
+                    ));
+                    break;
+                }
+            }
+        }
+        if found_whole == 0 {
+            world
+                .borrow_mut()
+                .violation(format!("snapshot {name} is whole on no replica"));
         }
     }
 }

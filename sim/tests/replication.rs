@@ -1,6 +1,6 @@
 //! The slice of the replicated-volume simulation that runs in CI: a range of seeds, each
 //! checked for a lost acknowledged FLUSH, a primary not reading its own writes, two primaries
-//! in one epoch and copies that do not converge; and one seed run twice to prove a run replays
+//! in one epoch, copies that do not converge and snapshots that differ between replicas; and one seed run twice to prove a run replays
 //! exactly. `KEEL_SIM_REPLICATION_SEEDS=N` runs more (the long mode is
 //! `cargo run --release --bin keel-sim -- --replication --minutes M`).
 #![allow(clippy::unwrap_used)]
@@ -17,7 +17,7 @@ fn seeds() -> u64 {
 // R=3 and R=2 with a witness.
 #[test]
 fn a_slice_of_seeds_keeps_every_flushed_write() {
-    let (mut flushes, mut attaches, mut cuts) = (0, 0, 0);
+    let (mut flushes, mut attaches, mut cuts, mut snapshots) = (0, 0, 0, 0);
     let mut shapes = std::collections::BTreeSet::new();
     for seed in 1..=seeds() {
         let report = keel_sim::replication::run(seed, 200);
@@ -29,9 +29,10 @@ fn a_slice_of_seeds_keeps_every_flushed_write() {
         flushes += report.flushes;
         attaches += report.attaches;
         cuts += report.power_cuts;
+        snapshots += report.snapshot_copies_checked;
         shapes.insert((report.replicas, report.witness));
     }
-    assert!(flushes > 1000 && attaches > 100 && cuts > 100);
+    assert!(flushes > 1000 && attaches > 100 && cuts > 100 && snapshots > 100);
     assert_eq!(shapes.len(), 3, "every cluster shape ran: {shapes:?}");
 }
 
