@@ -992,8 +992,9 @@ impl Primary {
                 drop(state);
                 self.changed.notify_waiters();
                 let this = self.clone();
+                let stream = sent.stream;
                 self.shared.runtime.spawn(async move {
-                    this.drop_replica(node).await;
+                    this.drop_replica(node, stream).await;
                 });
                 false
             }
@@ -1676,9 +1677,12 @@ impl Primary {
         }
     }
 
-    /// Takes a failed replica out of the in-sync set (FLUSHes wait until Raft recorded it),
-    /// then starts catching it up.
-    async fn drop_replica(self: Arc<Self>, node: NodeId) {
+    /// Takes a replica whose stream `stream` failed out of the in-sync set (FLUSHes wait until
+    /// Raft recorded it), then starts catching it up. Nothing once a newer stream replaced the
+    /// failed one: the catch-up that began it (the replica was out of the set then) owns the
+    /// replica's count, and uncounting it here while its addition lands would let FLUSHes go on
+    /// without a replica Raft lists in sync.
+    async fn drop_replica(self: Arc<Self>, node: NodeId, stream: u64) {
         loop {
             // Looked at with no change of the set in flight (an addition of this replica that
             // was on its way lands first), and uncounted only while out of it.
@@ -1689,10 +1693,14 @@ impl Primary {
                     return;
                 }
                 let member = state.in_sync.contains(&node);
+                let Some(peer) = state.peers.get_mut(&node) else {
+                    return;
+                };
+                if peer.stream != stream {
+                    return;
+                }
                 if !member {
-                    if let Some(peer) = state.peers.get_mut(&node) {
-                        peer.counted = false;
-                    }
+                    peer.counted = false;
                 }
                 member
             };
