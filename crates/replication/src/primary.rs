@@ -1740,7 +1740,24 @@ impl Primary {
             let mut failures = 0u64;
             loop {
                 match this.resync(node).await {
-                    Ok(()) => break,
+                    // Done, unless the replica's stream failed meanwhile (as it joined the set,
+                    // or while the FLUSH after it waited): the drop_replica that followed found
+                    // this catch-up running and left the next one to it. Looked at under the
+                    // same lock that ends it, so no failure falls in between.
+                    Ok(()) => {
+                        let again = match this.state().peers.get_mut(&node) {
+                            Some(peer) if peer.failed || !peer.streaming => true,
+                            Some(peer) => {
+                                peer.resync_running = false;
+                                false
+                            }
+                            None => false,
+                        };
+                        if !again {
+                            return;
+                        }
+                        this.shared.clock().sleep(RESYNC_RETRY).await;
+                    }
                     Err(error) => {
                         if this.is_closed() {
                             break;
