@@ -188,6 +188,8 @@ struct World {
     flush_epochs: BTreeMap<u64, NodeId>,
     /// Snapshots taken: name, the client that took it, and what that client's units held.
     snapshots: Vec<(String, usize, Vec<u32>)>,
+    /// Snapshot names given so far (one may exist though its creation failed).
+    snapshots_named: u64,
     /// The catch-ups' pace (slow ones keep an old primary sending after a take-over).
     resync_bytes_per_second: Option<u64>,
     /// Nodes down, and when each comes back.
@@ -811,8 +813,9 @@ async fn snapshot(world: &Shared, client: usize, attached: &Attached, model: &Mo
         return true;
     };
     let name = {
-        let world = world.borrow();
-        format!("s{}", world.report.snapshots + world.report.writes)
+        let mut world = world.borrow_mut();
+        world.snapshots_named += 1;
+        format!("s{}", world.snapshots_named)
     };
     let cluster = attached.cluster.clone();
     let volumes = attached.volumes.clone();
@@ -939,6 +942,7 @@ async fn simulate(mut report: Report) -> Report {
         report,
         flush_epochs: BTreeMap::new(),
         snapshots: Vec::new(),
+        snapshots_named: 0,
         resync_bytes_per_second: rng.gen_bool(0.3).then_some(256 << 10),
         restarts: Vec::new(),
         heal_at: None,
@@ -1136,21 +1140,85 @@ async fn simulate(mut report: Report) -> Report {
     finish(world)
 }
 
+/// Attaches (again if the primary it attached to stops serving) until every replica is in
+/// sync — as Raft records it and as the primary counts it, with no change of the set in flight
+/// — across a FLUSH that went through; the primary and the volume's replicas then. A violation
+/// at `deadline`.
+async fn serve_in_sync(
+    world: &Shared,
+    rng: &mut StdRng,
+    deadline: tokio::time::Instant,
+) -> Option<(Attached, Vec<NodeId>)> {
+    let mut last = String::from("no node served the volume");
+    while tokio::time::Instant::now() < deadline {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let Some(attached) = attach(world, rng, left).await else {
+            break;
+        };
+        let placed: Vec<NodeId> = world
+            .borrow()
+            .replication_seen(attached.index)
+            .map(|replication| replication.replicas.to_vec())
+            .unwrap_or_default();
+        let all_in_sync = |world: &Shared| {
+            let status = attached.primary.status();
+            let recorded = world
+                .borrow()
+                .replication_seen(attached.index)
+                .map(|replication| replication.in_sync.len());
+            status.in_sync.len() == placed.len()
+                && status.catching_up.is_empty()
+                && recorded == Some(placed.len())
+        };
+        while tokio::time::Instant::now() < deadline {
+            let status = attached.primary.status();
+            if let Some(why) = &status.closed {
+                last = format!("n{} stopped serving it: {why}", attached.index + 1);
+                break;
+            }
+            last = format!(
+                "n{} serves it in epoch {} with {:?} in sync of {placed:?}, catching up {:?}",
+                attached.index + 1,
+                status.epoch,
+                status.in_sync,
+                status
+                    .catching_up
+                    .iter()
+                    .map(|catch_up| (catch_up.node, catch_up.compared_bytes))
+                    .collect::<Vec<_>>()
+            );
+            if !all_in_sync(world) {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+            let flushed = through(
+                world,
+                attached.index,
+                attached.incarnation,
+                attached.primary.flush_async(),
+            )
+            .await;
+            if matches!(flushed, Answer::Done(()))
+                && all_in_sync(world)
+                && attached.primary.status().epoch == status.epoch
+            {
+                return Some((attached, placed));
+            }
+        }
+    }
+    world.borrow_mut().violation(format!(
+        "the replicas did not all come back in sync after healing: {last}"
+    ));
+    None
+}
+
 /// Serves the volume until every replica is back in sync, checks every client's units through
 /// it, and compares every node's own copy with the primary's.
 async fn converge(world: &Shared, rng: &mut StdRng, models: &[Model]) {
-    let Some(attached) = attach(world, rng, Duration::from_secs(120)).await else {
-        world
-            .borrow_mut()
-            .violation("no node serves the volume after healing".to_string());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    let Some((attached, placed)) = serve_in_sync(world, rng, deadline).await else {
         return;
     };
-    let placed: Vec<NodeId> = world
-        .borrow()
-        .replication_seen(attached.index)
-        .map(|replication| replication.replicas.to_vec())
-        .unwrap_or_default();
-    let replicas = placed.len();
     for (client, model) in models.iter().enumerate() {
         let mut model_final = model.clone();
         model_final.current = None;
@@ -1161,47 +1229,6 @@ async fn converge(world: &Shared, rng: &mut StdRng, models: &[Model]) {
             world.borrow_mut().violation(format!(
                 "client {client}'s units could not be read after healing"
             ));
-        }
-    }
-    // Every replica in sync — as Raft records it and as the primary counts it, with no
-    // change of the set in flight — across a FLUSH that went through.
-    let all_in_sync = |world: &Shared| {
-        let status = attached.primary.status();
-        let recorded = world
-            .borrow()
-            .replication_seen(attached.index)
-            .map(|replication| replication.in_sync.len());
-        status.in_sync.len() == replicas
-            && status.catching_up.is_empty()
-            && recorded == Some(replicas)
-    };
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-    loop {
-        if tokio::time::Instant::now() >= deadline {
-            let status = attached.primary.status();
-            world.borrow_mut().violation(format!(
-                "the replicas did not all come back in sync: {:?} of {replicas}",
-                status.in_sync
-            ));
-            return;
-        }
-        if !all_in_sync(world) {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            continue;
-        }
-        let epoch = attached.primary.status().epoch;
-        let flushed = through(
-            world,
-            attached.index,
-            attached.incarnation,
-            attached.primary.flush_async(),
-        )
-        .await;
-        if matches!(flushed, Answer::Done(()))
-            && all_in_sync(world)
-            && attached.primary.status().epoch == epoch
-        {
-            break;
         }
     }
     // Every node's own copy holds what the primary's does.
