@@ -891,11 +891,18 @@ impl Cluster {
                                     })?;
                                 let remaining =
                                     deadline.saturating_duration_since(tokio::time::Instant::now());
+                                // Made, but answered as made only once this node's
+                                // catalog shows it: a caller acts on its own catalog next (a
+                                // snapshot's writes after it go to the volume's new
+                                // generation only once this node applied it).
                                 if !self.wait_applied(proposed.index, remaining).await {
-                                    tracing::warn!(
-                                        index = proposed.index,
-                                        "applied on the leader, not yet here"
-                                    );
+                                    return Err(MetadataError::Timeout {
+                                        detail: format!(
+                                            "{kind}: made at index {}, not yet applied on this \
+                                             node",
+                                            proposed.index
+                                        ),
+                                    });
                                 }
                                 return Ok(proposed.result.0?);
                             }
