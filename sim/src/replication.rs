@@ -1309,6 +1309,19 @@ async fn check_snapshots(world: &Shared, copies: &[(usize, Arc<VolumeManager>)])
     let Some((_, volumes)) = copies.first() else {
         return;
     };
+    // Every node's catalog shows every acknowledged snapshot once it applied as far as the
+    // primary (a node just back from a partition may lag a moment).
+    let all_known = || {
+        copies.iter().all(|(_, volumes)| {
+            let catalog = volumes.metadata().catalog().read();
+            catalog.volume(VOLUME).is_some_and(|entry| {
+                taken
+                    .iter()
+                    .all(|(name, _, _)| entry.snapshot_by_name(name).is_some())
+            })
+        })
+    };
+    wait_for(Duration::from_secs(30), all_known).await;
     // Repairs copy one snapshot at a time; give them a while (a slow catch-up pace too).
     let whole_everywhere = || {
         let catalog = volumes.metadata().catalog().read();
