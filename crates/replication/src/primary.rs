@@ -1027,6 +1027,9 @@ impl Primary {
             let Some(upto) = common else {
                 continue;
             };
+            // Its sender may be idle already (the replica confirmed before this copy's own
+            // sync returned): wake it, so that the empty batch naming the point still goes.
+            peer.wake.notify_one();
             // A FLUSH queued at or before that one: every change after it has a greater
             // store sequence here.
             let Some(&(_, sequence)) = flush_points.iter().rev().find(|(at, _)| *at <= upto) else {
