@@ -23,3 +23,24 @@ def cluster(workdir):
     c = Cluster(workdir)
     yield c
     c.stop()
+
+
+# What a failed cluster test shows of its nodes: warnings, errors and the Raft events that
+# explain a stall (elections, voter changes, snapshots, shutdowns), the last lines of each.
+NOTABLE = re.compile(r" (WARN|ERROR) |becomes leader|steps down|changing the voter set|"
+                     r"joined|snapshot|shutting down|stopped")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    cluster = item.funcargs.get("cluster") if hasattr(item, "funcargs") else None
+    if report.when != "call" or not report.failed or cluster is None:
+        return
+    for node in cluster.nodes:
+        lines = [ANSI.sub("", line)[:220] for line in node.log().splitlines()]
+        notable = [line for line in lines if NOTABLE.search(line)][-30:]
+        if notable:
+            report.sections.append((f"{node.name} log (notable lines)", "\n".join(notable)))
