@@ -493,13 +493,31 @@ fn oversized_input_is_refused() {
     assert_eq!(store.stats().unwrap().last_seq, 0);
 }
 
+/// Waits until the segment after `segment` is prepared to its full size.
+fn wait_until_prepared(segment: &std::path::Path, segment_bytes: u64) {
+    let stem = segment.file_stem().and_then(|s| s.to_str()).unwrap();
+    let id = u64::from_str_radix(stem, 16).unwrap();
+    let prepared = segment.with_file_name(format!("{:016x}.seg.prepared", id + 1));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while std::fs::metadata(&prepared).map(|m| m.len()).ok() != Some(segment_bytes) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} was not prepared within 30 s",
+            prepared.display()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
 /// Segments are prepared ahead (zero-filled to full size) once the active one is half full; a
 /// rolled prepared segment ends in zeros, and replay must go on into the next segment rather
 /// than take the zeros for the end of the log.
 #[test]
 fn replay_crosses_prepared_segments() {
     let dir = fresh_dir("prepared-segments");
-    let store = open_small_segments(std::slice::from_ref(&dir), 1 << 20);
+    let segment_bytes = 1u64 << 20;
+    let store = open_small_segments(std::slice::from_ref(&dir), segment_bytes);
+    let mut waited = false;
     for i in 0..80u64 {
         store
             .write(
@@ -507,7 +525,18 @@ fn replay_crosses_prepared_segments() {
                 Durability::Sync,
             )
             .unwrap();
+        // Past half of the first (growing) segment the store zero-fills its successor in the
+        // background. A writer never waits for the zeros: on a busy machine it can reach the
+        // end before the preparing thread even starts, and then no segment is prepared. Wait
+        // until the successor is written whole (past its last cancellation point).
+        if let [first] = segment_files(&dir).as_slice() {
+            if !waited && std::fs::metadata(first).unwrap().len() > segment_bytes / 2 {
+                waited = true;
+                wait_until_prepared(first, segment_bytes);
+            }
+        }
     }
+    assert!(waited, "the first segment never passed half its size");
     let files = segment_files(&dir);
     assert!(
         files.len() >= 3,
