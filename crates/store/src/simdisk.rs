@@ -86,6 +86,8 @@ struct State {
     created: Vec<PathBuf>,
     /// Each write to paths containing this takes this long (a device slow for some files).
     slow: Option<(String, std::time::Duration)>,
+    /// Writebacks started ([`DiskFile::start_writeback`]): how many, and their bytes.
+    writebacks: (u64, u64),
     rng: u64,
 }
 
@@ -192,6 +194,11 @@ impl SimDisk {
             skip,
             count,
         });
+    }
+
+    /// How many writebacks were started ([`DiskFile::start_writeback`]), and their bytes.
+    pub fn writebacks_started(&self) -> (u64, u64) {
+        self.lock().writebacks
     }
 
     /// Every file created so far, in order.
@@ -348,6 +355,7 @@ fn successor(
             fired: Vec::new(),
             created: Vec::new(),
             slow: None,
+            writebacks: (0, 0),
             rng,
         })),
     }
@@ -381,6 +389,15 @@ impl fmt::Debug for SimFile {
 }
 
 impl DiskFile for SimFile {
+    /// Counted only: until a sync, a power cut may keep any part of the pending writes, which
+    /// covers the pages an early writeback put on the device.
+    fn start_writeback(&self, _offset: u64, len: u64) -> io::Result<()> {
+        let mut state = self.disk.lock();
+        state.writebacks.0 += 1;
+        state.writebacks.1 += len;
+        Ok(())
+    }
+
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
         let state = self.disk.lock();
         let file = state
