@@ -59,11 +59,6 @@ const PREPARE_SKIP_TIME_MAX: std::time::Duration = std::time::Duration::from_sec
 /// them, measured in `docs/benchmarks.md`). A writer of small synced writes (tens of MB/s
 /// against a zero-fill of hundreds) grows the log by a few percent of a segment meanwhile.
 const PREPARE_NEARLY_OUTRUN_DIVISOR: u64 = 4;
-/// A writer that appends this much without a sync starts the writeback of it (without waiting):
-/// otherwise a bulk load's pages stay dirty until the checkpoint's fdatasync writes 64 MiB at
-/// once with the writer held (tens of ms on this disk, every writer of the store waiting), and
-/// the kernel throttles the writer when too much is dirty.
-const WRITEBACK_AFTER_BYTES: u64 = 8 << 20;
 
 /// The background preparation of the next segment.
 struct Preparing {
@@ -239,8 +234,6 @@ struct Writer {
     /// soon as one is ready, instead of when this one is full. Cleared if that preparation
     /// fails; the segment is then used up as usual.
     growing: bool,
-    /// Where in `segment` the appends whose writeback has not been started or synced begin.
-    writeback_from: u64,
     since_checkpoint_bytes: u64,
     /// When free space was last read, the least free space of any device then, and the bytes
     /// appended since.
@@ -761,7 +754,6 @@ impl Engine {
         drop(pwrite);
 
         // Sync.
-        let end = base + appended;
         if need_sync && !writer.synced {
             self.syncs.fetch_add(1, Ordering::Relaxed);
             if let Err(error) = self.timed_sync(&writer.segment) {
@@ -770,19 +762,7 @@ impl Engine {
             }
             writer.synced = true;
         }
-        if writer.synced {
-            writer.writeback_from = end;
-        } else if end.saturating_sub(writer.writeback_from) >= WRITEBACK_AFTER_BYTES {
-            // Only a hint: a failed writeback is reported by the next fdatasync.
-            if let Err(error) = writer
-                .segment
-                .start_writeback(writer.writeback_from, end - writer.writeback_from)
-            {
-                tracing::debug!(%error, "could not start writeback");
-            }
-            writer.writeback_from = end;
-        }
-        writer.offset = end;
+        writer.offset = base + appended;
         writer.next_seq = seq;
         self.appended.fetch_add(appended, Ordering::Relaxed);
         self.next_seq.store(seq, Ordering::SeqCst);
@@ -879,7 +859,6 @@ impl Engine {
         writer.segment = next;
         writer.growing = growing;
         writer.offset = format::SEGMENT_HEADER_LEN as u64;
-        writer.writeback_from = writer.offset;
         Ok(())
     }
 
@@ -1267,7 +1246,6 @@ fn recover(
             next_seq: 1,
             synced: true,
             growing: true,
-            writeback_from: tail.offset,
             since_checkpoint_bytes: 0,
             space_checked_at: None,
             space_available_bytes: 0,
@@ -1438,7 +1416,6 @@ fn recover(
         next_seq,
         synced: true,
         growing,
-        writeback_from: end_offset,
         since_checkpoint_bytes: 0,
         space_checked_at: None,
         space_available_bytes: 0,

@@ -43,11 +43,6 @@ pub trait DiskFile: Send + Sync + Debug {
     /// failed writeback Linux keeps the lost pages cached and clean: reading them would trust
     /// bytes the disk does not have.
     fn drop_cache(&self) -> io::Result<()>;
-    /// Starts writing the range's dirty pages to the device and returns without waiting for
-    /// them (`sync_file_range(SYNC_FILE_RANGE_WRITE)`). Durability still needs
-    /// [`DiskFile::sync_data`], which reports any writeback error of these pages too (Linux keeps
-    /// it for the file until an fdatasync consumes it): this only spreads the work out.
-    fn start_writeback(&self, offset: u64, len: u64) -> io::Result<()>;
 }
 
 /// A held directory lock; released when dropped.
@@ -94,21 +89,6 @@ pub struct RealDisk;
 struct RealFile(File);
 
 impl DiskFile for RealFile {
-    fn start_writeback(&self, offset: u64, len: u64) -> io::Result<()> {
-        let (Ok(offset), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
-            return Err(io::Error::from_raw_os_error(libc::EINVAL));
-        };
-        // SAFETY: sync_file_range on a file descriptor this value owns; it reads no memory.
-        let rc = unsafe {
-            libc::sync_file_range(self.0.as_raw_fd(), offset, len, libc::SYNC_FILE_RANGE_WRITE)
-        };
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(io::Error::last_os_error())
-        }
-    }
-
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
         self.0.read_at(buf, offset)
     }

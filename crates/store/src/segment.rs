@@ -58,14 +58,6 @@ impl Segment {
         })
     }
 
-    /// Starts every copy's writeback of a range without waiting ([`DiskFile::start_writeback`]).
-    pub fn start_writeback(&self, offset: u64, len: u64) -> StoreResult<()> {
-        self.on_every_device(|_, file, path| {
-            file.start_writeback(offset, len)
-                .map_err(|e| StoreError::io(path, e))
-        })
-    }
-
     /// Cuts every copy back to `len` bytes (used to drop the bytes of a failed append).
     pub fn truncate(&self, len: u64) -> StoreResult<()> {
         self.on_every_device(|_, file, path| file.set_len(len).map_err(|e| StoreError::io(path, e)))

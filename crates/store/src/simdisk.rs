@@ -86,8 +86,6 @@ struct State {
     created: Vec<PathBuf>,
     /// Each write to paths containing this takes this long (a device slow for some files).
     slow: Option<(String, std::time::Duration)>,
-    /// Writebacks started ([`DiskFile::start_writeback`]): how many, and their bytes.
-    writebacks: (u64, u64),
     rng: u64,
 }
 
@@ -194,11 +192,6 @@ impl SimDisk {
             skip,
             count,
         });
-    }
-
-    /// How many writebacks were started ([`DiskFile::start_writeback`]), and their bytes.
-    pub fn writebacks_started(&self) -> (u64, u64) {
-        self.lock().writebacks
     }
 
     /// Every file created so far, in order.
@@ -355,7 +348,6 @@ fn successor(
             fired: Vec::new(),
             created: Vec::new(),
             slow: None,
-            writebacks: (0, 0),
             rng,
         })),
     }
@@ -389,15 +381,6 @@ impl fmt::Debug for SimFile {
 }
 
 impl DiskFile for SimFile {
-    /// Counted only: until a sync, a power cut may keep any part of the pending writes, which
-    /// covers the pages an early writeback put on the device.
-    fn start_writeback(&self, _offset: u64, len: u64) -> io::Result<()> {
-        let mut state = self.disk.lock();
-        state.writebacks.0 += 1;
-        state.writebacks.1 += len;
-        Ok(())
-    }
-
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
         let state = self.disk.lock();
         let file = state

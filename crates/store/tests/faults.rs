@@ -557,37 +557,6 @@ fn a_writer_that_nearly_outruns_a_preparation_skips_the_next_ones() {
     }
 }
 
-/// A writer of buffered writes starts the writeback of every 8 MiB it appends without a sync,
-/// so the checkpoint's fdatasync (every 64 MiB) does not write it all at once with the writer
-/// held; a writer whose batches sync starts none (its fdatasync writes them anyway).
-#[test]
-fn buffered_appends_start_their_writeback_every_8_mib() {
-    const MIB: usize = 1 << 20;
-    let disk = SimDisk::new(43);
-    let mut config = config(&disk, &["/sim/a"]);
-    config.segment_size_max_bytes = 256 << 20;
-    let store = Store::open(config).unwrap();
-    for n in 0..40 {
-        store
-            .write(vec![put(n, 0, MIB)], Durability::Buffered)
-            .unwrap();
-    }
-    let (count, bytes) = disk.writebacks_started();
-    assert_eq!(count, 5, "one writeback per 8 MiB of 40 MiB");
-    assert!(
-        (40 << 20..41 << 20).contains(&bytes),
-        "the writebacks covered {bytes} bytes"
-    );
-    for n in 40..80 {
-        store.write(vec![put(n, 0, MIB)], Durability::Sync).unwrap();
-    }
-    assert_eq!(
-        disk.writebacks_started().0,
-        5,
-        "a synced writer starts none"
-    );
-}
-
 /// Issue 10, defect 8: a mirror segment created on one device but not the other must be undone,
 /// or every later roll (and the next open) trips over the half pair.
 #[test]

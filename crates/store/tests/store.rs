@@ -509,20 +509,6 @@ fn wait_until_prepared(segment: &std::path::Path, segment_bytes: u64) {
     }
 }
 
-/// The writeback hint on a real file: starting it succeeds on written pages (and on a range past
-/// the end), and a range that `sync_file_range` cannot take is refused, not ignored.
-#[test]
-fn a_real_file_starts_its_writeback() {
-    use keel_store::disk::{Disk, OpenMode, RealDisk};
-    let dir = fresh_dir("start-writeback");
-    let file = RealDisk.open(&dir.join("file"), OpenMode::Create).unwrap();
-    file.write_all_at(&vec![7u8; 4 << 20], 0).unwrap();
-    file.start_writeback(0, 4 << 20).unwrap();
-    file.start_writeback(8 << 20, 1 << 20).unwrap();
-    assert!(file.start_writeback(u64::MAX, 1).is_err());
-    file.sync_data().unwrap();
-}
-
 /// Segments are prepared ahead (zero-filled to full size) once the active one is half full; a
 /// rolled prepared segment ends in zeros, and replay must go on into the next segment rather
 /// than take the zeros for the end of the log.
