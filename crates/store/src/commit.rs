@@ -55,8 +55,8 @@ const PREPARE_SKIP_TIME_MAX: std::time::Duration = std::time::Duration::from_sec
 /// segment (1/`PREPARE_NEARLY_OUTRUN_DIVISOR`) while the zeros were written, the writer appends
 /// at a good part of the zero-fill's own speed. Its zeros are then mostly overwritten before
 /// any fdatasync of small writes could use them, and writing them cost the writer as much again
-/// in page-cache copies and disk bandwidth (a replica's rebuild: 1.25-1.5× faster without
-/// them, measured in `docs/benchmarks.md`). A writer of small synced writes (tens of MB/s
+/// in page-cache copies and disk bandwidth (a replica's 4 GiB rebuild: 1.3× faster with this
+/// rule, measured in `docs/benchmarks.md`). A writer of small synced writes (tens of MB/s
 /// against a zero-fill of hundreds) grows the log by a few percent of a segment meanwhile.
 const PREPARE_NEARLY_OUTRUN_DIVISOR: u64 = 4;
 
