@@ -3,7 +3,8 @@
 engine, on one loopback cluster (three storage nodes; volumes attached on node 1).
 
     python3 scripts/bench/replication.py [--rounds 5] [--seconds 10] [--json out.json]
-        [--pgbench [--pgbench-seconds 30] [--pgbench-scale 20]] [--catch-up-gib 4] [--forwarded]
+        [--workloads sync-qd1,randrw-qd64] [--pgbench [--pgbench-seconds 30]
+        [--pgbench-scale 20]] [--catch-up-gib 4] [--forwarded]
         [--rebuild-gib 1 [--resync-busy-percent 25]] [--resync-gib 1 [--absent-mib 16]]
         [--snapshot-repair-gib 1]
 
@@ -323,6 +324,8 @@ def main():
     parser.add_argument("--pgbench-seconds", type=int, default=30)
     parser.add_argument("--pgbench-scale", type=int, default=20)
     parser.add_argument("--skip-fio", action="store_true", help="no fio workloads")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"the fio workloads to run, comma-separated (default: {','.join(WORKLOADS)})")
     parser.add_argument("--catch-up-gib", type=int, default=0)
     parser.add_argument("--rebuild-gib", type=int, default=0,
                         help="also measure full rebuilds of an N GiB volume (alone and under a client)")
@@ -337,7 +340,10 @@ def main():
     parser.add_argument("--forwarded", action="store_true",
                         help="also the R=2 volume through node 3, which holds no replica")
     args = parser.parse_args()
-    workloads = [] if args.skip_fio else list(WORKLOADS)
+    workloads = [] if args.skip_fio else [w for w in args.workloads.split(",") if w]
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
 
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)

@@ -227,10 +227,10 @@ async fn wait_for_catalog(shared: &Shared, index: u64) -> Result<(), Refusal> {
     Ok(())
 }
 
-/// Applies one batch of a primary's stream (its store I/O through [`crate::blocking`]). A
-/// batch that comes before the one it follows waits its turn (the primary keeps several in
-/// flight); one whose predecessor never comes, or that follows nothing this node holds, is
-/// refused.
+/// Applies one batch of a primary's stream (its store I/O through
+/// [`crate::blocking_in_place`]). A batch that comes before the one it follows waits its turn
+/// (the primary keeps several in flight); one whose predecessor never comes, or that follows
+/// nothing this node holds, is refused.
 pub(crate) async fn apply(
     shared: &Arc<Shared>,
     sender: NodeId,
@@ -244,7 +244,7 @@ pub(crate) async fn apply(
     let applied = match checked {
         Ok(name) => {
             let shared = shared.clone();
-            crate::blocking(move || apply_held(&shared, held, sender, &name, &batch))
+            crate::blocking_in_place(move || apply_held(&shared, held, sender, &name, &batch))
                 .await
                 .unwrap_or_else(|error| Err(refusal(CODE_FAILED, error)))
         }

@@ -1,60 +1,229 @@
-//! One authenticated connection: a writer task that MACs and coalesces queued frames, and a
+//! One authenticated connection: an outbox its senders write their frames through (MAC'd,
+//! counted; a drain task finishes what the socket did not take at once), and a
 //! reader that verifies each frame and hands it on — answers to waiting calls (client side),
 //! requests to the handler (server side, bounded in flight).
 //!
 //! Any error on a connection (I/O, a bad frame, an answer nobody asked for) closes it: calls in
 //! flight fail with `ConnectionLost`, the next call dials again.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{oneshot, Notify, Semaphore};
 use tokio::time::Instant;
 
 use crate::frame::{self, FrameError, Header, Kind, RemoteError, HEADER_BYTES, MAC_BYTES};
 use crate::handshake::{self, Session};
 use crate::{lock, Caller, Faults, Handler, LocalIdentity, NodeId, RpcConfig, RpcError};
 
-/// A frame for the writer.
-struct Outgoing {
-    header: Header,
-    payload: Vec<u8>,
-}
-
 type Answer = Result<Vec<u8>, RpcError>;
 
-/// Writes queued frames, coalescing what is queued into one write; stops when the queue closes
-/// or a write fails.
-async fn writer(
-    mut socket: OwnedWriteHalf,
-    mut queue: mpsc::Receiver<Outgoing>,
+/// Frames on their way out of one connection, in the order they were sent: each is encoded
+/// (counted, MAC'd) into one buffer and written by its sender at once while the socket takes
+/// it — no hand-over to another task on the path a call waits on. What the socket does not
+/// take is written by the connection's [`Outbox::drain`] task once it is writable; frames
+/// sent meanwhile join the buffer and go out together. At most `frames_max` frames wait:
+/// senders then wait for room until their deadline.
+struct Outbox {
+    socket: OwnedWriteHalf,
     key: [u8; 32],
-    batch_max_bytes: usize,
-) -> std::io::Result<()> {
-    let mut counter = 0u64;
-    let mut buffer = Vec::with_capacity(64 << 10);
-    while let Some(first) = queue.recv().await {
-        buffer.clear();
-        frame::encode_frame(&mut buffer, &key, counter, &first.header, &first.payload);
-        counter += 1;
-        while buffer.len() < batch_max_bytes {
-            match queue.try_recv() {
-                Ok(next) => {
-                    frame::encode_frame(&mut buffer, &key, counter, &next.header, &next.payload);
-                    counter += 1;
+    frames_max: usize,
+    state: Mutex<OutboxState>,
+    /// The socket did not take everything: the drain task takes over.
+    backlog: Notify,
+    /// Frames left the buffer, or the outbox failed: senders waiting for room look again.
+    room: Notify,
+}
+
+#[derive(Default)]
+struct OutboxState {
+    /// Counter of the next frame.
+    counter: u64,
+    buffer: Vec<u8>,
+    /// Bytes of `buffer` already written.
+    written: usize,
+    /// Where each frame not yet wholly written ends in `buffer`.
+    ends: VecDeque<usize>,
+    /// The drain task writes (the socket was full); senders only append.
+    backlogged: bool,
+    /// Why nothing more can be sent.
+    failed: Option<String>,
+}
+
+/// Why a frame was not sent.
+enum SendError {
+    /// `frames_max` frames waited until the deadline.
+    Full,
+    /// The connection failed or closed.
+    Closed(String),
+}
+
+/// What one round of writing left.
+enum Written {
+    All,
+    SocketFull,
+    Failed,
+}
+
+/// Above this many written bytes at the front of a buffer still being written, they are
+/// dropped from it (a slow peer does not keep every frame it took in memory).
+const OUTBOX_COMPACT_BYTES: usize = 1 << 20;
+
+impl Outbox {
+    fn new(socket: OwnedWriteHalf, key: [u8; 32], frames_max: usize) -> Arc<Outbox> {
+        Arc::new(Outbox {
+            socket,
+            key,
+            frames_max: frames_max.max(1),
+            state: Mutex::new(OutboxState::default()),
+            backlog: Notify::new(),
+            room: Notify::new(),
+        })
+    }
+
+    /// Sends one frame: written before this returns if the socket takes it, else left to the
+    /// drain task. Waits for room until `deadline` (none: as long as it takes).
+    async fn send(
+        &self,
+        header: &Header,
+        payload: &[u8],
+        deadline: Option<Instant>,
+    ) -> Result<(), SendError> {
+        loop {
+            let room = self.room.notified();
+            tokio::pin!(room);
+            room.as_mut().enable();
+            {
+                let mut state = lock(&self.state);
+                if let Some(reason) = &state.failed {
+                    return Err(SendError::Closed(reason.clone()));
                 }
-                Err(_) => break,
+                if state.ends.len() < self.frames_max {
+                    let counter = state.counter;
+                    frame::encode_frame(&mut state.buffer, &self.key, counter, header, payload);
+                    state.counter += 1;
+                    let end = state.buffer.len();
+                    state.ends.push_back(end);
+                    if !state.backlogged {
+                        match self.write_out(&mut state) {
+                            Written::All => {}
+                            Written::SocketFull => {
+                                state.backlogged = true;
+                                self.backlog.notify_one();
+                            }
+                            Written::Failed => {
+                                let reason = state.failed.clone().unwrap_or_default();
+                                return Err(SendError::Closed(reason));
+                            }
+                        }
+                    }
+                    return Ok(());
+                }
+            }
+            match deadline {
+                Some(deadline) => {
+                    if tokio::time::timeout_at(deadline, room).await.is_err() {
+                        return Err(SendError::Full);
+                    }
+                }
+                None => room.await,
             }
         }
-        socket.write_all(&buffer).await?;
     }
-    socket.shutdown().await
+
+    /// Writes what the socket takes now, without waiting.
+    fn write_out(&self, state: &mut OutboxState) -> Written {
+        let before = state.ends.len();
+        let mut outcome = Written::All;
+        while state.written < state.buffer.len() {
+            match self.socket.try_write(&state.buffer[state.written..]) {
+                Ok(0) => {
+                    self.fail_locked(state, "the socket took no bytes".to_string());
+                    return Written::Failed;
+                }
+                Ok(written) => state.written += written,
+                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
+                    outcome = Written::SocketFull;
+                    break;
+                }
+                Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(error) => {
+                    self.fail_locked(state, format!("write failed: {error}"));
+                    return Written::Failed;
+                }
+            }
+        }
+        while state.ends.front().is_some_and(|end| *end <= state.written) {
+            state.ends.pop_front();
+        }
+        if state.written == state.buffer.len() {
+            state.buffer.clear();
+            state.written = 0;
+        } else if state.written >= OUTBOX_COMPACT_BYTES && state.written * 2 >= state.buffer.len() {
+            let written = state.written;
+            state.buffer.drain(..written);
+            for end in state.ends.iter_mut() {
+                *end -= written;
+            }
+            state.written = 0;
+        }
+        if state.ends.len() < before {
+            self.room.notify_waiters();
+        }
+        outcome
+    }
+
+    fn fail_locked(&self, state: &mut OutboxState, reason: String) {
+        if state.failed.is_none() {
+            state.failed = Some(reason);
+        }
+        state.buffer = Vec::new();
+        state.ends.clear();
+        state.written = 0;
+        self.room.notify_waiters();
+        self.backlog.notify_one();
+    }
+
+    /// Refuses every later frame (the connection closed).
+    fn close(&self, reason: &str) {
+        self.fail_locked(&mut lock(&self.state), reason.to_string());
+    }
+
+    /// The drain task: writes what senders left whenever the socket becomes writable. Returns
+    /// why it stopped (the outbox failed).
+    async fn drain(&self) -> String {
+        loop {
+            let backlog = self.backlog.notified();
+            let backlogged = {
+                let state = lock(&self.state);
+                if let Some(reason) = &state.failed {
+                    return reason.clone();
+                }
+                state.backlogged
+            };
+            if !backlogged {
+                backlog.await;
+                continue;
+            }
+            if let Err(error) = self.socket.writable().await {
+                let reason = format!("write failed: {error}");
+                self.close(&reason);
+                return reason;
+            }
+            let mut state = lock(&self.state);
+            match self.write_out(&mut state) {
+                Written::All => state.backlogged = false,
+                Written::SocketFull => {}
+                Written::Failed => return state.failed.clone().unwrap_or_default(),
+            }
+        }
+    }
 }
 
 /// Why reading stopped.
@@ -66,9 +235,21 @@ enum ReadError {
     Frame(#[from] FrameError),
 }
 
+/// What a connection's reader takes from its socket per read: a small frame's header, MAC and
+/// payload, and frames queued behind it, come in one read instead of one each (a larger
+/// payload is read straight into its own buffer).
+const READ_BUFFER_BYTES: usize = 64 << 10;
+
+/// A connection's socket as its reader reads it.
+type FrameReader = BufReader<OwnedReadHalf>;
+
+fn frame_reader(socket: OwnedReadHalf) -> FrameReader {
+    BufReader::with_capacity(READ_BUFFER_BYTES, socket)
+}
+
 /// Reads and verifies the next frame.
 async fn read_frame(
-    socket: &mut OwnedReadHalf,
+    socket: &mut (impl AsyncRead + Unpin),
     key: &[u8; 32],
     counter: u64,
     payload_max_bytes: u32,
@@ -95,11 +276,11 @@ pub(crate) struct ClientConnection {
     /// The id this node had when it authenticated (a node that joined since must redial).
     pub(crate) local_node: NodeId,
     address: String,
-    outgoing: mpsc::Sender<Outgoing>,
+    outbox: Arc<Outbox>,
     pending: Mutex<HashMap<u64, oneshot::Sender<Answer>>>,
     next_request: AtomicU64,
     open: AtomicBool,
-    /// The reader and writer tasks, stopped when the connection closes (they hold it alive).
+    /// The reader and drain tasks, stopped when the connection closes (they hold it alive).
     tasks: Mutex<Vec<tokio::task::AbortHandle>>,
 }
 
@@ -112,40 +293,32 @@ impl ClientConnection {
         config: RpcConfig,
     ) -> Arc<ClientConnection> {
         let (read, write) = stream.into_split();
-        let (outgoing, queue) = mpsc::channel(config.queue_frames_max);
         let connection = Arc::new(ClientConnection {
             peer_node: session.peer_node,
             local_node,
             address,
-            outgoing,
+            outbox: Outbox::new(write, session.client_to_server, config.queue_frames_max),
             pending: Mutex::new(HashMap::new()),
             next_request: AtomicU64::new(1),
             open: AtomicBool::new(true),
             tasks: Mutex::new(Vec::new()),
         });
-        let writer_connection = Arc::downgrade(&connection);
-        let writer_task = tokio::spawn(async move {
-            if let Err(error) = writer(
-                write,
-                queue,
-                session.client_to_server,
-                config.write_batch_max_bytes,
-            )
-            .await
-            {
-                if let Some(connection) = writer_connection.upgrade() {
-                    connection.close(&format!("write failed: {error}"));
-                }
+        let drain_connection = Arc::downgrade(&connection);
+        let outbox = connection.outbox.clone();
+        let drain_task = tokio::spawn(async move {
+            let reason = outbox.drain().await;
+            if let Some(connection) = drain_connection.upgrade() {
+                connection.close(&reason);
             }
         });
         let reader_connection = connection.clone();
         let key = session.server_to_client;
         let reader_task = tokio::spawn(async move {
             reader_connection
-                .read_answers(read, key, config.payload_max_bytes)
+                .read_answers(frame_reader(read), key, config.payload_max_bytes)
                 .await;
         });
-        lock(&connection.tasks).extend([writer_task.abort_handle(), reader_task.abort_handle()]);
+        lock(&connection.tasks).extend([drain_task.abort_handle(), reader_task.abort_handle()]);
         if !connection.is_open() {
             connection.close("closed while starting");
         }
@@ -166,6 +339,7 @@ impl ClientConnection {
         if self.open.swap(false, Ordering::SeqCst) {
             tracing::info!(peer = %self.address, reason, "node-to-node connection closed");
         }
+        self.outbox.close(reason);
         for task in lock(&self.tasks).drain(..) {
             task.abort();
         }
@@ -180,7 +354,7 @@ impl ClientConnection {
 
     async fn read_answers(
         self: Arc<Self>,
-        mut socket: OwnedReadHalf,
+        mut socket: FrameReader,
         key: [u8; 32],
         payload_max_bytes: u32,
     ) {
@@ -251,19 +425,18 @@ impl ClientConnection {
             peer: self.address.clone(),
             timeout,
         };
-        let queued =
-            tokio::time::timeout_at(deadline, self.outgoing.send(Outgoing { header, payload }))
-                .await;
-        match queued {
-            Ok(Ok(())) => {}
-            Ok(Err(_)) => {
+        match self.outbox.send(&header, &payload, Some(deadline)).await {
+            Ok(()) => {}
+            Err(SendError::Closed(reason)) => {
+                // Its frame did not wholly reach the socket: the peer never got it.
                 lock(&self.pending).remove(&request_id);
+                self.close(&reason);
                 return Err(RpcError::Unreachable {
                     peer: self.address.clone(),
-                    detail: "connection closed".to_string(),
+                    detail: format!("connection closed: {reason}"),
                 });
             }
-            Err(_) => {
+            Err(SendError::Full) => {
                 // Never queued: the peer did not get it.
                 lock(&self.pending).remove(&request_id);
                 return Err(RpcError::Unreachable {
@@ -324,25 +497,31 @@ pub(crate) async fn serve_connection(
     } else {
         Caller::Member(session.peer_node)
     };
-    let (mut read, write) = stream.into_split();
-    let (outgoing, queue) = mpsc::channel::<Outgoing>(config.queue_frames_max);
-    let writer_task = tokio::spawn(writer(
-        write,
-        queue,
-        session.server_to_client,
-        config.write_batch_max_bytes,
-    ));
+    let (read, write) = stream.into_split();
+    let mut read = frame_reader(read);
+    let outbox = Outbox::new(write, session.server_to_client, config.queue_frames_max);
+    let drain = outbox.clone();
+    // Stopped with this connection, also when its server drops it mid-read (its socket then
+    // closes once the answers in flight are done).
+    let mut drain_task = AbortOnDrop(tokio::spawn(async move { drain.drain().await }));
     let in_flight = Arc::new(Semaphore::new(config.requests_in_flight_max));
     let mut counter = 0u64;
     loop {
-        let (header, payload) = match read_frame(
-            &mut read,
-            &session.client_to_server,
-            counter,
-            config.payload_max_bytes,
-        )
-        .await
-        {
+        let read = tokio::select! {
+            read = read_frame(
+                &mut read,
+                &session.client_to_server,
+                counter,
+                config.payload_max_bytes,
+            ) => read,
+            // Writing failed: nothing this connection answers can reach the peer.
+            stopped = &mut drain_task.0 => {
+                let reason = stopped.unwrap_or_else(|error| error.to_string());
+                tracing::info!(%peer, reason, "node-to-node connection failed");
+                break;
+            }
+        };
+        let (header, payload) = match read {
             Ok(frame) => frame,
             Err(ReadError::Io(error)) if error.kind() == std::io::ErrorKind::UnexpectedEof => break,
             Err(ReadError::Frame(error)) => {
@@ -367,7 +546,7 @@ pub(crate) async fn serve_connection(
             break;
         };
         let handler = handler.clone();
-        let outgoing = outgoing.clone();
+        let outbox = outbox.clone();
         let faults = faults.clone();
         let budget = Duration::from_millis(u64::from(header.deadline_ms.max(1)));
         tokio::spawn(async move {
@@ -397,9 +576,17 @@ pub(crate) async fn serve_connection(
                 deadline_ms: 0,
                 length: payload.len() as u32,
             };
-            let _ = outgoing.send(Outgoing { header, payload }).await;
+            let _ = outbox.send(&header, &payload, None).await;
         });
     }
-    drop(outgoing);
-    writer_task.abort();
+    outbox.close("the connection closed");
+}
+
+/// A task stopped when this is dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }

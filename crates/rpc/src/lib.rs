@@ -7,7 +7,8 @@
 //!   ([`frame`]): corrupted, forged, replayed or reordered frames close the connection. Frames
 //!   are not encrypted (run the cluster network privately).
 //! - **Multiplexed.** Many calls share one connection per peer and are answered out of order;
-//!   a writer task coalesces queued frames into few writes; TCP_NODELAY.
+//!   a caller writes its frame itself while the socket takes it (no hand-over to another
+//!   task on the path it waits on); what waits for room goes out together; TCP_NODELAY.
 //! - **Bounded.** Outgoing frames per connection ([`RpcConfig::queue_frames_max`]), requests in
 //!   flight per accepted connection ([`RpcConfig::requests_in_flight_max`]), payload size
 //!   ([`RpcConfig::payload_max_bytes`]); a caller waits for room until its deadline.
@@ -109,7 +110,8 @@ impl LocalIdentity {
 pub struct RpcConfig {
     /// Largest payload of one frame. Default 64 MiB.
     pub payload_max_bytes: u32,
-    /// Frames queued for one connection's writer. Default 1024.
+    /// Frames waiting to be written on one connection (the socket did not take them yet).
+    /// Default 1024.
     pub queue_frames_max: usize,
     /// Requests one accepted connection runs at once; more wait (backpressure). Default 256.
     pub requests_in_flight_max: usize,
@@ -121,8 +123,6 @@ pub struct RpcConfig {
     pub backoff_initial: Duration,
     /// Longest wait between dials of a dead peer. Default 5 s.
     pub backoff_max: Duration,
-    /// Bytes the writer coalesces into one write. Default 1 MiB.
-    pub write_batch_max_bytes: usize,
 }
 
 impl Default for RpcConfig {
@@ -135,7 +135,6 @@ impl Default for RpcConfig {
             handshake_timeout: Duration::from_secs(5),
             backoff_initial: Duration::from_millis(100),
             backoff_max: Duration::from_secs(5),
-            write_batch_max_bytes: 1 << 20,
         }
     }
 }

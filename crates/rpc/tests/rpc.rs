@@ -538,6 +538,99 @@ async fn a_stalled_peer_fills_the_bounded_queue() {
     accepted.abort();
 }
 
+// Proves frames a socket cannot take at once are not lost or reordered: a peer that reads
+// nothing for a while (the client's socket fills, its later frames wait in its outbox) then
+// gets every frame whole, MAC-checked in counter order, and the calls are answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_a_full_socket_held_back_arrive_whole_and_in_order() {
+    const CALLS: usize = 16;
+    const PAYLOAD: usize = 1 << 20;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let accepted = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let session = keel_rpc::handshake::server(
+            &mut stream,
+            &Identity {
+                cluster_id: CLUSTER,
+                node_id: 3,
+                secret: ClusterSecret::from_bytes(SECRET),
+            },
+        )
+        .await
+        .unwrap();
+        // Read nothing until the client's socket is full and frames wait behind it.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let mut seen = Vec::new();
+        for counter in 0..CALLS as u64 {
+            let mut header_bytes = [0u8; frame::HEADER_BYTES];
+            stream.read_exact(&mut header_bytes).await.unwrap();
+            let header = frame::Header::decode(&header_bytes, 4 << 20).unwrap();
+            let mut mac = [0u8; frame::MAC_BYTES];
+            stream.read_exact(&mut mac).await.unwrap();
+            let mut payload = vec![0u8; header.length as usize];
+            stream.read_exact(&mut payload).await.unwrap();
+            assert!(
+                frame::mac_matches(
+                    &mac,
+                    &frame::mac(&session.client_to_server, counter, &header_bytes, &payload)
+                ),
+                "frame {counter} is whole and in order"
+            );
+            assert_eq!(payload.len(), PAYLOAD);
+            assert!(payload.iter().all(|byte| *byte == payload[0]));
+            seen.push(payload[0]);
+            let mut answer = Vec::new();
+            frame::encode_frame(
+                &mut answer,
+                &session.server_to_client,
+                counter,
+                &frame::Header {
+                    kind: frame::Kind::Response,
+                    method: 0,
+                    request_id: header.request_id,
+                    deadline_ms: 0,
+                    length: 1,
+                },
+                &[payload[0]],
+            );
+            stream.write_all(&answer).await.unwrap();
+        }
+        seen
+    });
+    let peers = client(5);
+    let mut calls = Vec::new();
+    for index in 0..CALLS {
+        let peers = peers.clone();
+        let target = Target::Node {
+            id: 3,
+            address: address.clone(),
+        };
+        calls.push(tokio::spawn(async move {
+            let fill = index as u8 + 1;
+            let answer = peers
+                .call(target, 1, vec![fill; PAYLOAD], Duration::from_secs(20))
+                .await
+                .unwrap();
+            assert_eq!(answer, vec![fill]);
+        }));
+        // One dial, then the rest on its connection.
+        if index == 0 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    for call in calls {
+        call.await.unwrap();
+    }
+    let mut seen = accepted.await.unwrap();
+    seen.sort_unstable();
+    assert_eq!(
+        seen,
+        (1..=CALLS as u8).collect::<Vec<_>>(),
+        "every frame arrived once"
+    );
+}
+
 // Proves the client redials after the server restarts on the same address, and backs off
 // against a peer that keeps refusing (a bounded number of dials in a fixed time).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
