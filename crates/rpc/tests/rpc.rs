@@ -631,6 +631,62 @@ async fn frames_a_full_socket_held_back_arrive_whole_and_in_order() {
     );
 }
 
+// Proves a server's answers that its socket cannot take at once are not lost or reordered: a
+// client that reads nothing for a while (the server's socket fills, later answers wait in its
+// outbox) then gets every answer whole, MAC-checked in counter order, each once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_a_full_socket_held_back_arrive_whole_and_in_order() {
+    const CALLS: u64 = 16;
+    const PAYLOAD: usize = 1 << 20;
+    let server = server(3).await;
+    let (mut stream, session) = raw_session(&server).await;
+    for index in 0..CALLS {
+        let payload = vec![index as u8 + 1; PAYLOAD];
+        let frame = request(&session.client_to_server, index, index + 1, &payload);
+        stream.write_all(&frame).await.unwrap();
+    }
+    // Read nothing until the server's socket is full and answers wait behind it.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut answered = Vec::new();
+    for counter in 0..CALLS {
+        let read = async {
+            let mut header_bytes = [0u8; frame::HEADER_BYTES];
+            stream.read_exact(&mut header_bytes).await.unwrap();
+            let header = frame::Header::decode(&header_bytes, 4 << 20).unwrap();
+            let mut mac = [0u8; frame::MAC_BYTES];
+            stream.read_exact(&mut mac).await.unwrap();
+            let mut payload = vec![0u8; header.length as usize];
+            stream.read_exact(&mut payload).await.unwrap();
+            (header_bytes, header, mac, payload)
+        };
+        let (header_bytes, header, mac, payload) =
+            tokio::time::timeout(Duration::from_secs(20), read)
+                .await
+                .expect("every answer comes whole");
+        assert!(
+            frame::mac_matches(
+                &mac,
+                &frame::mac(&session.server_to_client, counter, &header_bytes, &payload)
+            ),
+            "answer {counter} is whole and in order"
+        );
+        assert_eq!(header.kind, frame::Kind::Response);
+        assert_eq!(
+            payload,
+            vec![header.request_id as u8; PAYLOAD],
+            "the answer to request {}",
+            header.request_id
+        );
+        answered.push(header.request_id);
+    }
+    answered.sort_unstable();
+    assert_eq!(
+        answered,
+        (1..=CALLS).collect::<Vec<_>>(),
+        "every request answered once"
+    );
+}
+
 // Proves the client redials after the server restarts on the same address, and backs off
 // against a peer that keeps refusing (a bounded number of dials in a fixed time).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
