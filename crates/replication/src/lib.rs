@@ -102,11 +102,12 @@ pub(crate) async fn blocking_in_place<T: Send + 'static>(
     }
 }
 
+/// In the simulation, as all store work there: inline ([`blocking`]).
 #[cfg(feature = "simulation")]
 pub(crate) async fn blocking_in_place<T: Send + 'static>(
     work: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, String> {
-    Ok(work())
+    blocking(work).await
 }
 
 pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -389,6 +389,49 @@ fn request(key: &[u8; 32], counter: u64, request_id: u64, payload: &[u8]) -> Vec
     out
 }
 
+/// Accepts one connection and plays the server's side of the handshake by hand (as node 3).
+async fn accept_session(listener: TcpListener) -> (TcpStream, keel_rpc::handshake::Session) {
+    let (mut stream, _) = listener.accept().await.unwrap();
+    let session = keel_rpc::handshake::server(
+        &mut stream,
+        &Identity {
+            cluster_id: CLUSTER,
+            node_id: 3,
+            secret: ClusterSecret::from_bytes(SECRET),
+        },
+    )
+    .await
+    .unwrap();
+    (stream, session)
+}
+
+/// Reads the next frame by hand (within 20 s) and asserts its MAC holds under `key` as frame
+/// number `counter` of its direction: it arrived whole and in order.
+async fn read_verified(
+    stream: &mut TcpStream,
+    key: &[u8; 32],
+    counter: u64,
+) -> (frame::Header, Vec<u8>) {
+    let read = async {
+        let mut header_bytes = [0u8; frame::HEADER_BYTES];
+        stream.read_exact(&mut header_bytes).await.unwrap();
+        let header = frame::Header::decode(&header_bytes, 4 << 20).unwrap();
+        let mut mac = [0u8; frame::MAC_BYTES];
+        stream.read_exact(&mut mac).await.unwrap();
+        let mut payload = vec![0u8; header.length as usize];
+        stream.read_exact(&mut payload).await.unwrap();
+        (header_bytes, header, mac, payload)
+    };
+    let (header_bytes, header, mac, payload) = tokio::time::timeout(Duration::from_secs(20), read)
+        .await
+        .expect("every frame comes whole");
+    assert!(
+        frame::mac_matches(&mac, &frame::mac(key, counter, &header_bytes, &payload)),
+        "frame {counter} is whole and in order"
+    );
+    (header, payload)
+}
+
 async fn closed_by_server(stream: &mut TcpStream) -> bool {
     let mut buffer = [0u8; 4096];
     loop {
@@ -489,17 +532,7 @@ async fn a_stalled_peer_fills_the_bounded_queue() {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap().to_string();
     let accepted = tokio::spawn(async move {
-        let (mut stream, _) = listener.accept().await.unwrap();
-        let _session = keel_rpc::handshake::server(
-            &mut stream,
-            &Identity {
-                cluster_id: CLUSTER,
-                node_id: 3,
-                secret: ClusterSecret::from_bytes(SECRET),
-            },
-        )
-        .await
-        .unwrap();
+        let (stream, _session) = accept_session(listener).await;
         // Never read again: hold the socket open.
         tokio::time::sleep(Duration::from_secs(30)).await;
         drop(stream);
@@ -548,35 +581,13 @@ async fn frames_a_full_socket_held_back_arrive_whole_and_in_order() {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap().to_string();
     let accepted = tokio::spawn(async move {
-        let (mut stream, _) = listener.accept().await.unwrap();
-        let session = keel_rpc::handshake::server(
-            &mut stream,
-            &Identity {
-                cluster_id: CLUSTER,
-                node_id: 3,
-                secret: ClusterSecret::from_bytes(SECRET),
-            },
-        )
-        .await
-        .unwrap();
+        let (mut stream, session) = accept_session(listener).await;
         // Read nothing until the client's socket is full and frames wait behind it.
         tokio::time::sleep(Duration::from_millis(500)).await;
         let mut seen = Vec::new();
         for counter in 0..CALLS as u64 {
-            let mut header_bytes = [0u8; frame::HEADER_BYTES];
-            stream.read_exact(&mut header_bytes).await.unwrap();
-            let header = frame::Header::decode(&header_bytes, 4 << 20).unwrap();
-            let mut mac = [0u8; frame::MAC_BYTES];
-            stream.read_exact(&mut mac).await.unwrap();
-            let mut payload = vec![0u8; header.length as usize];
-            stream.read_exact(&mut payload).await.unwrap();
-            assert!(
-                frame::mac_matches(
-                    &mac,
-                    &frame::mac(&session.client_to_server, counter, &header_bytes, &payload)
-                ),
-                "frame {counter} is whole and in order"
-            );
+            let (header, payload) =
+                read_verified(&mut stream, &session.client_to_server, counter).await;
             assert_eq!(payload.len(), PAYLOAD);
             assert!(payload.iter().all(|byte| *byte == payload[0]));
             seen.push(payload[0]);
@@ -649,27 +660,8 @@ async fn answers_a_full_socket_held_back_arrive_whole_and_in_order() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let mut answered = Vec::new();
     for counter in 0..CALLS {
-        let read = async {
-            let mut header_bytes = [0u8; frame::HEADER_BYTES];
-            stream.read_exact(&mut header_bytes).await.unwrap();
-            let header = frame::Header::decode(&header_bytes, 4 << 20).unwrap();
-            let mut mac = [0u8; frame::MAC_BYTES];
-            stream.read_exact(&mut mac).await.unwrap();
-            let mut payload = vec![0u8; header.length as usize];
-            stream.read_exact(&mut payload).await.unwrap();
-            (header_bytes, header, mac, payload)
-        };
-        let (header_bytes, header, mac, payload) =
-            tokio::time::timeout(Duration::from_secs(20), read)
-                .await
-                .expect("every answer comes whole");
-        assert!(
-            frame::mac_matches(
-                &mac,
-                &frame::mac(&session.server_to_client, counter, &header_bytes, &payload)
-            ),
-            "answer {counter} is whole and in order"
-        );
+        let (header, payload) =
+            read_verified(&mut stream, &session.server_to_client, counter).await;
         assert_eq!(header.kind, frame::Kind::Response);
         assert_eq!(
             payload,
