@@ -379,7 +379,9 @@ impl Index {
         let shared = &*self.shared;
         let full = {
             let mut overlay = write_lock(&shared.overlay);
-            let mut redb_read = None;
+            // Opened at the first key neither the cache nor the overlay knows (a new key: a
+            // fresh volume's blocks all are), then kept for the rest of the batch.
+            let mut redb_extents = None;
             for update in updates {
                 let key = match update {
                     IndexUpdate::Put { key, .. } | IndexUpdate::Delete { key } => key,
@@ -390,11 +392,12 @@ impl Index {
                     None => match overlay.entry(key) {
                         Some(entry) => entry,
                         None => {
-                            let txn = match &redb_read {
-                                Some(txn) => txn,
-                                None => redb_read.insert(shared.db.begin_read()?),
+                            let table = match &redb_extents {
+                                Some(table) => table,
+                                None => redb_extents
+                                    .insert(shared.db.begin_read()?.open_table(EXTENTS)?),
                             };
-                            txn.open_table(EXTENTS)?
+                            table
                                 .get(key.as_slice())?
                                 .map(|v| Location::decode(v.value()))
                                 .transpose()?
