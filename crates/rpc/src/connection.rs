@@ -7,6 +7,7 @@
 //! flight fail with `ConnectionLost`, the next call dials again.
 
 use std::collections::{HashMap, VecDeque};
+use std::io::IoSlice;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -74,6 +75,10 @@ enum Written {
 /// Above this many written bytes at the front of a buffer still being written, they are
 /// dropped from it (a slow peer does not keep every frame it took in memory).
 const OUTBOX_COMPACT_BYTES: usize = 1 << 20;
+/// A payload at least this large is written from the caller's buffer when nothing waits before
+/// it, rather than copied into the outbox first (a smaller one costs less to copy than a
+/// second write).
+const DIRECT_PAYLOAD_BYTES: usize = 64 << 10;
 
 impl Outbox {
     fn new(socket: OwnedWriteHalf, key: [u8; 32], frames_max: usize) -> Arc<Outbox> {
@@ -106,8 +111,27 @@ impl Outbox {
                 }
                 if state.ends.len() < self.frames_max {
                     let counter = state.counter;
-                    frame::encode_frame(&mut state.buffer, &self.key, counter, header, payload);
                     state.counter += 1;
+                    if payload.len() >= DIRECT_PAYLOAD_BYTES
+                        && !state.backlogged
+                        && state.written == state.buffer.len()
+                    {
+                        // Nothing waits before it: written from the caller's buffer, and only
+                        // what the socket did not take is copied into the outbox.
+                        let head = frame::frame_head(&self.key, counter, header, payload);
+                        return match self.write_direct(&mut state, &head, payload) {
+                            Written::All => Ok(()),
+                            Written::SocketFull => {
+                                state.backlogged = true;
+                                self.backlog.notify_one();
+                                Ok(())
+                            }
+                            Written::Failed => {
+                                Err(SendError::Closed(state.failed.clone().unwrap_or_default()))
+                            }
+                        };
+                    }
+                    frame::encode_frame(&mut state.buffer, &self.key, counter, header, payload);
                     let end = state.buffer.len();
                     state.ends.push_back(end);
                     if !state.backlogged {
@@ -135,6 +159,50 @@ impl Outbox {
                 None => room.await,
             }
         }
+    }
+
+    /// Writes one frame (its `head` and `payload`) to the socket while the buffer is empty; what
+    /// the socket does not take now goes into the buffer, for the drain task.
+    fn write_direct(&self, state: &mut OutboxState, head: &[u8], payload: &[u8]) -> Written {
+        let total = head.len() + payload.len();
+        let mut written = 0;
+        while written < total {
+            let parts = if written < head.len() {
+                [IoSlice::new(&head[written..]), IoSlice::new(payload)]
+            } else {
+                [
+                    IoSlice::new(&payload[written - head.len()..]),
+                    IoSlice::new(&[]),
+                ]
+            };
+            match self.socket.try_write_vectored(&parts) {
+                Ok(0) => {
+                    self.fail_locked(state, "the socket took no bytes".to_string());
+                    return Written::Failed;
+                }
+                Ok(taken) => written += taken,
+                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(error) => {
+                    self.fail_locked(state, format!("write failed: {error}"));
+                    return Written::Failed;
+                }
+            }
+        }
+        if written == total {
+            return Written::All;
+        }
+        if written < head.len() {
+            state.buffer.extend_from_slice(&head[written..]);
+            state.buffer.extend_from_slice(payload);
+        } else {
+            state
+                .buffer
+                .extend_from_slice(&payload[written - head.len()..]);
+        }
+        let end = state.buffer.len();
+        state.ends.push_back(end);
+        Written::SocketFull
     }
 
     /// Writes what the socket takes now, without waiting.
@@ -259,8 +327,15 @@ async fn read_frame(
     let header = Header::decode(&header_bytes, payload_max_bytes)?;
     let mut received = [0u8; MAC_BYTES];
     socket.read_exact(&mut received).await?;
-    let mut payload = vec![0u8; header.length as usize];
-    socket.read_exact(&mut payload).await?;
+    // Read into spare capacity: no zero-fill of a payload about to be overwritten.
+    let length = header.length as usize;
+    let mut payload = Vec::with_capacity(length);
+    while payload.len() < length {
+        let want = length - payload.len();
+        if socket.take(want as u64).read_buf(&mut payload).await? == 0 {
+            return Err(ReadError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+    }
     if !frame::mac_matches(
         &received,
         &frame::mac(key, counter, &header_bytes, &payload),

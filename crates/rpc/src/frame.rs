@@ -160,10 +160,22 @@ pub fn encode_frame(
     header: &Header,
     payload: &[u8],
 ) {
-    let encoded = header.encode();
-    out.extend_from_slice(&encoded);
-    out.extend_from_slice(&mac(key, counter, &encoded, payload));
+    out.extend_from_slice(&frame_head(key, counter, header, payload));
     out.extend_from_slice(payload);
+}
+
+/// What precedes a frame's payload on the wire: its header and MAC.
+pub fn frame_head(
+    key: &[u8; 32],
+    counter: u64,
+    header: &Header,
+    payload: &[u8],
+) -> [u8; HEADER_BYTES + MAC_BYTES] {
+    let encoded = header.encode();
+    let mut head = [0u8; HEADER_BYTES + MAC_BYTES];
+    head[..HEADER_BYTES].copy_from_slice(&encoded);
+    head[HEADER_BYTES..].copy_from_slice(&mac(key, counter, &encoded, payload));
+    head
 }
 
 /// Decodes one frame from the start of `bytes` (tests and fuzzing; the connection reads header,
