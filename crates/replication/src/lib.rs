@@ -1151,7 +1151,9 @@ impl Replication {
         };
         match method {
             METHOD_REPLICATE => {
-                let batch = decode(&payload)?;
+                // The writes' data stay in the payload (no copy).
+                let batch = wire::Batch::decode_shared(payload.into())
+                    .map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))?;
                 let ack = replica::apply(shared, sender, batch)
                     .await
                     .map_err(refused)?;

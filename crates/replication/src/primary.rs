@@ -2433,13 +2433,18 @@ impl Primary {
         if runs == [(0, blocks)] {
             // The whole chunk: no copy.
             queued = length;
-            peer.push(Item::Op(Op::Write { offset, data: ours }));
+            peer.push(Item::Op(Op::Write {
+                offset,
+                data: ours.into(),
+            }));
         } else {
+            // Copies, so that a queue of a few blocks from each chunk does not keep whole
+            // chunks in memory (the queue's bound counts the bytes queued).
             for (first, end) in runs {
                 let (start, stop) = (first * block, end * block);
                 peer.push(Item::Op(Op::Write {
                     offset: offset + start as u64,
-                    data: ours[start..stop].to_vec(),
+                    data: bytes::Bytes::copy_from_slice(&ours[start..stop]),
                 }));
                 queued += (stop - start) as u64;
             }
@@ -2567,11 +2572,15 @@ impl Primary {
     }
 
     pub async fn write_async(&self, offset: u64, data: &[u8], fua: bool) -> VolumeResult<()> {
+        // One copy of the data, whichever replicas stream (none, one or two).
+        let shared = std::cell::OnceCell::new();
         self.ordered(
             (offset, data.len() as u64),
             || Op::Write {
                 offset,
-                data: data.to_vec(),
+                data: shared
+                    .get_or_init(|| bytes::Bytes::copy_from_slice(data))
+                    .clone(),
             },
             || self.local.write(offset, data, false),
         )

@@ -8,6 +8,7 @@
 //! The messages carry the volume's own writes (offset, data), never the store's keys, so each
 //! node's store layout can change without touching this protocol.
 
+use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 /// Primary → replica: a batch of the volume's stream ([`Batch`] → [`BatchAck`]).
@@ -147,8 +148,10 @@ pub struct ForwardClose {
 pub enum Op {
     Write {
         offset: u64,
-        #[serde(with = "serde_bytes")]
-        data: Vec<u8>,
+        /// Shared, not copied: one buffer serves every replica's queue on the primary, and
+        /// on a replica the batch's payload itself ([`Batch::decode_shared`]).
+        #[serde(with = "shared_bytes")]
+        data: Bytes,
     },
     Trim {
         offset: u64,
@@ -184,6 +187,93 @@ pub struct Batch {
     /// Other replicas in sync that made that FLUSH durable too: the replica keeps the same
     /// common point with each of them (after a take-over one of them may catch it up).
     pub common_with: Vec<u64>,
+}
+
+impl Batch {
+    /// Decodes a batch whose writes' data stay in `payload`, shared rather than copied out
+    /// (what `postcard::from_bytes` gives, without a copy of every byte written).
+    pub fn decode_shared(payload: Bytes) -> Result<Batch, postcard::Error> {
+        let view: BatchView<'_> = postcard::from_bytes(&payload)?;
+        Ok(Batch {
+            volume_id: view.volume_id,
+            epoch: view.epoch,
+            stream: view.stream,
+            index: view.index,
+            ops: view
+                .ops
+                .into_iter()
+                .map(|op| match op {
+                    OpView::Write { offset, data } => Op::Write {
+                        offset,
+                        data: payload.slice_ref(data),
+                    },
+                    OpView::Trim { offset, length } => Op::Trim { offset, length },
+                    OpView::Zeroes {
+                        offset,
+                        length,
+                        may_trim,
+                    } => Op::Zeroes {
+                        offset,
+                        length,
+                        may_trim,
+                    },
+                })
+                .collect(),
+            flush: view.flush,
+            catalog_index: view.catalog_index,
+            common_index: view.common_index,
+            common_with: view.common_with,
+        })
+    }
+}
+
+/// [`Batch`] as it is decoded, its writes' data borrowed from the payload: the same fields in
+/// the same order (the round-trip test compares the two decodings).
+#[derive(Deserialize)]
+struct BatchView<'a> {
+    volume_id: u64,
+    epoch: u64,
+    stream: u64,
+    index: u64,
+    #[serde(borrow)]
+    ops: Vec<OpView<'a>>,
+    flush: bool,
+    catalog_index: u64,
+    common_index: Option<u64>,
+    common_with: Vec<u64>,
+}
+
+/// [`Op`] as it is decoded (see [`BatchView`]).
+#[derive(Deserialize)]
+enum OpView<'a> {
+    Write {
+        offset: u64,
+        data: &'a [u8],
+    },
+    Trim {
+        offset: u64,
+        length: u64,
+    },
+    Zeroes {
+        offset: u64,
+        length: u64,
+        may_trim: bool,
+    },
+}
+
+/// [`Bytes`] as a byte string: its length, then the bytes (what `serde_bytes` gives a
+/// `Vec<u8>`, so the encoding is the same).
+mod shared_bytes {
+    use bytes::Bytes;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(data: &Bytes, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_bytes(data)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Bytes, D::Error> {
+        serde_bytes::ByteBuf::deserialize(deserializer).map(|bytes| Bytes::from(bytes.into_vec()))
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -308,7 +398,11 @@ mod tests {
             ops: vec![
                 Op::Write {
                     offset: 4096,
-                    data: vec![5; 4096],
+                    data: Bytes::from(vec![5; 4096]),
+                },
+                Op::Write {
+                    offset: 0,
+                    data: Bytes::new(),
                 },
                 Op::Trim {
                     offset: 0,
@@ -327,11 +421,37 @@ mod tests {
         };
         let bytes = postcard::to_allocvec(&batch).unwrap();
         assert_eq!(postcard::from_bytes::<Batch>(&bytes).unwrap(), batch);
+        // The replica's decoding, which shares the payload, gives the same batch...
+        let shared = Bytes::from(bytes.clone());
+        let decoded = Batch::decode_shared(shared.clone()).unwrap();
+        assert_eq!(decoded, batch);
+        // ...whose data point into the payload, not at copies.
+        let Op::Write { data, .. } = &decoded.ops[0] else {
+            panic!("the first op is a write");
+        };
+        let within = shared.as_ptr_range();
+        assert!(within.contains(&data.as_ptr()));
         for cut in [0, 1, bytes.len() / 2, bytes.len() - 1] {
             assert!(
                 postcard::from_bytes::<Batch>(&bytes[..cut]).is_err(),
                 "{cut}"
             );
+            assert!(
+                Batch::decode_shared(Bytes::copy_from_slice(&bytes[..cut])).is_err(),
+                "{cut}"
+            );
+        }
+        // Any damage: both decodings agree, and neither panics.
+        for at in 0..bytes.len() {
+            for flip in [0x01u8, 0x80, 0xff] {
+                let mut damaged = bytes.clone();
+                damaged[at] ^= flip;
+                assert_eq!(
+                    Batch::decode_shared(Bytes::from(damaged.clone())).ok(),
+                    postcard::from_bytes::<Batch>(&damaged).ok(),
+                    "byte {at} ^ {flip:#x}"
+                );
+            }
         }
         assert_ne!(block_hash(&[0; 4096]), block_hash(&[1; 4096]));
     }
@@ -342,7 +462,7 @@ mod tests {
     fn write_data_is_length_then_raw_bytes() {
         let op = Op::Write {
             offset: 1,
-            data: vec![7, 8, 9],
+            data: Bytes::from_static(&[7, 8, 9]),
         };
         assert_eq!(postcard::to_allocvec(&op).unwrap(), [0, 1, 3, 7, 8, 9]);
         let answer = HashAnswer { hashes: vec![1, 2] };

@@ -671,7 +671,7 @@ async fn a_late_batch_of_a_replaced_stream_is_not_applied_over_a_newer_one() {
         index: 0,
         ops: vec![Op::Write {
             offset: 0,
-            data: pattern(9),
+            data: pattern(9).into(),
         }],
         flush: true,
         catalog_index: 0,

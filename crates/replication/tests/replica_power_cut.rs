@@ -69,7 +69,7 @@ fn a_flushed_batch_survives_a_power_cut_of_the_replica() {
                         pending.push((block, image(seed, index)));
                         Op::Write {
                             offset: block * BLOCK,
-                            data: image(seed, index),
+                            data: image(seed, index).into(),
                         }
                     })
                     .collect();
