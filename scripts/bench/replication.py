@@ -17,7 +17,8 @@ also runs the fio workloads on the R=2 volume (replicas on nodes 1 and 2) attach
 3, which holds no replica and forwards every request to node 1. --rebuild-gib N measures a
 full rebuild: an N GiB volume written whole at R=1, then raised to R=2, so every byte is copied
 to a new node; per round, in turn: the disk's sequential write bandwidth (fio, 1 MiB direct writes to
-a file, 8 in flight: the reference), the rebuild alone (its throughput as a share of that), and the
+a file, 8 in flight: the reference), the rebuild alone (its throughput as a share of that, and the
+CPU seconds each node's process used per GiB copied: steadier than throughput here), and the
 rebuild again under a client (randrw QD1 on the rebuilding volume, running inside the rebuild)
 whose p99 is compared with the same client once the volume is in sync; --resync-busy-percent
 sets the nodes' `cluster.resync_busy_percent` (how much of the time a resync works while
@@ -131,15 +132,24 @@ def probe_result(process):
     return {"iops": job["read"]["iops"] + job["write"]["iops"], "read_p99_us": p99["read"], "write_p99_us": p99["write"]}
 
 
-def rebuild(node, name, gib, probe_seconds=0):
+def cpu_seconds(node):
+    """User + system CPU seconds the node's process has used so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{node.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rebuild(node, name, gib, probe_seconds=0, nodes=()):
     """Writes a fresh R=1 volume whole, raises it to R=2 and waits until the new replica is in
-    sync; returns (seconds, the client's results during the rebuild or None)."""
+    sync; returns (seconds, the client's results during the rebuild or None, CPU seconds each
+    of `nodes` used per GiB copied). CPU per GiB is far steadier here than throughput, which
+    moves with whatever else shares the two cores."""
     code, answer = node.api("POST", "/api/v1/volumes", {"name": name, "size_bytes": gib << 30, "replicas": 1})
     assert code == 200, answer
     subprocess.run(["fio", "--name=fill", "--ioengine=nbd", f"--uri=nbd://{node.host}:{node.nbd_port}/{name}",
                     f"--size={gib}g", "--rw=write", "--bs=1m", "--iodepth=8", "--end_fsync=1"],
                    capture_output=True, check=True, timeout=900)
     client = probe(node, name, probe_seconds) if probe_seconds else None
+    cpu_before = [cpu_seconds(each) for each in nodes]
     started = time.time()
     code, answer = node.api("POST", f"/api/v1/volumes/{name}/replication", {"replicas": 2})
     assert code == 200, answer
@@ -152,11 +162,12 @@ def rebuild(node, name, gib, probe_seconds=0):
 
     wait_until(f"{name} in sync", in_sync, timeout=900, interval=0.05)
     took = time.time() - started
+    cpu = [(cpu_seconds(each) - before) / gib for each, before in zip(nodes, cpu_before)]
     measured = probe_result(client) if client else None
     if measured:
         # The client must have run inside the rebuild, or its numbers say nothing about it.
         measured["inside_rebuild"] = took >= probe_seconds
-    return took, measured
+    return took, measured, cpu
 
 
 def delete_volume(node, name):
@@ -165,26 +176,28 @@ def delete_volume(node, name):
     wait_until(f"{name} deleted", lambda: node.api("GET", f"/api/v1/volumes/{name}")[0] == 404, timeout=300)
 
 
-def run_rebuilds(first, args, results):
+def run_rebuilds(first, args, results, nodes):
     for round_index in range(args.rounds):
         gib = args.rebuild_gib
         disk = disk_seq_write(gib)
-        took, _ = rebuild(first, f"rebuild{round_index}", gib)
+        took, _, cpu = rebuild(first, f"rebuild{round_index}", gib, nodes=nodes)
         delete_volume(first, f"rebuild{round_index}")
         # The client runs for most of the unloaded rebuild's time, so it ends inside the loaded one.
         seconds = max(2, int(took * 0.8))
-        loaded, during = rebuild(first, f"loaded{round_index}", gib, probe_seconds=seconds)
+        loaded, during, _ = rebuild(first, f"loaded{round_index}", gib, probe_seconds=seconds)
         baseline = probe_result(probe(first, f"loaded{round_index}", seconds))
         delete_volume(first, f"loaded{round_index}")
         run = {"disk_seq_write_bytes_per_second": disk, "rebuild_seconds": took,
                "rebuild_bytes_per_second": (gib << 30) / took, "loaded_rebuild_seconds": loaded,
-               "client_during": during, "client_in_sync": baseline}
+               "client_during": during, "client_in_sync": baseline,
+               "cpu_seconds_per_gib": {node.name: used for node, used in zip(nodes, cpu)}}
         results.setdefault("rebuild", []).append(run)
         print(f"round {round_index + 1} rebuild {gib} GiB: {run['rebuild_bytes_per_second'] / 2**20:.0f} MiB/s "
               f"({run['rebuild_bytes_per_second'] / disk:.2f}× the disk's {disk / 2**20:.0f} MiB/s); under a client "
               f"{loaded:.1f} s; client p99 read {during['read_p99_us']:.0f} / write {during['write_p99_us']:.0f} µs "
               f"during, {baseline['read_p99_us']:.0f} / {baseline['write_p99_us']:.0f} µs in sync"
-              f"{'' if during['inside_rebuild'] else ' (client outlived the rebuild)'}", flush=True)
+              f"{'' if during['inside_rebuild'] else ' (client outlived the rebuild)'}; CPU s per GiB alone: "
+              + ", ".join(f"{node.name} {used:.2f}" for node, used in zip(nodes, cpu)), flush=True)
 
 
 def summarize_rebuilds(runs):
@@ -193,9 +206,12 @@ def summarize_rebuilds(runs):
     share = median(lambda run: run["rebuild_bytes_per_second"] / run["disk_seq_write_bytes_per_second"])
     read = median(lambda run: run["client_during"]["read_p99_us"] / max(run["client_in_sync"]["read_p99_us"], 1))
     write = median(lambda run: run["client_during"]["write_p99_us"] / max(run["client_in_sync"]["write_p99_us"], 1))
+    cpu = {name: median(lambda run: run["cpu_seconds_per_gib"][name]) for name in runs[0]["cpu_seconds_per_gib"]}
     print(f"  {'rebuild':12}     {median(lambda run: run['rebuild_bytes_per_second']) / 2**20:8.0f} MiB/s "
-          f"({share:.2f}× the disk's sequential write); client p99 during/in sync: read {read:.2f}×, write {write:.2f}×")
-    return {"rebuild_share_of_disk": share, "client_read_p99_ratio": read, "client_write_p99_ratio": write, "runs": runs}
+          f"({share:.2f}× the disk's sequential write); client p99 during/in sync: read {read:.2f}×, write {write:.2f}×; "
+          "CPU s per GiB: " + ", ".join(f"{name} {used:.2f}" for name, used in cpu.items()))
+    return {"rebuild_share_of_disk": share, "client_read_p99_ratio": read, "client_write_p99_ratio": write,
+            "cpu_seconds_per_gib": cpu, "runs": runs}
 
 
 def snapshot_repair(node, name, gib):
@@ -379,7 +395,7 @@ def main():
                     print(f"round {round_index + 1} fresh {args.catch_up_gib} GiB R={replicas}: every replica "
                           f"in sync {took:.2f} s after the first attach", flush=True)
         if args.rebuild_gib:
-            run_rebuilds(first, args, results)
+            run_rebuilds(first, args, results, [first, second, third])
         if args.resync_gib:
             run_resyncs(first, second, args, results)
         if args.snapshot_repair_gib:
