@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from keelcluster import KEEL_BIN, Node, wait_until
+from keelcluster import KEEL_BIN, Node, PortTaken, wait_until
 
 KILLS = int(os.environ.get("KEEL_CLUSTER_KILLS", "4"))
 
@@ -212,6 +212,31 @@ def test_wrong_token_and_garbage_are_refused(cluster, workdir):
         except OSError:
             pass
     code, answer = create_volume(a, "still-serving")
+    assert code == 200, answer
+
+
+def test_a_node_whose_port_is_taken_stops_before_it_joins(cluster, workdir):
+    """A joining node whose S3 port is in use stops with a clear error before it becomes a
+    member: the cluster never lists it, so started again on free ports it joins under the
+    addresses it serves. (It used to join first, under a cluster address its next start on
+    other ports no longer served, and stay unreachable.)"""
+    a = cluster.add()
+    node = Node(workdir, 2)
+    cluster.nodes.append(node)
+    with socket.socket() as taken:
+        taken.bind((node.host, 0))
+        taken.listen()
+        node.s3_port = taken.getsockname()[1]
+        with pytest.raises(PortTaken):
+            node.start_once(join=a, token=None, expect_failure=False)
+    assert f"cannot listen for s3 on {node.host}:{node.s3_port}" in node.log(), node.log()[-2000:]
+    assert [n["record"]["name"] for n in a.status()["nodes"]] == ["n1"]
+    node.pick_ports()
+    node.start(join=a)
+    # Node 2 learns the membership from the leader, which reaches it at its cluster address.
+    wait_until("node 2 reached by the leader",
+               lambda: sorted(n["record"]["name"] for n in node.status()["nodes"]) == ["n1", "n2"])
+    code, answer = create_volume(node, "after-the-taken-port")
     assert code == 200, answer
 
 

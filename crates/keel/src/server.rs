@@ -14,7 +14,7 @@ use crate::metrics::timed;
 use anyhow::Context;
 use keel_namespace::volume::{VolumeIo, VolumeManager};
 use keel_nbd::{Export, Exports, NbdError};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::watch;
 
 use crate::admin::AppState;
@@ -170,8 +170,48 @@ fn admin_token(dir: &Path) -> anyhow::Result<String> {
 async fn bind(role: &str, addr: SocketAddr) -> anyhow::Result<TcpListener> {
     TcpListener::bind(addr)
         .await
-        .with_context(|| format!("cannot listen for {role} on {addr} (in use? pass --{role} ADDR)"))
+        .with_context(|| bind_failed(role, addr))
 }
+
+fn bind_failed(role: &str, addr: SocketAddr) -> String {
+    format!("cannot listen for {role} on {addr} (in use? pass --{role} ADDR)")
+}
+
+/// A client port bound before the node joins a cluster (a port in use then stops the node
+/// before it becomes a member under addresses it cannot serve), listened on only once
+/// everything behind it is open.
+struct Reserved {
+    role: &'static str,
+    addr: SocketAddr,
+    socket: TcpSocket,
+}
+
+fn reserve(role: &'static str, addr: SocketAddr) -> anyhow::Result<Reserved> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()
+    } else {
+        TcpSocket::new_v6()
+    }
+    .with_context(|| bind_failed(role, addr))?;
+    // As a listener bound at once would: a restart binds past connections in TIME_WAIT.
+    socket
+        .set_reuseaddr(true)
+        .with_context(|| bind_failed(role, addr))?;
+    socket.bind(addr).with_context(|| bind_failed(role, addr))?;
+    Ok(Reserved { role, addr, socket })
+}
+
+impl Reserved {
+    fn listen(self) -> anyhow::Result<TcpListener> {
+        let (role, addr) = (self.role, self.addr);
+        self.socket
+            .listen(LISTEN_BACKLOG)
+            .with_context(|| bind_failed(role, addr))
+    }
+}
+
+/// Connections a client listener queues before they are accepted (tokio's own default).
+const LISTEN_BACKLOG: u32 = 1024;
 
 pub fn run(args: ServerArgs) -> anyhow::Result<()> {
     let config = effective_config(&args)?;
@@ -189,12 +229,19 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         .await?
         .context("opening the store")?;
 
-    // The node-to-node listener first: the cluster starts on it. The client listeners are
-    // bound only once everything behind them is open (a test treats an accepting port as
-    // ready); the cluster records their actual addresses then.
+    // The node-to-node listener first: the cluster starts on it. The client ports are bound
+    // now too, before this node joins anything, so a port in use stops it before it becomes
+    // a member; they listen only once everything behind them is open (a test treats an
+    // accepting port as ready), and the cluster records their actual addresses then.
     let cluster_listener = bind("cluster", config.cluster.listen).await?;
     let mut shown = config.clone();
     shown.cluster.listen = cluster_listener.local_addr()?;
+    let admin_port = reserve("admin", config.admin)?;
+    let client_ports = if config.cluster.witness {
+        None
+    } else {
+        Some((reserve("s3", config.s3)?, reserve("nbd", config.nbd)?))
+    };
 
     // The cluster next: every metadata change below goes through it.
     let membership = crate::cluster_net::start_cluster(&shown, store.clone(), cluster_listener)
@@ -280,14 +327,10 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         None => admin_token(&config.data[0])?,
     };
 
-    let admin_listener = bind("admin", config.admin).await?;
-    let (s3_listener, nbd_listener) = if config.cluster.witness {
-        (None, None)
-    } else {
-        (
-            Some(bind("s3", config.s3).await?),
-            Some(bind("nbd", config.nbd).await?),
-        )
+    let admin_listener = admin_port.listen()?;
+    let (s3_listener, nbd_listener) = match client_ports {
+        None => (None, None),
+        Some((s3, nbd)) => (Some(s3.listen()?), Some(nbd.listen()?)),
     };
     if let Some(listener) = &s3_listener {
         shown.s3 = listener.local_addr()?;
