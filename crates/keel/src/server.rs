@@ -167,19 +167,13 @@ fn admin_token(dir: &Path) -> anyhow::Result<String> {
     Ok(token)
 }
 
-async fn bind(role: &str, addr: SocketAddr) -> anyhow::Result<TcpListener> {
-    TcpListener::bind(addr)
-        .await
-        .with_context(|| bind_failed(role, addr))
-}
-
 fn bind_failed(role: &str, addr: SocketAddr) -> String {
     format!("cannot listen for {role} on {addr} (in use? pass --{role} ADDR)")
 }
 
-/// A client port bound before the node joins a cluster (a port in use then stops the node
-/// before it becomes a member under addresses it cannot serve), listened on only once
-/// everything behind it is open.
+/// A port bound, not yet listened on: the client ports are bound before the node joins a
+/// cluster (a port in use then stops the node before it becomes a member under addresses it
+/// cannot serve) and listened on only once everything behind them is open.
 struct Reserved {
     role: &'static str,
     addr: SocketAddr,
@@ -233,7 +227,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     // now too, before this node joins anything, so a port in use stops it before it becomes
     // a member; they listen only once everything behind them is open (a test treats an
     // accepting port as ready), and the cluster records their actual addresses then.
-    let cluster_listener = bind("cluster", config.cluster.listen).await?;
+    let cluster_listener = reserve("cluster", config.cluster.listen)?.listen()?;
     let mut shown = config.clone();
     shown.cluster.listen = cluster_listener.local_addr()?;
     let admin_port = reserve("admin", config.admin)?;
