@@ -12,6 +12,7 @@
 //! undone by truncating the segment back to the batch's start, so bytes nobody was told are
 //! durable can never be replayed; if the truncate fails too, the engine is poisoned.
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -35,6 +36,11 @@ const SPACE_RECHECK_INTERVAL: std::time::Duration = std::time::Duration::from_se
 const SPACE_RECHECK_MARGIN_BYTES: u64 = 256 << 20;
 /// How often a read retries when compaction moved its extent between lookup and read.
 const READ_RETRIES_MAX: usize = 8;
+/// Most bytes one `pread` of [`Engine::read_extents`] covers.
+const READ_SPAN_BYTES_MAX: u64 = 1 << 20;
+/// Read buffers of [`Engine::read_extents`] kept for reuse (each up to [`READ_SPAN_BYTES_MAX`]),
+/// so that a read does not zero a new one.
+const READ_SPANS_KEPT: usize = 8;
 /// A growing (unprepared) segment starts the preparation of its successor once this much has
 /// been appended to it, and is left as soon as that is ready: a fresh store pays growing-file
 /// fdatasyncs (about 1.5× slower here) for seconds, not for a whole segment. Stores that stay
@@ -255,6 +261,8 @@ pub(crate) struct Engine {
     poisoned: AtomicBool,
     poison_reason: Mutex<Option<(String, String)>>,
     pub(crate) corrupt_reads: AtomicU64,
+    /// Buffers [`Engine::read_extents`] reads runs into, kept for the next read.
+    read_spans: Mutex<Vec<Vec<u8>>>,
     pub(crate) repaired_extents: AtomicU64,
     /// Log fdatasync calls (one per device) since open.
     syncs: AtomicU64,
@@ -327,6 +335,7 @@ impl Engine {
             poisoned: AtomicBool::new(false),
             poison_reason: Mutex::new(None),
             corrupt_reads: AtomicU64::new(0),
+            read_spans: Mutex::new(Vec::new()),
             repaired_extents: AtomicU64::new(0),
             syncs: AtomicU64::new(0),
             sync_times: SyncTimes::default(),
@@ -1018,6 +1027,92 @@ impl Engine {
         Ok(out)
     }
 
+    /// Live keys in `[start, end)` with their extents' locations, at most `limit` of them.
+    pub fn extents(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        limit: usize,
+    ) -> StoreResult<Vec<(Vec<u8>, Location)>> {
+        self.index.range(start, end, limit)
+    }
+
+    /// Reads and verifies the values of extents listed by [`Engine::extents`] and hands each to
+    /// `visit` with its index, in order. Runs of extents that lie back to back in one segment
+    /// are read with one `pread` of the first device into a reused buffer, and an uncompressed
+    /// value is handed out of it without a copy. An extent that fails verification there is
+    /// read again alone, through [`Engine::read_extent`] (every device, repair, or
+    /// [`StoreError::Corrupt`]). An extent whose segment is gone (compaction moved it) is looked
+    /// up again; `None` where its key was deleted since the listing.
+    pub fn read_extents(
+        &self,
+        extents: &[(&[u8], Location)],
+        visit: &mut dyn FnMut(usize, Option<&[u8]>),
+    ) -> StoreResult<()> {
+        let mut span = lock(&self.read_spans).pop().unwrap_or_default();
+        let result = self.read_extent_runs(extents, &mut span, visit);
+        // (A run of one extent larger than a span makes a larger buffer: not kept.)
+        let mut spans = lock(&self.read_spans);
+        if spans.len() < READ_SPANS_KEPT && span.len() as u64 <= READ_SPAN_BYTES_MAX {
+            spans.push(span);
+        }
+        result
+    }
+
+    fn read_extent_runs(
+        &self,
+        extents: &[(&[u8], Location)],
+        span: &mut Vec<u8>,
+        visit: &mut dyn FnMut(usize, Option<&[u8]>),
+    ) -> StoreResult<()> {
+        let mut first = 0;
+        while first < extents.len() {
+            let (_, head) = extents[first];
+            let mut end = first + 1;
+            let mut span_end = head.offset + u64::from(head.record_len);
+            while let Some((_, next)) = extents.get(end) {
+                let next_end = next.offset + u64::from(next.record_len);
+                if next.segment != head.segment
+                    || next.offset != span_end
+                    || next_end - head.offset > READ_SPAN_BYTES_MAX
+                {
+                    break;
+                }
+                span_end = next_end;
+                end += 1;
+            }
+            let want = (span_end - head.offset) as usize;
+            if span.len() < want {
+                span.resize(want, 0);
+            }
+            // Nothing read (the segment is gone, or the first device failed): every extent of
+            // the run is read alone below.
+            let read = self
+                .segments
+                .get(head.segment)
+                .and_then(|segment| segment.read_into(0, head.offset, &mut span[..want]).ok())
+                .unwrap_or(0);
+            for (index, &(key, location)) in extents.iter().enumerate().take(end).skip(first) {
+                let at = (location.offset - head.offset) as usize;
+                let checked = span[..read]
+                    .get(at..at + location.record_len as usize)
+                    .and_then(|record| check_record_ref(record, key, &location).ok());
+                match checked {
+                    Some(value) => visit(index, Some(&value)),
+                    None => {
+                        let value = match self.read_extent(key, &location)? {
+                            Some(value) => Some(value),
+                            None => self.get(key)?,
+                        };
+                        visit(index, value.as_deref());
+                    }
+                }
+            }
+            first = end;
+        }
+        Ok(())
+    }
+
     /// Reads and verifies one extent, trying every device and repairing bad copies from a good
     /// one. `Ok(None)` means the segment is gone (compaction moved the extent): look up again.
     pub(crate) fn read_extent(
@@ -1211,7 +1306,20 @@ fn validate(op: &WriteOp) -> StoreResult<()> {
 
 /// Verifies a record read at an index location: checksums, key, kind and sequence number.
 fn check_record(record: &[u8], key: &[u8], location: &Location) -> Result<Vec<u8>, String> {
-    let (header, record_key, value) = format::decode_extent(record)?;
+    check_record_ref(record, key, location).map(Cow::into_owned)
+}
+
+/// [`check_record`] without a copy of an uncompressed value.
+fn check_record_ref<'a>(
+    record: &'a [u8],
+    key: &[u8],
+    location: &Location,
+) -> Result<Cow<'a, [u8]>, String> {
+    let format::ExtentRef {
+        header,
+        key: record_key,
+        value,
+    } = format::decode_extent_ref(record)?;
     if record_key != key {
         return Err("extent holds another key".into());
     }

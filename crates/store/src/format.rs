@@ -7,6 +7,8 @@
 //! The header's CRC32C covers header bytes 0..64 and the key; a second CRC32C covers the payload
 //! as stored. Decoding checks every length against its bound before trusting it.
 
+use std::borrow::Cow;
+
 use crate::error::{StoreError, StoreResult};
 
 pub const SEGMENT_MAGIC: [u8; 8] = *b"KEELSEG1";
@@ -260,6 +262,24 @@ pub fn verify_header(header_bytes: &[u8], key: &[u8]) -> Result<(), String> {
 /// A whole extent read from disk: verifies both checksums and, when present, the content hash,
 /// and returns the key and the uncompressed value.
 pub fn decode_extent(record: &[u8]) -> Result<(ExtentHeader, Vec<u8>, Vec<u8>), String> {
+    let extent = decode_extent_ref(record)?;
+    Ok((
+        extent.header,
+        extent.key.to_vec(),
+        extent.value.into_owned(),
+    ))
+}
+
+/// An extent decoded and verified in place: the key, and the value of an uncompressed extent,
+/// borrow from the record.
+pub struct ExtentRef<'a> {
+    pub header: ExtentHeader,
+    pub key: &'a [u8],
+    pub value: Cow<'a, [u8]>,
+}
+
+/// [`decode_extent`] without copies.
+pub fn decode_extent_ref(record: &[u8]) -> Result<ExtentRef<'_>, String> {
     let header = decode_header(record)?;
     if record.len() < header.record_len() {
         return Err(format!(
@@ -279,13 +299,16 @@ pub fn decode_extent(record: &[u8]) -> Result<(ExtentHeader, Vec<u8>, Vec<u8>), 
             header.payload_crc
         ));
     }
-    let value = decompress(stored, header.compression, header.raw_len)?;
+    let value = match header.compression {
+        Compression::None if stored.len() == header.raw_len => Cow::Borrowed(stored),
+        compression => Cow::Owned(decompress(stored, compression, header.raw_len)?),
+    };
     if header.flags & FLAG_CONTENT_HASH != 0
         && blake3::hash(&value).as_bytes() != &header.content_hash
     {
         return Err("content hash mismatch".into());
     }
-    Ok((header, key.to_vec(), value))
+    Ok(ExtentRef { header, key, value })
 }
 
 /// The 64-byte segment header: magic, format version, segment id, store id, CRC32C.

@@ -224,6 +224,19 @@ pub struct Store {
     engine: Arc<commit::Engine>,
 }
 
+/// A live key and where its value lies, as [`Store::extents`] listed it.
+#[derive(Debug, Clone)]
+pub struct Extent {
+    key: Vec<u8>,
+    location: index::Location,
+}
+
+impl Extent {
+    pub fn key(&self) -> &[u8] {
+        &self.key
+    }
+}
+
 impl Store {
     /// Opens (or creates) the store, replaying the log tail into the index.
     pub fn open(config: StoreConfig) -> StoreResult<Store> {
@@ -292,6 +305,34 @@ impl Store {
     /// greater one. Does not wait for a group commit in progress.
     pub fn committed_sequence(&self) -> u64 {
         self.engine.committed_sequence()
+    }
+
+    /// Live keys in `[start, end)` in order with where their values lie, at most `limit` of
+    /// them: a caller that needs only some of the values reads those with
+    /// [`Store::read_extents`].
+    pub fn extents(&self, start: &[u8], end: &[u8], limit: usize) -> StoreResult<Vec<Extent>> {
+        Ok(self
+            .engine
+            .extents(start, end, limit)?
+            .into_iter()
+            .map(|(key, location)| Extent { key, location })
+            .collect())
+    }
+
+    /// Hands the value of each of `extents` (listed by [`Store::extents`]) to `visit` with its
+    /// index, in order, verified against its checksums like [`Store::get`]; `None` where the key
+    /// was deleted since it was listed. Extents written one after another are read together:
+    /// one `pread` per run, not one per extent, and an uncompressed value is not copied.
+    pub fn read_extents(
+        &self,
+        extents: &[&Extent],
+        visit: &mut dyn FnMut(usize, Option<&[u8]>),
+    ) -> StoreResult<()> {
+        let located: Vec<(&[u8], index::Location)> = extents
+            .iter()
+            .map(|extent| (extent.key.as_slice(), extent.location))
+            .collect();
+        self.engine.read_extents(&located, visit)
     }
 
     /// Live keys and values in `[start, end)` in order, at most `limit` of them.

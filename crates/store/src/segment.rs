@@ -65,10 +65,15 @@ impl Segment {
 
     pub fn read_at(&self, device: usize, offset: u64, len: usize) -> StoreResult<Vec<u8>> {
         let mut buf = vec![0u8; len];
-        let read = crate::disk::read_up_to(self.files[device].as_ref(), &mut buf, offset)
-            .map_err(|e| StoreError::io(&self.paths[device], e))?;
+        let read = self.read_into(device, offset, &mut buf)?;
         buf.truncate(read);
         Ok(buf)
+    }
+
+    /// Reads up to `buf.len()` bytes at `offset` into `buf`; fewer only at the file's end.
+    pub fn read_into(&self, device: usize, offset: u64, buf: &mut [u8]) -> StoreResult<usize> {
+        crate::disk::read_up_to(self.files[device].as_ref(), buf, offset)
+            .map_err(|e| StoreError::io(&self.paths[device], e))
     }
 
     /// Drops every copy's cached pages, so replay reads what the devices hold.

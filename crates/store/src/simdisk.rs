@@ -33,6 +33,7 @@ pub const SECTOR_BYTES: usize = 512;
 /// Which operation an injected fault hits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FaultOp {
+    Read,
     Write,
     Sync,
     SyncDir,
@@ -84,6 +85,8 @@ struct State {
     fired: Vec<(FaultOp, PathBuf)>,
     /// Every file created, in order.
     created: Vec<PathBuf>,
+    /// Reads of file contents so far, per path.
+    reads: BTreeMap<PathBuf, u64>,
     /// Each write to paths containing this takes this long (a device slow for some files).
     slow: Option<(String, std::time::Duration)>,
     rng: u64,
@@ -206,6 +209,17 @@ impl SimDisk {
 
     pub fn clear_faults(&self) {
         self.lock().faults.clear();
+    }
+
+    /// Reads of the contents of files whose path contains `path_contains` so far (each
+    /// `read_at`, failed ones included).
+    pub fn reads(&self, path_contains: &str) -> u64 {
+        self.lock()
+            .reads
+            .iter()
+            .filter(|(path, _)| path.to_string_lossy().contains(path_contains))
+            .map(|(_, count)| count)
+            .sum()
     }
 
     /// Faults that fired so far.
@@ -347,6 +361,7 @@ fn successor(
             faults: state.faults.clone(),
             fired: Vec::new(),
             created: Vec::new(),
+            reads: BTreeMap::new(),
             slow: None,
             rng,
         })),
@@ -382,7 +397,9 @@ impl fmt::Debug for SimFile {
 
 impl DiskFile for SimFile {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-        let state = self.disk.lock();
+        let mut state = self.disk.lock();
+        *state.reads.entry(self.path.clone()).or_default() += 1;
+        state.fault(FaultOp::Read, &self.path)?;
         let file = state
             .files
             .get(&self.id)
