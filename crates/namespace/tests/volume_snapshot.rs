@@ -264,3 +264,47 @@ fn snapshot_delete_frees_only_its_blocks() {
     assert_eq!(manager.info("v").unwrap().stored_bytes, 64 * BLOCK);
     assert_same_blocks(&read_all(&handle), &current, "current at the end");
 }
+
+// Proves a clone shrunk and grown again reads zeroes where it shrank, never its parent's bytes
+// there (the truncation hides the parent's layer too): in one read across both sides of the
+// cut, block by block, and in a partial write's read-modify-write.
+#[test]
+fn a_clone_shrunk_and_grown_reads_zeroes_where_it_shrank() {
+    let dir = test_dir("clone-shrunk");
+    let manager = open_manager(&dir);
+    manager.create(&VolumeSpec::new("parent", SIZE)).unwrap();
+    let parent = manager.open_volume("parent").unwrap();
+    let base = pattern(20, SIZE as usize);
+    parent.write(0, &base, false).unwrap();
+    manager.snapshot_create("parent", "gold").unwrap();
+    manager.clone_volume("parent", "gold", "child").unwrap();
+    let child = manager.open_volume("child").unwrap();
+    // Blocks the clone wrote itself, before and past the cut.
+    child
+        .write(BLOCK, &pattern(21, BLOCK as usize), false)
+        .unwrap();
+    child
+        .write(40 * BLOCK, &pattern(22, BLOCK as usize), false)
+        .unwrap();
+    manager.resize("child", 32 * BLOCK, true).unwrap();
+    manager.resize("child", SIZE, true).unwrap();
+    let mut expected = base.clone();
+    expected[BLOCK as usize..2 * BLOCK as usize].copy_from_slice(&pattern(21, BLOCK as usize));
+    expected[32 * BLOCK as usize..].fill(0);
+    assert_same_blocks(&read_all(&child), &expected, "regrown clone");
+    // A partial write there merges with zeroes too.
+    let at = (33 * BLOCK + 100) as usize;
+    child.write(at as u64, &pattern(23, 50), false).unwrap();
+    expected[at..at + 50].copy_from_slice(&pattern(23, 50));
+    assert_same_blocks(&read_all(&child), &expected, "regrown clone, written to");
+    for block in 28..36u64 {
+        let mut one = vec![0u8; BLOCK as usize];
+        child.read(block * BLOCK, &mut one).unwrap();
+        let at = (block * BLOCK) as usize;
+        assert!(
+            one == expected[at..at + BLOCK as usize],
+            "block {block} of the regrown clone"
+        );
+    }
+    assert_same_blocks(&read_all(&parent), &base, "parent");
+}

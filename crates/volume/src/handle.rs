@@ -1,9 +1,12 @@
 //! Block I/O on a volume: the operations an NBD export needs, as plain blocking calls.
 //!
 //! Cost model: an aligned 4 KiB write is one store op and no read; a write of N aligned blocks
-//! is one `Store::write` of N ops (one group commit) up to [`WRITE_BATCH_OPS_MAX`]; reading a
-//! block is one floor lookup (plus one per excluded generation it lands on, or per clone layer
-//! for blocks the clone never wrote).
+//! is one `Store::write` of N ops (one group commit) up to [`WRITE_BATCH_OPS_MAX`]; a read lists
+//! the keys of the blocks it covers (one index range per layer, for each step of up to
+//! [`READ_BATCH_BLOCKS_MAX`] blocks) and reads the extents its view shows with one `pread` per
+//! run of extents that lie back to back in the log (one per write that wrote them, typically).
+//! A partial write's read-modify-write reads its block with one floor lookup (plus one per
+//! excluded generation it lands on, or per clone layer for blocks the clone never wrote).
 //!
 //! Concurrency: writes hold the volume state's read lock across their store write, so a
 //! snapshot (which takes it exclusively) sees every write either entirely before or entirely
@@ -18,11 +21,12 @@
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLockReadGuard, RwLockWriteGuard};
 
-use keel_store::{block_key, Durability, Store, WriteOp};
+use keel_store::{block_key, Durability, Extent, Store, WriteOp};
 
 use keel_catalog::view::{self, Layer};
 
-use super::record::parse_block_key;
+use super::record::{key_successor, parse_block_key};
+use super::scan::KEYS_PAGE_MAX;
 use super::{
     read, SnapshotUse, VolumeError, VolumeResult, VolumeShared, VolumeState, BLOCK_SIZE_BYTES,
     LOCK_STRIPES,
@@ -30,6 +34,9 @@ use super::{
 
 /// Most ops in one `Store::write`: 8192 blocks = 32 MiB, the largest NBD request Keel accepts.
 pub(crate) const WRITE_BATCH_OPS_MAX: usize = 8192;
+/// Most blocks one step of a read lists and reads (1 MiB): what it holds beyond the caller's
+/// buffer.
+pub(crate) const READ_BATCH_BLOCKS_MAX: u64 = 256;
 /// Blocks a trim or write-zeroes examines per step (one key scan per layer per step).
 pub(crate) const ZERO_CHUNK_BLOCKS: u64 = 16_384;
 
@@ -106,6 +113,148 @@ pub(crate) fn read_block(
         }
     }
     Ok(None)
+}
+
+/// Reads blocks `[first, first + count)` through a view: calls `visit(index, data)` once for
+/// each block, `first + index`, in no particular order, with None for zeroes. The same rule as
+/// [`read_block`], found with one key range listing per layer (only over the blocks the layers
+/// above left unresolved), and the chosen extents read together.
+pub(crate) fn read_blocks(
+    store: &Store,
+    volume: &str,
+    view: &[Layer],
+    (first, count): (u64, usize),
+    visit: &mut dyn FnMut(usize, Option<&[u8]>),
+) -> VolumeResult<()> {
+    // Per block: the extent its layer shows, once some layer resolved it.
+    let mut chosen: Vec<Option<Extent>> = vec![None; count];
+    let mut resolved = vec![false; count];
+    let mut generations: Vec<u64> = Vec::new();
+    // One block's extents in one layer, ascending by generation.
+    let mut extents: Vec<(u64, Extent)> = Vec::new();
+    for layer in view {
+        let Some(low) = resolved.iter().position(|done| !done) else {
+            break;
+        };
+        let high = resolved.iter().rposition(|done| !done).map_or(low, |at| at) + 1;
+        let listed = list_extents(
+            store,
+            volume,
+            layer.volume_id,
+            first + low as u64,
+            first + high as u64,
+        )?;
+        let mut listed = listed.into_iter().peekable();
+        for index in low..high {
+            let block = first + index as u64;
+            extents.clear();
+            while let Some((found_block, generation, extent)) =
+                listed.next_if(|(found_block, _, _)| *found_block <= block)
+            {
+                if found_block == block {
+                    extents.push((generation, extent));
+                }
+            }
+            if resolved[index] {
+                continue;
+            }
+            generations.clear();
+            generations.extend(extents.iter().map(|(generation, _)| *generation));
+            if let Some(generation) = layer.visible(block, &generations) {
+                chosen[index] = extents
+                    .iter()
+                    .position(|(found, _)| *found == generation)
+                    .map(|at| extents.swap_remove(at).1);
+                resolved[index] = true;
+            } else if layer.hidden_upto(block) > 0 {
+                resolved[index] = true;
+            }
+        }
+    }
+    // Which block each extent read belongs to.
+    let mut wanted: Vec<&Extent> = Vec::with_capacity(count);
+    let mut wanted_blocks: Vec<usize> = Vec::with_capacity(count);
+    for (index, extent) in chosen.iter().enumerate() {
+        match extent {
+            Some(extent) => {
+                wanted.push(extent);
+                wanted_blocks.push(index);
+            }
+            None => visit(index, None),
+        }
+    }
+    let mut deleted = Vec::new();
+    let mut wrong_size: Option<(usize, usize)> = None;
+    store
+        .read_extents(&wanted, &mut |at, value| {
+            let index = wanted_blocks[at];
+            match value.map(<[u8]>::len) {
+                None => deleted.push(index),
+                Some(0) => visit(index, None),
+                Some(BLOCK_SIZE) => visit(index, value),
+                Some(length) => {
+                    wrong_size.get_or_insert((at, length));
+                }
+            }
+        })
+        .map_err(VolumeError::store(volume, "reading blocks"))?;
+    if let Some((at, length)) = wrong_size {
+        let generation = parse_block_key(wanted[at].key()).map_or(0, |(_, _, found)| found);
+        return Err(VolumeError::CorruptBlock {
+            volume: volume.to_string(),
+            block: first + wanted_blocks[at] as u64,
+            detail: format!(
+                "extent of generation {generation} holds {length} bytes, not {BLOCK_SIZE}"
+            ),
+        });
+    }
+    // Deleted since it was listed (a trim, or a collection of a view no longer shown): what
+    // the view shows now.
+    for index in deleted {
+        let value = read_block(store, volume, view, first + index as u64)?;
+        visit(index, value.as_deref());
+    }
+    Ok(())
+}
+
+/// `(block, generation, extent)` of every extent of `volume_id` for blocks `[from, to)`, in key
+/// order.
+fn list_extents(
+    store: &Store,
+    volume: &str,
+    volume_id: u64,
+    from: u64,
+    to: u64,
+) -> VolumeResult<Vec<(u64, u64, Extent)>> {
+    let end = block_key(volume_id, to, 0);
+    let mut cursor = block_key(volume_id, from, 0);
+    let mut out = Vec::new();
+    loop {
+        let page = store
+            .extents(&cursor, &end, KEYS_PAGE_MAX)
+            .map_err(VolumeError::store(volume, "listing block extents"))?;
+        let full = page.len() == KEYS_PAGE_MAX;
+        if let Some(last) = page.last() {
+            cursor = key_successor(last.key());
+        }
+        for extent in page {
+            match parse_block_key(extent.key()) {
+                Some((found_volume, block, generation)) if found_volume == volume_id => {
+                    out.push((block, generation, extent))
+                }
+                _ => {
+                    return Err(VolumeError::CorruptBlock {
+                        volume: volume.to_string(),
+                        block: from,
+                        detail: "key listing returned a key outside the volume's range".to_string(),
+                    })
+                }
+            }
+        }
+        if !full {
+            return Ok(out);
+        }
+    }
 }
 
 fn is_zero(data: &[u8]) -> bool {
@@ -280,18 +429,31 @@ impl VolumeHandle {
             None => (&state.record.view, state.record.size_bytes),
         };
         let end = self.check_range(offset, buf.len() as u64, size_bytes)?;
-        let mut position = offset;
-        while position < end {
-            let block = position / BLOCK_SIZE_BYTES;
-            let within = (position % BLOCK_SIZE_BYTES) as usize;
-            let take = (BLOCK_SIZE - within).min((end - position) as usize);
-            let at = (position - offset) as usize;
-            let target = &mut buf[at..at + take];
-            match read_block(&self.store, &self.shared.name, view, block)? {
-                Some(data) => target.copy_from_slice(&data[within..within + take]),
-                None => target.fill(0),
-            }
-            position += take as u64;
+        let last = (end - 1) / BLOCK_SIZE_BYTES;
+        let mut first = offset / BLOCK_SIZE_BYTES;
+        while first <= last {
+            let count = (last - first + 1).min(READ_BATCH_BLOCKS_MAX);
+            let step = (first, count as usize);
+            read_blocks(
+                &self.store,
+                &self.shared.name,
+                view,
+                step,
+                &mut |index, data| {
+                    // The part of block `first + index` inside the read.
+                    let block_start = (first + index as u64) * BLOCK_SIZE_BYTES;
+                    let from = block_start.max(offset);
+                    let to = (block_start + BLOCK_SIZE_BYTES).min(end);
+                    let target = &mut buf[(from - offset) as usize..(to - offset) as usize];
+                    match data {
+                        Some(data) => target.copy_from_slice(
+                            &data[(from - block_start) as usize..(to - block_start) as usize],
+                        ),
+                        None => target.fill(0),
+                    }
+                },
+            )?;
+            first += count;
         }
         Ok(())
     }
