@@ -297,6 +297,13 @@ fn a_clone_shrunk_and_grown_reads_zeroes_where_it_shrank() {
     child.write(at as u64, &pattern(23, 50), false).unwrap();
     expected[at..at + 50].copy_from_slice(&pattern(23, 50));
     assert_same_blocks(&read_all(&child), &expected, "regrown clone, written to");
+    // One read of several blocks, all past the cut.
+    let mut past = vec![1u8; 6 * BLOCK as usize];
+    child.read(34 * BLOCK, &mut past).unwrap();
+    assert!(
+        past.iter().all(|&byte| byte == 0),
+        "blocks 34-39 read zeroes"
+    );
     for block in 28..36u64 {
         let mut one = vec![0u8; BLOCK as usize];
         child.read(block * BLOCK, &mut one).unwrap();

@@ -1027,6 +1027,11 @@ impl Engine {
         Ok(out)
     }
 
+    /// Where `key`'s value lies, if it is live.
+    pub fn extent(&self, key: &[u8]) -> StoreResult<Option<Location>> {
+        self.index.get(key)
+    }
+
     /// Live keys in `[start, end)` with their extents' locations, at most `limit` of them.
     pub fn extents(
         &self,

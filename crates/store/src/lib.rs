@@ -224,7 +224,8 @@ pub struct Store {
     engine: Arc<commit::Engine>,
 }
 
-/// A live key and where its value lies, as [`Store::extents`] listed it.
+/// A live key and where its value lies, as [`Store::extents`] listed it (or [`Store::extent`]
+/// found it).
 #[derive(Debug, Clone)]
 pub struct Extent {
     key: Vec<u8>,
@@ -317,6 +318,15 @@ impl Store {
             .into_iter()
             .map(|(key, location)| Extent { key, location })
             .collect())
+    }
+
+    /// Where the value of `key` lies, if it is live: a point lookup the location cache usually
+    /// answers. Read it with [`Store::read_extents`].
+    pub fn extent(&self, key: &[u8]) -> StoreResult<Option<Extent>> {
+        Ok(self.engine.extent(key)?.map(|location| Extent {
+            key: key.to_vec(),
+            location,
+        }))
     }
 
     /// Hands the value of each of `extents` (listed by [`Store::extents`]) to `visit` with its

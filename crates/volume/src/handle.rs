@@ -5,8 +5,10 @@
 //! the keys of the blocks it covers (one index range per layer, for each step of up to
 //! [`READ_BATCH_BLOCKS_MAX`] blocks) and reads the extents its view shows with one `pread` per
 //! run of extents that lie back to back in the log (one per write that wrote them, typically).
-//! A partial write's read-modify-write reads its block with one floor lookup (plus one per
-//! excluded generation it lands on, or per clone layer for blocks the clone never wrote).
+//! A read within one block, and a partial write's read-modify-write, read the block with one
+//! floor lookup (plus one per excluded generation it lands on, or per clone layer for blocks the
+//! clone never wrote); the location cache answers it without redb when the view has a single
+//! generation to look at.
 //!
 //! Concurrency: writes hold the volume state's read lock across their store write, so a
 //! snapshot (which takes it exclusively) sees every write either entirely before or entirely
@@ -37,6 +39,8 @@ pub(crate) const WRITE_BATCH_OPS_MAX: usize = 8192;
 /// Most blocks one step of a read lists and reads (1 MiB): what it holds beyond the caller's
 /// buffer.
 pub(crate) const READ_BATCH_BLOCKS_MAX: u64 = 256;
+/// Most blocks a read finds with point lookups rather than a listing (see [`read_blocks`]).
+const POINT_LOOKUPS_MAX: usize = 8;
 /// Blocks a trim or write-zeroes examines per step (one key scan per layer per step).
 pub(crate) const ZERO_CHUNK_BLOCKS: u64 = 16_384;
 
@@ -137,6 +141,32 @@ pub(crate) fn read_blocks(
             break;
         };
         let high = resolved.iter().rposition(|done| !done).map_or(low, |at| at) + 1;
+        // A few blocks of a layer that can show only its newest generation for them (a volume
+        // never snapshotted, typically): a point lookup per block, which the location cache
+        // usually answers. More blocks are listed: one redb range beats many lookups that miss.
+        let single = high - low <= POINT_LOOKUPS_MAX
+            && layer.excluded_range(layer.generation_max).is_none()
+            && (low..high)
+                .all(|index| layer.hidden_upto(first + index as u64) + 1 == layer.generation_max);
+        if single {
+            for index in low..high {
+                if resolved[index] {
+                    continue;
+                }
+                let key = block_key(layer.volume_id, first + index as u64, layer.generation_max);
+                if let Some(extent) = store
+                    .extent(&key)
+                    .map_err(VolumeError::store(volume, "looking up a block"))?
+                {
+                    chosen[index] = Some(extent);
+                    resolved[index] = true;
+                } else if layer.generation_max > 1 {
+                    // Hidden below: nothing older shows, nor any layer under this one.
+                    resolved[index] = true;
+                }
+            }
+            continue;
+        }
         let listed = list_extents(
             store,
             volume,
@@ -431,6 +461,15 @@ impl VolumeHandle {
         let end = self.check_range(offset, buf.len() as u64, size_bytes)?;
         let last = (end - 1) / BLOCK_SIZE_BYTES;
         let mut first = offset / BLOCK_SIZE_BYTES;
+        if first == last {
+            // One block: a point lookup the location cache usually answers beats a listing.
+            let within = (offset - first * BLOCK_SIZE_BYTES) as usize;
+            match read_block(&self.store, &self.shared.name, view, first)? {
+                Some(data) => buf.copy_from_slice(&data[within..within + buf.len()]),
+                None => buf.fill(0),
+            }
+            return Ok(());
+        }
         while first <= last {
             let count = (last - first + 1).min(READ_BATCH_BLOCKS_MAX);
             let step = (first, count as usize);
