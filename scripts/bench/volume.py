@@ -4,7 +4,10 @@
 Profiles (from ../shared/BENCHMARKS.md, through fio's nbd engine):
   sync-qd1     4 KiB sequential writes, QD1, each followed by an NBD FLUSH (--fsync=1)
   randrw-qd64  4 KiB random 75% read / 25% write, QD64
+  seqread-1m   1 MiB sequential reads, QD4 (MiB/s = IOPS)
 and, with --pgbench, Postgres TPC-B (pgbench) on ext4 on each export (nbdfuse + loop).
+Both exports are written whole first (1 MiB writes), and nbdkit's file is preallocated: reads
+read data on both, never holes.
 
 Prints a table of medians and ratios (Keel / nbdkit) and writes JSON (--json FILE).
 Needs: fio, nbdkit, libnbd-bin (nbdfuse), e2fsprogs, postgresql; root for loop and mount.
@@ -29,6 +32,7 @@ KEEL = os.environ.get("KEEL_BIN", str(ROOT / "target" / "release" / "keel"))
 PROFILES = {
     "sync-qd1": ["--rw=write", "--bs=4k", "--iodepth=1", "--fsync=1", "--size=512M"],
     "randrw-qd64": ["--rw=randrw", "--rwmixread=75", "--bs=4k", "--iodepth=64", "--size=1G", "--randrepeat=1"],
+    "seqread-1m": ["--rw=read", "--bs=1M", "--iodepth=4", "--size=4G"],
 }
 
 
@@ -66,12 +70,15 @@ class Targets:
                         "--token-dir", str(keel_dir)], check=True, capture_output=True)
         image = base / "nbdkit.img"
         with open(image, "wb") as f:
-            f.truncate(parse_size(size))
+            os.posix_fallocate(f.fileno(), 0, parse_size(size))
         self.nbdkit = subprocess.Popen(["nbdkit", "-f", "-p", "10892", "-i", "127.0.0.1", "file", f"file={image}"],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.procs.append(self.nbdkit)
         time.sleep(1)
         self.uris = {"keel": "nbd://127.0.0.1:10890/bench", "nbdkit": "nbd://127.0.0.1:10892"}
+        for uri in self.uris.values():
+            subprocess.run(["fio", "--name=fill", "--ioengine=nbd", f"--uri={uri}", "--rw=write", "--bs=1M",
+                            "--iodepth=8", f"--size={size}"], check=True, capture_output=True, timeout=900)
 
     def stop(self):
         for p in self.procs:
