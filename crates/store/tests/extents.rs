@@ -5,9 +5,12 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use common::value_for;
 use keel_store::simdisk::{FaultOp, SimDisk};
 use keel_store::{
     meta_key, Compression, Durability, Extent, Store, StoreConfig, StoreError, WriteOp,
@@ -25,21 +28,8 @@ fn key(n: u64) -> Vec<u8> {
     meta_key(format!("k{n:04}").as_bytes())
 }
 
-fn value(n: u64, version: u64, len: usize) -> Vec<u8> {
-    let mut out = Vec::with_capacity(len);
-    let mut x = n.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ version.wrapping_add(1);
-    while out.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        out.extend_from_slice(&x.to_le_bytes());
-    }
-    out.truncate(len);
-    out
-}
-
 fn put(n: u64, version: u64, len: usize) -> WriteOp {
-    WriteOp::put(key(n), value(n, version, len), Compression::None)
+    WriteOp::put(key(n), value_for(n, version, len), Compression::None)
 }
 
 /// Offset in segment 1 of the `nth` record when every record is a `put(_, _, len)`.
@@ -95,7 +85,7 @@ fn extents_written_together_are_read_with_one_pread_per_run() {
         let version = u64::from((10..20).contains(&n));
         assert_eq!(
             found.as_deref(),
-            Some(&value(n, version, 1000)[..]),
+            Some(&value_for(n, version, 1000)[..]),
             "key {n}"
         );
     }
@@ -107,27 +97,38 @@ fn extents_written_together_are_read_with_one_pread_per_run() {
     assert!(values.iter().all(Option::is_some));
 }
 
+/// A store on `dirs` holding keys 0-49 from one write, with a bit of key 20's extent flipped on
+/// the first device.
+fn fifty_keys_the_21st_flipped(seed: u64, dirs: &[&str]) -> (SimDisk, Store) {
+    let disk = SimDisk::new(seed);
+    let store = open(&disk, dirs);
+    store
+        .write((0..50).map(|n| put(n, 0, 1000)).collect(), Durability::Sync)
+        .unwrap();
+    let segment = PathBuf::from(dirs[0]).join("segments/0000000000000001.seg");
+    disk.flip_bit(&segment, record_offset(20, 1000) + 300, 3)
+        .unwrap();
+    (disk, store)
+}
+
+fn assert_fifty_values(values: &[Option<Vec<u8>>]) {
+    assert_eq!(values.len(), 50);
+    for (n, found) in values.iter().enumerate() {
+        assert_eq!(
+            found.as_deref(),
+            Some(&value_for(n as u64, 0, 1000)[..]),
+            "key {n}"
+        );
+    }
+}
+
 // Proves a bad extent inside a run is verified, repaired from the mirror and read right, and
 // that a first device failing its reads is read around.
 #[test]
 fn a_bad_extent_in_a_run_is_repaired_from_the_mirror() {
-    let disk = SimDisk::new(2);
-    let store = open(&disk, &["/sim/a", "/sim/b"]);
-    store
-        .write((0..50).map(|n| put(n, 0, 1000)).collect(), Durability::Sync)
-        .unwrap();
-    let segment = PathBuf::from("/sim/a/segments/0000000000000001.seg");
-    disk.flip_bit(&segment, record_offset(20, 1000) + 300, 3)
-        .unwrap();
+    let (disk, store) = fifty_keys_the_21st_flipped(2, &["/sim/a", "/sim/b"]);
     let extents = listed(&store);
-    let values = read_all(&store, &extents);
-    for (n, found) in values.iter().enumerate() {
-        assert_eq!(
-            found.as_deref(),
-            Some(&value(n as u64, 0, 1000)[..]),
-            "key {n}"
-        );
-    }
+    assert_fifty_values(&read_all(&store, &extents));
     assert_eq!(store.stats().unwrap().repaired_extents, 1);
     // Repaired: the next read is one pread again, and repairs nothing.
     let before = disk.reads("segments");
@@ -136,27 +137,13 @@ fn a_bad_extent_in_a_run_is_repaired_from_the_mirror() {
     assert_eq!(store.stats().unwrap().repaired_extents, 1);
     // The first device fails every read: the second one answers.
     disk.inject(FaultOp::Read, "/sim/a/segments", libc::EIO, 0, u32::MAX);
-    let values = read_all(&store, &extents);
-    for (n, found) in values.iter().enumerate() {
-        assert_eq!(
-            found.as_deref(),
-            Some(&value(n as u64, 0, 1000)[..]),
-            "key {n}"
-        );
-    }
+    assert_fifty_values(&read_all(&store, &extents));
 }
 
 // Proves a bad extent inside a run, without a mirror, is an error naming its key, not data.
 #[test]
 fn a_bad_extent_in_a_run_without_a_mirror_is_an_error() {
-    let disk = SimDisk::new(3);
-    let store = open(&disk, &["/sim/a"]);
-    store
-        .write((0..50).map(|n| put(n, 0, 1000)).collect(), Durability::Sync)
-        .unwrap();
-    let segment = PathBuf::from("/sim/a/segments/0000000000000001.seg");
-    disk.flip_bit(&segment, record_offset(20, 1000) + 300, 3)
-        .unwrap();
+    let (_disk, store) = fifty_keys_the_21st_flipped(3, &["/sim/a"]);
     let extents = listed(&store);
     let wanted: Vec<&Extent> = extents.iter().collect();
     match read(&store, &wanted) {
@@ -209,7 +196,11 @@ fn extents_moved_or_deleted_since_the_listing_are_looked_up_again() {
         if n == 7 {
             assert_eq!(found, &None, "deleted since the listing");
         } else {
-            assert_eq!(found.as_deref(), Some(&value(n, 3, 4000)[..]), "key {n}");
+            assert_eq!(
+                found.as_deref(),
+                Some(&value_for(n, 3, 4000)[..]),
+                "key {n}"
+            );
         }
     }
 }
