@@ -125,6 +125,29 @@ impl Layer {
     }
 }
 
+/// What one layer of a view says of a block ([`Layer::answer`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerAnswer {
+    /// The extent of this generation, in this layer's volume.
+    Shows(u64),
+    /// Zeroes: a truncation hides the block here and in every layer below.
+    Hidden,
+    /// Nothing here: the next layer answers.
+    Below,
+}
+
+impl Layer {
+    /// What this layer says of a block whose extents in its volume are at `generations`
+    /// (ascending): the rule every read of a view applies, layer by layer.
+    pub fn answer(&self, block: u64, generations: &[u64]) -> LayerAnswer {
+        match self.visible(block, generations) {
+            Some(generation) => LayerAnswer::Shows(generation),
+            None if self.hidden_upto(block) > 0 => LayerAnswer::Hidden,
+            None => LayerAnswer::Below,
+        }
+    }
+}
+
 /// What a view shows for one block: the extent's (volume id, generation), or None (zeroes).
 ///
 /// `generations_of(volume_id)` gives the ascending generations of the block's extents in that
@@ -135,11 +158,10 @@ pub fn resolve<'a>(
     mut generations_of: impl FnMut(u64) -> &'a [u64],
 ) -> Option<(u64, u64)> {
     for layer in view {
-        if let Some(generation) = layer.visible(block, generations_of(layer.volume_id)) {
-            return Some((layer.volume_id, generation));
-        }
-        if layer.hidden_upto(block) > 0 {
-            return None;
+        match layer.answer(block, generations_of(layer.volume_id)) {
+            LayerAnswer::Shows(generation) => return Some((layer.volume_id, generation)),
+            LayerAnswer::Hidden => return None,
+            LayerAnswer::Below => {}
         }
     }
     None

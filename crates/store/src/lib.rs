@@ -322,11 +322,11 @@ impl Store {
 
     /// Where the value of `key` lies, if it is live: a point lookup the location cache usually
     /// answers. Read it with [`Store::read_extents`].
-    pub fn extent(&self, key: &[u8]) -> StoreResult<Option<Extent>> {
-        Ok(self.engine.extent(key)?.map(|location| Extent {
-            key: key.to_vec(),
-            location,
-        }))
+    pub fn extent(&self, key: Vec<u8>) -> StoreResult<Option<Extent>> {
+        Ok(self
+            .engine
+            .extent(&key)?
+            .map(|location| Extent { key, location }))
     }
 
     /// Hands the value of each of `extents` (listed by [`Store::extents`]) to `visit` with its

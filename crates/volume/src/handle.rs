@@ -25,7 +25,7 @@ use std::sync::{Arc, RwLockReadGuard, RwLockWriteGuard};
 
 use keel_store::{block_key, Durability, Extent, Store, WriteOp};
 
-use keel_catalog::view::{self, Layer};
+use keel_catalog::view::{self, Layer, LayerAnswer};
 
 use super::record::{key_successor, parse_block_key};
 use super::scan::KEYS_PAGE_MAX;
@@ -153,17 +153,20 @@ pub(crate) fn read_blocks(
                 if resolved[index] {
                     continue;
                 }
-                let key = block_key(layer.volume_id, first + index as u64, layer.generation_max);
-                if let Some(extent) = store
-                    .extent(&key)
-                    .map_err(VolumeError::store(volume, "looking up a block"))?
-                {
-                    chosen[index] = Some(extent);
-                    resolved[index] = true;
-                } else if layer.generation_max > 1 {
-                    // Hidden below: nothing older shows, nor any layer under this one.
-                    resolved[index] = true;
+                let block = first + index as u64;
+                let found = store
+                    .extent(block_key(layer.volume_id, block, layer.generation_max))
+                    .map_err(VolumeError::store(volume, "looking up a block"))?;
+                let generations: &[u64] = match found {
+                    Some(_) => &[layer.generation_max],
+                    None => &[],
+                };
+                match layer.answer(block, generations) {
+                    LayerAnswer::Shows(_) => chosen[index] = found,
+                    LayerAnswer::Hidden => {}
+                    LayerAnswer::Below => continue,
                 }
+                resolved[index] = true;
             }
             continue;
         }
@@ -190,15 +193,17 @@ pub(crate) fn read_blocks(
             }
             generations.clear();
             generations.extend(extents.iter().map(|(generation, _)| *generation));
-            if let Some(generation) = layer.visible(block, &generations) {
-                chosen[index] = extents
-                    .iter()
-                    .position(|(found, _)| *found == generation)
-                    .map(|at| extents.swap_remove(at).1);
-                resolved[index] = true;
-            } else if layer.hidden_upto(block) > 0 {
-                resolved[index] = true;
+            match layer.answer(block, &generations) {
+                LayerAnswer::Shows(generation) => {
+                    chosen[index] = extents
+                        .iter()
+                        .position(|(found, _)| *found == generation)
+                        .map(|at| extents.swap_remove(at).1);
+                }
+                LayerAnswer::Hidden => {}
+                LayerAnswer::Below => continue,
             }
+            resolved[index] = true;
         }
     }
     // Which block each extent read belongs to.
