@@ -126,6 +126,8 @@ pub struct LocalNetwork {
     answers_lost: Arc<Mutex<BTreeSet<(NodeId, u16)>>>,
     /// Counts `listen`s: each endpoint's incarnation.
     listens: Arc<std::sync::atomic::AtomicU64>,
+    /// `(callee, method)`: such calls wait, undelivered, until released (or their time is up).
+    held: Arc<Mutex<BTreeSet<(NodeId, u16)>>>,
 }
 
 /// Message loss and delay (hence reordering), from a seeded generator: the same seed and the
@@ -222,6 +224,31 @@ impl LocalNetwork {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .clear();
+    }
+
+    /// Holds every call to `to` with `method` (Raft's appends, say: that node's metadata then
+    /// lags the others') until [`LocalNetwork::release`]; a call whose time runs out first
+    /// times out, as one into a partition does.
+    pub fn hold(&self, to: NodeId, method: u16) {
+        self.held
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert((to, method));
+    }
+
+    /// Delivers the calls held by [`LocalNetwork::hold`], and holds no more.
+    pub fn release(&self) {
+        self.held
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clear();
+    }
+
+    fn is_held(&self, to: NodeId, method: u16) -> bool {
+        self.held
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .contains(&(to, method))
     }
 
     fn loses_answer(&self, from: NodeId, method: u16) -> bool {
@@ -356,9 +383,10 @@ impl Transport for LocalTransport {
                 }
             }
             // A partition looks like silence, not like a refusal; and, as TCP retransmits, a
-            // call sent into it still arrives if the partition heals before its time is up.
+            // call sent into it (or held) still arrives if the partition heals (or the hold is
+            // released) before its time is up.
             let deadline = tokio::time::Instant::now() + timeout;
-            while network.is_cut(from, target) {
+            while network.is_cut(from, target) || network.is_held(target, method) {
                 let left = deadline.saturating_duration_since(tokio::time::Instant::now());
                 if left.is_zero() {
                     return Err(TransportError::Timeout {

@@ -120,7 +120,8 @@ struct Peer {
     flushes_confirmed: u64,
     stream: u64,
     next_index: u64,
-    /// Batches carry it: the replica applies them only after its catalog reached it.
+    /// Batches and questions about its copy carry it: the replica applies or answers them
+    /// only after its catalog reached it ([`Primary::view_index`]).
     catalog_index: u64,
     sender_running: bool,
     resync_running: bool,
@@ -1079,9 +1080,13 @@ impl Primary {
                 return Ok(None);
             }
         };
-        let request = ChangedRequest {
-            volume_id: self.volume_id,
-            epoch: self.state().epoch,
+        let request = {
+            let state = self.state();
+            ChangedRequest {
+                volume_id: self.volume_id,
+                epoch: state.epoch,
+                catalog_index: Self::view_index(&state, node),
+            }
         };
         let answer: ChangedAnswer = self
             .ask(
@@ -2295,6 +2300,15 @@ impl Primary {
         Ok(answer.hashes)
     }
 
+    /// The Raft index a replica must have applied before it answers about its copy: the
+    /// primary's when the volume's view last changed for that replica (its catch-up began, or
+    /// a change quiesced the volume). A replica whose metadata lags a rollback or a received
+    /// stream would otherwise compare its copy as it was before, and a catch-up would skip
+    /// what the change made it lack.
+    fn view_index(state: &State, node: NodeId) -> u64 {
+        state.peers.get(&node).map_or(0, |peer| peer.catalog_index)
+    }
+
     /// Asks a replica about a range of the volume (`METHOD_HASHES`, `METHOD_UNWRITTEN`) in
     /// this primary's epoch; a replica that fences it closes this primary.
     async fn ask_range<T: serde::de::DeserializeOwned>(
@@ -2304,11 +2318,15 @@ impl Primary {
         offset: u64,
         length: u64,
     ) -> Result<T, String> {
-        let request = HashRequest {
-            volume_id: self.volume_id,
-            epoch: self.state().epoch,
-            offset,
-            length,
+        let request = {
+            let state = self.state();
+            HashRequest {
+                volume_id: self.volume_id,
+                epoch: state.epoch,
+                catalog_index: Self::view_index(&state, node),
+                offset,
+                length,
+            }
         };
         self.ask(node, method, &request, Duration::from_secs(10))
             .await

@@ -429,6 +429,7 @@ pub(crate) async fn changed(
     sender: NodeId,
     request: ChangedRequest,
 ) -> Result<ChangedAnswer, Refusal> {
+    wait_for_catalog(shared, request.catalog_index).await?;
     let name = check_sender(shared, request.volume_id, request.epoch, sender).await?;
     let shared = shared.clone();
     let listed =
@@ -490,6 +491,7 @@ async fn with_range<T: Send + 'static>(
     limit: (u64, &'static str),
     work: impl FnOnce(&dyn VolumeIo, &HashRequest) -> Result<T, Refusal> + Send + 'static,
 ) -> Result<T, Refusal> {
+    wait_for_catalog(shared, request.catalog_index).await?;
     let slot = shared.replicas.slot(request.volume_id);
     let mut held = slot.state.clone().lock_owned().await;
     let name = check_sender(shared, request.volume_id, request.epoch, sender).await?;

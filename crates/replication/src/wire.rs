@@ -285,10 +285,14 @@ pub struct BatchAck {
     pub client_requests: u64,
 }
 
+/// A range of a replica's copy of the volume. `catalog_index`: the Raft index the primary had
+/// applied when its view of the volume last changed (its catch-up's start, a snapshot, a
+/// rollback), which the replica waits for: it answers about its copy as that view shows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HashRequest {
     pub volume_id: u64,
     pub epoch: u64,
+    pub catalog_index: u64,
     pub offset: u64,
     pub length: u64,
 }
@@ -328,10 +332,13 @@ pub struct RepairRun {
     pub data: Vec<u8>,
 }
 
+/// `catalog_index`: as in [`HashRequest`] (a common point holds only for the view it was
+/// kept with).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChangedRequest {
     pub volume_id: u64,
     pub epoch: u64,
+    pub catalog_index: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -494,6 +501,7 @@ mod tests {
         let request = ChangedRequest {
             volume_id: 9,
             epoch: 4,
+            catalog_index: 17,
         };
         let bytes = postcard::to_allocvec(&request).unwrap();
         assert_eq!(

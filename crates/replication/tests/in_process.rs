@@ -130,7 +130,7 @@ async fn start(
     test: &str,
     name: &str,
     join: Option<String>,
-    resync_bytes_per_second: Option<u64>,
+    settings: Settings,
 ) -> TestNode {
     let dir = node_dir(test, name);
     let address = format!("{name}.test:1");
@@ -176,12 +176,7 @@ async fn start(
             volumes: volumes.clone(),
         }),
         tokio::runtime::Handle::current(),
-        Settings {
-            move_after: Duration::from_secs(3600),
-            resync_bytes_per_second,
-            resync_busy_percent: 100,
-            snapshot_repair: true,
-        },
+        settings,
         keel_ops::Ops::disabled(),
     );
     dispatch.set_above(replication.clone());
@@ -623,6 +618,128 @@ async fn snapshots_a_replica_lacks_are_copied_to_it() {
     stop(&nodes.iter().collect::<Vec<_>>(), None).await;
 }
 
+// Proves a catch-up compares the replica's copy as the volume is after the change that made
+// it necessary: a rollback onto a snapshot the replica never had the data of takes it out of
+// the in-sync set, and its catch-up must ship every block the snapshot holds. Raft's appends
+// to the replica are held from just before the rollback, so its metadata still shows the
+// volume as it was. Without waiting for the primary's metadata first, the replica compared
+// its pre-rollback view (the same data, written after the snapshot), the catch-up shipped
+// only the block rewritten since, and once the rollback reached the replica its copy read
+// zeroes everywhere else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_catch_up_compares_the_replica_as_the_change_left_it_not_as_its_metadata_lags() {
+    use keel_cluster::messages::METHOD_RAFT_APPEND;
+    let network = LocalNetwork::new();
+    let settings = Settings {
+        move_after: Duration::from_secs(3600),
+        resync_bytes_per_second: None,
+        resync_busy_percent: 100,
+        // The snapshot stays incomplete on the replica: the rollback must drop it.
+        snapshot_repair: false,
+    };
+    let (nodes, primary, _) =
+        replicated_volume_with(&network, "catch-up-metadata", 8, 1, settings).await;
+    let primary_node = &nodes[primary];
+    lead(&nodes, primary_node.cluster.node_id()).await;
+    let write = |volume: Arc<dyn VolumeIo>, unit: u64, round: u8| {
+        blocking(move || {
+            volume.write(unit * 65536, &pattern(round), false).unwrap();
+            volume.flush().unwrap();
+        })
+    };
+    let replication = primary_node.replication.clone();
+    let single = blocking(move || replication.open("v")).await.unwrap();
+    for unit in 0..8u64 {
+        write(single.clone(), unit, unit as u8 + 1).await;
+    }
+    drop(single);
+    let (replication, volumes) = (
+        primary_node.replication.clone(),
+        primary_node.volumes.clone(),
+    );
+    blocking(move || replication.quiesce("v", || volumes.snapshot_create("v", "s1")))
+        .await
+        .unwrap();
+    let replication = primary_node.replication.clone();
+    blocking(move || replication.set_replicas("v", Some(2), None))
+        .await
+        .unwrap();
+    let placed = primary_node
+        .cluster
+        .catalog()
+        .read()
+        .volume("v")
+        .unwrap()
+        .record
+        .replication
+        .replicas
+        .clone();
+    let replica_id = *placed
+        .iter()
+        .find(|id| **id != primary_node.cluster.node_id())
+        .unwrap();
+    let replica_node = nodes
+        .iter()
+        .find(|n| n.cluster.node_id() == replica_id)
+        .unwrap();
+    wait_for("the new replica in sync", || {
+        in_sync(primary_node, "v").contains(&replica_id)
+    })
+    .await;
+    let replication = primary_node.replication.clone();
+    let volume = blocking(move || replication.open("v")).await.unwrap();
+    write(volume.clone(), 0, 100).await;
+    drop(volume);
+
+    let (replication, volumes) = (
+        primary_node.replication.clone(),
+        primary_node.volumes.clone(),
+    );
+    let (held, lagging, leader) = (
+        network.clone(),
+        replica_node.cluster.clone(),
+        primary_node.cluster.clone(),
+    );
+    blocking(move || {
+        replication.rollback("v", "s1", || {
+            // The replica applied its removal from the in-sync set (its epoch): only what
+            // comes next, the rollback, is held from it.
+            while lagging.applied_index() < leader.applied_index() {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            held.hold(replica_id, METHOD_RAFT_APPEND);
+            volumes.rollback("v", "s1")
+        })
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    network.release();
+    wait_for("the replica back in sync after the rollback", || {
+        in_sync(primary_node, "v").contains(&replica_id)
+    })
+    .await;
+    let volumes = replica_node.volumes.clone();
+    let copy = blocking(move || volumes.open_volume("v")).await.unwrap();
+    let read = blocking(move || {
+        (0..8u64)
+            .map(|unit| {
+                let mut buf = vec![0u8; 65536];
+                copy.read(unit * 65536, &mut buf).unwrap();
+                buf
+            })
+            .collect::<Vec<_>>()
+    })
+    .await;
+    for (unit, data) in read.iter().enumerate() {
+        assert!(
+            *data == pattern(unit as u8 + 1),
+            "unit {unit} of the replica's copy is not the snapshot's after the catch-up"
+        );
+    }
+    stop(&nodes.iter().collect::<Vec<_>>(), None).await;
+}
+
 // Proves a replica never applies a late batch of a replaced stream over what a newer stream
 // wrote: a batch that starts a stream (index 0) in an epoch older than the stream the replica
 // applies — one a primary's node sent before it restarted and took the volume over again, or
@@ -748,10 +865,27 @@ async fn replicated_volume(
     replicas: u8,
     resync_bytes_per_second: Option<u64>,
 ) -> (Vec<TestNode>, usize, usize) {
-    let a = start(network, test, "a", None, resync_bytes_per_second).await;
+    let settings = Settings {
+        move_after: Duration::from_secs(3600),
+        resync_bytes_per_second,
+        resync_busy_percent: 100,
+        snapshot_repair: true,
+    };
+    replicated_volume_with(network, test, units, replicas, settings).await
+}
+
+/// [`replicated_volume`] with the engine's settings given.
+async fn replicated_volume_with(
+    network: &LocalNetwork,
+    test: &str,
+    units: u64,
+    replicas: u8,
+    settings: Settings,
+) -> (Vec<TestNode>, usize, usize) {
+    let a = start(network, test, "a", None, settings).await;
     let join = Some(a.address.clone());
-    let b = start(network, test, "b", join.clone(), resync_bytes_per_second).await;
-    let c = start(network, test, "c", join, resync_bytes_per_second).await;
+    let b = start(network, test, "b", join.clone(), settings).await;
+    let c = start(network, test, "c", join, settings).await;
     let nodes = vec![a, b, c];
     wait_for("three voters on every node", || {
         nodes.iter().all(|n| {

@@ -41,8 +41,10 @@ const STATUS_OTHER_PROTOCOL: u8 = 2;
 /// any change of what the catalog's state machine makes of a command (nodes applying the same
 /// log differently would hold different catalogs). 2: a stream received into a replicated
 /// volume leaves its snapshot incomplete on the replicas that did not receive it. 3: snapshot
-/// repairs (two commands, a snapshot record format, three replication methods).
-pub const PROTOCOL: u16 = 3;
+/// repairs (two commands, a snapshot record format, three replication methods). 4: questions
+/// about a replica's copy (hashes, unwritten ranges, changes since a point) carry the Raft
+/// index the replica must have applied first.
+pub const PROTOCOL: u16 = 4;
 
 fn protocol_of(hello: &[u8]) -> u16 {
     u16::from_le_bytes([hello[6], hello[7]])
