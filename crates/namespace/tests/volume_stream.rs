@@ -350,3 +350,51 @@ fn collector_spares_blocks_of_a_receive_in_progress() {
         "after the paused receive",
     );
 }
+
+// Proves the stream's checksum is what docs/volumes.md says, whatever pieces the sender and
+// the receiver hash it in: the BLAKE3 of every byte before the trailer record. A stream of
+// 600 written blocks (three chunks of the sender, over 2 MiB: several batches of the
+// receiver's hashing) is walked record by record; the hash is the trailer's last 32 bytes
+// (postcard writes the array as is, last). Another store receives it. Streams kept as
+// backups must stay receivable by later builds.
+#[test]
+fn a_stream_s_checksum_is_the_blake3_of_every_byte_before_its_trailer() {
+    let manager = open_manager(&test_dir("stream-checksum-src"));
+    manager
+        .create(&VolumeSpec::new("big", 700 * BLOCK))
+        .unwrap();
+    let handle = manager.open_volume("big").unwrap();
+    handle
+        .write(50 * BLOCK, &pattern(7, 600 * BLOCK as usize), false)
+        .unwrap();
+    manager.snapshot_create("big", "s").unwrap();
+    let bytes = send_bytes(&manager, "big", None, "s");
+    let mut offset = 8;
+    let mut records = 0;
+    let (trailer_at, payload) = loop {
+        let tag = bytes[offset];
+        let length = u32::from_le_bytes(bytes[offset + 1..offset + 5].try_into().unwrap()) as usize;
+        let payload = &bytes[offset + 5..offset + 5 + length];
+        if tag == 4 {
+            break (offset, payload);
+        }
+        records += 1;
+        offset += 5 + length + 4;
+    };
+    // The header, then a record per block.
+    assert_eq!(records, 1 + 600);
+    assert_eq!(trailer_at + 5 + payload.len() + 4, bytes.len());
+    assert_eq!(
+        blake3::hash(&bytes[..trailer_at]).as_bytes(),
+        &payload[payload.len() - 32..],
+        "the trailer's hash is not the BLAKE3 of the bytes before it"
+    );
+    let target = open_manager(&test_dir("stream-checksum-dst"));
+    let report = target.receive(&mut bytes.as_slice(), "copy").unwrap();
+    assert_eq!(report.blocks, 600);
+    assert_same_blocks(
+        &read_all(&target.open_volume("copy").unwrap()),
+        &read_all(&handle),
+        "received copy",
+    );
+}

@@ -18,7 +18,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use keel_store::{block_key, Durability, Progress, Store, WriteOp};
+use keel_store::{block_key, Durability, Extent, Progress, Store, WriteOp};
 
 use keel_catalog::view::Layer;
 
@@ -63,40 +63,55 @@ pub fn changed_blocks_since(
     Ok(())
 }
 
-/// Block → ascending generations of `volume_id`'s extents for blocks in `[block_from, block_to)`.
+/// What one volume stores for one block: its generations, ascending, and where each lies.
+struct Stored {
+    generations: Vec<u64>,
+    extents: Vec<Extent>,
+}
+
+/// Block → what `volume_id` stores for it, for blocks in `[block_from, block_to)`.
 fn collect_generations(
     store: &Store,
     volume: &str,
     volume_id: u64,
     block_from: u64,
     block_to: u64,
-) -> VolumeResult<BTreeMap<u64, Vec<u64>>> {
-    let mut generations: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+) -> VolumeResult<BTreeMap<u64, Stored>> {
+    let mut stored: BTreeMap<u64, Stored> = BTreeMap::new();
     let end = block_key(volume_id, block_to, 0);
     let mut cursor = block_key(volume_id, block_from, 0);
     loop {
         let page = store
-            .keys(&cursor, &end, KEYS_PAGE_MAX)
+            .extents(&cursor, &end, KEYS_PAGE_MAX)
             .map_err(VolumeError::store(volume, "listing block keys"))?;
-        for key in &page {
-            if let Some((_, block, generation)) = parse_block_key(key) {
-                generations.entry(block).or_default().push(generation);
+        let next = match page.last() {
+            Some(last) if page.len() == KEYS_PAGE_MAX => Some(key_successor(last.key())),
+            _ => None,
+        };
+        for extent in page {
+            if let Some((_, block, generation)) = parse_block_key(extent.key()) {
+                let entry = stored.entry(block).or_insert_with(|| Stored {
+                    generations: Vec::new(),
+                    extents: Vec::new(),
+                });
+                entry.generations.push(generation);
+                entry.extents.push(extent);
             }
         }
-        match page.last() {
-            Some(last) if page.len() == KEYS_PAGE_MAX => cursor = key_successor(last),
-            _ => break,
+        match next {
+            Some(next) => cursor = next,
+            None => break,
         }
     }
-    Ok(generations)
+    Ok(stored)
 }
 
 /// The generations stored for blocks `[block_from, block_to)` by several volumes (the layers
-/// of one or two views), and the blocks any of them holds, ascending.
+/// of one or two views), where each lies, and the blocks any of them holds, ascending.
 pub(crate) struct RangeGenerations {
     /// Sorted, without duplicates; `maps[i]` belongs to `volume_ids[i]`.
     volume_ids: Vec<u64>,
-    maps: Vec<BTreeMap<u64, Vec<u64>>>,
+    maps: Vec<BTreeMap<u64, Stored>>,
     blocks: Vec<u64>,
 }
 
@@ -130,14 +145,26 @@ impl RangeGenerations {
         &self.blocks
     }
 
-    /// Ascending generations `volume_id` stores for `block` (empty if none).
-    pub(crate) fn of(&self, volume_id: u64, block: u64) -> &[u64] {
+    fn stored(&self, volume_id: u64, block: u64) -> Option<&Stored> {
         self.volume_ids
             .binary_search(&volume_id)
             .ok()
             .and_then(|index| self.maps[index].get(&block))
-            .map(Vec::as_slice)
+    }
+
+    /// Ascending generations `volume_id` stores for `block` (empty if none).
+    pub(crate) fn of(&self, volume_id: u64, block: u64) -> &[u64] {
+        self.stored(volume_id, block)
+            .map(|stored| stored.generations.as_slice())
             .unwrap_or(&[])
+    }
+
+    /// Where `volume_id`'s extent of `block` at `generation` lies, if it was listed: read it
+    /// with [`Store::read_extents`].
+    pub(crate) fn extent(&self, volume_id: u64, block: u64, generation: u64) -> Option<&Extent> {
+        let stored = self.stored(volume_id, block)?;
+        let index = stored.generations.iter().position(|g| *g == generation)?;
+        stored.extents.get(index)
     }
 }
 

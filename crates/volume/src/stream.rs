@@ -23,7 +23,7 @@
 use std::io::{self, Read};
 use std::sync::Arc;
 
-use keel_store::{block_key, Compression, Durability, Store, WriteOp};
+use keel_store::{block_key, Compression, Durability, Extent, Store, WriteOp};
 use serde::{Deserialize, Serialize};
 
 use keel_catalog::view::{self, Layer};
@@ -88,7 +88,10 @@ fn identity(volume_uuid: [u8; 16], snapshot: &SnapshotRecord) -> SnapshotIdentit
     }
 }
 
-fn push_record(out: &mut Vec<u8>, hasher: Option<&mut blake3::Hasher>, tag: u8, payload: &[&[u8]]) {
+/// Appends one record (tag, length, payload, CRC32C) to `out`. The stream's hash is taken
+/// over whole chunks of records at once, not record by record: BLAKE3 hashes a long input many
+/// 1 KiB pieces at a time, a 4 KiB record straddling its pieces one at a time.
+fn push_record(out: &mut Vec<u8>, tag: u8, payload: &[&[u8]]) {
     let length: usize = payload.iter().map(|part| part.len()).sum();
     assert!(
         length <= RECORD_PAYLOAD_MAX_BYTES,
@@ -102,9 +105,17 @@ fn push_record(out: &mut Vec<u8>, hasher: Option<&mut blake3::Hasher>, tag: u8, 
     }
     let crc = crc32c::crc32c(&out[start..]);
     out.extend_from_slice(&crc.to_le_bytes());
-    if let Some(hasher) = hasher {
-        hasher.update(&out[start..]);
-    }
+}
+
+/// What a changed block of a chunk becomes in a send stream.
+enum Part {
+    /// Its extent at `generation` is read: data becomes a block record, a hole marker zeroes.
+    Read {
+        generation: u64,
+        trim_if_zeroes: bool,
+    },
+    /// It reads as zeroes at the target and did not at the base: a trim.
+    Zeroes,
 }
 
 /// A send stream; implements [`Read`]. Reading drives the scan, one chunk of blocks at a time.
@@ -151,11 +162,11 @@ impl SendStream {
             base: base.as_ref().map(|base| identity(volume_uuid, base)),
             target: identity(volume_uuid, &target),
         };
-        let mut hasher = blake3::Hasher::new();
         let mut buffer = MAGIC.to_vec();
-        hasher.update(MAGIC);
         let encoded = super::record::encode(&header)?;
-        push_record(&mut buffer, Some(&mut hasher), TAG_HEADER, &[&encoded]);
+        push_record(&mut buffer, TAG_HEADER, &[&encoded]);
+        let mut hasher = blake3::Hasher::new();
+        hasher.update(&buffer);
         Ok(SendStream {
             store,
             shared,
@@ -182,7 +193,6 @@ impl SendStream {
         if let Some((first, count)) = self.pending_trim.take() {
             push_record(
                 &mut self.buffer,
-                Some(&mut self.hasher),
                 TAG_TRIM,
                 &[&first.to_le_bytes(), &count.to_le_bytes()],
             );
@@ -201,10 +211,20 @@ impl SendStream {
         }
     }
 
+    fn vanished(&self, block: u64, generation: u64) -> VolumeError {
+        VolumeError::CorruptBlock {
+            volume: self.shared.name.clone(),
+            block,
+            detail: format!("extent of generation {generation} vanished while sending"),
+        }
+    }
+
     /// Appends the records of the next chunk of blocks (or the trailer) to the buffer.
     fn fill(&mut self) -> VolumeResult<()> {
+        let start = self.buffer.len();
         if self.next_block >= self.size_blocks {
             self.flush_trim();
+            self.hasher.update(&self.buffer[start..]);
             let trailer = StreamTrailer {
                 records: self.records,
                 blocks: self.blocks,
@@ -214,7 +234,7 @@ impl SendStream {
                 stream_blake3: *self.hasher.finalize().as_bytes(),
             };
             let encoded = super::record::encode(&trailer)?;
-            push_record(&mut self.buffer, None, TAG_TRAILER, &[&encoded]);
+            push_record(&mut self.buffer, TAG_TRAILER, &[&encoded]);
             self.finished = true;
             return Ok(());
         }
@@ -232,6 +252,11 @@ impl SendStream {
             chunk_start,
             chunk_end,
         )?;
+        // What each block that changed becomes: a block record if its extent holds data, or
+        // zeroes (a trim, if the base showed something there). The extents are then read
+        // together, in runs ([`Store::read_extents`]), and the records written in block order.
+        let mut parts: Vec<(u64, Part)> = Vec::new();
+        let mut to_read: Vec<&Extent> = Vec::new();
         for &block in stored.blocks() {
             let generations_of = |volume_id: u64| stored.of(volume_id, block);
             let target_shown = view::resolve(&self.target_view, block, generations_of);
@@ -242,53 +267,80 @@ impl SendStream {
             if self.base_view.is_some() && target_shown == base_shown {
                 continue;
             }
-            let data = match target_shown {
+            let trim_if_zeroes = base_shown.is_some();
+            match target_shown {
                 Some((volume_id, generation)) => {
-                    let value = self
-                        .store
-                        .get(&block_key(volume_id, block, generation))
-                        .map_err(VolumeError::store(
-                            &self.shared.name,
-                            "reading a block to send",
-                        ))?
-                        .ok_or_else(|| VolumeError::CorruptBlock {
-                            volume: self.shared.name.clone(),
-                            block,
-                            detail: format!(
-                                "extent of generation {generation} vanished while sending"
-                            ),
-                        })?;
-                    match value.len() {
-                        0 => None,
-                        BLOCK_SIZE => Some(value),
+                    let extent = stored
+                        .extent(volume_id, block, generation)
+                        .ok_or_else(|| self.vanished(block, generation))?;
+                    parts.push((
+                        block,
+                        Part::Read {
+                            generation,
+                            trim_if_zeroes,
+                        },
+                    ));
+                    to_read.push(extent);
+                }
+                None if trim_if_zeroes => parts.push((block, Part::Zeroes)),
+                None => {}
+            }
+        }
+        let store = self.store.clone();
+        let mut parts = parts.into_iter();
+        let mut failure: Option<VolumeError> = None;
+        store
+            .read_extents(&to_read, &mut |_, value| {
+                if failure.is_some() {
+                    return;
+                }
+                // Zeroes listed before this block, then this block.
+                for (block, part) in parts.by_ref() {
+                    let Part::Read {
+                        generation,
+                        trim_if_zeroes,
+                    } = part
+                    else {
+                        self.trim(block);
+                        continue;
+                    };
+                    let Some(data) = value else {
+                        failure = Some(self.vanished(block, generation));
+                        break;
+                    };
+                    match data.len() {
+                        0 if trim_if_zeroes => self.trim(block),
+                        0 => {}
+                        BLOCK_SIZE => {
+                            self.flush_trim();
+                            push_record(&mut self.buffer, TAG_BLOCK, &[&block.to_le_bytes(), data]);
+                            self.records += 1;
+                            self.blocks += 1;
+                        }
                         length => {
-                            return Err(VolumeError::CorruptBlock {
+                            failure = Some(VolumeError::CorruptBlock {
                                 volume: self.shared.name.clone(),
                                 block,
                                 detail: format!("extent holds {length} bytes, not {BLOCK_SIZE}"),
                             })
                         }
                     }
+                    break;
                 }
-                None => None,
-            };
-            match data {
-                Some(data) => {
-                    self.flush_trim();
-                    push_record(
-                        &mut self.buffer,
-                        Some(&mut self.hasher),
-                        TAG_BLOCK,
-                        &[&block.to_le_bytes(), &data],
-                    );
-                    self.records += 1;
-                    self.blocks += 1;
-                }
-                // Zeroes at the target: only worth saying if the base showed something.
-                None if base_shown.is_some() => self.trim(block),
-                None => {}
-            }
+            })
+            .map_err(VolumeError::store(
+                &self.shared.name,
+                "reading blocks to send",
+            ))?;
+        if let Some(failure) = failure {
+            return Err(failure);
         }
+        // Zeroes after the last block read.
+        for (block, _) in parts {
+            self.trim(block);
+        }
+        // (A trim still pending goes with the next chunk's records.)
+        self.hasher.update(&self.buffer[start..]);
         self.next_block = chunk_end;
         Ok(())
     }
@@ -333,11 +385,16 @@ pub struct ReceiveReport {
     pub stream_bytes: u64,
 }
 
+/// Bytes of records read that a [`StreamReader`] hashes at once ([`push_record`] says why).
+const HASH_BATCH_BYTES: usize = 256 * 1024;
+
 /// Reads records, verifying each one's CRC and hashing everything before the trailer.
 struct StreamReader<'a> {
     input: &'a mut dyn Read,
     offset: u64,
     hasher: blake3::Hasher,
+    /// Read, not yet hashed: at most [`HASH_BATCH_BYTES`] and a record.
+    unhashed: Vec<u8>,
 }
 
 impl StreamReader<'_> {
@@ -367,8 +424,15 @@ impl StreamReader<'_> {
         if &magic != MAGIC {
             return Err(self.error("not a Keel volume stream (bad magic)"));
         }
-        self.hasher.update(&magic);
+        self.unhashed.extend_from_slice(&magic);
         Ok(())
+    }
+
+    /// The BLAKE3 hash of every record read so far but the trailer (and of the magic).
+    fn digest(&mut self) -> blake3::Hash {
+        self.hasher.update(&self.unhashed);
+        self.unhashed.clear();
+        self.hasher.finalize()
     }
 
     /// Returns the record's tag and payload (payload into `payload`).
@@ -390,9 +454,13 @@ impl StreamReader<'_> {
             return Err(self.error(format!("record at byte {record_offset} fails its CRC32C")));
         }
         if tag != TAG_TRAILER {
-            self.hasher.update(&head);
-            self.hasher.update(payload);
-            self.hasher.update(&crc_bytes);
+            self.unhashed.extend_from_slice(&head);
+            self.unhashed.extend_from_slice(payload);
+            self.unhashed.extend_from_slice(&crc_bytes);
+            if self.unhashed.len() >= HASH_BATCH_BYTES {
+                self.hasher.update(&self.unhashed);
+                self.unhashed.clear();
+            }
         }
         Ok(tag)
     }
@@ -440,6 +508,7 @@ pub fn receive(
         input,
         offset: 0,
         hasher: blake3::Hasher::new(),
+        unhashed: Vec::with_capacity(HASH_BATCH_BYTES + BLOCK_SIZE + 64),
     };
     reader.read_magic()?;
     let mut payload = Vec::with_capacity(BLOCK_SIZE + 8);
@@ -628,7 +697,6 @@ fn apply(
             .map_err(VolumeError::store(&shared.name, "writing received blocks"))
     };
     let trailer: StreamTrailer = loop {
-        let hash_before = reader.hasher.clone();
         match reader.read_record(payload)? {
             TAG_BLOCK => {
                 if payload.len() != 8 + BLOCK_SIZE {
@@ -681,7 +749,8 @@ fn apply(
             TAG_TRAILER => {
                 let trailer: StreamTrailer = postcard::from_bytes(payload)
                     .map_err(|error| reader.error(format!("undecodable trailer: {error}")))?;
-                if trailer.stream_blake3 != *hash_before.finalize().as_bytes() {
+                // (The trailer itself is not hashed.)
+                if trailer.stream_blake3 != *reader.digest().as_bytes() {
                     return Err(
                         reader.error("the stream's BLAKE3 checksum does not match its contents")
                     );
