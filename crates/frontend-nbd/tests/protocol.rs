@@ -681,6 +681,80 @@ async fn export_failures_become_errors() {
     server.stop().await;
 }
 
+/// An export whose reads past `failing_from` scribble over the buffer, then fail.
+struct ScribblingReads {
+    inner: MemoryExport,
+    failing_from: u64,
+}
+
+impl Export for ScribblingReads {
+    fn size_bytes(&self) -> u64 {
+        self.inner.size_bytes()
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        if offset >= self.failing_from {
+            buf.fill(0x5a);
+            return Err(io::Error::other("a read that failed halfway"));
+        }
+        self.inner.read(offset, buf)
+    }
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
+        self.inner.write(offset, data, fua)
+    }
+    fn flush(&self) -> io::Result<()> {
+        self.inner.flush()
+    }
+    fn trim(&self, offset: u64, length_bytes: u64) -> io::Result<()> {
+        self.inner.trim(offset, length_bytes)
+    }
+    fn write_zeroes(&self, offset: u64, length: u64, fua: bool, may_trim: bool) -> io::Result<()> {
+        self.inner.write_zeroes(offset, length, fua, may_trim)
+    }
+    fn read_only(&self) -> bool {
+        false
+    }
+}
+
+// Proves a connection's buffers, kept from one request for the next, never carry one
+// request's bytes into another's reply: after a 256 KiB write and a read of it, a read that
+// fails halfway (its buffer scribbled on) answers EIO with no data, and reads of other sizes
+// and places answer exactly their own bytes (stream framing holds throughout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_buffers_never_leak_into_other_replies() {
+    const K: u32 = 1024;
+    let export = Arc::new(ScribblingReads {
+        inner: MemoryExport::new(1 << 20, 4096, false),
+        failing_from: 768 << 10,
+    });
+    let server = Server::start(Arc::new(One(export as Arc<dyn Export>))).await;
+    let mut client = Client::connect_go(server.address).await;
+    let data: Vec<u8> = (0..256 * K).map(|i| (i % 251) as u8 + 1).collect();
+    client.request(0, CMD_WRITE, 1, 0, 256 * K, &data).await;
+    assert_eq!(client.simple_reply(0).await, (0, 1, vec![]));
+    client.request(0, CMD_READ, 2, 0, 256 * K, &[]).await;
+    assert_eq!(
+        client.simple_reply(256 * K as usize).await,
+        (0, 2, data.clone())
+    );
+    client
+        .request(0, CMD_READ, 3, 768 << 10, 256 * K, &[])
+        .await;
+    assert_eq!(client.simple_reply(0).await, (EIO, 3, vec![]));
+    client.request(0, CMD_READ, 4, 0, 128 * K, &[]).await;
+    assert_eq!(
+        client.simple_reply(128 * K as usize).await,
+        (0, 4, data[..(128 * K) as usize].to_vec())
+    );
+    client
+        .request(0, CMD_READ, 5, 256 << 10, 512 * K, &[])
+        .await;
+    assert_eq!(
+        client.simple_reply(512 * K as usize).await,
+        (0, 5, vec![0; (512 * K) as usize])
+    );
+    server.stop().await;
+}
+
 // Proves a write on one connection is visible to a read on another once replied (what
 // CAN_MULTI_CONN promises), and a flush on the second connection reaches the shared export.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
