@@ -503,8 +503,12 @@ struct Spares {
 }
 
 impl Spares {
-    /// A buffer of `length` bytes, of any content: only what it grows by is zero-filled.
+    /// A buffer of `length` bytes, of any content: only what it grows by is zero-filled. A
+    /// small one is new (no lock taken: small requests come by the hundred thousand).
     fn take(&self, length: usize) -> Vec<u8> {
+        if length < SPARE_BYTES_MIN {
+            return vec![0; length];
+        }
         let mut buffer = {
             let mut kept = lock(&self.kept);
             let (buffers, bytes) = &mut *kept;
