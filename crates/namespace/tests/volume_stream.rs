@@ -337,10 +337,21 @@ fn collector_spares_blocks_of_a_receive_in_progress() {
     paused
         .recv_timeout(std::time::Duration::from_secs(30))
         .unwrap();
-    // 90% of 512 blocks were read, so at least one batch of 256 is in the store by now.
-    let report = target.collect_garbage("dst", &mut |_| {}).unwrap();
-    assert!(report.extents_scanned > 512, "{report:?}");
-    assert_eq!(report.extents_deleted, 0, "{report:?}");
+    // 90% of 512 blocks were read, so at least one batch of 256 is handed to the store's
+    // writer (its own thread): collect until the collector sees it, deleting nothing.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let report = target.collect_garbage("dst", &mut |_| {}).unwrap();
+        assert_eq!(report.extents_deleted, 0, "{report:?}");
+        if report.extents_scanned > 512 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the receive's first batch never landed: {report:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
     target.snapshot_delete("dst", "local", &mut |_| {}).unwrap();
     resume.send(()).unwrap();
     receiver.join().unwrap().unwrap();
@@ -396,5 +407,60 @@ fn a_stream_s_checksum_is_the_blake3_of_every_byte_before_its_trailer() {
         &read_all(&target.open_volume("copy").unwrap()),
         &read_all(&handle),
         "received copy",
+    );
+}
+
+// Proves a receive whose store writes fail ends with the store's error, neither hanging nor
+// leaving a volume behind: a full stream of 600 blocks (three batches, which the receive's
+// writer thread writes while the next are read) goes to a store on a simulated disk where a
+// write fails with ENOSPC once the volume is made. The receive answers the store's error,
+// `dst` is not there and its name is freed; the same stream is then received whole.
+#[test]
+fn a_receive_whose_writes_fail_answers_the_store_error_and_leaves_nothing() {
+    use keel_store::simdisk::{FaultOp, SimDisk};
+    let manager = open_manager(&test_dir("stream-enospc-src"));
+    manager
+        .create(&VolumeSpec::new("big", 700 * BLOCK))
+        .unwrap();
+    let handle = manager.open_volume("big").unwrap();
+    handle
+        .write(50 * BLOCK, &pattern(9, 600 * BLOCK as usize), false)
+        .unwrap();
+    manager.snapshot_create("big", "s").unwrap();
+    let bytes = send_bytes(&manager, "big", None, "s");
+
+    let disk = SimDisk::new(11);
+    let mut config = keel_store::StoreConfig::new(vec![std::path::PathBuf::from("/sim/data")]);
+    config.disk = std::sync::Arc::new(disk.clone());
+    config.reserve_bytes = 0;
+    let store = keel_store::Store::open(config).unwrap();
+    let metadata: std::sync::Arc<dyn keel_catalog::Metadata> =
+        std::sync::Arc::new(keel_catalog::LocalCatalog::open(store.clone()).unwrap());
+    let target = VolumeManager::open(store, metadata).unwrap();
+    const ENOSPC: i32 = 28;
+    disk.inject(FaultOp::Write, "/sim/data", ENOSPC, 2, 1);
+    let error = target.receive(&mut bytes.as_slice(), "dst").unwrap_err();
+    let message = error.to_string();
+    assert!(message.contains("received blocks"), "{message}");
+    disk.clear_faults();
+    assert!(
+        target.open_volume("dst").is_err(),
+        "a failed receive left dst behind"
+    );
+    // The half-received volume is erased in the background; its name is free once it is.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let report = loop {
+        match target.receive(&mut bytes.as_slice(), "dst") {
+            Err(VolumeError::AlreadyExists { .. }) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(20))
+            }
+            received => break received.unwrap(),
+        }
+    };
+    assert_eq!(report.blocks, 600);
+    assert_same_blocks(
+        &read_all(&target.open_volume("dst").unwrap()),
+        &read_all(&handle),
+        "received after the fault",
     );
 }

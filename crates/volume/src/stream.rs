@@ -683,18 +683,69 @@ fn apply(
 ) -> VolumeResult<(u64, u64)> {
     let store = engine.store();
     let shared = &target.shared;
+    // The store writes one batch while the next is read, verified and hashed: a writer
+    // thread takes full batches, at most one waiting (memory stays a few batches).
+    let applied = std::thread::scope(|scope| {
+        let (sender, batches) = std::sync::mpsc::sync_channel::<Vec<WriteOp>>(1);
+        let writer = std::thread::Builder::new()
+            .name("keel-receive".to_string())
+            .spawn_scoped(scope, || -> VolumeResult<()> {
+                for ops in batches {
+                    store
+                        .write(ops, Durability::Buffered)
+                        .map_err(VolumeError::store(&shared.name, "writing received blocks"))?;
+                }
+                Ok(())
+            })
+            .map_err(VolumeError::Io)?;
+        let parsed = parse(reader, header, target, payload, &|ops| {
+            sender.send(ops).is_ok()
+        });
+        drop(sender);
+        let written = writer.join().unwrap_or_else(|_| {
+            Err(VolumeError::Unavailable {
+                volume: shared.name.clone(),
+                detail: "the thread writing received blocks panicked".to_string(),
+            })
+        });
+        // The writer's error first: the parser stops with a stand-in once the writer is gone.
+        written.and(parsed)
+    })?;
+    // The blocks are durable before the snapshot that shows them is published.
+    store
+        .flush()
+        .map_err(VolumeError::store(&shared.name, "flushing received blocks"))?;
+    Ok(applied)
+}
+
+/// Reads, verifies and hashes the stream's records up to its trailer, handing the blocks'
+/// writes to `write` in batches ([`RECEIVE_BATCH_OPS`]); `write` answers false once the
+/// writer is gone (it failed). Returns (blocks, trimmed blocks).
+fn parse(
+    reader: &mut StreamReader<'_>,
+    header: &StreamHeader,
+    target: &Target,
+    payload: &mut Vec<u8>,
+    write: &dyn Fn(Vec<WriteOp>) -> bool,
+) -> VolumeResult<(u64, u64)> {
+    let shared = &target.shared;
     let size_blocks = header.size_bytes / BLOCK_SIZE_BYTES;
     let compression = read(&shared.state).compression;
     let mut ops: Vec<WriteOp> = Vec::with_capacity(RECEIVE_BATCH_OPS);
     let (mut records, mut blocks, mut trimmed_blocks) = (0u64, 0u64, 0u64);
     let submit = |ops: &mut Vec<WriteOp>| -> VolumeResult<()> {
-        if ops.is_empty() {
+        if ops.is_empty()
+            || write(std::mem::replace(
+                ops,
+                Vec::with_capacity(RECEIVE_BATCH_OPS),
+            ))
+        {
             return Ok(());
         }
-        store
-            .write(std::mem::take(ops), Durability::Buffered)
-            .map(|_| ())
-            .map_err(VolumeError::store(&shared.name, "writing received blocks"))
+        Err(VolumeError::Unavailable {
+            volume: shared.name.clone(),
+            detail: "the thread writing received blocks stopped".to_string(),
+        })
     };
     let trailer: StreamTrailer = loop {
         match reader.read_record(payload)? {
@@ -779,10 +830,6 @@ fn apply(
         Err(error) => return Err(VolumeError::Io(error)),
     }
     submit(&mut ops)?;
-    // The blocks are durable before the snapshot that shows them is published.
-    store
-        .flush()
-        .map_err(VolumeError::store(&shared.name, "flushing received blocks"))?;
     Ok((blocks, trimmed_blocks))
 }
 
