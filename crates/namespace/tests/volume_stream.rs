@@ -368,9 +368,9 @@ fn collector_spares_blocks_of_a_receive_in_progress() {
 // receiver's hashing) is walked record by record; the hash is the trailer's last 32 bytes
 // (postcard writes the array as is, last). Another store receives it. Streams kept as
 // backups must stay receivable by later builds.
-#[test]
-fn a_stream_s_checksum_is_the_blake3_of_every_byte_before_its_trailer() {
-    let manager = open_manager(&test_dir("stream-checksum-src"));
+/// A full stream of a snapshot of 600 written blocks (of 700), and the volume it was sent from.
+fn stream_of_600_blocks(dir: &str) -> (Vec<u8>, Vec<u8>) {
+    let manager = open_manager(&test_dir(dir));
     manager
         .create(&VolumeSpec::new("big", 700 * BLOCK))
         .unwrap();
@@ -379,7 +379,12 @@ fn a_stream_s_checksum_is_the_blake3_of_every_byte_before_its_trailer() {
         .write(50 * BLOCK, &pattern(7, 600 * BLOCK as usize), false)
         .unwrap();
     manager.snapshot_create("big", "s").unwrap();
-    let bytes = send_bytes(&manager, "big", None, "s");
+    (send_bytes(&manager, "big", None, "s"), read_all(&handle))
+}
+
+#[test]
+fn a_stream_s_checksum_is_the_blake3_of_every_byte_before_its_trailer() {
+    let (bytes, sent) = stream_of_600_blocks("stream-checksum-src");
     let mut offset = 8;
     let mut records = 0;
     let (trailer_at, payload) = loop {
@@ -405,7 +410,7 @@ fn a_stream_s_checksum_is_the_blake3_of_every_byte_before_its_trailer() {
     assert_eq!(report.blocks, 600);
     assert_same_blocks(
         &read_all(&target.open_volume("copy").unwrap()),
-        &read_all(&handle),
+        &sent,
         "received copy",
     );
 }
@@ -418,16 +423,7 @@ fn a_stream_s_checksum_is_the_blake3_of_every_byte_before_its_trailer() {
 #[test]
 fn a_receive_whose_writes_fail_answers_the_store_error_and_leaves_nothing() {
     use keel_store::simdisk::{FaultOp, SimDisk};
-    let manager = open_manager(&test_dir("stream-enospc-src"));
-    manager
-        .create(&VolumeSpec::new("big", 700 * BLOCK))
-        .unwrap();
-    let handle = manager.open_volume("big").unwrap();
-    handle
-        .write(50 * BLOCK, &pattern(9, 600 * BLOCK as usize), false)
-        .unwrap();
-    manager.snapshot_create("big", "s").unwrap();
-    let bytes = send_bytes(&manager, "big", None, "s");
+    let (bytes, sent) = stream_of_600_blocks("stream-enospc-src");
 
     let disk = SimDisk::new(11);
     let mut config = keel_store::StoreConfig::new(vec![std::path::PathBuf::from("/sim/data")]);
@@ -460,7 +456,7 @@ fn a_receive_whose_writes_fail_answers_the_store_error_and_leaves_nothing() {
     assert_eq!(report.blocks, 600);
     assert_same_blocks(
         &read_all(&target.open_volume("dst").unwrap()),
-        &read_all(&handle),
+        &sent,
         "received after the fault",
     );
 }

@@ -243,6 +243,16 @@ fn pattern(round: u8) -> Vec<u8> {
         .collect()
 }
 
+/// The volume's replicas as Raft records them, seen from `node`.
+fn replica_set(node: &TestNode, volume: &str) -> Vec<NodeId> {
+    node.cluster
+        .catalog()
+        .read()
+        .volume(volume)
+        .map(|entry| entry.record.replication.replicas.to_vec())
+        .unwrap_or_default()
+}
+
 /// The volume's in-sync set as Raft records it, seen from `node`.
 fn in_sync(node: &TestNode, volume: &str) -> Vec<NodeId> {
     node.cluster
@@ -352,7 +362,7 @@ async fn an_r2_volume_keeps_every_flushed_write_through_a_partition_and_a_lost_p
     );
 
     let taken_over = open_when_possible(replica_node).await;
-    assert_rounds_kept(taken_over, 3).await;
+    assert_rounds_kept(taken_over, 3, "in the take-over").await;
     stop(&nodes.iter().collect::<Vec<_>>(), Some(primary_node)).await;
 }
 
@@ -430,7 +440,7 @@ async fn an_in_sync_change_whose_answer_is_lost_is_settled_before_a_flush_goes_o
     network.close(&primary_node.address);
     primary_node.cluster.shutdown().await;
     let taken_over = open_when_possible(replica_node).await;
-    assert_rounds_kept(taken_over, 4).await;
+    assert_rounds_kept(taken_over, 4, "in the take-over").await;
     stop(&nodes.iter().collect::<Vec<_>>(), Some(primary_node)).await;
 }
 
@@ -650,7 +660,7 @@ async fn a_catch_up_compares_the_replica_as_the_change_left_it_not_as_its_metada
     let replication = primary_node.replication.clone();
     let single = blocking(move || replication.open("v")).await.unwrap();
     for unit in 0..8u64 {
-        write(single.clone(), unit, unit as u8 + 1).await;
+        write(single.clone(), unit, unit as u8).await;
     }
     drop(single);
     let (replication, volumes) = (
@@ -664,16 +674,7 @@ async fn a_catch_up_compares_the_replica_as_the_change_left_it_not_as_its_metada
     blocking(move || replication.set_replicas("v", Some(2), None))
         .await
         .unwrap();
-    let placed = primary_node
-        .cluster
-        .catalog()
-        .read()
-        .volume("v")
-        .unwrap()
-        .record
-        .replication
-        .replicas
-        .clone();
+    let placed = replica_set(primary_node, "v");
     let replica_id = *placed
         .iter()
         .find(|id| **id != primary_node.cluster.node_id())
@@ -721,22 +722,7 @@ async fn a_catch_up_compares_the_replica_as_the_change_left_it_not_as_its_metada
     .await;
     let volumes = replica_node.volumes.clone();
     let copy = blocking(move || volumes.open_volume("v")).await.unwrap();
-    let read = blocking(move || {
-        (0..8u64)
-            .map(|unit| {
-                let mut buf = vec![0u8; 65536];
-                copy.read(unit * 65536, &mut buf).unwrap();
-                buf
-            })
-            .collect::<Vec<_>>()
-    })
-    .await;
-    for (unit, data) in read.iter().enumerate() {
-        assert!(
-            *data == pattern(unit as u8 + 1),
-            "unit {unit} of the replica's copy is not the snapshot's after the catch-up"
-        );
-    }
+    assert_rounds_kept(copy, 8, "from the replica's copy in the catch-up").await;
     stop(&nodes.iter().collect::<Vec<_>>(), None).await;
 }
 
@@ -902,16 +888,7 @@ async fn replicated_volume_with(
         volumes.create(&spec).unwrap()
     })
     .await;
-    let placed = nodes[0]
-        .cluster
-        .catalog()
-        .read()
-        .volume("v")
-        .unwrap()
-        .record
-        .replication
-        .replicas
-        .clone();
+    let placed = replica_set(&nodes[0], "v");
     assert_eq!(placed.len(), usize::from(replicas));
     let index_of = |id: NodeId| {
         nodes
@@ -937,8 +914,9 @@ async fn lead(nodes: &[TestNode], id: NodeId) {
     .await;
 }
 
-/// Reads the first `rounds` 64 KiB units of `volume`: unit `r` must hold `pattern(r)`.
-async fn assert_rounds_kept(volume: Arc<dyn VolumeIo>, rounds: u64) {
+/// Reads the first `rounds` 64 KiB units of `volume`: unit `r` must hold `pattern(r)`, or the
+/// test fails saying the unit was lost `when`.
+async fn assert_rounds_kept(volume: Arc<dyn VolumeIo>, rounds: u64, when: &str) {
     let read = blocking(move || {
         (0..rounds)
             .map(|round| {
@@ -952,7 +930,7 @@ async fn assert_rounds_kept(volume: Arc<dyn VolumeIo>, rounds: u64) {
     for (round, data) in read.iter().enumerate() {
         assert!(
             *data == pattern(round as u8),
-            "round {round} was lost in the take-over"
+            "round {round} was lost {when}"
         );
     }
 }
