@@ -121,7 +121,7 @@ struct Peer {
     stream: u64,
     next_index: u64,
     /// Batches and questions about its copy carry it: the replica applies or answers them
-    /// only after its catalog reached it ([`Primary::view_index`]).
+    /// only after its catalog reached it ([`Primary::asked_as`]).
     catalog_index: u64,
     sender_running: bool,
     resync_running: bool,
@@ -1080,13 +1080,11 @@ impl Primary {
                 return Ok(None);
             }
         };
-        let request = {
-            let state = self.state();
-            ChangedRequest {
-                volume_id: self.volume_id,
-                epoch: state.epoch,
-                catalog_index: Self::view_index(&state, node),
-            }
+        let (epoch, catalog_index) = self.asked_as(node);
+        let request = ChangedRequest {
+            volume_id: self.volume_id,
+            epoch,
+            catalog_index,
         };
         let answer: ChangedAnswer = self
             .ask(
@@ -2300,13 +2298,16 @@ impl Primary {
         Ok(answer.hashes)
     }
 
-    /// The Raft index a replica must have applied before it answers about its copy: the
-    /// primary's when the volume's view last changed for that replica (its catch-up began, or
-    /// a change quiesced the volume). A replica whose metadata lags a rollback or a received
-    /// stream would otherwise compare its copy as it was before, and a catch-up would skip
-    /// what the change made it lack.
-    fn view_index(state: &State, node: NodeId) -> u64 {
-        state.peers.get(&node).map_or(0, |peer| peer.catalog_index)
+    /// What a question to a replica about its copy carries: this primary's epoch, and the
+    /// Raft index the replica must have applied before it answers (the primary's when the
+    /// volume's view last changed for that replica: its catch-up began, or a change quiesced
+    /// the volume). A replica whose metadata lags a rollback or a received stream would
+    /// otherwise compare its copy as it was before, and a catch-up would skip what the change
+    /// made it lack.
+    fn asked_as(&self, node: NodeId) -> (u64, u64) {
+        let state = self.state();
+        let catalog_index = state.peers.get(&node).map_or(0, |peer| peer.catalog_index);
+        (state.epoch, catalog_index)
     }
 
     /// Asks a replica about a range of the volume (`METHOD_HASHES`, `METHOD_UNWRITTEN`) in
@@ -2318,15 +2319,13 @@ impl Primary {
         offset: u64,
         length: u64,
     ) -> Result<T, String> {
-        let request = {
-            let state = self.state();
-            HashRequest {
-                volume_id: self.volume_id,
-                epoch: state.epoch,
-                catalog_index: Self::view_index(&state, node),
-                offset,
-                length,
-            }
+        let (epoch, catalog_index) = self.asked_as(node);
+        let request = HashRequest {
+            volume_id: self.volume_id,
+            epoch,
+            catalog_index,
+            offset,
+            length,
         };
         self.ask(node, method, &request, Duration::from_secs(10))
             .await
