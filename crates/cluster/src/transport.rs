@@ -123,11 +123,27 @@ pub struct LocalNetwork {
     cut: Arc<Mutex<BTreeSet<(NodeId, NodeId)>>>,
     chaos: Arc<Mutex<Option<Chaos>>>,
     /// `(caller, method)`: such calls are delivered and handled, and their answers lost.
-    answers_lost: Arc<Mutex<BTreeSet<(NodeId, u16)>>>,
+    answers_lost: Calls,
     /// Counts `listen`s: each endpoint's incarnation.
     listens: Arc<std::sync::atomic::AtomicU64>,
     /// `(callee, method)`: such calls wait, undelivered, until released (or their time is up).
-    held: Arc<Mutex<BTreeSet<(NodeId, u16)>>>,
+    held: Calls,
+}
+
+/// A set of `(node, method)` pairs that calls are matched against (answers lost, calls held).
+#[derive(Clone, Default)]
+struct Calls(Arc<Mutex<BTreeSet<(NodeId, u16)>>>);
+
+impl Calls {
+    fn set(&self) -> std::sync::MutexGuard<'_, BTreeSet<(NodeId, u16)>> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn contains(&self, node: NodeId, method: u16) -> bool {
+        self.set().contains(&(node, method))
+    }
 }
 
 /// Message loss and delay (hence reordering), from a seeded generator: the same seed and the
@@ -212,50 +228,24 @@ impl LocalNetwork {
     /// Loses the answer of every call `from` makes with `method`, after the callee handled
     /// it: the caller cannot know whether what it asked was done.
     pub fn lose_answers(&self, from: NodeId, method: u16) {
-        self.answers_lost
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .insert((from, method));
+        self.answers_lost.set().insert((from, method));
     }
 
     /// Answers are no longer lost on purpose ([`LocalNetwork::lose_answers`]).
     pub fn keep_answers(&self) {
-        self.answers_lost
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .clear();
+        self.answers_lost.set().clear();
     }
 
     /// Holds every call to `to` with `method` (Raft's appends, say: that node's metadata then
     /// lags the others') until [`LocalNetwork::release`]; a call whose time runs out first
     /// times out, as one into a partition does.
     pub fn hold(&self, to: NodeId, method: u16) {
-        self.held
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .insert((to, method));
+        self.held.set().insert((to, method));
     }
 
     /// Delivers the calls held by [`LocalNetwork::hold`], and holds no more.
     pub fn release(&self) {
-        self.held
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .clear();
-    }
-
-    fn is_held(&self, to: NodeId, method: u16) -> bool {
-        self.held
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .contains(&(to, method))
-    }
-
-    fn loses_answer(&self, from: NodeId, method: u16) -> bool {
-        self.answers_lost
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .contains(&(from, method))
+        self.held.set().clear();
     }
 
     fn fate(&self) -> Fate {
@@ -386,7 +376,7 @@ impl Transport for LocalTransport {
             // call sent into it (or held) still arrives if the partition heals (or the hold is
             // released) before its time is up.
             let deadline = tokio::time::Instant::now() + timeout;
-            while network.is_cut(from, target) || network.is_held(target, method) {
+            while network.is_cut(from, target) || network.held.contains(target, method) {
                 let left = deadline.saturating_duration_since(tokio::time::Instant::now());
                 if left.is_zero() {
                     return Err(TransportError::Timeout {
@@ -434,7 +424,7 @@ impl Transport for LocalTransport {
                     detail: "the node went down with the call in flight".to_string(),
                 });
             }
-            answer_lost |= network.loses_answer(from, method);
+            answer_lost |= network.answers_lost.contains(from, method);
             if answer_lost {
                 return Err(TransportError::Lost {
                     peer: address,
