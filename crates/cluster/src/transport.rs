@@ -5,7 +5,7 @@
 //! proposal retried after this must be deduplicated, which the state machine does by proposal
 //! id), because the difference decides whether a retry can apply a change twice.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, RwLock, Weak};
@@ -128,6 +128,8 @@ pub struct LocalNetwork {
     listens: Arc<std::sync::atomic::AtomicU64>,
     /// `(callee, method)`: such calls wait, undelivered, until released (or their time is up).
     held: Calls,
+    /// How many calls each `(callee, method)` hold caught.
+    caught: Arc<Mutex<BTreeMap<(NodeId, u16), u64>>>,
 }
 
 /// A set of `(node, method)` pairs that calls are matched against (answers lost, calls held).
@@ -241,6 +243,21 @@ impl LocalNetwork {
     /// times out, as one into a partition does.
     pub fn hold(&self, to: NodeId, method: u16) {
         self.held.set().insert((to, method));
+    }
+
+    /// How many calls to `to` with `method` a [`LocalNetwork::hold`] caught, ever.
+    pub fn calls_held(&self, to: NodeId, method: u16) -> u64 {
+        let caught = self
+            .caught
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        caught.get(&(to, method)).copied().unwrap_or(0)
+    }
+
+    /// Delivers the calls to `to` with `method` held by [`LocalNetwork::hold`], and holds
+    /// no more of them.
+    pub fn release_calls(&self, to: NodeId, method: u16) {
+        self.held.set().remove(&(to, method));
     }
 
     /// Delivers the calls held by [`LocalNetwork::hold`], and holds no more.
@@ -376,7 +393,17 @@ impl Transport for LocalTransport {
             // call sent into it (or held) still arrives if the partition heals (or the hold is
             // released) before its time is up.
             let deadline = tokio::time::Instant::now() + timeout;
+            let mut caught = false;
             while network.is_cut(from, target) || network.held.contains(target, method) {
+                if !caught && network.held.contains(target, method) {
+                    caught = true;
+                    *network
+                        .caught
+                        .lock()
+                        .unwrap_or_else(|poisoned| poisoned.into_inner())
+                        .entry((target, method))
+                        .or_default() += 1;
+                }
                 let left = deadline.saturating_duration_since(tokio::time::Instant::now());
                 if left.is_zero() {
                     return Err(TransportError::Timeout {
