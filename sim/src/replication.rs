@@ -442,6 +442,7 @@ impl StartNode {
                 resync_bytes_per_second: self.resync_bytes_per_second,
                 resync_busy_percent: 100,
                 snapshot_repair: true,
+                point_every: keel_replication::POINT_EVERY,
             },
             keel_ops::Ops::disabled(),
         );

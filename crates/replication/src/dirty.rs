@@ -174,10 +174,11 @@ impl Lacking {
 /// volume's trims leave hole markers). A node keeps one when both copies are durable through
 /// a FLUSH the other confirmed while in sync; losing the newest to a crash leaves an older
 /// one, which only widens the comparison. A rollback makes copies differ without writing:
-/// a point holds only while the volume's view excludes the same generations as when it
-/// was kept.
+/// a point holds only while the volume's view excludes the same generations as at its
+/// FLUSH (`excluded`: taken when the primary queued the FLUSH and when the replica applied
+/// it, never when the point is written, which may be after a rollback).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub(crate) struct Point {
+pub struct Point {
     pub store_sequence: u64,
     pub excluded: Vec<(u64, u64)>,
 }

@@ -34,7 +34,8 @@ use keel_cluster::{BoxFuture, Caller, Handler, RemoteFailure};
 use keel_volume::{VolumeError, VolumeIo, VolumeResult};
 
 use crate::attached::Attached;
-use crate::dirty::{Chunks, Point, ShutdownNote};
+pub use crate::dirty::Point;
+use crate::dirty::{Chunks, ShutdownNote};
 use crate::forward::{Forwarded, Sessions};
 use crate::primary::{Failure, Primary, PrimaryStatus};
 use crate::replica::Replicas;
@@ -50,9 +51,10 @@ pub const LEASE: Duration = Duration::from_secs(2);
 /// Another node takes a volume over only after the leader heard nothing from its primary for
 /// this long: the lease plus a margin for clock-rate drift and a report in flight.
 pub const TAKE_OVER_SILENCE: Duration = Duration::from_millis(2500);
-/// How often a node keeps its common point with another for a volume, at most (each is a
-/// small store write; an older point only widens a later catch-up).
-pub(crate) const POINT_EVERY: Duration = Duration::from_millis(100);
+/// How often a node keeps its common point with another for a volume, at most, unless
+/// [`Settings::point_every`] says otherwise (each is a small store write; an older point only
+/// widens a later catch-up).
+pub const POINT_EVERY: Duration = Duration::from_millis(100);
 /// The unit a resync compares and ships.
 pub const RESYNC_CHUNK_BYTES: u64 = 1 << 20;
 /// The stretch a catch-up first asks about as a whole: skipped when neither side ever wrote
@@ -209,6 +211,9 @@ pub struct Settings {
     /// Whether primaries copy snapshots' data to the in-sync replicas whose copy lacks it
     /// (paced as a resync); off, such copies stay incomplete and are served by the others.
     pub snapshot_repair: bool,
+    /// How often a node keeps its common point with another for a volume, at most
+    /// ([`POINT_EVERY`]).
+    pub point_every: Duration,
 }
 
 /// What the primary side and the replica side share.
@@ -224,6 +229,7 @@ pub(crate) struct Shared {
     pub resync_bytes_per_second: Option<u64>,
     pub resync_busy_percent: u8,
     pub snapshot_repair: bool,
+    pub point_every: Duration,
     /// Counts this node's client requests (every frontend): a resync yields while they come.
     pub activity: keel_ops::Ops,
     /// Per volume, what the clients forwarding through this node left unflushed.
@@ -294,10 +300,11 @@ impl Shared {
         Ok(())
     }
 
-    /// The generations a volume's view excludes now (rollbacks), if it exists.
-    fn excluded(&self, name: &str) -> Option<Vec<(u64, u64)>> {
+    /// The generations volume `volume_id`'s view excludes now (rollbacks), if it exists: what
+    /// a common point taken now is stamped with ([`Point`]).
+    pub(crate) fn excluded(&self, volume_id: u64) -> Option<Vec<(u64, u64)>> {
         let catalog = self.metadata.catalog().read();
-        let entry = catalog.volume(name)?;
+        let entry = catalog.volumes.get(&volume_id)?;
         Some(
             entry
                 .record
@@ -308,17 +315,21 @@ impl Shared {
         )
     }
 
-    /// Keeps this node's common point with `peer` for a volume ([`Point`]); a failure only
-    /// leaves the older point, which widens a later catch-up.
-    pub(crate) fn keep_point(&self, name: &str, volume_id: u64, peer: NodeId, store_sequence: u64) {
-        let Some(excluded) = self.excluded(name) else {
+    /// Keeps this node's common point with `peer` for a volume ([`Point`], stamped with the
+    /// view of the FLUSH it was taken at); a failure only leaves the older point, which
+    /// widens a later catch-up.
+    pub(crate) fn keep_point(&self, name: &str, volume_id: u64, peer: NodeId, point: &Point) {
+        // A volume deleted meanwhile: its copy's records are erased with it, not kept again.
+        if !self
+            .metadata
+            .catalog()
+            .read()
+            .volumes
+            .contains_key(&volume_id)
+        {
             return;
-        };
-        let point = Point {
-            store_sequence,
-            excluded,
-        };
-        let kept = postcard::to_allocvec(&point)
+        }
+        let kept = postcard::to_allocvec(point)
             .map_err(|error| error.to_string())
             .and_then(|bytes| {
                 self.local
@@ -330,6 +341,20 @@ impl Shared {
         }
     }
 
+    /// This node's common point with `peer` for a volume, if it keeps one that decodes.
+    fn point(&self, name: &str, volume_id: u64, peer: NodeId) -> VolumeResult<Option<Point>> {
+        let Some(bytes) = self.local.record(volume_id, &point_record(peer))? else {
+            return Ok(None);
+        };
+        match postcard::from_bytes(&bytes) {
+            Ok(point) => Ok(Some(point)),
+            Err(error) => {
+                tracing::warn!(volume = %name, peer, %error, "a replication point does not decode; ignoring it");
+                Ok(None)
+            }
+        }
+    }
+
     /// What this node's copy of a volume changed since its common point with `peer`, if it
     /// holds one that still holds (`None`: a catch-up must compare everything).
     pub(crate) fn changed_since_point(
@@ -338,18 +363,11 @@ impl Shared {
         volume_id: u64,
         peer: NodeId,
     ) -> VolumeResult<Option<Chunks>> {
-        let Some(bytes) = self.local.record(volume_id, &point_record(peer))? else {
+        let Some(point) = self.point(name, volume_id, peer)? else {
             return Ok(None);
         };
-        let point: Point = match postcard::from_bytes(&bytes) {
-            Ok(point) => point,
-            Err(error) => {
-                tracing::warn!(volume = %name, peer, %error, "a replication point does not decode; ignoring it");
-                return Ok(None);
-            }
-        };
         let Some(since) = self
-            .excluded(name)
+            .excluded(volume_id)
             .and_then(|excluded| point.holds(&excluded))
         else {
             return Ok(None);
@@ -482,6 +500,7 @@ impl Replication {
                 resync_bytes_per_second: settings.resync_bytes_per_second,
                 resync_busy_percent: settings.resync_busy_percent,
                 snapshot_repair: settings.snapshot_repair,
+                point_every: settings.point_every,
                 activity,
                 forwarding: Mutex::new(HashMap::new()),
                 streams_begun: AtomicU64::new(0),
@@ -749,6 +768,12 @@ impl Replication {
             .get(&volume_id)
             .filter(|primary| !primary.is_closed())
             .map(|primary| primary.status())
+    }
+
+    /// This node's common point with `peer` for `volume` ([`Point`]), as its store keeps it.
+    pub fn common_point(&self, volume: &str, peer: NodeId) -> VolumeResult<Option<Point>> {
+        let record = self.shared.volume_record(volume)?;
+        self.shared.point(volume, record.id, peer)
     }
 
     /// A handle for block I/O on a volume, for a client attaching here (blocking: it may ask

@@ -21,7 +21,7 @@ use crate::wire::{
     UnwrittenAnswer, BLOCK_HASH_BYTES, CODE_BEHIND, CODE_FENCED, METHOD_CHANGED, METHOD_HASHES,
     METHOD_READ_COPY, METHOD_REPLICATE, METHOD_UNWRITTEN,
 };
-use crate::{lock, Shared, POINT_EVERY, RESYNC_CHUNK_BYTES, RESYNC_PROBE_BYTES};
+use crate::{lock, Point, Shared, RESYNC_CHUNK_BYTES, RESYNC_PROBE_BYTES};
 
 /// Bytes queued for one replica before writers wait for it (bounded memory).
 const QUEUE_BYTES_MAX: usize = 64 << 20;
@@ -146,10 +146,10 @@ struct Peer {
     common_index: Option<u64>,
     /// The position that FLUSH covers.
     common_upto: u64,
-    /// When this node last kept its common point with it ([`POINT_EVERY`]), and the store
-    /// sequence of a newer point not kept yet (too soon after the last).
+    /// When this node last kept its common point with it ([`crate::Settings::point_every`]),
+    /// and a newer point not kept yet (too soon after the last).
     point_kept: Option<Instant>,
-    point_due: Option<u64>,
+    point_due: Option<Point>,
     /// The last `common_index` a batch carried to it.
     common_told: Option<u64>,
     /// Placed on its node by this primary and not caught up yet: a point it may still hold
@@ -218,9 +218,10 @@ struct State {
     in_sync_min: usize,
     /// The next write's position in the volume's history.
     next_seq: u64,
-    /// FLUSHes queued, oldest first: `(position covered, this node's store sequence then)`;
-    /// every change ordered after one has a greater store sequence.
-    flush_points: VecDeque<(u64, u64)>,
+    /// FLUSHes queued, oldest first: the position each covers, and the common point it
+    /// would make (this node's store sequence then, every change ordered after it having a
+    /// greater one; and the view then).
+    flush_points: VecDeque<(u64, Point)>,
     /// Every change through this position is durable on this node.
     local_durable_upto: u64,
     peers: BTreeMap<NodeId, Peer>,
@@ -688,11 +689,19 @@ impl Primary {
     /// the order lock); returns the position it covers.
     fn queue_flush(&self, state: &mut State) -> u64 {
         let upto = state.next_seq - 1;
-        state
-            .flush_points
-            .push_back((upto, self.shared.local.committed_sequence()));
-        if state.flush_points.len() > FLUSH_POINTS_KEPT {
-            state.flush_points.pop_front();
+        // The view now: a rollback changes it only between two FLUSHes of a quiesce.
+        if let Some(excluded) = self.shared.excluded(self.volume_id) {
+            let store_sequence = self.shared.local.committed_sequence();
+            state.flush_points.push_back((
+                upto,
+                Point {
+                    store_sequence,
+                    excluded,
+                },
+            ));
+            if state.flush_points.len() > FLUSH_POINTS_KEPT {
+                state.flush_points.pop_front();
+            }
         }
         for peer in state.peers.values_mut().filter(|peer| peer.streaming) {
             peer.push(Item::Flush { upto });
@@ -1003,9 +1012,9 @@ impl Primary {
     }
 
     /// Moves each replica's common point with this node to the latest FLUSH it confirmed that
-    /// is durable here too; returns the points to keep now, as `(node, this node's store
-    /// sequence at that FLUSH)` ([`POINT_EVERY`] apart at most per replica).
-    fn advance_common(&self, state: &mut State) -> Vec<(NodeId, u64)> {
+    /// is durable here too; returns the points to keep now, as `(node, the point of that
+    /// FLUSH)` ([`crate::Settings::point_every`] apart at most per replica).
+    fn advance_common(&self, state: &mut State) -> Vec<(NodeId, Point)> {
         let State {
             peers,
             flush_points,
@@ -1033,31 +1042,32 @@ impl Primary {
             peer.wake.notify_one();
             // A FLUSH queued at or before that one: every change after it has a greater
             // store sequence here.
-            let Some(&(_, sequence)) = flush_points.iter().rev().find(|(at, _)| *at <= upto) else {
+            let Some((_, point)) = flush_points.iter().rev().find(|(at, _)| *at <= upto) else {
                 continue;
             };
             if peer
                 .point_kept
-                .is_some_and(|kept| now.saturating_duration_since(kept) < POINT_EVERY)
+                .is_some_and(|kept| now.saturating_duration_since(kept) < self.shared.point_every)
             {
-                peer.point_due = Some(sequence);
+                peer.point_due = Some(point.clone());
                 continue;
             }
             peer.point_kept = Some(now);
             peer.point_due = None;
-            points.push((*node, sequence));
+            points.push((*node, point.clone()));
         }
         points
     }
 
-    /// Keeps common points ([`Self::advance_common`]) in the background.
-    fn keep_points(&self, points: Vec<(NodeId, u64)>) {
-        for (node, sequence) in points {
+    /// Keeps common points ([`Self::advance_common`]) in the background: each with the view
+    /// of its FLUSH, however late it is kept.
+    fn keep_points(&self, points: Vec<(NodeId, Point)>) {
+        for (node, point) in points {
             let shared = self.shared.clone();
             let name = self.name.clone();
             let volume_id = self.volume_id;
             self.shared.detached(move || {
-                shared.keep_point(&name, volume_id, node, sequence);
+                shared.keep_point(&name, volume_id, node, &point);
             });
         }
     }
@@ -1181,9 +1191,9 @@ impl Primary {
             if !peer.queue.is_empty() || peer.common_index <= peer.common_told {
                 return None;
             }
-            let point = peer.point_due.take().map(|sequence| {
+            let point = peer.point_due.take().map(|point| {
                 peer.point_kept = Some(self.shared.clock_now());
-                (node, sequence)
+                (node, point)
             });
             (
                 Self::next_batch(self.volume_id, epoch, false, &others, peer),
@@ -1309,11 +1319,9 @@ impl Primary {
         let outcome = change.await?;
         let index = self.shared.cluster.applied_index();
         let mut state = self.state();
-        // A point is kept with the view's excluded generations as they are when it is kept:
-        // FLUSHes before the change must not become points after it (a rollback).
-        state.flush_points.clear();
+        // (FLUSHes before the change may still become common points after it: each carries
+        // the view it was queued under, which a rollback's new view does not match.)
         for peer in state.peers.values_mut() {
-            peer.confirmed_flushes.clear();
             peer.catalog_index = peer.catalog_index.max(index);
             // A rollback or resize changes what any chunk being read holds.
             if let Some((_, _, touched)) = peer.resync_reading.as_mut() {

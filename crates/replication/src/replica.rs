@@ -15,7 +15,7 @@ use crate::wire::{
     HashRequest, Op, SnapshotRange, SnapshotRepairWrite, UnwrittenAnswer, BLOCK_HASH_BYTES,
     CODE_BEHIND, CODE_FAILED, CODE_FENCED, CODE_OUT_OF_ORDER, UNREADABLE_BLOCK_HASH,
 };
-use crate::{lock, Shared, POINT_EVERY};
+use crate::{lock, Point, Shared};
 
 /// Why a replica refused a call: an error code of [`crate::wire`] and a message.
 #[derive(Debug)]
@@ -36,10 +36,11 @@ struct Position {
     /// epoch at least that of its streams before, and a node takes a volume over in a newer
     /// one, so a batch of another stream in an older epoch is a late one of a replaced stream.
     epoch: u64,
-    /// The stream's FLUSH batches applied here, oldest first, with this node's store
-    /// sequence once each was applied: a later batch names one both nodes made durable
-    /// (`Batch::common_index`), and its sequence becomes this node's common point.
-    flushes: VecDeque<(u64, u64)>,
+    /// The stream's FLUSH batches applied here, oldest first, each with the common point it
+    /// would make (this node's store sequence once it was applied, and the view then): a
+    /// later batch names one both nodes made durable (`Batch::common_index`), and it becomes
+    /// this node's common point.
+    flushes: VecDeque<(u64, Point)>,
 }
 
 /// FLUSH batches a stream remembers before one is named common (bounded memory).
@@ -52,7 +53,7 @@ struct Replica {
     /// The local volume, opened in the epoch beside it: a later epoch opens it again (the
     /// replica may have been removed from this node and placed back since).
     handle: Option<(u64, Arc<dyn VolumeIo>)>,
-    /// When this node last kept its common point with the primary ([`POINT_EVERY`]).
+    /// When this node last kept its common point with the primary ([`crate::Settings::point_every`]).
     point_kept: Option<Instant>,
 }
 
@@ -276,30 +277,39 @@ fn apply_held(
             .unwrap_or((VecDeque::new(), batch.epoch));
         if batch.flush {
             // Every change of this batch and the ones before is committed, none after it.
-            flushes.push_back((batch.index, shared.local.committed_sequence()));
-            if flushes.len() > FLUSHES_KEPT {
-                flushes.pop_front();
+            // The view is the one the primary queued the FLUSH under: a rollback waits for
+            // this FLUSH to be durable here, or drops this stream first.
+            if let Some(excluded) = shared.excluded(batch.volume_id) {
+                let store_sequence = shared.local.committed_sequence();
+                flushes.push_back((
+                    batch.index,
+                    Point {
+                        store_sequence,
+                        excluded,
+                    },
+                ));
+                if flushes.len() > FLUSHES_KEPT {
+                    flushes.pop_front();
+                }
             }
         }
         let now = shared.clock_now();
         let due = state
             .replica
             .point_kept
-            .is_none_or(|kept| now.saturating_duration_since(kept) >= POINT_EVERY);
+            .is_none_or(|kept| now.saturating_duration_since(kept) >= shared.point_every);
         if let (Some(common), true) = (batch.common_index, due) {
             let mut point = None;
-            while let Some(&(index, sequence)) = flushes.front() {
-                if index > common {
-                    break;
-                }
-                point = Some(sequence);
-                flushes.pop_front();
+            while flushes.front().is_some_and(|(index, _)| *index <= common) {
+                point = flushes.pop_front().map(|(_, point)| point);
             }
-            if let Some(sequence) = point {
+            // Named common perhaps long after it was durable here (a late batch of a stream
+            // a rollback dropped): kept with the view of its FLUSH, not today's.
+            if let Some(point) = point {
                 state.replica.point_kept = Some(now);
                 for peer in std::iter::once(sender).chain(batch.common_with.iter().copied()) {
                     if peer != shared.local_node {
-                        shared.keep_point(name, batch.volume_id, peer, sequence);
+                        shared.keep_point(name, batch.volume_id, peer, &point);
                     }
                 }
             }

@@ -646,6 +646,7 @@ async fn a_catch_up_compares_the_replica_as_the_change_left_it_not_as_its_metada
         resync_busy_percent: 100,
         // The snapshot stays incomplete on the replica: the rollback must drop it.
         snapshot_repair: false,
+        point_every: keel_replication::POINT_EVERY,
     };
     let (nodes, primary, _) =
         replicated_volume_with(&network, "catch-up-metadata", 8, 1, settings).await;
@@ -723,6 +724,159 @@ async fn a_catch_up_compares_the_replica_as_the_change_left_it_not_as_its_metada
     let volumes = replica_node.volumes.clone();
     let copy = blocking(move || volumes.open_volume("v")).await.unwrap();
     assert_rounds_kept(copy, 8, "from the replica's copy in the catch-up").await;
+    stop(&nodes.iter().collect::<Vec<_>>(), None).await;
+}
+
+// Proves a common point carries the view of the FLUSH it was taken at, not the view when it
+// is kept: a replica that made a FLUSH durable before a rollback, and hears it named common
+// only after its catalog took the rollback (in a late batch of the stream the rollback
+// dropped it from), keeps the point with the view before the rollback. Stamped with the view
+// after, the point would say the copies agreed under a view they never shared (the rollback
+// dropped the replica because its copy of the snapshot is incomplete), and a catch-up would
+// trust it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_common_point_keeps_the_view_of_its_flush_not_the_view_when_it_is_kept() {
+    use keel_replication::wire::{
+        METHOD_CHANGED, METHOD_HASHES, METHOD_REPLICATE, METHOD_UNWRITTEN,
+    };
+    let network = LocalNetwork::new();
+    // Points at most a second apart: the FLUSH after the replica's first point is named
+    // common too soon to be kept, and only the late batch keeps it.
+    let every = Duration::from_secs(1);
+    let settings = Settings {
+        move_after: Duration::from_secs(3600),
+        resync_bytes_per_second: None,
+        resync_busy_percent: 100,
+        // The snapshot stays incomplete on the replica: the rollback must drop it.
+        snapshot_repair: false,
+        point_every: every,
+    };
+    let (nodes, primary, _) = replicated_volume_with(&network, "point-view", 8, 1, settings).await;
+    let primary_node = &nodes[primary];
+    let primary_id = primary_node.cluster.node_id();
+    lead(&nodes, primary_id).await;
+    let (replication, volumes) = (
+        primary_node.replication.clone(),
+        primary_node.volumes.clone(),
+    );
+    blocking(move || replication.quiesce("v", || volumes.snapshot_create("v", "s1")))
+        .await
+        .unwrap();
+    let replication = primary_node.replication.clone();
+    blocking(move || replication.set_replicas("v", Some(2), None))
+        .await
+        .unwrap();
+    let replica_id = *replica_set(primary_node, "v")
+        .iter()
+        .find(|id| **id != primary_id)
+        .unwrap();
+    let replica_node = nodes
+        .iter()
+        .find(|n| n.cluster.node_id() == replica_id)
+        .unwrap();
+    wait_for("the new replica in sync", || {
+        in_sync(primary_node, "v").contains(&replica_id)
+    })
+    .await;
+    let excluded = |node: &TestNode| {
+        node.cluster
+            .catalog()
+            .read()
+            .volume("v")
+            .unwrap()
+            .record
+            .view[0]
+            .excluded
+            .clone()
+    };
+    let before = excluded(replica_node);
+    let point = |node: &TestNode| {
+        let replication = node.replication.clone();
+        move || replication.common_point("v", primary_id).unwrap()
+    };
+    let replication = primary_node.replication.clone();
+    let volume = blocking(move || replication.open("v")).await.unwrap();
+    let write = |unit: u64, flush: bool| {
+        let volume = volume.clone();
+        blocking(move || {
+            volume
+                .write(unit * 65536, &pattern(unit as u8), false)
+                .unwrap();
+            if flush {
+                volume.flush().unwrap();
+            }
+        })
+    };
+    // A point newer than `than`, from the replica's store.
+    let newer = |than: Option<u64>| {
+        let point = point(replica_node);
+        let mut found = None;
+        async move {
+            wait_for("the replica to keep a newer common point", || {
+                found = point().filter(|kept| Some(kept.store_sequence) > than);
+                found.is_some()
+            })
+            .await;
+            found.unwrap()
+        }
+    };
+    // The replica keeps a point for a FLUSH in sync (it may have kept one at the end of its
+    // catch-up: the FLUSH after the spacing is kept at once).
+    write(0, true).await;
+    let first = newer(None).await;
+    tokio::time::sleep(every + Duration::from_millis(200)).await;
+    write(1, true).await;
+    let second = newer(Some(first.store_sequence)).await;
+    let kept_at = tokio::time::Instant::now();
+    // The next FLUSH is named common within the spacing: the replica remembers it unkept.
+    write(2, true).await;
+    network.hold(replica_id, METHOD_REPLICATE);
+    // (The catch-up after the rollback waits too, for the replica's answers, so its new
+    // stream starts after the late batch.)
+    for method in [METHOD_CHANGED, METHOD_UNWRITTEN, METHOD_HASHES] {
+        network.hold(replica_id, method);
+    }
+    // This write's batch names that FLUSH common (as does the empty batch telling it, if it
+    // went after the hold): it waits, undelivered.
+    write(3, false).await;
+    drop(volume);
+    wait_for("a batch naming the FLUSH common, held", || {
+        network.calls_held(replica_id, METHOD_REPLICATE) > 0
+    })
+    .await;
+    let (replication, volumes) = (
+        primary_node.replication.clone(),
+        primary_node.volumes.clone(),
+    );
+    blocking(move || replication.rollback("v", "s1", || volumes.rollback("v", "s1")))
+        .await
+        .unwrap();
+    wait_for("the replica's catalog to take the rollback", || {
+        excluded(replica_node) != before
+    })
+    .await;
+    // Past the spacing since the replica's last point: the late batch keeps one.
+    tokio::time::sleep_until(kept_at + every + Duration::from_millis(200)).await;
+    let before_release = replica_node.volumes.store().committed_sequence();
+    network.release_calls(replica_id, METHOD_REPLICATE);
+    let kept = newer(Some(second.store_sequence)).await;
+    network.release();
+    assert!(
+        kept.store_sequence <= before_release,
+        "the late batch kept no point (the one kept is at store sequence {}, after the \
+         release at {before_release})",
+        kept.store_sequence
+    );
+    assert_eq!(
+        kept.excluded,
+        before,
+        "the point of a FLUSH made before the rollback carries the view after it ({:?})",
+        excluded(replica_node)
+    );
+    wait_for("the replica back in sync after the rollback", || {
+        in_sync(primary_node, "v").contains(&replica_id)
+    })
+    .await;
     stop(&nodes.iter().collect::<Vec<_>>(), None).await;
 }
 
@@ -856,6 +1010,7 @@ async fn replicated_volume(
         resync_bytes_per_second,
         resync_busy_percent: 100,
         snapshot_repair: true,
+        point_every: keel_replication::POINT_EVERY,
     };
     replicated_volume_with(network, test, units, replicas, settings).await
 }
