@@ -640,54 +640,21 @@ async fn snapshots_a_replica_lacks_are_copied_to_it() {
 async fn a_catch_up_compares_the_replica_as_the_change_left_it_not_as_its_metadata_lags() {
     use keel_cluster::messages::METHOD_RAFT_APPEND;
     let network = LocalNetwork::new();
-    let settings = Settings {
-        move_after: Duration::from_secs(3600),
-        resync_bytes_per_second: None,
-        resync_busy_percent: 100,
-        // The snapshot stays incomplete on the replica: the rollback must drop it.
-        snapshot_repair: false,
-        point_every: keel_replication::POINT_EVERY,
-    };
-    let (nodes, primary, _) =
-        replicated_volume_with(&network, "catch-up-metadata", 8, 1, settings).await;
-    let primary_node = &nodes[primary];
-    lead(&nodes, primary_node.cluster.node_id()).await;
+    let (nodes, primary, replica) = replica_lacking_a_snapshot(
+        &network,
+        "catch-up-metadata",
+        8,
+        keel_replication::POINT_EVERY,
+    )
+    .await;
+    let (primary_node, replica_node) = (&nodes[primary], &nodes[replica]);
+    let replica_id = replica_node.cluster.node_id();
     let write = |volume: Arc<dyn VolumeIo>, unit: u64, round: u8| {
         blocking(move || {
             volume.write(unit * 65536, &pattern(round), false).unwrap();
             volume.flush().unwrap();
         })
     };
-    let replication = primary_node.replication.clone();
-    let single = blocking(move || replication.open("v")).await.unwrap();
-    for unit in 0..8u64 {
-        write(single.clone(), unit, unit as u8).await;
-    }
-    drop(single);
-    let (replication, volumes) = (
-        primary_node.replication.clone(),
-        primary_node.volumes.clone(),
-    );
-    blocking(move || replication.quiesce("v", || volumes.snapshot_create("v", "s1")))
-        .await
-        .unwrap();
-    let replication = primary_node.replication.clone();
-    blocking(move || replication.set_replicas("v", Some(2), None))
-        .await
-        .unwrap();
-    let placed = replica_set(primary_node, "v");
-    let replica_id = *placed
-        .iter()
-        .find(|id| **id != primary_node.cluster.node_id())
-        .unwrap();
-    let replica_node = nodes
-        .iter()
-        .find(|n| n.cluster.node_id() == replica_id)
-        .unwrap();
-    wait_for("the new replica in sync", || {
-        in_sync(primary_node, "v").contains(&replica_id)
-    })
-    .await;
     let replication = primary_node.replication.clone();
     let volume = blocking(move || replication.open("v")).await.unwrap();
     write(volume.clone(), 0, 100).await;
@@ -743,41 +710,13 @@ async fn a_common_point_keeps_the_view_of_its_flush_not_the_view_when_it_is_kept
     // Points at most a second apart: the FLUSH after the replica's first point is named
     // common too soon to be kept, and only the late batch keeps it.
     let every = Duration::from_secs(1);
-    let settings = Settings {
-        move_after: Duration::from_secs(3600),
-        resync_bytes_per_second: None,
-        resync_busy_percent: 100,
-        // The snapshot stays incomplete on the replica: the rollback must drop it.
-        snapshot_repair: false,
-        point_every: every,
-    };
-    let (nodes, primary, _) = replicated_volume_with(&network, "point-view", 8, 1, settings).await;
-    let primary_node = &nodes[primary];
-    let primary_id = primary_node.cluster.node_id();
-    lead(&nodes, primary_id).await;
-    let (replication, volumes) = (
-        primary_node.replication.clone(),
-        primary_node.volumes.clone(),
+    let (nodes, primary, replica) =
+        replica_lacking_a_snapshot(&network, "point-view", 0, every).await;
+    let (primary_node, replica_node) = (&nodes[primary], &nodes[replica]);
+    let (primary_id, replica_id) = (
+        primary_node.cluster.node_id(),
+        replica_node.cluster.node_id(),
     );
-    blocking(move || replication.quiesce("v", || volumes.snapshot_create("v", "s1")))
-        .await
-        .unwrap();
-    let replication = primary_node.replication.clone();
-    blocking(move || replication.set_replicas("v", Some(2), None))
-        .await
-        .unwrap();
-    let replica_id = *replica_set(primary_node, "v")
-        .iter()
-        .find(|id| **id != primary_id)
-        .unwrap();
-    let replica_node = nodes
-        .iter()
-        .find(|n| n.cluster.node_id() == replica_id)
-        .unwrap();
-    wait_for("the new replica in sync", || {
-        in_sync(primary_node, "v").contains(&replica_id)
-    })
-    .await;
     let excluded = |node: &TestNode| {
         node.cluster
             .catalog()
@@ -1013,6 +952,64 @@ async fn replicated_volume(
         point_every: keel_replication::POINT_EVERY,
     };
     replicated_volume_with(network, test, units, replicas, settings).await
+}
+
+/// An R=1 volume of 8 units whose first `written` units hold `pattern(unit)`, with a snapshot
+/// `s1`, then raised to R=2 and in sync: the second replica's copy of `s1` is incomplete (no
+/// snapshot repair), so a rollback onto `s1` drops it. Points at most `point_every` apart.
+/// Returns the nodes and the indexes of the primary and of the second replica.
+async fn replica_lacking_a_snapshot(
+    network: &LocalNetwork,
+    test: &str,
+    written: u64,
+    point_every: Duration,
+) -> (Vec<TestNode>, usize, usize) {
+    let settings = Settings {
+        move_after: Duration::from_secs(3600),
+        resync_bytes_per_second: None,
+        resync_busy_percent: 100,
+        snapshot_repair: false,
+        point_every,
+    };
+    let (nodes, primary, _) = replicated_volume_with(network, test, 8, 1, settings).await;
+    let primary_node = &nodes[primary];
+    let primary_id = primary_node.cluster.node_id();
+    lead(&nodes, primary_id).await;
+    let replication = primary_node.replication.clone();
+    blocking(move || {
+        let volume = replication.open("v").unwrap();
+        for unit in 0..written {
+            volume
+                .write(unit * 65536, &pattern(unit as u8), false)
+                .unwrap();
+            volume.flush().unwrap();
+        }
+    })
+    .await;
+    let (replication, volumes) = (
+        primary_node.replication.clone(),
+        primary_node.volumes.clone(),
+    );
+    blocking(move || replication.quiesce("v", || volumes.snapshot_create("v", "s1")))
+        .await
+        .unwrap();
+    let replication = primary_node.replication.clone();
+    blocking(move || replication.set_replicas("v", Some(2), None))
+        .await
+        .unwrap();
+    let replica_id = *replica_set(primary_node, "v")
+        .iter()
+        .find(|id| **id != primary_id)
+        .unwrap();
+    wait_for("the new replica in sync", || {
+        in_sync(primary_node, "v").contains(&replica_id)
+    })
+    .await;
+    let replica = nodes
+        .iter()
+        .position(|n| n.cluster.node_id() == replica_id)
+        .unwrap();
+    (nodes, primary, replica)
 }
 
 /// [`replicated_volume`] with the engine's settings given.
