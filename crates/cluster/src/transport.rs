@@ -394,8 +394,12 @@ impl Transport for LocalTransport {
             // released) before its time is up.
             let deadline = tokio::time::Instant::now() + timeout;
             let mut caught = false;
-            while network.is_cut(from, target) || network.held.contains(target, method) {
-                if !caught && network.held.contains(target, method) {
+            loop {
+                let held = network.held.contains(target, method);
+                if !held && !network.is_cut(from, target) {
+                    break;
+                }
+                if held && !caught {
                     caught = true;
                     *network
                         .caught
