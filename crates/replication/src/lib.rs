@@ -606,6 +606,28 @@ impl Replication {
         volume: &str,
         change: impl FnOnce() -> VolumeResult<T>,
     ) -> VolumeResult<T> {
+        match self.quiescing(volume)? {
+            Some(primary) => primary.quiesce(change),
+            None => change(),
+        }
+    }
+
+    /// [`Self::quiesce`] for a `change` that is a future.
+    pub async fn quiesce_async<T>(
+        &self,
+        volume: &str,
+        change: impl std::future::Future<Output = VolumeResult<T>>,
+    ) -> VolumeResult<T> {
+        match self.quiescing(volume)? {
+            Some(primary) => primary.quiesce_async(change).await,
+            None => change.await,
+        }
+    }
+
+    /// The primary a change of `volume` runs through ([`Self::quiesce`]): the one this node
+    /// serves, `None` for a volume nobody serves (or that does not exist), refused when
+    /// another node is its primary.
+    fn quiescing(&self, volume: &str) -> VolumeResult<Option<Arc<Primary>>> {
         let Some(record) = self
             .shared
             .metadata
@@ -614,19 +636,16 @@ impl Replication {
             .volume(volume)
             .map(|entry| entry.record.clone())
         else {
-            return change();
+            return Ok(None);
         };
         let served = lock(&self.primaries)
             .get(&record.id)
             .filter(|primary| !primary.is_closed())
             .cloned();
-        match served {
-            Some(primary) => primary.quiesce(change),
-            None => {
-                self.shared.refuse_if_served_elsewhere(volume, &record)?;
-                change()
-            }
+        if served.is_none() {
+            self.shared.refuse_if_served_elsewhere(volume, &record)?;
         }
+        Ok(served)
     }
 
     /// Rolls `volume` back onto `snapshot` through [`Replication::quiesce`] (`rollback` does
@@ -641,35 +660,56 @@ impl Replication {
         snapshot: &str,
         rollback: impl FnOnce() -> VolumeResult<T>,
     ) -> VolumeResult<T> {
+        self.shared
+            .runtime
+            .block_on(self.rollback_async(volume, snapshot, async { rollback() }))
+    }
+
+    /// [`Self::rollback`] for a `rollback` that is a future.
+    pub async fn rollback_async<T>(
+        &self,
+        volume: &str,
+        snapshot: &str,
+        rollback: impl std::future::Future<Output = VolumeResult<T>>,
+    ) -> VolumeResult<T> {
         let local = self.shared.local_node;
-        let (record, incomplete): (VolumeRecord, Vec<NodeId>) = {
+        // The record, and the other replicas lacking the snapshot; `None` for a volume or
+        // snapshot that does not exist (the rollback itself answers that).
+        let planned: Option<(VolumeRecord, Vec<NodeId>)> = {
             let catalog = self.shared.metadata.catalog().read();
-            let Some(entry) = catalog.volume(volume) else {
-                return rollback();
-            };
-            let Some(frozen) = entry.snapshot_by_name(snapshot) else {
-                return rollback();
-            };
-            if entry.record.replication.primary == local {
-                keel_volume::check_snapshot_complete(&entry.record, frozen, local)?;
+            match catalog
+                .volume(volume)
+                .and_then(|entry| Some((entry, entry.snapshot_by_name(snapshot)?)))
+            {
+                None => None,
+                Some((entry, frozen)) => {
+                    if entry.record.replication.primary == local {
+                        keel_volume::check_snapshot_complete(&entry.record, frozen, local)?;
+                    }
+                    // Every other replica, in sync or catching up: a catch-up under way must
+                    // start over after the rollback.
+                    let incomplete = entry
+                        .record
+                        .replication
+                        .replicas
+                        .iter()
+                        .copied()
+                        .filter(|node| *node != local && !frozen.complete_on(*node))
+                        .collect();
+                    Some((entry.record.clone(), incomplete))
+                }
             }
-            // Every other replica, in sync or catching up: a catch-up under way must start
-            // over after the rollback.
-            let incomplete = entry
-                .record
-                .replication
-                .replicas
-                .iter()
-                .copied()
-                .filter(|node| *node != local && !frozen.complete_on(*node))
-                .collect();
-            (entry.record.clone(), incomplete)
+        };
+        let Some((record, incomplete)) = planned else {
+            return rollback.await;
         };
         if incomplete.is_empty() {
-            return self.quiesce(volume, rollback);
+            return self.quiesce_async(volume, rollback).await;
         }
-        self.primary_served_here(volume, &record)?
-            .quiesce_dropping(&incomplete, rollback)
+        self.primary_served_here(volume, &record)
+            .await?
+            .quiesce_dropping_async(&incomplete, rollback)
+            .await
     }
 
     /// Refuses to receive a stream into `volume` here when it is replicated and another node
@@ -702,7 +742,9 @@ impl Replication {
             .copied()
             .filter(|node| *node != local)
             .collect();
-        self.primary_served_here(volume, &record)?
+        self.shared
+            .runtime
+            .block_on(self.primary_served_here(volume, &record))?
             .quiesce_dropping(&others, publish)
     }
 
@@ -736,13 +778,18 @@ impl Replication {
                     .to_string(),
             });
         }
-        self.primary_served_here(name, &record)
+        self.shared
+            .runtime
+            .block_on(self.primary_served_here(name, &record))
     }
 
     /// The primary of a replicated volume named primary here: served already, or served from
     /// now on (as if a client attached). Another node is refused with the primary's address.
-    /// Blocking.
-    fn primary_served_here(&self, name: &str, record: &VolumeRecord) -> VolumeResult<Arc<Primary>> {
+    async fn primary_served_here(
+        &self,
+        name: &str,
+        record: &VolumeRecord,
+    ) -> VolumeResult<Arc<Primary>> {
         if record.replication.primary != self.shared.local_node {
             return Err(self.shared.elsewhere(name, record.replication.primary));
         }
@@ -753,7 +800,7 @@ impl Replication {
         match served {
             Some(primary) => Ok(primary),
             None => {
-                drop(self.shared.runtime.block_on(self.open_hosted(name))?);
+                drop(self.open_hosted(name).await?);
                 lock(&self.primaries)
                     .get(&record.id)
                     .cloned()

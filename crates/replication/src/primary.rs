@@ -91,6 +91,8 @@ enum InSyncChange {
     Drop(NodeId),
     /// A replica caught up on its stream (the id): refused if that stream failed meanwhile.
     Add(NodeId, u64),
+    /// The same set, in a new epoch: a barrier in the Raft log (see [`Primary::quiesce_async`]).
+    Keep,
 }
 
 /// Whether a replica's queue should be sent now.
@@ -1300,23 +1302,63 @@ impl Primary {
         change: impl std::future::Future<Output = VolumeResult<T>>,
     ) -> VolumeResult<T> {
         self.lease().await?;
-        let (upto, _paused) = {
+        let (upto, queued, _paused) = {
             let _order = self.ordering().await?;
             let mut state = self.state();
             self.check_serving(&state)?;
-            (self.queue_flush(&mut state), self.pause(&mut state))
+            let upto = self.queue_flush(&mut state);
+            // The FLUSH just queued to each replica streaming: once it is confirmed, so is
+            // everything queued before it, a catch-up's copies too (they take no position in
+            // the volume's history, so `upto` alone does not cover them).
+            let queued: BTreeMap<NodeId, (u64, u64)> = (state.peers.iter())
+                .filter(|(_, peer)| peer.streaming)
+                .map(|(node, peer)| (*node, (peer.stream, peer.flushes_queued)))
+                .collect();
+            (upto, queued, self.pause(&mut state))
         };
         let deadline = self.shared.clock().now() + QUIESCE_WAIT;
         // A replica that failed is still counted until Raft recorded it out of the in-sync
         // set: wait for that too, so a snapshot never names it complete.
         self.wait_confirmed(
-            |_, peer| (peer.streaming || peer.counted) && peer.durable_upto < upto,
+            |node, peer| {
+                let copies_pending = queued.get(&node).is_some_and(|(stream, flushes)| {
+                    peer.streaming && peer.stream == *stream && peer.flushes_confirmed < *flushes
+                });
+                (peer.streaming || peer.counted) && (peer.durable_upto < upto || copies_pending)
+            },
             Some(deadline),
             None,
             |_| Ok(()),
         )
         .await?;
-        let outcome = change.await?;
+        let outcome = match change.await {
+            Ok(outcome) => outcome,
+            Err(error) => {
+                // A change that failed may still be made: a proposal that went unanswered can
+                // commit later, at a point of the write stream each replica would meet
+                // differently. A barrier first (a new epoch of the same set, still paused):
+                // once Raft committed it, that proposal is in the log before it or never.
+                // Writes go on only after it, each replica applying them once its catalog
+                // has it. Without the barrier this node cannot go on serving.
+                if let Err(barrier) = self.propose_in_sync(InSyncChange::Keep).await {
+                    self.close(format!(
+                        "a change of the volume failed ({error}) and whether it was made could \
+                         not be settled: {barrier}"
+                    ));
+                    return Err(error);
+                }
+                self.after_change();
+                return Err(error);
+            }
+        };
+        self.after_change();
+        Ok(outcome)
+    }
+
+    /// After a change of the volume's metadata (made or not, settled): every replica applies
+    /// later writes only once its catalog has it, and a chunk a catch-up is reading is read
+    /// again.
+    fn after_change(&self) {
         let index = self.shared.cluster.applied_index();
         let mut state = self.state();
         // (FLUSHes before the change may still become common points after it: each carries
@@ -1328,7 +1370,6 @@ impl Primary {
                 *touched = true;
             }
         }
-        Ok(outcome)
     }
 
     /// [`Self::quiesce_async`] for a blocking `change` (one that asks Raft synchronously),
@@ -1349,13 +1390,38 @@ impl Primary {
         nodes: &[NodeId],
         change: impl FnOnce() -> VolumeResult<T>,
     ) -> VolumeResult<T> {
-        let outcome = self.shared.runtime.block_on(async {
-            self.drop_for_change(nodes).await?;
-            let outcome = self.quiesce_async(async { change() }).await;
-            // A catch-up that restarted meanwhile compared chunks before the change.
-            self.stop_streams(nodes);
+        self.shared
+            .runtime
+            .block_on(self.quiesce_dropping_async(nodes, async { change() }))
+    }
+
+    /// [`Self::quiesce_dropping`] for a `change` that is a future.
+    pub async fn quiesce_dropping_async<T>(
+        self: &Arc<Self>,
+        nodes: &[NodeId],
+        change: impl std::future::Future<Output = VolumeResult<T>>,
+    ) -> VolumeResult<T> {
+        let outcome = async {
+            for &node in nodes {
+                self.drop_and_stop(node)
+                    .await
+                    .map_err(|error| unavailable(&self.name, error))?;
+            }
+            let outcome = self.quiesce_async(change).await;
+            // A catch-up that restarted meanwhile compared chunks before the change (and may
+            // have joined the set: it is taken out again, retried until Raft records it).
+            for &node in nodes {
+                while let Err(error) = self.drop_and_stop(node).await {
+                    if self.is_closed() {
+                        break;
+                    }
+                    tracing::warn!(volume = %self.name, node, %error, "could not record the in-sync set yet; FLUSHes wait");
+                    self.shared.clock().sleep(Duration::from_millis(200)).await;
+                }
+            }
             outcome
-        });
+        }
+        .await;
         for &node in nodes {
             if let Some(peer) = self.state().peers.get_mut(&node) {
                 peer.lacking.unknown();
@@ -1365,17 +1431,21 @@ impl Primary {
         outcome
     }
 
-    async fn drop_for_change(self: &Arc<Self>, nodes: &[NodeId]) -> VolumeResult<()> {
-        for &node in nodes {
-            let member = self.state().in_sync.contains(&node);
-            if member {
-                self.propose_in_sync(InSyncChange::Drop(node))
-                    .await
-                    .map_err(|error| unavailable(&self.name, error))?;
+    /// Takes `node` out of the in-sync set (Raft records it first) and ends its stream. The set
+    /// is looked at with no change of it in flight, as [`Self::drop_replica`] does: an
+    /// addition of the replica on its way lands first and is undone, and none can land once
+    /// the stream ended (an addition needs the stream it caught up).
+    async fn drop_and_stop(&self, node: NodeId) -> Result<(), String> {
+        loop {
+            {
+                let _proposing = self.proposing.lock().await;
+                if !self.state().in_sync.contains(&node) {
+                    self.stop_streams(&[node]);
+                    return Ok(());
+                }
             }
-            self.stop_streams(&[node]);
+            self.propose_in_sync(InSyncChange::Drop(node)).await?;
         }
-        Ok(())
     }
 
     /// Ends these replicas' streams: not counted for FLUSHes, nothing queued; a catch-up
@@ -1562,6 +1632,7 @@ impl Primary {
                     }
                     in_sync.insert(node);
                 }
+                InSyncChange::Keep => {}
             };
             (state.epoch, in_sync)
         };
