@@ -6,8 +6,9 @@
 //!
 //! One run ([`run`]): three nodes (R=2 on three storage nodes, R=3 on three, or R=2 on two
 //! storage nodes and a metadata-only witness, chosen by the seed) and one replicated volume.
-//! Two clients write 4 KiB blocks to their own units of the volume, FLUSH and take snapshots,
-//! each through the node it attached to, as NBD clients and the admin API do; a client whose
+//! Two clients write 4 KiB blocks to their own units of the volume, FLUSH, take snapshots and
+//! roll the volume back onto one, each through the node it attached to, as NBD clients and the
+//! admin API do; a client whose
 //! request fails (or whose node lost power under it) attaches again wherever the volume is
 //! served — the same node, or another replica taking the volume over once the primary's lease
 //! ran out. Meanwhile, for a number of
@@ -26,7 +27,11 @@
 //!    every node's own copy holds the same bytes as the primary's.
 //! 5. **Snapshots cut the same writes everywhere.** Every snapshot acknowledged exists, and
 //!    on every replica holding it whole — those in sync when it was taken, and those its
-//!    repair copied it to afterwards — it shows exactly what its client's units held then.
+//!    repair copied it to afterwards — it shows exactly what its client's units held then
+//!    (and in the other client's units, a value its model allowed then or written meanwhile).
+//! 6. **A rollback makes the volume its snapshot again**, for both clients: once it is
+//!    acknowledged, a unit holds what the snapshot may hold or a write ordered after it. One
+//!    that failed may still have been made: both stay allowed until the next FLUSH.
 //!
 //! Determinism: as the cluster simulation (a current-thread runtime with paused time and a
 //! seeded scheduler, openraft's randomness seeded), plus the engine's store work inline and
@@ -68,6 +73,8 @@ pub struct Report {
     /// Snapshots acknowledged, and the copies of them checked at the end.
     pub snapshots: u64,
     pub snapshot_copies_checked: u64,
+    /// Rollbacks acknowledged.
+    pub rollbacks: u64,
     pub power_cuts: u64,
     pub partitions: u64,
     /// Hash of everything observable, in order: two runs of a seed must agree on it.
@@ -129,29 +136,41 @@ fn offset_of(client: usize, unit: u64) -> u64 {
 /// One client's knowledge of its units.
 #[derive(Clone)]
 struct Model {
-    /// Per unit: the value its last acknowledged FLUSH covered (0: zeroes).
-    floor: Vec<u32>,
+    /// Per unit: the values its last durable point may hold (0: zeroes). One after an
+    /// acknowledged FLUSH through a primary whose contents the client knew; the snapshot's
+    /// possible values after a rollback; both sets while a rollback may or may not be made.
+    floor: Vec<Vec<u32>>,
     /// Per unit: values written since, acknowledged or not, oldest first: any of them may be
     /// what a later primary holds (a write reaches some replicas and not others).
     since: Vec<Vec<u32>>,
     /// Per unit, what the primary the client is attached to holds: read back when it
-    /// attached, then its acknowledged writes. `None` once a request failed.
+    /// attached, then its acknowledged writes. `None` once a request failed, and while a
+    /// rollback changes the volume under it.
     current: Option<Vec<u32>>,
+    /// Per unit, every value ever written there, oldest first.
+    written: Vec<Vec<u32>>,
+    /// The last value written (0: none yet). Values only grow.
+    issued: u32,
+    /// A rollback changed the volume under the client: it attaches again and reads it back.
+    reattach: bool,
 }
 
 impl Model {
     fn new() -> Model {
         Model {
-            floor: vec![0; UNITS as usize],
+            floor: vec![vec![0]; UNITS as usize],
             since: vec![Vec::new(); UNITS as usize],
             current: None,
+            written: vec![Vec::new(); UNITS as usize],
+            issued: 0,
+            reattach: false,
         }
     }
 
     /// What unit `unit` may hold on any primary now.
     fn allowed(&self, unit: u64) -> Vec<u32> {
         let unit = unit as usize;
-        let mut allowed = vec![self.floor[unit]];
+        let mut allowed = self.floor[unit].clone();
         allowed.extend(&self.since[unit]);
         allowed
     }
@@ -169,12 +188,53 @@ impl Model {
     /// and no value written before can come back.
     fn flushed(&mut self) {
         if let Some(current) = &self.current {
-            self.floor.clone_from(current);
+            for (floor, value) in self.floor.iter_mut().zip(current) {
+                *floor = vec![*value];
+            }
             for since in &mut self.since {
                 since.clear();
             }
         }
     }
+
+    /// Client `unit` is about to write `value`.
+    fn writing(&mut self, unit: u64, value: u32) {
+        let unit = unit as usize;
+        // Written or not, it may be found from now on.
+        self.since[unit].push(value);
+        self.written[unit].push(value);
+        self.issued = value;
+        if let Some(current) = self.current.as_mut() {
+            // (Taken back if it fails: the client attaches again.)
+            current[unit] = value;
+        }
+    }
+
+    /// What a snapshot whose change began when the client's model was `before` may hold
+    /// in each unit: what was allowed then, or anything written since.
+    fn possible_since(&self, before: &Model) -> Vec<Vec<u32>> {
+        (0..UNITS)
+            .map(|unit| {
+                let mut possible = before.allowed(unit);
+                possible.extend(
+                    self.written[unit as usize]
+                        .iter()
+                        .filter(|value| **value > before.issued),
+                );
+                possible.sort_unstable();
+                possible.dedup();
+                possible
+            })
+            .collect()
+    }
+}
+
+/// A snapshot acknowledged: its name, and per client and unit the values it may hold
+/// (exactly one for the client that took it).
+#[derive(Clone)]
+struct Taken {
+    name: String,
+    possible: Vec<Vec<Vec<u32>>>,
 }
 
 /// What every task of a run shares.
@@ -186,8 +246,12 @@ struct World {
     report: Report,
     /// Per epoch, the node that acknowledged a FLUSH in it.
     flush_epochs: BTreeMap<u64, NodeId>,
-    /// Snapshots taken: name, the client that took it, and what that client's units held.
-    snapshots: Vec<(String, usize, Vec<u32>)>,
+    /// Each client's knowledge of its units.
+    models: Vec<Model>,
+    /// Snapshots acknowledged.
+    snapshots: Vec<Taken>,
+    /// A snapshot or rollback is being made (one at a time).
+    changing: bool,
     /// Snapshot names given so far (one may exist though its creation failed).
     snapshots_named: u64,
     /// The catch-ups' pace (slow ones keep an old primary sending after a take-over).
@@ -553,8 +617,10 @@ struct Attached {
     index: usize,
     incarnation: u64,
     primary: Arc<Primary>,
-    /// The node's cluster and volumes (a snapshot is proposed through them).
+    /// The node's cluster, volumes and replication engine (a snapshot or rollback is
+    /// proposed through them).
     cluster: Arc<Cluster>,
+    replication: Arc<Replication>,
     volumes: Arc<VolumeManager>,
 }
 
@@ -599,6 +665,7 @@ async fn attach(world: &Shared, rng: &mut StdRng, limit: Duration) -> Option<Att
                     incarnation,
                     primary,
                     cluster: engine.cluster,
+                    replication: engine.replication,
                     volumes: engine.volumes,
                 });
             }
@@ -608,18 +675,43 @@ async fn attach(world: &Shared, rng: &mut StdRng, limit: Duration) -> Option<Att
     None
 }
 
+/// Whether `found`, read from client `client`'s unit `unit`, is what the client's model
+/// expected ([`Model::expected`]) when the read began (`before`) or when it ended: a rollback
+/// may have changed the volume in between. Records a violation if not.
+fn check_read(
+    world: &mut World,
+    client: usize,
+    unit: u64,
+    found: Option<u32>,
+    before: &[u32],
+    what: impl FnOnce() -> String,
+) {
+    world.report.reads_checked += 1;
+    let mut expected = before.to_vec();
+    expected.extend(world.models[client].expected(unit));
+    if !found.is_some_and(|value| expected.contains(&value)) {
+        let floor = &world.models[client].floor[unit as usize];
+        let what = format!(
+            "{}: client {client} unit {unit} holds {found:?}, not one of {expected:?} (its last \
+             durable point held one of {floor:?})",
+            what()
+        );
+        world.violation(what);
+    }
+}
+
 /// Reads every unit of client `client` through `attached` (`None` if a read failed) and
-/// checks each against the model ([`Model::expected`]).
+/// checks each against the client's model.
 async fn read_units(
     world: &Shared,
     client: usize,
     attached: &Attached,
-    model: &Model,
     when: &str,
 ) -> Option<Vec<u32>> {
     let mut values = Vec::new();
     for unit in 0..UNITS {
         let mut data = vec![0u8; BLOCK_BYTES];
+        let before = world.borrow().models[client].expected(unit);
         let read = through(
             world,
             attached.index,
@@ -633,45 +725,53 @@ async fn read_units(
             return None;
         }
         let found = value_of(client, unit, &data);
-        let mut world = world.borrow_mut();
-        world.report.reads_checked += 1;
-        let allowed = model.expected(unit);
-        match found {
-            Some(value) if allowed.contains(&value) => values.push(value),
-            _ => {
-                let node = attached.index + 1;
-                world.violation(format!(
-                    "{when}: client {client} unit {unit} read through n{node} holds {found:?}, \
-                     not one of {allowed:?} (its last FLUSH covered {})",
-                    model.floor[unit as usize]
-                ));
-                values.push(found.unwrap_or(0));
-            }
-        }
+        let node = attached.index + 1;
+        check_read(
+            &mut world.borrow_mut(),
+            client,
+            unit,
+            found,
+            &before,
+            || format!("{when}: read through n{node}"),
+        );
+        values.push(found.unwrap_or(0));
     }
     Some(values)
 }
 
-/// One client: writes and FLUSHes through the node it attached to; on any failure, attaches
-/// again and checks what it finds.
-async fn client(world: Shared, client: usize, seed: u64, stop: Rc<RefCell<bool>>) -> Model {
+/// One client: writes and FLUSHes through the node it attached to; on any failure, or once a
+/// rollback changed the volume, attaches again and checks what it finds. Its model is
+/// `world.models[client]`.
+async fn client(world: Shared, client: usize, seed: u64, stop: Rc<RefCell<bool>>) {
     let mut rng = StdRng::seed_from_u64(seed ^ (0xc11e_0000 + client as u64));
-    let mut model = Model::new();
     let mut next_value = 1u32;
     let mut attached: Option<Attached> = None;
     while !*stop.borrow() {
+        {
+            let mut world = world.borrow_mut();
+            let changing = world.changing;
+            let model = &mut world.models[client];
+            if model.reattach && !changing {
+                model.reattach = false;
+                model.current = None;
+                attached = None;
+            }
+        }
         let Some(current) = attached.as_ref() else {
             match attach(&world, &mut rng, Duration::from_secs(30)).await {
                 Some(new) => {
                     // What survived is one of the values the model allows per unit; from now
                     // on it is what this primary holds (the next FLUSH makes it the floor).
-                    model.current = None;
-                    let Some(found) =
-                        read_units(&world, client, &new, &model, "after attaching").await
+                    world.borrow_mut().models[client].current = None;
+                    let Some(found) = read_units(&world, client, &new, "after attaching").await
                     else {
                         continue;
                     };
-                    model.current = Some(found);
+                    let mut world = world.borrow_mut();
+                    // (Not while a rollback may change it: read back again after.)
+                    if !world.changing {
+                        world.models[client].current = Some(found);
+                    }
                     attached = Some(new);
                 }
                 None => {
@@ -691,12 +791,7 @@ async fn client(world: Shared, client: usize, seed: u64, stop: Rc<RefCell<bool>>
             let value = next_value;
             next_value += 1;
             let data = block(client, unit, value);
-            // Written or not, it may be found from now on.
-            model.since[unit as usize].push(value);
-            if let Some(current) = model.current.as_mut() {
-                // (Taken back below if it fails.)
-                current[unit as usize] = value;
-            }
+            world.borrow_mut().models[client].writing(unit, value);
             let answer = through(
                 &world,
                 index,
@@ -738,7 +833,7 @@ async fn client(world: Shared, client: usize, seed: u64, stop: Rc<RefCell<bool>>
                             }
                         }
                         world.record(&format!("c{client} flush ok (epoch {epoch})"));
-                        model.flushed();
+                        world.models[client].flushed();
                         (false, world.armed.take())
                     }
                     Answer::Failed(error) => {
@@ -763,6 +858,7 @@ async fn client(world: Shared, client: usize, seed: u64, stop: Rc<RefCell<bool>>
         } else if roll < 95 {
             let unit = rng.gen_range(0..UNITS);
             let mut data = vec![0u8; BLOCK_BYTES];
+            let before = world.borrow().models[client].expected(unit);
             let answer = through(
                 &world,
                 index,
@@ -773,28 +869,28 @@ async fn client(world: Shared, client: usize, seed: u64, stop: Rc<RefCell<bool>>
             match answer {
                 Answer::Done(()) => {
                     let found = value_of(client, unit, &data);
-                    let mut world = world.borrow_mut();
-                    world.report.reads_checked += 1;
-                    let expected = model.expected(unit);
-                    if !found.is_some_and(|value| expected.contains(&value)) {
-                        world.violation(format!(
-                            "client {client} unit {unit} read through its primary n{} holds \
-                             {found:?}, not {expected:?}",
-                            index + 1
-                        ));
-                    }
+                    check_read(
+                        &mut world.borrow_mut(),
+                        client,
+                        unit,
+                        found,
+                        &before,
+                        || format!("read through its primary n{}", index + 1),
+                    );
                     false
                 }
                 _ => true,
             }
         } else if roll < 97 {
-            snapshot(&world, client, current, &model).await
+            snapshot(&world, client, current).await
+        } else if roll < 98 {
+            rollback(&world, client, current, &mut rng).await
         } else {
             tokio::time::sleep(Duration::from_millis(rng.gen_range(0..300))).await;
             false
         };
         if failed {
-            model.current = None;
+            world.borrow_mut().models[client].current = None;
             attached = None;
             // A moment before attaching again, as a client reconnects.
             tokio::time::sleep(Duration::from_millis(rng.gen_range(50..500))).await;
@@ -802,21 +898,25 @@ async fn client(world: Shared, client: usize, seed: u64, stop: Rc<RefCell<bool>>
             tokio::time::sleep(Duration::from_millis(rng.gen_range(0..20))).await;
         }
     }
-    model
 }
 
 /// Takes a snapshot through the primary `attached`, as the admin API does: at one point of
 /// the volume's write stream on every replica (the change runs once every replica applied
-/// the writes before it). It must show exactly what this client's units held then. True if
-/// it failed (the client then attaches again).
-async fn snapshot(world: &Shared, client: usize, attached: &Attached, model: &Model) -> bool {
-    let Some(values) = model.current.clone() else {
-        return true;
-    };
-    let name = {
+/// the writes before it). It must show exactly what this client's units held then, and in
+/// the other client's units one of the values its model allowed then or wrote meanwhile.
+/// True if it failed (the client then attaches again). Nothing while another change runs.
+async fn snapshot(world: &Shared, client: usize, attached: &Attached) -> bool {
+    let (name, before) = {
         let mut world = world.borrow_mut();
+        if world.changing {
+            return false;
+        }
+        if world.models[client].current.is_none() {
+            return true;
+        }
+        world.changing = true;
         world.snapshots_named += 1;
-        format!("s{}", world.snapshots_named)
+        (format!("s{}", world.snapshots_named), world.models.clone())
     };
     let cluster = attached.cluster.clone();
     let volumes = attached.volumes.clone();
@@ -850,11 +950,20 @@ async fn snapshot(world: &Shared, client: usize, attached: &Attached, model: &Mo
     )
     .await;
     let mut world = world.borrow_mut();
+    world.changing = false;
     match answer {
         Answer::Done(()) => {
             world.report.snapshots += 1;
             world.record(&format!("c{client} snapshot {name} ok"));
-            world.snapshots.push((name, client, values));
+            let possible = (0..CLIENTS)
+                .map(|other| match &before[other].current {
+                    Some(values) if other == client => {
+                        values.iter().map(|value| vec![*value]).collect()
+                    }
+                    _ => world.models[other].possible_since(&before[other]),
+                })
+                .collect();
+            world.snapshots.push(Taken { name, possible });
             false
         }
         Answer::Failed(error) => {
@@ -863,6 +972,89 @@ async fn snapshot(world: &Shared, client: usize, attached: &Attached, model: &Mo
         }
         Answer::Cut => {
             world.record(&format!("c{client} snapshot {name} cut"));
+            true
+        }
+    }
+}
+
+/// Rolls the volume back onto an acknowledged snapshot through the primary `attached`, as the
+/// admin API does ([`Replication::rollback_async`]: replicas whose copy of the snapshot is
+/// incomplete are dropped first and caught up after). From its start every client reads
+/// what its model allowed or what the snapshot may hold, and attaches again once it is done;
+/// after it, only what the snapshot may hold or was written meanwhile. One that failed may
+/// still have been made: both stay allowed. True if it failed. Nothing while another change
+/// runs.
+async fn rollback(world: &Shared, client: usize, attached: &Attached, rng: &mut StdRng) -> bool {
+    let (target, cut) = {
+        let mut world = world.borrow_mut();
+        if world.changing || world.snapshots.is_empty() {
+            return false;
+        }
+        let target = world.snapshots[rng.gen_range(0..world.snapshots.len())].clone();
+        world.changing = true;
+        world.record(&format!("c{client} rollback onto {}", target.name));
+        let mut cut = Vec::new();
+        for (model, possible) in world.models.iter_mut().zip(&target.possible) {
+            model.current = None;
+            for (floor, possible) in model.floor.iter_mut().zip(possible) {
+                floor.extend(possible);
+                floor.sort_unstable();
+                floor.dedup();
+            }
+            cut.push(model.issued);
+        }
+        (target, cut)
+    };
+    let cluster = attached.cluster.clone();
+    let command = Command::VolumeRollback {
+        volume: VOLUME.to_string(),
+        snapshot: target.name.clone(),
+    };
+    let change = async move {
+        cluster
+            .propose_async(command)
+            .await
+            .map(drop)
+            .map_err(|error| VolumeError::Metadata {
+                detail: error.to_string(),
+            })
+    };
+    let answer = through(
+        world,
+        attached.index,
+        attached.incarnation,
+        attached
+            .replication
+            .rollback_async(VOLUME, &target.name, change),
+    )
+    .await;
+    let mut world = world.borrow_mut();
+    world.changing = false;
+    for model in &mut world.models {
+        model.current = None;
+        model.reattach = true;
+    }
+    let name = &target.name;
+    match answer {
+        Answer::Done(()) => {
+            world.report.rollbacks += 1;
+            world.record(&format!("c{client} rollback onto {name} ok"));
+            // Only the snapshot's values, and writes that may have come after the change (the
+            // one in flight when it began, and later ones).
+            for ((model, possible), cut) in world.models.iter_mut().zip(&target.possible).zip(cut) {
+                model.floor.clone_from(possible);
+                for since in &mut model.since {
+                    since.retain(|value| *value >= cut);
+                }
+            }
+            false
+        }
+        Answer::Failed(error) => {
+            world.record(&format!("c{client} rollback onto {name} failed: {error}"));
+            true
+        }
+        Answer::Cut => {
+            world.record(&format!("c{client} rollback onto {name} cut"));
             true
         }
     }
@@ -886,6 +1078,7 @@ pub fn run(seed: u64, steps: u32) -> Report {
         attaches: 0,
         snapshots: 0,
         snapshot_copies_checked: 0,
+        rollbacks: 0,
         power_cuts: 0,
         partitions: 0,
         trace_hash: String::new(),
@@ -942,7 +1135,9 @@ async fn simulate(mut report: Report) -> Report {
         violations: Vec::new(),
         report,
         flush_epochs: BTreeMap::new(),
+        models: vec![Model::new(); CLIENTS],
         snapshots: Vec::new(),
+        changing: false,
         snapshots_named: 0,
         resync_bytes_per_second: rng.gen_bool(0.3).then_some(256 << 10),
         restarts: Vec::new(),
@@ -1013,7 +1208,7 @@ async fn simulate(mut report: Report) -> Report {
     }
     // The clients, and the faults.
     let stop = Rc::new(RefCell::new(false));
-    let clients: Vec<tokio::task::JoinHandle<Model>> = (0..CLIENTS)
+    let clients: Vec<tokio::task::JoinHandle<()>> = (0..CLIENTS)
         .map(|index| tokio::task::spawn_local(client(world.clone(), index, seed, stop.clone())))
         .collect();
     {
@@ -1125,16 +1320,14 @@ async fn simulate(mut report: Report) -> Report {
         }
     }
     *stop.borrow_mut() = true;
-    let mut models = Vec::new();
     for handle in clients {
-        match handle.await {
-            Ok(model) => models.push(model),
-            Err(error) => world
+        if let Err(error) = handle.await {
+            world
                 .borrow_mut()
-                .violation(format!("a client panicked: {error}")),
+                .violation(format!("a client panicked: {error}"));
         }
     }
-    converge(&world, &mut rng, &models).await;
+    converge(&world, &mut rng).await;
     for index in 0..3 {
         power_cut(&world, index).await;
     }
@@ -1215,15 +1408,14 @@ async fn serve_in_sync(
 
 /// Serves the volume until every replica is back in sync, checks every client's units through
 /// it, and compares every node's own copy with the primary's.
-async fn converge(world: &Shared, rng: &mut StdRng, models: &[Model]) {
+async fn converge(world: &Shared, rng: &mut StdRng) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
     let Some((attached, placed)) = serve_in_sync(world, rng, deadline).await else {
         return;
     };
-    for (client, model) in models.iter().enumerate() {
-        let mut model_final = model.clone();
-        model_final.current = None;
-        if read_units(world, client, &attached, &model_final, "after healing")
+    for client in 0..CLIENTS {
+        world.borrow_mut().models[client].current = None;
+        if read_units(world, client, &attached, "after healing")
             .await
             .is_none()
         {
@@ -1318,7 +1510,7 @@ async fn check_snapshots(world: &Shared, copies: &[(usize, Arc<VolumeManager>)])
             catalog.volume(VOLUME).is_some_and(|entry| {
                 taken
                     .iter()
-                    .all(|(name, _, _)| entry.snapshot_by_name(name).is_some())
+                    .all(|taken| entry.snapshot_by_name(&taken.name).is_some())
             })
         })
     };
@@ -1334,7 +1526,7 @@ async fn check_snapshots(world: &Shared, copies: &[(usize, Arc<VolumeManager>)])
         })
     };
     wait_for(Duration::from_secs(300), whole_everywhere).await;
-    for (name, client, values) in taken {
+    for Taken { name, possible } in taken {
         let mut found_whole = 0;
         for (index, volumes) in copies {
             let node = *index as u64 + 1;
@@ -1361,19 +1553,20 @@ async fn check_snapshots(world: &Shared, copies: &[(usize, Arc<VolumeManager>)])
                     continue;
                 }
             };
-            for unit in 0..UNITS {
-                let mut data = vec![0u8; BLOCK_BYTES];
-                let read = snapshot.read(offset_of(client, unit), &mut data);
-                let found = read.ok().and_then(|()| value_of(client, unit, &data));
-                let wanted = values[unit as usize];
-                let mut world = world.borrow_mut();
-                world.report.snapshot_copies_checked += u64::from(unit == 0);
-                if found != Some(wanted) {
-                    world.violation(format!(
-                        "snapshot {name} on n{node}: client {client} unit {unit} holds {found:?}, \
-                         not {wanted} as when it was taken"
-                    ));
-                    break;
+            'units: for (client, possible) in possible.iter().enumerate() {
+                for (unit, wanted) in (0..UNITS).zip(possible) {
+                    let mut data = vec![0u8; BLOCK_BYTES];
+                    let read = snapshot.read(offset_of(client, unit), &mut data);
+                    let found = read.ok().and_then(|()| value_of(client, unit, &data));
+                    let mut world = world.borrow_mut();
+                    world.report.snapshot_copies_checked += u64::from(client == 0 && unit == 0);
+                    if !found.is_some_and(|value| wanted.contains(&value)) {
+                        world.violation(format!(
+                            "snapshot {name} on n{node}: client {client} unit {unit} holds \
+                             {found:?}, not one of {wanted:?} as when it was taken"
+                        ));
+                        break 'units;
+                    }
                 }
             }
         }

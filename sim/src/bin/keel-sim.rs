@@ -91,6 +91,7 @@ fn replication(args: &[String]) -> ! {
     let started = Instant::now();
     let (mut runs, mut failures) = (0u64, 0u64);
     let (mut writes, mut flushes, mut attaches, mut cuts, mut partitions) = (0, 0, 0, 0, 0);
+    let mut rollbacks = 0;
     let mut seed = first;
     loop {
         let done = match (seeds, minutes) {
@@ -108,6 +109,7 @@ fn replication(args: &[String]) -> ! {
         attaches += report.attaches;
         cuts += report.power_cuts;
         partitions += report.partitions;
+        rollbacks += report.rollbacks;
         if !report.violations.is_empty() {
             failures += 1;
             println!(
@@ -121,7 +123,7 @@ fn replication(args: &[String]) -> ! {
         seed += 1;
     }
     println!(
-        "{runs} seeds ({first}..{}), {steps} steps each, {:.0} s: {writes} writes, {flushes} FLUSHes acknowledged, {attaches} attaches, {cuts} power cuts, {partitions} partitions; {failures} failing seed(s)",
+        "{runs} seeds ({first}..{}), {steps} steps each, {:.0} s: {writes} writes, {flushes} FLUSHes acknowledged, {attaches} attaches, {cuts} power cuts, {partitions} partitions, {rollbacks} rollbacks; {failures} failing seed(s)",
         seed.saturating_sub(1),
         started.elapsed().as_secs_f64()
     );
