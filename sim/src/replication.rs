@@ -583,6 +583,27 @@ enum Answer<T> {
     Cut,
 }
 
+impl World {
+    /// Records how request `what` ended; true if it failed or was cut (the client then
+    /// attaches again).
+    fn settled<T>(&mut self, what: &str, answer: &Answer<T>) -> bool {
+        match answer {
+            Answer::Done(_) => {
+                self.record(&format!("{what} ok"));
+                false
+            }
+            Answer::Failed(error) => {
+                self.record(&format!("{what} failed: {error}"));
+                true
+            }
+            Answer::Cut => {
+                self.record(&format!("{what} cut"));
+                true
+            }
+        }
+    }
+}
+
 /// Runs `request` through the primary `primary` of node `index` (incarnation `incarnation`),
 /// unless the node loses power first.
 async fn through<T>(
@@ -801,20 +822,7 @@ async fn client(world: Shared, client: usize, seed: u64, stop: Rc<RefCell<bool>>
             .await;
             let mut world = world.borrow_mut();
             world.report.writes += 1;
-            match answer {
-                Answer::Done(()) => {
-                    world.record(&format!("c{client} write {unit}={value} ok"));
-                    false
-                }
-                Answer::Failed(error) => {
-                    world.record(&format!("c{client} write {unit}={value} failed: {error}"));
-                    true
-                }
-                Answer::Cut => {
-                    world.record(&format!("c{client} write {unit}={value} cut"));
-                    true
-                }
-            }
+            world.settled(&format!("c{client} write {unit}={value}"), &answer)
         } else if roll < 85 {
             let answer = through(&world, index, incarnation, primary.flush_async()).await;
             let (failed, armed) = {
@@ -951,30 +959,20 @@ async fn snapshot(world: &Shared, client: usize, attached: &Attached) -> bool {
     .await;
     let mut world = world.borrow_mut();
     world.changing = false;
-    match answer {
-        Answer::Done(()) => {
-            world.report.snapshots += 1;
-            world.record(&format!("c{client} snapshot {name} ok"));
-            let possible = (0..CLIENTS)
-                .map(|other| match &before[other].current {
-                    Some(values) if other == client => {
-                        values.iter().map(|value| vec![*value]).collect()
-                    }
-                    _ => world.models[other].possible_since(&before[other]),
-                })
-                .collect();
-            world.snapshots.push(Taken { name, possible });
-            false
-        }
-        Answer::Failed(error) => {
-            world.record(&format!("c{client} snapshot {name} failed: {error}"));
-            true
-        }
-        Answer::Cut => {
-            world.record(&format!("c{client} snapshot {name} cut"));
-            true
-        }
+    let failed = world.settled(&format!("c{client} snapshot {name}"), &answer);
+    if !failed {
+        world.report.snapshots += 1;
+        let possible = (0..CLIENTS)
+            .map(|other| match &before[other].current {
+                Some(values) if other == client => {
+                    values.iter().map(|value| vec![*value]).collect()
+                }
+                _ => world.models[other].possible_since(&before[other]),
+            })
+            .collect();
+        world.snapshots.push(Taken { name, possible });
     }
+    failed
 }
 
 /// Rolls the volume back onto an acknowledged snapshot through the primary `attached`, as the
@@ -1034,30 +1032,19 @@ async fn rollback(world: &Shared, client: usize, attached: &Attached, rng: &mut 
         model.current = None;
         model.reattach = true;
     }
-    let name = &target.name;
-    match answer {
-        Answer::Done(()) => {
-            world.report.rollbacks += 1;
-            world.record(&format!("c{client} rollback onto {name} ok"));
-            // Only the snapshot's values, and writes that may have come after the change (the
-            // one in flight when it began, and later ones).
-            for ((model, possible), cut) in world.models.iter_mut().zip(&target.possible).zip(cut) {
-                model.floor.clone_from(possible);
-                for since in &mut model.since {
-                    since.retain(|value| *value >= cut);
-                }
+    let failed = world.settled(&format!("c{client} rollback onto {}", target.name), &answer);
+    if !failed {
+        world.report.rollbacks += 1;
+        // Only the snapshot's values, and writes that may have come after the change (the
+        // one in flight when it began, and later ones).
+        for ((model, possible), cut) in world.models.iter_mut().zip(&target.possible).zip(cut) {
+            model.floor.clone_from(possible);
+            for since in &mut model.since {
+                since.retain(|value| *value >= cut);
             }
-            false
-        }
-        Answer::Failed(error) => {
-            world.record(&format!("c{client} rollback onto {name} failed: {error}"));
-            true
-        }
-        Answer::Cut => {
-            world.record(&format!("c{client} rollback onto {name} cut"));
-            true
         }
     }
+    failed
 }
 
 /// Runs one seed to completion (blocking).

@@ -613,7 +613,7 @@ impl Replication {
     }
 
     /// [`Self::quiesce`] for a `change` that is a future.
-    pub async fn quiesce_async<T>(
+    async fn quiesce_async<T>(
         &self,
         volume: &str,
         change: impl std::future::Future<Output = VolumeResult<T>>,

@@ -1396,7 +1396,7 @@ impl Primary {
     }
 
     /// [`Self::quiesce_dropping`] for a `change` that is a future.
-    pub async fn quiesce_dropping_async<T>(
+    pub(crate) async fn quiesce_dropping_async<T>(
         self: &Arc<Self>,
         nodes: &[NodeId],
         change: impl std::future::Future<Output = VolumeResult<T>>,
