@@ -447,7 +447,9 @@ pub struct Replication {
     /// Volumes with one replica that clients attached here (raising R switches them over to
     /// a primary).
     singles: Mutex<HashMap<u64, Weak<Attached>>>,
-    /// Serializes attaches and replica-set changes (one take-over of a volume at a time).
+    /// Serializes attaches and replica-set changes (one take-over of a volume at a time). An
+    /// attach reads the volume's record again once it holds this: the replicas may have
+    /// changed while it waited.
     attaching: tokio::sync::Mutex<()>,
     /// Volumes served here for clients attached to nodes without a replica.
     sessions: Sessions,
@@ -875,7 +877,9 @@ impl Replication {
         if record.replication.hosts(self.shared.local_node)
             && record.replication.replicas.len() <= 1
         {
-            return self.open_single(name, record.id).await;
+            if let Some(single) = self.open_single(name).await? {
+                return Ok(single);
+            }
         }
         Ok(self.open_primary(name).await?)
     }
@@ -886,6 +890,9 @@ impl Replication {
     /// a server's clients use [`Replication::open`].
     pub async fn open_primary(&self, name: &str) -> VolumeResult<Arc<Primary>> {
         let local_node = self.shared.local_node;
+        // The record read under the attach lock: a change of R holds it while Raft records
+        // the change, so what follows acts on the replicas and epoch as they are.
+        let _attaching = self.attaching.lock().await;
         let record = self.shared.volume_record(name)?;
         let replication = record.replication.clone();
         if !replication.hosts(local_node) {
@@ -902,7 +909,6 @@ impl Replication {
                 .node_address(replication.primary, true)
                 .unwrap_or_else(|| "unknown".to_string())
         };
-        let _attaching = self.attaching.lock().await;
         if let Some(primary) = lock(&self.primaries).get(&record.id) {
             if replication.primary != local_node {
                 primary.close(format!(
@@ -1006,23 +1012,30 @@ impl Replication {
     }
 
     /// A volume with one replica: the primary already serving it here (its R was lowered to
-    /// 1), or its local copy behind a switch that raising R turns into a primary.
-    async fn open_single(&self, name: &str, volume_id: u64) -> VolumeResult<Arc<dyn VolumeIo>> {
+    /// 1), or its local copy behind a switch that raising R turns into a primary. `None` if
+    /// the volume has more than one replica by the time the attach lock is held: raising R
+    /// holds that lock while Raft records the new replicas, so a record read before it may
+    /// be stale, and the local copy alone would take writes the new replicas never get.
+    async fn open_single(&self, name: &str) -> VolumeResult<Option<Arc<dyn VolumeIo>>> {
         let _attaching = self.attaching.lock().await;
+        let record = self.shared.volume_record(name)?;
+        if record.replication.replicas.len() > 1 {
+            return Ok(None);
+        }
         if let Some(primary) = lock(&self.primaries)
-            .get(&volume_id)
+            .get(&record.id)
             .filter(|primary| !primary.is_closed())
         {
-            return Ok(primary.clone());
+            return Ok(Some(primary.clone()));
         }
         let mut singles = lock(&self.singles);
-        if let Some(attached) = singles.get(&volume_id).and_then(Weak::upgrade) {
-            return Ok(attached);
+        if let Some(attached) = singles.get(&record.id).and_then(Weak::upgrade) {
+            return Ok(Some(attached));
         }
         let attached = Arc::new(Attached::new(name, self.shared.local.open_local(name)?));
         singles.retain(|_, attached| attached.strong_count() > 0);
-        singles.insert(volume_id, Arc::downgrade(&attached));
-        Ok(attached)
+        singles.insert(record.id, Arc::downgrade(&attached));
+        Ok(Some(attached))
     }
 
     /// Changes a volume's replication factor R (1 to 3) and its in-sync minimum, online.
