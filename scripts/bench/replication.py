@@ -19,7 +19,8 @@ full rebuild: an N GiB volume written whole at R=1, then raised to R=2, so every
 to a new node; per round, in turn: the disk's sequential write bandwidth (fio, 1 MiB direct writes to
 a file, 8 in flight: the reference; and, for context, 1 MiB buffered writes and one fsync at the end), the rebuild alone (its throughput as a share of that, and the
 CPU seconds each node's process used per GiB copied: steadier than throughput here), and the
-rebuild again under a client (randrw QD1 on the rebuilding volume, running inside the rebuild)
+rebuild again under a client (randrw QD1 on the rebuilding volume, attached a second before the
+rebuild starts and measured inside it)
 whose p99 is compared with the same client once the volume is in sync; --resync-busy-percent
 sets the nodes' `cluster.resync_busy_percent` (how much of the time a resync works while
 clients are active; the server's default unless given). --resync-gib N measures a replica's
@@ -118,10 +119,19 @@ def disk_seq_write(gib, direct=True):
     return json.loads(result.stdout[result.stdout.index("{"):])["jobs"][0]["write"]["bw_bytes"]
 
 
+# The client's first second is not measured (fio's ramp time): during a rebuild, it attaches and
+# settles before the rebuild starts, as a client running when a replica is lost would have.
+# Started at the same moment as the rebuild, its attach met the change of R: in about one
+# round of four its p99 came out 4-9× for the whole round (2026-11-27; docs/benchmarks.md).
+PROBE_RAMP_SECONDS = 1
+
+
 def probe(node, volume, seconds):
-    """Starts the client workload on a volume; returns the fio process (JSON on stdout)."""
+    """Starts the client workload on a volume; returns the fio process (JSON on stdout). It
+    measures `seconds` after PROBE_RAMP_SECONDS unmeasured."""
     return subprocess.Popen(["fio", "--name=probe", "--ioengine=nbd", f"--uri=nbd://{node.host}:{node.nbd_port}/{volume}",
-                             "--time_based", f"--runtime={seconds}", "--output-format=json"] + PROBE,
+                             "--time_based", f"--ramp_time={PROBE_RAMP_SECONDS}", f"--runtime={seconds}",
+                             "--output-format=json"] + PROBE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -151,6 +161,8 @@ def rebuild(node, name, gib, probe_seconds=0, nodes=()):
                     f"--size={gib}g", "--rw=write", "--bs=1m", "--iodepth=8", "--end_fsync=1"],
                    capture_output=True, check=True, timeout=900)
     client = probe(node, name, probe_seconds) if probe_seconds else None
+    if client:
+        time.sleep(PROBE_RAMP_SECONDS)
     cpu_before = [cpu_seconds(each) for each in nodes]
     started = time.time()
     code, answer = node.api("POST", f"/api/v1/volumes/{name}/replication", {"replicas": 2})
