@@ -600,18 +600,19 @@ impl Replication {
     }
 
     /// Runs `change` (a snapshot, rollback or resize of `volume`) at one point of the volume's
-    /// write stream on every replica ([`Primary::quiesce`]) when this node serves it as
+    /// write stream on every replica ([`Primary::quiesce_async`]) when this node serves it as
     /// primary. A replicated volume whose primary is another node is refused with its address;
-    /// a volume with one replica, or not attached anywhere yet, runs `change` as it is.
+    /// a volume with one replica, or not attached anywhere yet, runs `change` as it is, with
+    /// attaches held back until it is made: a primary starting meanwhile would order writes
+    /// that the replicas then meet on either side of the change. Blocking.
     pub fn quiesce<T>(
         &self,
         volume: &str,
         change: impl FnOnce() -> VolumeResult<T>,
     ) -> VolumeResult<T> {
-        match self.quiescing(volume)? {
-            Some(primary) => primary.quiesce(change),
-            None => change(),
-        }
+        self.shared
+            .runtime
+            .block_on(self.quiesce_async(volume, async { change() }))
     }
 
     /// [`Self::quiesce`] for a `change` that is a future.
@@ -620,8 +621,12 @@ impl Replication {
         volume: &str,
         change: impl std::future::Future<Output = VolumeResult<T>>,
     ) -> VolumeResult<T> {
+        let attaching = self.attaching.lock().await;
         match self.quiescing(volume)? {
-            Some(primary) => primary.quiesce_async(change).await,
+            Some(primary) => {
+                drop(attaching);
+                primary.quiesce_async(change).await
+            }
             None => change.await,
         }
     }

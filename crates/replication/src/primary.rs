@@ -1296,7 +1296,8 @@ impl Primary {
     /// write stream on every replica: no write is ordered meanwhile; every replica streaming
     /// has applied every earlier write before `change` runs (and one that failed is out of the
     /// in-sync set), and applies later writes only after its catalog has the change.
-    /// `change` runs inline, after the wait: [`Self::quiesce`] is the blocking form.
+    /// `change` runs inline, after the wait ([`crate::Replication::quiesce`] is the blocking
+    /// form).
     pub async fn quiesce_async<T>(
         &self,
         change: impl std::future::Future<Output = VolumeResult<T>>,
@@ -1372,19 +1373,12 @@ impl Primary {
         }
     }
 
-    /// [`Self::quiesce_async`] for a blocking `change` (one that asks Raft synchronously),
-    /// blocking the calling thread (not a runtime worker).
-    pub fn quiesce<T>(&self, change: impl FnOnce() -> VolumeResult<T>) -> VolumeResult<T> {
-        self.shared
-            .runtime
-            .block_on(self.quiesce_async(async { change() }))
-    }
-
-    /// [`Primary::quiesce`], with the replicas `nodes` out of the in-sync set (Raft records
-    /// it first) and their streams stopped while `change` runs; each is caught up afterwards
-    /// from the start, whatever `change` answered (a catch-up already under way would keep
-    /// the chunks it copied before `change`). For a change those replicas cannot make on their
-    /// own copy (a rollback onto a snapshot that is incomplete there). Blocking.
+    /// [`Primary::quiesce_async`] for a blocking `change`, with the replicas `nodes` out of the
+    /// in-sync set (Raft records it first) and their streams stopped while `change` runs; each
+    /// is caught up afterwards from the start, whatever `change` answered (a catch-up already
+    /// under way would keep the chunks it copied before `change`). For a change those replicas
+    /// cannot make on their own copy (a rollback onto a snapshot that is incomplete there).
+    /// Blocking.
     pub fn quiesce_dropping<T>(
         self: &Arc<Self>,
         nodes: &[NodeId],

@@ -1037,6 +1037,59 @@ async fn a_client_attaching_as_r_is_raised_writes_through_the_primary() {
     stop(&nodes.iter().collect::<Vec<_>>(), None).await;
 }
 
+// Proves a change of a replicated volume that no primary serves yet (a snapshot here) holds
+// attaches back until it is made: an attach meanwhile would start a primary whose writes the
+// replicas could meet on either side of the change, which then runs at no single point of
+// the write stream. The attach starts inside the change and must still be waiting half a
+// second later; it completes once the change is made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attach_waits_for_a_change_of_a_volume_nobody_serves() {
+    let network = LocalNetwork::new();
+    let (nodes, primary, _) = replicated_volume(&network, "change_unserved", 4, 2, None).await;
+    let primary_node = &nodes[primary];
+    let volume_id = primary_node
+        .cluster
+        .catalog()
+        .read()
+        .volume("v")
+        .unwrap()
+        .record
+        .id;
+    assert!(
+        primary_node.replication.primary_status(volume_id).is_none(),
+        "the volume is served before any attach: the change would go through its primary"
+    );
+    let (replication, volumes) = (
+        primary_node.replication.clone(),
+        primary_node.volumes.clone(),
+    );
+    let (attached_early, attached) = blocking(move || {
+        let (done, attached) = std::sync::mpsc::channel();
+        let attacher = replication.clone();
+        let early = replication
+            .quiesce("v", || {
+                std::thread::spawn(move || {
+                    let _ = done.send(attacher.open("v").map(|_| ()));
+                });
+                std::thread::sleep(Duration::from_millis(500));
+                let early = attached.try_recv().is_ok();
+                volumes.snapshot_create("v", "s1").map(|_| early)
+            })
+            .unwrap();
+        (early, attached)
+    })
+    .await;
+    assert!(
+        !attached_early,
+        "a client attached while a change of a volume nobody served was being made"
+    );
+    blocking(move || attached.recv_timeout(BLOCKED_MAX))
+        .await
+        .expect("the attach did not complete after the change")
+        .expect("the attach failed after the change");
+    stop(&nodes.iter().collect::<Vec<_>>(), None).await;
+}
+
 /// An R=1 volume of 8 units whose first `written` units hold `pattern(unit)`, with a snapshot
 /// `s1`, then raised to R=2 and in sync: the second replica's copy of `s1` is incomplete (no
 /// snapshot repair), so a rollback onto `s1` drops it. Points at most `point_every` apart.
