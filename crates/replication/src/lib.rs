@@ -64,6 +64,10 @@ pub const RESYNC_PROBE_BYTES: u64 = 64 << 20;
 /// client is attached anyway (reads work, writes fail with the reason until enough replicas
 /// caught up). Well under an NBD client's handshake timeout.
 const ATTACH_WAIT_FOR_IN_SYNC: Duration = Duration::from_secs(10);
+/// How often an attach tries again when R crossed between one replica and more while it
+/// waited for the attach lock (each change of R takes a Raft round trip: more in a row means
+/// someone keeps changing it).
+const ATTACH_TRIES: usize = 3;
 
 /// Runs blocking work (store I/O) off the async runtime's workers, from engine tasks. (Client
 /// I/O runs its store work inline on the client's own thread.)
@@ -878,15 +882,25 @@ impl Replication {
     /// [`Replication::open`] on a node that holds a replica (another node is refused with the
     /// primary's address).
     async fn open_hosted(&self, name: &str) -> VolumeResult<Arc<dyn VolumeIo>> {
-        let record = self.shared.volume_record(name)?;
-        if record.replication.hosts(self.shared.local_node)
-            && record.replication.replicas.len() <= 1
-        {
-            if let Some(single) = self.open_single(name).await? {
-                return Ok(single);
+        // Each way in reads the record again under the attach lock, and answers `None` when R
+        // crossed between one replica and more while it waited: then the other way is taken.
+        for _ in 0..ATTACH_TRIES {
+            let record = self.shared.volume_record(name)?;
+            if record.replication.hosts(self.shared.local_node)
+                && record.replication.replicas.len() <= 1
+            {
+                if let Some(single) = self.open_single(name).await? {
+                    return Ok(single);
+                }
+            } else if let Some(primary) = self.open_replicated(name).await? {
+                return Ok(primary);
             }
         }
-        Ok(self.open_primary(name).await?)
+        Err(unavailable(
+            name,
+            "its number of replicas kept changing while this client attached; attach again"
+                .to_string(),
+        ))
     }
 
     /// [`Replication::open`] for an async client of a replicated volume on a node that holds a
@@ -894,6 +908,16 @@ impl Replication {
     /// replica, and one this node holds no replica of, are refused. Store I/O runs inline:
     /// a server's clients use [`Replication::open`].
     pub async fn open_primary(&self, name: &str) -> VolumeResult<Arc<Primary>> {
+        self.open_replicated(name)
+            .await?
+            .ok_or_else(|| VolumeError::Invalid {
+                volume: name.to_string(),
+                detail: "it has one replica: its local copy serves it".to_string(),
+            })
+    }
+
+    /// [`Self::open_primary`], with `None` for a volume with one replica.
+    async fn open_replicated(&self, name: &str) -> VolumeResult<Option<Arc<Primary>>> {
         let local_node = self.shared.local_node;
         // The record read under the attach lock: a change of R holds it while Raft records
         // the change, so what follows acts on the replicas and epoch as they are.
@@ -904,10 +928,7 @@ impl Replication {
             return Err(self.shared.elsewhere(name, replication.primary));
         }
         if replication.replicas.len() <= 1 {
-            return Err(VolumeError::Invalid {
-                volume: name.to_string(),
-                detail: "it has one replica: its local copy serves it".to_string(),
-            });
+            return Ok(None);
         }
         let primary_address = || {
             self.shared
@@ -921,7 +942,7 @@ impl Replication {
                     replication.primary, replication.epoch
                 ));
             } else if !primary.is_closed() {
-                return Ok(primary.clone());
+                return Ok(Some(primary.clone()));
             }
         }
         let local = self.shared.local.open_local(name)?;
@@ -1013,7 +1034,7 @@ impl Replication {
         {
             clock.sleep(Duration::from_millis(20)).await;
         }
-        Ok(primary)
+        Ok(Some(primary))
     }
 
     /// A volume with one replica: the primary already serving it here (its R was lowered to

@@ -1037,6 +1037,68 @@ async fn a_client_attaching_as_r_is_raised_writes_through_the_primary() {
     stop(&nodes.iter().collect::<Vec<_>>(), None).await;
 }
 
+// Proves a client attaching as R is lowered to one attaches: an attach that read R=2 and then
+// waited for the attach lock, which lowering R holds while Raft records it, finds one replica
+// once it holds the lock, and serves the local copy rather than fail. Each round starts the
+// two at once on a fresh R=2 volume nobody serves, then writes and reads through the handle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_attaching_as_r_is_lowered_attaches() {
+    let network = LocalNetwork::new();
+    let (nodes, primary, _) = replicated_volume(&network, "attach_lower", 4, 1, None).await;
+    let primary_node = &nodes[primary];
+    let primary_id = primary_node.cluster.node_id();
+    lead(&nodes, primary_id).await;
+    for round in 0..8u8 {
+        let name = format!("lowered{round}");
+        let (volumes, spec_name) = (primary_node.volumes.clone(), name.clone());
+        blocking(move || {
+            let mut spec = VolumeSpec::new(&spec_name, 4 * 65536);
+            spec.replicas = 2;
+            volumes.create(&spec).unwrap()
+        })
+        .await;
+        assert_eq!(replica_set(primary_node, &name)[0], primary_id);
+        let start = Arc::new(std::sync::Barrier::new(2));
+        let (replication, lower_start, lower_name) = (
+            primary_node.replication.clone(),
+            start.clone(),
+            name.clone(),
+        );
+        let lowered = on_thread(move || {
+            lower_start.wait();
+            replication.set_replicas(&lower_name, Some(1), None)
+        });
+        let (replication, open_name) = (primary_node.replication.clone(), name.clone());
+        let volume = blocking(move || {
+            start.wait();
+            replication.open(&open_name)
+        })
+        .await
+        .unwrap_or_else(|error| {
+            panic!("round {round}: the attach failed as R was lowered: {error}")
+        });
+        tokio::time::timeout(BLOCKED_MAX, lowered)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(replica_set(primary_node, &name), vec![primary_id]);
+        let held = blocking(move || {
+            volume.write(0, &pattern(round), false).unwrap();
+            volume.flush().unwrap();
+            let mut buf = vec![0u8; 65536];
+            volume.read(0, &mut buf).unwrap();
+            buf
+        })
+        .await;
+        assert!(
+            held == pattern(round),
+            "round {round}: the write was not read back"
+        );
+    }
+    stop(&nodes.iter().collect::<Vec<_>>(), None).await;
+}
+
 // Proves a change of a replicated volume that no primary serves yet (a snapshot here) holds
 // attaches back until it is made: an attach meanwhile would start a primary whose writes the
 // replicas could meet on either side of the change, which then runs at no single point of
