@@ -970,37 +970,8 @@ async fn a_client_attaching_as_r_is_raised_writes_through_the_primary() {
     lead(&nodes, primary_id).await;
     for round in 0..8u8 {
         let name = format!("raised{round}");
-        let volumes = primary_node.volumes.clone();
-        let spec_name = name.clone();
-        blocking(move || {
-            // Placed here: the node asked hosts the first replica when it is up.
-            let mut spec = VolumeSpec::new(&spec_name, 4 * 65536);
-            spec.replicas = 1;
-            volumes.create(&spec).unwrap()
-        })
-        .await;
-        assert_eq!(replica_set(primary_node, &name), vec![primary_id]);
-        let start = Arc::new(std::sync::Barrier::new(2));
-        let (replication, raise_start, raise_name) = (
-            primary_node.replication.clone(),
-            start.clone(),
-            name.clone(),
-        );
-        let raised = on_thread(move || {
-            raise_start.wait();
-            replication.set_replicas(&raise_name, Some(2), None)
-        });
-        let (replication, open_name) = (primary_node.replication.clone(), name.clone());
-        let volume = blocking(move || {
-            start.wait();
-            replication.open(&open_name)
-        })
-        .await
-        .unwrap();
-        tokio::time::timeout(BLOCKED_MAX, raised)
+        let volume = attach_as_r_changes(primary_node, &name, 1, 2)
             .await
-            .unwrap()
-            .unwrap()
             .unwrap();
         let replica_id = *replica_set(primary_node, &name)
             .iter()
@@ -1037,6 +1008,45 @@ async fn a_client_attaching_as_r_is_raised_writes_through_the_primary() {
     stop(&nodes.iter().collect::<Vec<_>>(), None).await;
 }
 
+/// Creates volume `name` with `from` replicas through `node` (which hosts the first), then
+/// starts an attach of it there and a change of its R to `to` at once (either may take the
+/// attach lock first). Returns the attach's answer once both ended; the change must succeed.
+async fn attach_as_r_changes(
+    node: &TestNode,
+    name: &str,
+    from: u8,
+    to: u8,
+) -> VolumeResult<Arc<dyn VolumeIo>> {
+    let (volumes, spec_name) = (node.volumes.clone(), name.to_string());
+    blocking(move || {
+        let mut spec = VolumeSpec::new(&spec_name, 4 * 65536);
+        spec.replicas = from;
+        volumes.create(&spec).unwrap()
+    })
+    .await;
+    assert_eq!(replica_set(node, name)[0], node.cluster.node_id());
+    let start = Arc::new(std::sync::Barrier::new(2));
+    let (replication, change_start, change_name) =
+        (node.replication.clone(), start.clone(), name.to_string());
+    let changed = on_thread(move || {
+        change_start.wait();
+        replication.set_replicas(&change_name, Some(to), None)
+    });
+    let (replication, open_name) = (node.replication.clone(), name.to_string());
+    let attached = blocking(move || {
+        start.wait();
+        replication.open(&open_name)
+    })
+    .await;
+    tokio::time::timeout(BLOCKED_MAX, changed)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(replica_set(node, name).len(), usize::from(to));
+    attached
+}
+
 // Proves a client attaching as R is lowered to one attaches: an attach that read R=2 and then
 // waited for the attach lock, which lowering R holds while Raft records it, finds one replica
 // once it holds the lock, and serves the local copy rather than fail. Each round starts the
@@ -1050,38 +1060,11 @@ async fn a_client_attaching_as_r_is_lowered_attaches() {
     lead(&nodes, primary_id).await;
     for round in 0..8u8 {
         let name = format!("lowered{round}");
-        let (volumes, spec_name) = (primary_node.volumes.clone(), name.clone());
-        blocking(move || {
-            let mut spec = VolumeSpec::new(&spec_name, 4 * 65536);
-            spec.replicas = 2;
-            volumes.create(&spec).unwrap()
-        })
-        .await;
-        assert_eq!(replica_set(primary_node, &name)[0], primary_id);
-        let start = Arc::new(std::sync::Barrier::new(2));
-        let (replication, lower_start, lower_name) = (
-            primary_node.replication.clone(),
-            start.clone(),
-            name.clone(),
-        );
-        let lowered = on_thread(move || {
-            lower_start.wait();
-            replication.set_replicas(&lower_name, Some(1), None)
-        });
-        let (replication, open_name) = (primary_node.replication.clone(), name.clone());
-        let volume = blocking(move || {
-            start.wait();
-            replication.open(&open_name)
-        })
-        .await
-        .unwrap_or_else(|error| {
-            panic!("round {round}: the attach failed as R was lowered: {error}")
-        });
-        tokio::time::timeout(BLOCKED_MAX, lowered)
+        let volume = attach_as_r_changes(primary_node, &name, 2, 1)
             .await
-            .unwrap()
-            .unwrap()
-            .unwrap();
+            .unwrap_or_else(|error| {
+                panic!("round {round}: the attach failed as R was lowered: {error}")
+            });
         assert_eq!(replica_set(primary_node, &name), vec![primary_id]);
         let held = blocking(move || {
             volume.write(0, &pattern(round), false).unwrap();
