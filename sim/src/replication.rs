@@ -75,6 +75,8 @@ pub struct Report {
     pub snapshot_copies_checked: u64,
     /// Rollbacks acknowledged.
     pub rollbacks: u64,
+    /// Changes of R acknowledged (between 2 and 3, on three storage nodes).
+    pub replica_changes: u64,
     pub power_cuts: u64,
     pub partitions: u64,
     /// Hash of everything observable, in order: two runs of a seed must agree on it.
@@ -893,6 +895,8 @@ async fn client(world: Shared, client: usize, seed: u64, stop: Rc<RefCell<bool>>
             snapshot(&world, client, current).await
         } else if roll < 98 {
             rollback(&world, client, current, &mut rng).await
+        } else if roll < 99 {
+            change_replicas(&world, client, current).await
         } else {
             tokio::time::sleep(Duration::from_millis(rng.gen_range(0..300))).await;
             false
@@ -1047,6 +1051,43 @@ async fn rollback(world: &Shared, client: usize, attached: &Attached, rng: &mut 
     failed
 }
 
+/// Raises R from 2 to 3 or lowers it from 3 to 2 through the primary `attached`, as the
+/// admin API does ([`Replication::set_replicas_async`]), at any moment: during another
+/// client's snapshot or rollback too. The contents stay what they were: the checks at the end
+/// cover the replicas it added (caught up, copies converged, snapshots repaired onto them).
+/// Nothing on a run with a witness (two storage nodes). True if it failed.
+async fn change_replicas(world: &Shared, client: usize, attached: &Attached) -> bool {
+    let wanted = {
+        let world = world.borrow();
+        if world.report.witness {
+            return false;
+        }
+        match world.replication_seen(attached.index) {
+            Some(replication) if replication.replicas.len() == 3 => 2u8,
+            Some(_) => 3,
+            None => return false,
+        }
+    };
+    world
+        .borrow_mut()
+        .record(&format!("c{client} R to {wanted}"));
+    let answer = through(
+        world,
+        attached.index,
+        attached.incarnation,
+        attached
+            .replication
+            .set_replicas_async(VOLUME, Some(wanted), None),
+    )
+    .await;
+    let mut world = world.borrow_mut();
+    let failed = world.settled(&format!("c{client} R to {wanted}"), &answer);
+    if !failed {
+        world.report.replica_changes += 1;
+    }
+    failed
+}
+
 /// Runs one seed to completion (blocking).
 pub fn run(seed: u64, steps: u32) -> Report {
     let mut builder = tokio::runtime::Builder::new_current_thread();
@@ -1066,6 +1107,7 @@ pub fn run(seed: u64, steps: u32) -> Report {
         snapshots: 0,
         snapshot_copies_checked: 0,
         rollbacks: 0,
+        replica_changes: 0,
         power_cuts: 0,
         partitions: 0,
         trace_hash: String::new(),

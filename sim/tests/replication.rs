@@ -15,10 +15,11 @@ fn seeds() -> u64 {
 
 // Proves the replication contract holds over a slice of seeds (power cuts of any node, the
 // primary's right after a FLUSH among them, isolated nodes, cut links, loss and delay) at R=2,
-// R=3 and R=2 with a witness.
+// R=3 and R=2 with a witness, R changing between 2 and 3 on three storage nodes.
 #[test]
 fn a_slice_of_seeds_keeps_every_flushed_write() {
     let (mut flushes, mut attaches, mut cuts, mut snapshots, mut rollbacks) = (0, 0, 0, 0, 0);
+    let mut replica_changes = 0;
     let mut shapes = std::collections::BTreeSet::new();
     for seed in 1..=seeds() {
         let report = keel_sim::replication::run(seed, 200);
@@ -32,9 +33,11 @@ fn a_slice_of_seeds_keeps_every_flushed_write() {
         cuts += report.power_cuts;
         snapshots += report.snapshot_copies_checked;
         rollbacks += report.rollbacks;
+        replica_changes += report.replica_changes;
         shapes.insert((report.replicas, report.witness));
     }
     assert!(flushes > 1000 && attaches > 100 && cuts > 100 && snapshots > 100 && rollbacks > 100);
+    assert!(replica_changes > 50, "{replica_changes} changes of R");
     assert_eq!(shapes.len(), 3, "every cluster shape ran: {shapes:?}");
 }
 

@@ -649,10 +649,7 @@ impl Replication {
         else {
             return Ok(None);
         };
-        let served = lock(&self.primaries)
-            .get(&record.id)
-            .filter(|primary| !primary.is_closed())
-            .cloned();
+        let served = self.served(record.id);
         if served.is_none() {
             self.shared.refuse_if_served_elsewhere(volume, &record)?;
         }
@@ -804,10 +801,7 @@ impl Replication {
         if record.replication.primary != self.shared.local_node {
             return Err(self.shared.elsewhere(name, record.replication.primary));
         }
-        let served = lock(&self.primaries)
-            .get(&record.id)
-            .filter(|primary| !primary.is_closed())
-            .cloned();
+        let served = self.served(record.id);
         match served {
             Some(primary) => Ok(primary),
             None => {
@@ -822,10 +816,7 @@ impl Replication {
 
     /// The state of a replicated volume this node serves as primary.
     pub fn primary_status(&self, volume_id: u64) -> Option<PrimaryStatus> {
-        lock(&self.primaries)
-            .get(&volume_id)
-            .filter(|primary| !primary.is_closed())
-            .map(|primary| primary.status())
+        self.served(volume_id).map(|primary| primary.status())
     }
 
     /// This node's common point with `peer` for `volume` ([`Point`]), as its store keeps it.
@@ -1048,11 +1039,8 @@ impl Replication {
         if record.replication.replicas.len() > 1 {
             return Ok(None);
         }
-        if let Some(primary) = lock(&self.primaries)
-            .get(&record.id)
-            .filter(|primary| !primary.is_closed())
-        {
-            return Ok(Some(primary.clone()));
+        if let Some(primary) = self.served(record.id) {
+            return Ok(Some(primary));
         }
         let mut singles = lock(&self.singles);
         if let Some(attached) = singles.get(&record.id).and_then(Weak::upgrade) {
@@ -1068,7 +1056,8 @@ impl Replication {
     /// Only the volume's primary does it (another node is refused with its address). Added
     /// replicas go to up storage nodes spread over failure domains and are caught up by the
     /// primary in the background; lowering R removes replicas that are out of sync first,
-    /// never the primary's. Without a new minimum the current one stays (lowered to R if it
+    /// never the primary's, and never the only replica holding a snapshot whole (refused when
+    /// it would have to). Without a new minimum the current one stays (lowered to R if it
     /// would exceed it). A volume with one replica attached here switches to replicated
     /// writes once the I/O in flight has finished.
     pub fn set_replicas(
@@ -1077,81 +1066,26 @@ impl Replication {
         factor: Option<u8>,
         in_sync_min: Option<u8>,
     ) -> VolumeResult<()> {
-        let local_node = self.shared.local_node;
         let _attaching = self.attaching.blocking_lock();
-        let (record, replicas) = {
-            let catalog = self.shared.metadata.catalog().read();
-            let record = catalog
-                .volume(name)
-                .map(|entry| entry.record.clone())
-                .ok_or_else(|| VolumeError::NotFound {
-                    name: name.to_string(),
-                })?;
-            let current = &record.replication;
-            if current.primary != local_node {
-                drop(catalog);
-                return Err(self.shared.elsewhere(name, current.primary));
-            }
-            let wanted = usize::from(factor.unwrap_or(current.factor));
-            if wanted == 0 || wanted > keel_catalog::REPLICAS_MAX {
-                return Err(VolumeError::Invalid {
-                    volume: name.to_string(),
-                    detail: format!(
-                        "{wanted} replicas: Keel keeps 1 to {}",
-                        keel_catalog::REPLICAS_MAX
-                    ),
-                });
-            }
-            let mut replicas = current.replicas.clone();
-            if wanted > replicas.len() {
-                let missing = wanted - replicas.len();
-                let added = catalog.choose_replica_nodes(&replicas, missing);
-                if added.len() < missing {
-                    return Err(VolumeError::Invalid {
-                        volume: name.to_string(),
-                        detail: format!(
-                            "{wanted} replicas need {missing} more storage node(s) that are up, \
-                             not draining and hold none; the cluster has {}",
-                            added.len()
-                        ),
-                    });
-                }
-                replicas.extend(added);
-            }
-            while replicas.len() > wanted {
-                let leaving = replicas
-                    .iter()
-                    .copied()
-                    .filter(|node| *node != current.primary)
-                    .max_by_key(|node| (!current.in_sync.contains(node), *node));
-                replicas.retain(|node| Some(*node) != leaving);
-            }
-            (record, replicas)
-        };
+        let (record, replicas, in_sync_min) = self.replicas_wanted(name, factor, in_sync_min)?;
         let current = &record.replication;
-        let in_sync_min =
-            in_sync_min.unwrap_or_else(|| current.in_sync_min.min(replicas.len() as u8));
-        let served = lock(&self.primaries)
-            .get(&record.id)
-            .filter(|primary| !primary.is_closed())
-            .cloned();
         let attached = lock(&self.singles).get(&record.id).and_then(Weak::upgrade);
-        let command = Command::VolumeSetReplicas {
-            volume_id: record.id,
-            epoch: current.epoch,
-            replicas: replicas.clone(),
-            in_sync_min,
-        };
-        match (served, attached) {
-            (Some(primary), _) => self
-                .shared
-                .runtime
-                .block_on(primary.set_replicas(replicas, in_sync_min))?,
+        match attached {
             // Only from one replica: then this node is alone in sync. A closed primary of a
             // replicated volume is never restarted here behind its clients' backs (the
             // catalog may count replicas in sync that the new one has not caught up); its
             // clients attach again, which takes the volume over properly.
-            (None, Some(attached)) if current.replicas.len() == 1 && replicas.len() > 1 => {
+            Some(attached)
+                if self.served(record.id).is_none()
+                    && current.replicas.len() == 1
+                    && replicas.len() > 1 =>
+            {
+                let command = Command::VolumeSetReplicas {
+                    volume_id: record.id,
+                    epoch: current.epoch,
+                    replicas,
+                    in_sync_min,
+                };
                 attached.switch(|| -> VolumeResult<Arc<dyn VolumeIo>> {
                     self.shared
                         .metadata
@@ -1185,17 +1119,164 @@ impl Replication {
                     );
                     Ok(primary)
                 })?;
+                Ok(())
             }
-            // Not attached here: the background loop serves it as primary within
-            // `MOVE_CHECK_EVERY` (or the next attach does) and catches the new replicas up.
-            _ => {
-                self.shared
-                    .metadata
-                    .propose(command)
-                    .map_err(|error| change_error(name, error))?;
-            }
+            _ => self.shared.runtime.block_on(self.change_replicas(
+                name,
+                &record,
+                replicas,
+                in_sync_min,
+            )),
         }
-        Ok(())
+    }
+
+    /// [`Self::set_replicas`] for an async caller (the simulation's). A volume with one
+    /// replica that a client has attached here is refused: switching that client over takes
+    /// blocking work ([`Self::set_replicas`] does it).
+    pub async fn set_replicas_async(
+        &self,
+        name: &str,
+        factor: Option<u8>,
+        in_sync_min: Option<u8>,
+    ) -> VolumeResult<()> {
+        let _attaching = self.attaching.lock().await;
+        let (record, replicas, in_sync_min) = self.replicas_wanted(name, factor, in_sync_min)?;
+        let attached_single = lock(&self.singles)
+            .get(&record.id)
+            .is_some_and(|attached| attached.strong_count() > 0);
+        if attached_single && self.served(record.id).is_none() && replicas.len() > 1 {
+            return Err(VolumeError::Invalid {
+                volume: name.to_string(),
+                detail: "a client has it attached here with one replica: change R through the \
+                         blocking call"
+                    .to_string(),
+            });
+        }
+        self.change_replicas(name, &record, replicas, in_sync_min)
+            .await
+    }
+
+    /// The replicas and in-sync minimum a change of R makes of `name`'s (the caller holds the
+    /// attach lock): refused unless this node is its primary and enough storage nodes are
+    /// up for it.
+    fn replicas_wanted(
+        &self,
+        name: &str,
+        factor: Option<u8>,
+        in_sync_min: Option<u8>,
+    ) -> VolumeResult<(VolumeRecord, Vec<NodeId>, u8)> {
+        let local_node = self.shared.local_node;
+        let (record, replicas) = {
+            let catalog = self.shared.metadata.catalog().read();
+            let entry = catalog.volume(name).ok_or_else(|| VolumeError::NotFound {
+                name: name.to_string(),
+            })?;
+            let record = entry.record.clone();
+            let current = &record.replication;
+            if current.primary != local_node {
+                drop(catalog);
+                return Err(self.shared.elsewhere(name, current.primary));
+            }
+            let wanted = usize::from(factor.unwrap_or(current.factor));
+            if wanted == 0 || wanted > keel_catalog::REPLICAS_MAX {
+                return Err(VolumeError::Invalid {
+                    volume: name.to_string(),
+                    detail: format!(
+                        "{wanted} replicas: Keel keeps 1 to {}",
+                        keel_catalog::REPLICAS_MAX
+                    ),
+                });
+            }
+            let mut replicas = current.replicas.clone();
+            if wanted > replicas.len() {
+                let missing = wanted - replicas.len();
+                let added = catalog.choose_replica_nodes(&replicas, missing);
+                if added.len() < missing {
+                    return Err(VolumeError::Invalid {
+                        volume: name.to_string(),
+                        detail: format!(
+                            "{wanted} replicas need {missing} more storage node(s) that are up, \
+                             not draining and hold none; the cluster has {}",
+                            added.len()
+                        ),
+                    });
+                }
+                replicas.extend(added);
+            }
+            // Leaving: a replica whose removal loses no snapshot (one it alone holds whole),
+            // out of sync first, then the highest node id; never the primary.
+            while replicas.len() > wanted {
+                let Some(leaving) = replicas
+                    .iter()
+                    .copied()
+                    .filter(|node| *node != current.primary)
+                    .min_by_key(|node| {
+                        let lost = only_whole_on(entry, &replicas, *node).len();
+                        (
+                            lost,
+                            current.in_sync.contains(node),
+                            std::cmp::Reverse(*node),
+                        )
+                    })
+                else {
+                    break;
+                };
+                let lost = only_whole_on(entry, &replicas, leaving);
+                if !lost.is_empty() {
+                    return Err(VolumeError::Invalid {
+                        volume: name.to_string(),
+                        detail: format!(
+                            "lowering R to {wanted} would remove node {leaving}, the only replica \
+                             holding snapshot(s) {} whole: wait until snapshot repair has \
+                             copied them to another replica (keel volume info shows it), or \
+                             delete them first",
+                            lost.join(", ")
+                        ),
+                    });
+                }
+                replicas.retain(|node| *node != leaving);
+            }
+            (record, replicas)
+        };
+        let in_sync_min =
+            in_sync_min.unwrap_or_else(|| record.replication.in_sync_min.min(replicas.len() as u8));
+        Ok((record, replicas, in_sync_min))
+    }
+
+    /// The primary this node serves `volume_id` as, if any.
+    fn served(&self, volume_id: u64) -> Option<Arc<Primary>> {
+        lock(&self.primaries)
+            .get(&volume_id)
+            .filter(|primary| !primary.is_closed())
+            .cloned()
+    }
+
+    /// Records a change of `record`'s replicas through the primary this node serves it as,
+    /// or, when nobody serves it, through Raft alone: the background loop serves it as
+    /// primary within `MOVE_CHECK_EVERY` (or the next attach does) and catches the new
+    /// replicas up.
+    async fn change_replicas(
+        &self,
+        name: &str,
+        record: &VolumeRecord,
+        replicas: Vec<NodeId>,
+        in_sync_min: u8,
+    ) -> VolumeResult<()> {
+        if let Some(primary) = self.served(record.id) {
+            return primary.set_replicas(replicas, in_sync_min).await;
+        }
+        let command = Command::VolumeSetReplicas {
+            volume_id: record.id,
+            epoch: record.replication.epoch,
+            replicas,
+            in_sync_min,
+        };
+        self.shared
+            .cluster
+            .propose_async(command)
+            .await
+            .map(drop)
+            .map_err(|error| change_error(name, error))
     }
 
     /// Opens a session for a client attached to `caller`, a node without a replica.
@@ -1360,6 +1441,26 @@ impl Replication {
 }
 
 /// The record of `entry`'s snapshot named `snapshot`.
+/// The snapshots of `entry` that `node` alone holds whole among `replicas`: removing it
+/// from them would lose those.
+fn only_whole_on(
+    entry: &keel_catalog::VolumeEntry,
+    replicas: &[NodeId],
+    node: NodeId,
+) -> Vec<String> {
+    entry
+        .snapshots
+        .values()
+        .filter(|snapshot| {
+            snapshot.complete_on(node)
+                && !replicas
+                    .iter()
+                    .any(|other| *other != node && snapshot.complete_on(*other))
+        })
+        .map(|snapshot| format!("{:?}", snapshot.name))
+        .collect()
+}
+
 pub(crate) fn snapshot_of<'a>(
     entry: &'a keel_catalog::VolumeEntry,
     snapshot: &str,

@@ -1135,6 +1135,119 @@ async fn an_attach_waits_for_a_change_of_a_volume_nobody_serves() {
     stop(&nodes.iter().collect::<Vec<_>>(), None).await;
 }
 
+// Proves lowering R never removes the only replica holding a snapshot whole: a snapshot taken
+// while one replica was out of the in-sync set is whole on the others only, and after that
+// replica took the volume over (no snapshot repair here) the old primary alone holds it.
+// Lowering R to 1 would remove that replica, so it is refused naming the snapshot; raised to
+// 3 and lowered to 2 with that replica out of sync, the replica placed last leaves instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lowering_r_keeps_the_only_whole_copy_of_a_snapshot() {
+    let network = LocalNetwork::new();
+    let settings = Settings {
+        move_after: Duration::from_secs(3600),
+        resync_bytes_per_second: None,
+        resync_busy_percent: 100,
+        snapshot_repair: false,
+        point_every: keel_replication::POINT_EVERY,
+    };
+    let (nodes, first, second) =
+        replicated_volume_with(&network, "lower_keeps_snapshot", 8, 2, settings).await;
+    let ids: Vec<NodeId> = nodes.iter().map(|n| n.cluster.node_id()).collect();
+    let (first_node, second_node) = (&nodes[first], &nodes[second]);
+    let (first_id, second_id) = (first_node.cluster.node_id(), second_node.cluster.node_id());
+    let third = nodes
+        .iter()
+        .find(|n| ![first_id, second_id].contains(&n.cluster.node_id()))
+        .unwrap();
+    lead(&nodes, third.cluster.node_id()).await;
+    let replication = first_node.replication.clone();
+    let volume = blocking(move || replication.open("v")).await.unwrap();
+    blocking(move || {
+        volume.write(0, &pattern(0), false).unwrap();
+        volume.flush().unwrap();
+    })
+    .await;
+    wait_for("the second replica in sync", || {
+        in_sync(first_node, "v").contains(&second_id)
+    })
+    .await;
+
+    // The second replica takes the volume over and takes the snapshot, the first cut off.
+    network.partition(&[first_id], &ids);
+    drop(open_when_possible(second_node).await);
+    let (replication, volumes) = (second_node.replication.clone(), second_node.volumes.clone());
+    blocking(move || replication.quiesce("v", || volumes.snapshot_create("v", "s1")))
+        .await
+        .unwrap();
+    network.heal();
+    wait_for("the first replica back in sync", || {
+        in_sync(second_node, "v").contains(&first_id)
+    })
+    .await;
+    // Then the first takes it back: the second alone holds the snapshot whole.
+    network.partition(&[second_id], &ids);
+    drop(open_when_possible(first_node).await);
+    network.heal();
+    wait_for("the second replica back in sync", || {
+        in_sync(first_node, "v").contains(&second_id)
+    })
+    .await;
+    let whole_on = |node: NodeId| {
+        first_node
+            .cluster
+            .catalog()
+            .read()
+            .volume("v")
+            .and_then(|entry| entry.snapshot_by_name("s1").cloned())
+            .is_some_and(|snapshot| snapshot.complete_on(node))
+    };
+    assert!(whole_on(second_id) && !whole_on(first_id));
+
+    let replication = first_node.replication.clone();
+    let refused = blocking(move || replication.set_replicas("v", Some(1), None))
+        .await
+        .expect_err("lowering R to 1 removed the only replica holding snapshot s1 whole");
+    assert!(
+        refused.to_string().contains("\"s1\"") && refused.to_string().contains("only replica"),
+        "{refused}"
+    );
+    assert_eq!(replica_set(first_node, "v").len(), 2);
+
+    let replication = first_node.replication.clone();
+    blocking(move || replication.set_replicas("v", Some(3), None))
+        .await
+        .unwrap();
+    let placed_last = third.cluster.node_id();
+    wait_for("the third replica in sync", || {
+        in_sync(first_node, "v").contains(&placed_last)
+    })
+    .await;
+    // The holder out of sync (cut off): an out-of-sync replica would leave first otherwise.
+    network.partition(&[second_id], &ids);
+    let replication = first_node.replication.clone();
+    blocking(move || {
+        let volume = replication.open("v").unwrap();
+        volume.write(65536, &pattern(1), false).unwrap();
+        volume.flush().unwrap();
+    })
+    .await;
+    assert!(!in_sync(first_node, "v").contains(&second_id));
+    let replication = first_node.replication.clone();
+    blocking(move || replication.set_replicas("v", Some(2), None))
+        .await
+        .unwrap();
+    network.heal();
+    let mut kept = replica_set(first_node, "v");
+    kept.sort_unstable();
+    let mut wanted = vec![first_id, second_id];
+    wanted.sort_unstable();
+    assert_eq!(
+        kept, wanted,
+        "lowering R to 2 removed the only whole copy of s1"
+    );
+    stop(&nodes.iter().collect::<Vec<_>>(), None).await;
+}
+
 /// An R=1 volume of 8 units whose first `written` units hold `pattern(unit)`, with a snapshot
 /// `s1`, then raised to R=2 and in sync: the second replica's copy of `s1` is incomplete (no
 /// snapshot repair), so a rollback onto `s1` drops it. Points at most `point_every` apart.

@@ -91,7 +91,7 @@ fn replication(args: &[String]) -> ! {
     let started = Instant::now();
     let (mut runs, mut failures) = (0u64, 0u64);
     let (mut writes, mut flushes, mut attaches, mut cuts, mut partitions) = (0, 0, 0, 0, 0);
-    let mut rollbacks = 0;
+    let (mut rollbacks, mut replica_changes) = (0, 0);
     let mut seed = first;
     loop {
         let done = match (seeds, minutes) {
@@ -110,6 +110,7 @@ fn replication(args: &[String]) -> ! {
         cuts += report.power_cuts;
         partitions += report.partitions;
         rollbacks += report.rollbacks;
+        replica_changes += report.replica_changes;
         if !report.violations.is_empty() {
             failures += 1;
             println!(
@@ -123,7 +124,7 @@ fn replication(args: &[String]) -> ! {
         seed += 1;
     }
     println!(
-        "{runs} seeds ({first}..{}), {steps} steps each, {:.0} s: {writes} writes, {flushes} FLUSHes acknowledged, {attaches} attaches, {cuts} power cuts, {partitions} partitions, {rollbacks} rollbacks; {failures} failing seed(s)",
+        "{runs} seeds ({first}..{}), {steps} steps each, {:.0} s: {writes} writes, {flushes} FLUSHes acknowledged, {attaches} attaches, {cuts} power cuts, {partitions} partitions, {rollbacks} rollbacks, {replica_changes} changes of R; {failures} failing seed(s)",
         seed.saturating_sub(1),
         started.elapsed().as_secs_f64()
     );
