@@ -681,43 +681,33 @@ impl Replication {
         rollback: impl std::future::Future<Output = VolumeResult<T>>,
     ) -> VolumeResult<T> {
         let local = self.shared.local_node;
-        // The record, and the other replicas lacking the snapshot; `None` for a volume or
-        // snapshot that does not exist (the rollback itself answers that).
-        let planned: Option<(VolumeRecord, Vec<NodeId>)> = {
+        let lacking = |entry: &keel_catalog::VolumeEntry| lacking_snapshot(entry, snapshot, local);
+        let attaching = self.attaching.lock().await;
+        // Served here: the primary decides which replicas lack the snapshot with no change of
+        // the replica set in flight, and holds such changes back until the rollback is made.
+        if let Some(primary) = self.quiescing(volume)? {
+            drop(attaching);
+            return primary.quiesce_dropping_async(lacking, rollback).await;
+        }
+        // Nobody serves it: decided under the attach lock, which a change of R holds too.
+        let planned = {
             let catalog = self.shared.metadata.catalog().read();
-            match catalog
-                .volume(volume)
-                .and_then(|entry| Some((entry, entry.snapshot_by_name(snapshot)?)))
-            {
+            match catalog.volume(volume) {
+                Some(entry) => Some((entry.record.clone(), lacking(entry)?)),
                 None => None,
-                Some((entry, frozen)) => {
-                    if entry.record.replication.primary == local {
-                        keel_volume::check_snapshot_complete(&entry.record, frozen, local)?;
-                    }
-                    // Every other replica, in sync or catching up: a catch-up under way must
-                    // start over after the rollback.
-                    let incomplete = entry
-                        .record
-                        .replication
-                        .replicas
-                        .iter()
-                        .copied()
-                        .filter(|node| *node != local && !frozen.complete_on(*node))
-                        .collect();
-                    Some((entry.record.clone(), incomplete))
-                }
             }
         };
-        let Some((record, incomplete)) = planned else {
-            return rollback.await;
-        };
-        if incomplete.is_empty() {
-            return self.quiesce_async(volume, rollback).await;
+        match planned {
+            Some((record, incomplete)) if !incomplete.is_empty() => {
+                drop(attaching);
+                self.primary_served_here(volume, &record)
+                    .await?
+                    .quiesce_dropping_async(lacking, rollback)
+                    .await
+            }
+            // No replica to drop: made with attaches held back, as [`Self::quiesce`] does.
+            _ => rollback.await,
         }
-        self.primary_served_here(volume, &record)
-            .await?
-            .quiesce_dropping_async(&incomplete, rollback)
-            .await
     }
 
     /// Refuses to receive a stream into `volume` here when it is replicated and another node
@@ -746,14 +736,16 @@ impl Replication {
             _ => return publish(),
         };
         let local = self.shared.local_node;
-        let others: Vec<NodeId> = (record.replication.replicas.iter())
-            .copied()
-            .filter(|node| *node != local)
-            .collect();
+        let others = |entry: &keel_catalog::VolumeEntry| {
+            Ok((entry.record.replication.replicas.iter())
+                .copied()
+                .filter(|node| *node != local)
+                .collect())
+        };
         self.shared
             .runtime
             .block_on(self.primary_served_here(volume, &record))?
-            .quiesce_dropping(&others, publish)
+            .quiesce_dropping(others, publish)
     }
 
     /// The replicated volumes this node is named primary of: those a scheduled scrub compares.
@@ -1441,6 +1433,30 @@ impl Replication {
 }
 
 /// The record of `entry`'s snapshot named `snapshot`.
+/// The replicas of `entry` other than `local` whose copy of `snapshot` is incomplete, in sync
+/// or catching up (a catch-up under way must start over after a rollback onto it); none when
+/// the snapshot does not exist (the rollback answers that). Refused when `local` is the
+/// primary and its own copy is incomplete.
+fn lacking_snapshot(
+    entry: &keel_catalog::VolumeEntry,
+    snapshot: &str,
+    local: NodeId,
+) -> VolumeResult<Vec<NodeId>> {
+    let Some(frozen) = entry.snapshot_by_name(snapshot) else {
+        return Ok(Vec::new());
+    };
+    let replication = &entry.record.replication;
+    if replication.primary == local {
+        keel_volume::check_snapshot_complete(&entry.record, frozen, local)?;
+    }
+    Ok(replication
+        .replicas
+        .iter()
+        .copied()
+        .filter(|node| *node != local && !frozen.complete_on(*node))
+        .collect())
+}
+
 /// The snapshots of `entry` that `node` alone holds whole among `replicas`: removing it
 /// from them would lose those.
 fn only_whole_on(

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use keel_catalog::{Command, MetadataError, NodeId};
+use keel_catalog::{Command, MetadataError, NodeId, VolumeEntry};
 use keel_volume::{VolumeError, VolumeIo, VolumeResult};
 
 use crate::dirty::{Chunks, Lacking, ShutdownNote};
@@ -48,6 +48,9 @@ const REPLICA_BUSY_WINDOW: Duration = Duration::from_secs(1);
 const LEASE_WAIT: Duration = Duration::from_secs(3);
 /// How long a metadata change waits for the replicas to apply the writes before it.
 const QUIESCE_WAIT: Duration = Duration::from_secs(10);
+/// How long a change of R waits for a rollback under way to be made (its quiesce, and a
+/// replica it drops again once Raft answers).
+const REPLICA_SET_WAIT: Duration = Duration::from_secs(15);
 /// FLUSHes remembered until both nodes made them durable (bounded memory; a point found
 /// nowhere is only kept later).
 const FLUSH_POINTS_KEPT: usize = 4096;
@@ -264,6 +267,11 @@ pub struct Primary {
     changed: tokio::sync::Notify,
     /// One in-sync-set proposal at a time (each is a compare-and-set on the epoch).
     proposing: tokio::sync::Mutex<()>,
+    /// Held by a change of the replica set (R changed, a replica moved) and by a rollback
+    /// throughout: a rollback decides from the replica set which replicas start over, so
+    /// none may join the set between that decision and the rollback. Taken before
+    /// `proposing`.
+    replica_set: tokio::sync::Mutex<()>,
     /// Client requests served so far: a resync that sees it move yields to them.
     client_requests: AtomicU64,
     /// A snapshot repair runs (one at a time).
@@ -380,6 +388,7 @@ impl Primary {
             }),
             changed: tokio::sync::Notify::new(),
             proposing: tokio::sync::Mutex::new(()),
+            replica_set: tokio::sync::Mutex::new(()),
             client_requests: AtomicU64::new(0),
             repairing: AtomicBool::new(false),
             repair_failures: AtomicU64::new(0),
@@ -1373,28 +1382,40 @@ impl Primary {
         }
     }
 
-    /// [`Primary::quiesce_async`] for a blocking `change`, with the replicas `nodes` out of the
-    /// in-sync set (Raft records it first) and their streams stopped while `change` runs; each
-    /// is caught up afterwards from the start, whatever `change` answered (a catch-up already
-    /// under way would keep the chunks it copied before `change`). For a change those replicas
-    /// cannot make on their own copy (a rollback onto a snapshot that is incomplete there).
-    /// Blocking.
+    /// [`Primary::quiesce_async`] for a blocking `change`, with the replicas `dropping` names
+    /// out of the in-sync set (Raft records it first) and their streams stopped while `change`
+    /// runs; each is caught up afterwards from the start, whatever `change` answered (a
+    /// catch-up already under way would keep the chunks it copied before `change`). For a
+    /// change those replicas cannot make on their own copy (a rollback onto a snapshot that is
+    /// incomplete there, a stream received here only). `dropping` is asked with the volume's
+    /// catalog entry once no change of the replica set is in flight, and none lands until
+    /// `change` is made: a replica added meanwhile would catch up across it. Blocking.
     pub fn quiesce_dropping<T>(
         self: &Arc<Self>,
-        nodes: &[NodeId],
+        dropping: impl FnOnce(&VolumeEntry) -> VolumeResult<Vec<NodeId>>,
         change: impl FnOnce() -> VolumeResult<T>,
     ) -> VolumeResult<T> {
         self.shared
             .runtime
-            .block_on(self.quiesce_dropping_async(nodes, async { change() }))
+            .block_on(self.quiesce_dropping_async(dropping, async { change() }))
     }
 
     /// [`Self::quiesce_dropping`] for a `change` that is a future.
     pub(crate) async fn quiesce_dropping_async<T>(
         self: &Arc<Self>,
-        nodes: &[NodeId],
+        dropping: impl FnOnce(&VolumeEntry) -> VolumeResult<Vec<NodeId>>,
         change: impl std::future::Future<Output = VolumeResult<T>>,
     ) -> VolumeResult<T> {
+        let _replica_set = self.replica_set.lock().await;
+        let nodes = {
+            let catalog = self.shared.metadata.catalog().read();
+            match catalog.volumes.get(&self.volume_id) {
+                Some(entry) => dropping(entry)?,
+                // (Gone: `change` answers that.)
+                None => Vec::new(),
+            }
+        };
+        let nodes = &nodes[..];
         let outcome = async {
             for &node in nodes {
                 self.drop_and_stop(node)
@@ -1463,6 +1484,10 @@ impl Primary {
         if self.is_closed() {
             return;
         }
+        // (A rollback under way: the next round moves it.)
+        let Ok(_replica_set) = self.replica_set.try_lock() else {
+            return;
+        };
         let local = self.shared.local_node;
         let now_ms = self.shared.clock().wall_unix_ms();
         let after_ms = i64::try_from(after.as_millis()).unwrap_or(i64::MAX);
@@ -1529,6 +1554,19 @@ impl Primary {
         replicas: Vec<NodeId>,
         in_sync_min: u8,
     ) -> VolumeResult<()> {
+        let _replica_set = tokio::select! {
+            held = self.replica_set.lock() => held,
+            _ = self.shared.clock().sleep(REPLICA_SET_WAIT) => {
+                return Err(unavailable(
+                    &self.name,
+                    format!(
+                        "a rollback or a stream received into it has not been made within {} \
+                         s; change R again once it is",
+                        REPLICA_SET_WAIT.as_secs()
+                    ),
+                ));
+            }
+        };
         let _proposing = self.proposing.lock().await;
         let epoch = {
             let state = self.state();

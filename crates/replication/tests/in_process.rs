@@ -1135,6 +1135,132 @@ async fn an_attach_waits_for_a_change_of_a_volume_nobody_serves() {
     stop(&nodes.iter().collect::<Vec<_>>(), None).await;
 }
 
+// Proves a rollback decides which replicas start over with no change of the replica set in
+// flight: a replica added between that decision and the rollback would catch up across it,
+// keeping the chunks it copied before (hidden by its own rollback onto a snapshot it never
+// had), and join the in-sync set without them. R is raised from 2 to 3 as the rollback
+// starts: Raft's appends are held so the raise is on its way when the rollback looks at the
+// set, and held again once the new replica is recorded, for the rollback's first drop, while
+// the new replica's catch-up copies chunks (paced so that it is still under way).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollback_drops_a_replica_added_as_it_starts() {
+    use keel_cluster::messages::METHOD_RAFT_APPEND;
+    // 16 MiB, caught up at 16 MiB/s.
+    const UNITS: u64 = 256;
+    let network = LocalNetwork::new();
+    let settings = Settings {
+        move_after: Duration::from_secs(3600),
+        resync_bytes_per_second: Some(16 << 20),
+        resync_busy_percent: 100,
+        snapshot_repair: false,
+        point_every: keel_replication::POINT_EVERY,
+    };
+    let (nodes, primary, _) =
+        replicated_volume_with(&network, "rollback_raise", UNITS, 1, settings).await;
+    let primary_node = &nodes[primary];
+    let primary_id = primary_node.cluster.node_id();
+    lead(&nodes, primary_id).await;
+    let replication = primary_node.replication.clone();
+    let volume = blocking(move || replication.open("v")).await.unwrap();
+    let write_units = |volume: Arc<dyn VolumeIo>, round: u8| {
+        blocking(move || {
+            for unit in 0..UNITS {
+                let data = pattern((unit as u8).wrapping_add(round));
+                volume.write(unit * 65536, &data, false).unwrap();
+            }
+            volume.flush().unwrap();
+        })
+    };
+    // The snapshot on the primary alone; the second replica lacks it (no repair).
+    write_units(volume.clone(), 0).await;
+    let (replication, volumes) = (
+        primary_node.replication.clone(),
+        primary_node.volumes.clone(),
+    );
+    blocking(move || replication.quiesce("v", || volumes.snapshot_create("v", "s1")))
+        .await
+        .unwrap();
+    let replication = primary_node.replication.clone();
+    blocking(move || replication.set_replicas("v", Some(2), None))
+        .await
+        .unwrap();
+    let second = *replica_set(primary_node, "v")
+        .iter()
+        .find(|id| **id != primary_id)
+        .unwrap();
+    wait_for("the second replica in sync", || {
+        in_sync(primary_node, "v").contains(&second)
+    })
+    .await;
+    write_units(volume.clone(), 100).await;
+    drop(volume);
+
+    let followers: Vec<NodeId> = nodes
+        .iter()
+        .map(|node| node.cluster.node_id())
+        .filter(|id| *id != primary_id)
+        .collect();
+    let hold = |network: &LocalNetwork| {
+        for id in &followers {
+            network.hold(*id, METHOD_RAFT_APPEND);
+        }
+    };
+    hold(&network);
+    let replication = primary_node.replication.clone();
+    let raised = on_thread(move || replication.set_replicas("v", Some(3), None));
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let (replication, volumes) = (
+        primary_node.replication.clone(),
+        primary_node.volumes.clone(),
+    );
+    let rolled_back =
+        on_thread(move || replication.rollback("v", "s1", || volumes.rollback("v", "s1")));
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    network.release();
+    // Below the election timeout (300 ms): no follower stands for election meanwhile.
+    let catalog = primary_node.cluster.catalog().clone();
+    let (held, deadline) = (network.clone(), std::time::Instant::now() + SETTLE);
+    let cut_off = followers.clone();
+    blocking(move || {
+        let recorded = || {
+            catalog
+                .read()
+                .volume("v")
+                .is_some_and(|entry| entry.record.replication.replicas.len() == 3)
+        };
+        while !recorded() && std::time::Instant::now() < deadline {
+            std::hint::spin_loop();
+        }
+        for id in cut_off {
+            held.hold(id, METHOD_RAFT_APPEND);
+        }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    network.release();
+    tokio::time::timeout(BLOCKED_MAX, raised)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    tokio::time::timeout(BLOCKED_MAX, rolled_back)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    wait_for("every replica in sync after the rollback", || {
+        in_sync(primary_node, "v").len() == 3
+    })
+    .await;
+    for node in &nodes {
+        let volumes = node.volumes.clone();
+        let copy = blocking(move || volumes.open_volume("v")).await.unwrap();
+        let when = format!("on node {}'s copy", node.cluster.node_id());
+        assert_rounds_kept(copy, UNITS, &when).await;
+    }
+    stop(&nodes.iter().collect::<Vec<_>>(), None).await;
+}
+
 // Proves lowering R never removes the only replica holding a snapshot whole: a snapshot taken
 // while one replica was out of the in-sync set is whole on the others only, and after that
 // replica took the volume over (no snapshot repair here) the old primary alone holds it.
