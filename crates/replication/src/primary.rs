@@ -128,6 +128,9 @@ struct Peer {
     /// Batches and questions about its copy carry it: the replica applies or answers them
     /// only after its catalog reached it ([`Primary::asked_as`]).
     catalog_index: u64,
+    /// The volume's write generation then: batches carry it, and a replica whose catalog
+    /// moved past it refuses them ([`crate::wire::Batch::generation`]).
+    generation: u64,
     sender_running: bool,
     resync_running: bool,
     /// The resync in progress: when it started, and bytes compared of the volume's size.
@@ -179,6 +182,7 @@ impl Peer {
             stream: 0,
             next_index: 0,
             catalog_index: 0,
+            generation: 0,
             sender_running: false,
             resync_running: false,
             resync_started: None,
@@ -1257,6 +1261,7 @@ impl Primary {
             ops,
             flush: flush_upto.is_some(),
             catalog_index: peer.catalog_index,
+            generation: peer.generation,
             common_index: peer.common_index,
             // The replicas durable through that FLUSH too (R=3): a point with each of them.
             common_with: match peer.common_index {
@@ -1370,11 +1375,13 @@ impl Primary {
     /// again.
     fn after_change(&self) {
         let index = self.shared.cluster.applied_index();
+        let generation = self.catalog_generation();
         let mut state = self.state();
         // (FLUSHes before the change may still become common points after it: each carries
         // the view it was queued under, which a rollback's new view does not match.)
         for peer in state.peers.values_mut() {
             peer.catalog_index = peer.catalog_index.max(index);
+            peer.generation = peer.generation.max(generation);
             // A rollback or resize changes what any chunk being read holds.
             if let Some((_, _, touched)) = peer.resync_reading.as_mut() {
                 *touched = true;
@@ -1682,6 +1689,15 @@ impl Primary {
     }
 
     /// The volume's replication as this node's catalog shows it (`None`: deleted).
+    /// The volume's write generation in this node's catalog (0 once it is gone).
+    fn catalog_generation(&self) -> u64 {
+        let catalog = self.shared.metadata.catalog().read();
+        catalog
+            .volumes
+            .get(&self.volume_id)
+            .map_or(0, |entry| entry.record.generation)
+    }
+
     fn catalog_replication(&self) -> Option<keel_catalog::Replication> {
         let catalog = self.shared.metadata.catalog().read();
         let entry = catalog.volumes.get(&self.volume_id)?;
@@ -1933,6 +1949,7 @@ impl Primary {
             // again at the next attempt, rather than compare the whole volume now.
             found?;
         }
+        let generation = self.catalog_generation();
         let (runs, probing, stream) = {
             let mut state = self.state();
             if state.closed.is_some() {
@@ -1972,6 +1989,8 @@ impl Primary {
             peer.common_upto = 0;
             peer.common_told = None;
             peer.catalog_index = self.shared.cluster.applied_index();
+            // (Read before the state was locked: a change made since raised it already.)
+            peer.generation = peer.generation.max(generation);
             peer.resync_started = Some(self.shared.clock().now());
             peer.resync_compared = 0;
             peer.resync_total = runs.iter().map(|(start, end)| end - start).sum();

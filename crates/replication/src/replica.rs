@@ -167,6 +167,29 @@ async fn check_sender(
     }
 }
 
+/// Refuses a batch queued before a change of the volume's view (snapshot, rollback, resize,
+/// received stream) that this node's catalog has applied since ([`Batch::generation`]): only a
+/// stream the primary ended before the change can still deliver one (it waits for every
+/// stream it keeps to apply what came before), and this node is caught up again on a new one.
+fn check_generation(shared: &Shared, batch: &Batch) -> Result<(), Refusal> {
+    let catalog = shared.metadata.catalog().read();
+    let Some(entry) = catalog.volumes.get(&batch.volume_id) else {
+        return Ok(());
+    };
+    let here = entry.record.generation;
+    if here > batch.generation {
+        return Err(refusal(
+            CODE_OUT_OF_ORDER,
+            format!(
+                "batch {} of stream {:x} for volume #{} was queued in generation {}, before a \
+                 change this node applied (generation {here}): its stream ended for it",
+                batch.index, batch.stream, batch.volume_id, batch.generation
+            ),
+        ));
+    }
+    Ok(())
+}
+
 fn handle(
     shared: &Shared,
     slot: &mut ReplicaSlot,
@@ -241,7 +264,9 @@ pub(crate) async fn apply(
     let slot = shared.replicas.slot(batch.volume_id);
     let held = wait_for_turn(shared, &slot, &batch).await?;
     // After the wait: a take-over may have happened while this batch waited.
-    let checked = check_sender(shared, batch.volume_id, batch.epoch, sender).await;
+    let checked = check_sender(shared, batch.volume_id, batch.epoch, sender)
+        .await
+        .and_then(|name| check_generation(shared, &batch).map(|()| name));
     let applied = match checked {
         Ok(name) => {
             let shared = shared.clone();

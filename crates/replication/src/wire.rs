@@ -180,6 +180,12 @@ pub struct Batch {
     /// snapshot, rollback or resize the primary made between two writes then falls between
     /// them here too.
     pub catalog_index: u64,
+    /// The volume's write generation when the primary's view of it last changed for this
+    /// stream (as `catalog_index`). A replica whose catalog shows a later one refuses the
+    /// batch: it was queued before a snapshot, rollback, resize or received stream that this
+    /// node has applied since, on a stream the primary ended first (a replica it dropped for
+    /// the change), and applied now it would land on the wrong side of the change.
+    pub generation: u64,
     /// The latest batch of this stream ending in a FLUSH that both nodes made durable while
     /// the replica was in sync: the replica keeps its store sequence at that FLUSH as its
     /// common point with the primary.
@@ -221,6 +227,7 @@ impl Batch {
                 .collect(),
             flush: view.flush,
             catalog_index: view.catalog_index,
+            generation: view.generation,
             common_index: view.common_index,
             common_with: view.common_with,
         })
@@ -239,6 +246,7 @@ struct BatchView<'a> {
     ops: Vec<OpView<'a>>,
     flush: bool,
     catalog_index: u64,
+    generation: u64,
     common_index: Option<u64>,
     common_with: Vec<u64>,
 }
@@ -423,6 +431,7 @@ mod tests {
             ],
             flush: true,
             catalog_index: 12,
+            generation: 3,
             common_index: Some(1),
             common_with: vec![3],
         };
