@@ -43,8 +43,9 @@ const STATUS_OTHER_PROTOCOL: u8 = 2;
 /// volume leaves its snapshot incomplete on the replicas that did not receive it. 3: snapshot
 /// repairs (two commands, a snapshot record format, three replication methods). 4: questions
 /// about a replica's copy (hashes, unwritten ranges, changes since a point) carry the Raft
-/// index the replica must have applied first.
-pub const PROTOCOL: u16 = 4;
+/// index the replica must have applied first. 5: replication batches carry the volume's write
+/// generation (a replica refuses one queued before a change it has applied).
+pub const PROTOCOL: u16 = 5;
 
 fn protocol_of(hello: &[u8]) -> u16 {
     u16::from_le_bytes([hello[6], hello[7]])
