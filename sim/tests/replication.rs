@@ -48,7 +48,8 @@ fn a_slice_of_seeds_keeps_every_flushed_write() {
 // was on its way (a rollback's drop); 82, 90 and 158 met an unanswered rollback committed
 // later; 126 had a catch-up's copy land after its replica's rollback. With changes of R: 6,
 // 56, 65 and 131 lowered R off the only replica holding snapshots whole; 318 had a dropped
-// replica apply a batch of its ended stream after the rollback it was dropped for.
+// replica apply a batch of its ended stream after the rollback it was dropped for; 2477 had a
+// replica answer a catch-up's hashes from writes it had not flushed, then lose them.
 // A change of the engine or of the workload gives a seed another schedule, so these guard
 // only as long as the code they found the bug in stays; the slice above is the broad net.
 #[test]

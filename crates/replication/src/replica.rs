@@ -467,10 +467,13 @@ pub(crate) async fn changed(
     wait_for_catalog(shared, request.catalog_index).await?;
     let name = check_sender(shared, request.volume_id, request.epoch, sender).await?;
     let shared = shared.clone();
-    let listed =
-        crate::blocking(move || shared.changed_since_point(&name, request.volume_id, sender))
-            .await
-            .map_err(|error| refusal(CODE_FAILED, error))?;
+    // (About what this node holds durably, as a range's answers are: [`with_range`].)
+    let listed = crate::blocking(move || {
+        shared.local.open_local(&name)?.flush()?;
+        shared.changed_since_point(&name, request.volume_id, sender)
+    })
+    .await
+    .map_err(|error| refusal(CODE_FAILED, error))?;
     let chunks = listed
         .map_err(|error| refusal(CODE_FAILED, error.to_string()))?
         .map(|chunks| postcard::to_allocvec(&chunks))
@@ -533,6 +536,12 @@ async fn with_range<T: Send + 'static>(
     let shared = shared.clone();
     crate::blocking(move || {
         let volume = range_volume(&shared, &mut held, &name, &request, limit)?;
+        // Answered about what this node holds durably: a catch-up trusts the answer until it
+        // ends, and a power cut here would take back writes applied but not flushed yet, which
+        // the catch-up, having compared them equal, would never ship again.
+        volume
+            .flush()
+            .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
         work(volume.as_ref(), &request)
     })
     .await
