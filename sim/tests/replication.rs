@@ -49,7 +49,9 @@ fn a_slice_of_seeds_keeps_every_flushed_write() {
 // later; 126 had a catch-up's copy land after its replica's rollback. With changes of R: 6,
 // 56, 65 and 131 lowered R off the only replica holding snapshots whole; 318 had a dropped
 // replica apply a batch of its ended stream after the rollback it was dropped for; 2477 had a
-// replica answer a catch-up's hashes from writes it had not flushed, then lose them.
+// replica answer a catch-up's hashes from writes it had not flushed, then lose them; 1473
+// took a snapshot while an addition to the set, whose replica's stream had failed, was being
+// settled, and named that replica's copy complete.
 // A change of the engine or of the workload gives a seed another schedule, so these guard
 // only as long as the code they found the bug in stays; the slice above is the broad net.
 #[test]

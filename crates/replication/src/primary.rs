@@ -1346,7 +1346,33 @@ impl Primary {
             |_| Ok(()),
         )
         .await?;
-        let outcome = match change.await {
+        // Made with no in-sync change in flight or being settled, and only once every replica
+        // Raft lists in sync has applied every write before it: a snapshot names complete the
+        // replicas the catalog lists in sync, and an addition whose answer was lost while the
+        // replica's stream failed lists one that lacks them (seed 1473).
+        let made = {
+            let _proposing = self.proposing.lock().await;
+            let lagging = self.catalog_replication().and_then(|recorded| {
+                let state = self.state();
+                recorded.in_sync.iter().copied().find(|node| {
+                    *node != self.shared.local_node
+                        && !state.peers.get(node).is_some_and(|peer| {
+                            peer.streaming && !peer.failed && peer.durable_upto >= upto
+                        })
+                })
+            });
+            match lagging {
+                Some(node) => Err(unavailable(
+                    &self.name,
+                    format!(
+                        "replica {node} is in the in-sync set but has not applied every write \
+                         before the change; try again"
+                    ),
+                )),
+                None => change.await,
+            }
+        };
+        let outcome = match made {
             Ok(outcome) => outcome,
             Err(error) => {
                 // A change that failed may still be made: a proposal that went unanswered can
