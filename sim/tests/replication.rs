@@ -57,7 +57,8 @@ fn a_slice_of_seeds_keeps_every_flushed_write() {
 #[test]
 fn the_seeds_that_found_bugs_pass() {
     for seed in [
-        6, 8, 42, 56, 65, 67, 82, 90, 126, 131, 158, 168, 174, 177, 292, 318, 804, 1651, 1796, 2737,
+        6, 8, 42, 56, 65, 67, 82, 90, 126, 131, 158, 168, 174, 177, 292, 318, 804, 1473, 1651,
+        1796, 2477, 2737,
     ] {
         let report = keel_sim::replication::run(seed, 200);
         assert!(report.violations.is_empty(), "seed {seed}: {report:#?}");
