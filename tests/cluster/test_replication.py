@@ -1414,6 +1414,75 @@ def test_an_unattached_volume_gets_its_replicas_back_without_a_client(cluster, w
     assert other.read(0, len(data)) == data
 
 
+def test_a_replica_alone_holding_a_snapshot_whole_stays_on_its_down_node(cluster, workdir):
+    """Three storage nodes and a witness, snapshot repair off. An R=1 volume is written and
+    snapshotted, then raised to R=2: the new replica's copy of the snapshot lacks its data, so
+    the first node alone holds it whole. That node is killed and stays down past
+    `replica_move_after_ms`. The survivor takes the volume over in the background, but does
+    not move the replica off the dead node: that would lose the snapshot. It says why in its
+    log and keeps saying it with its move checks (every 2 s). Once the snapshot is deleted, the
+    replica moves to the third node, which is caught up and put in sync, and the volume holds
+    every flushed write."""
+    args = cluster_config(workdir, "held", "suspect_after_ms = 1000\ndown_after_ms = 2000\n"
+                          "replica_move_after_ms = 1000\nsnapshot_repair = false")
+    nodes = [cluster.add(extra_args=args) for _ in range(3)]
+    cluster.add(witness=True, extra_args=args)
+    wait_until("three voters", lambda: len(cluster.voters()) == 3)
+    code, created = nodes[0].api("POST", "/api/v1/volumes", {"name": "held", "size_bytes": SIZE}, timeout=30)
+    assert code == 200, created
+    [home] = replication(nodes[0], "held")["replicas"]
+    primary = nodes[home - 1]
+    client = attach(primary, "held")
+    for index in range(64):
+        client.write(index * BLOCK, block("kept", index))
+    client.flush()
+    code, answer = primary.api("POST", "/api/v1/volumes/held/snapshots", {"name": "only"})
+    assert code == 200, answer
+    for index in range(32):
+        client.write(index * BLOCK, block("newer", index))
+    client.flush()
+    primary.cli("volume", "set-replication", "held", "--replicas", "2")
+    wait_until("the new replica in sync", lambda: len(replication(primary, "held")["in_sync"]) == 2, timeout=60)
+    client.close()
+    [survivor_id] = [node for node in replication(primary, "held")["replicas"] if node != home]
+    survivor = nodes[survivor_id - 1]
+    [third] = [node for node in nodes if node not in (primary, survivor)]
+    code, snapshots = primary.api("GET", "/api/v1/volumes/held/snapshots")
+    assert code == 200 and [s["incomplete_on"] for s in snapshots] == [[survivor_id]], snapshots
+
+    primary.kill9()
+    held = "it alone holds these snapshots whole"
+    # (Or moving it, which the assertion below refuses.)
+    wait_until("the survivor serving the volume and holding the move back",
+               lambda: (replication(survivor, "held")["primary"] == survivor_id
+                        and (held in survivor.log() or home not in replication(survivor, "held")["replicas"])),
+               timeout=90)
+    # Several move checks later, the dead node still holds its replica, and the snapshot is
+    # still whole there.
+    time.sleep(6)
+    info = replication(survivor, "held")
+    assert sorted(info["replicas"]) == sorted([home, survivor_id]), f"the only whole copy was moved: {info}"
+    code, snapshots = survivor.api("GET", "/api/v1/volumes/held/snapshots")
+    assert code == 200 and [s["incomplete_on"] for s in snapshots] == [[survivor_id]], snapshots
+    status = survivor.cli("status").stdout
+    assert "KEEL_VOLUME_DEGRADED" in status, status
+
+    code, answer = survivor.api("DELETE", "/api/v1/volumes/held/snapshots/only")
+    assert code == 200, answer
+
+    def moved():
+        info = replication(survivor, "held")
+        return (sorted(info["replicas"]) == sorted([survivor_id, third.node_id()])
+                and sorted(info["in_sync"]) == sorted(info["replicas"]))
+
+    wait_until("the replica moved to the third node and in sync", moved, timeout=90)
+    current = attach(survivor, "held", timeout=60)
+    for index in range(64):
+        expected = block("newer" if index < 32 else "kept", index)
+        assert current.read(index * BLOCK, BLOCK) == expected, f"block {index} lost"
+    current.close()
+
+
 def test_a_node_without_a_replica_serves_the_volume_by_forwarding(cluster):
     """Three storage nodes; an R=2 volume on nodes 1 and 2 and an R=1 volume on node 1, both
     attached through node 3, which holds neither: every request is forwarded to the primary,

@@ -1459,7 +1459,7 @@ fn lacking_snapshot(
 
 /// The snapshots of `entry` that `node` alone holds whole among `replicas`: removing it
 /// from them would lose those.
-fn only_whole_on(
+pub(crate) fn only_whole_on(
     entry: &keel_catalog::VolumeEntry,
     replicas: &[NodeId],
     node: NodeId,

@@ -282,6 +282,9 @@ pub struct Primary {
     repairing: AtomicBool,
     /// Snapshot repairs that failed in a row (logged once, then every 30th).
     repair_failures: AtomicU64,
+    /// The node a move last waited for because it alone holds snapshots whole (0: none),
+    /// so the wait is logged once.
+    move_held_for: AtomicU64,
 }
 
 /// A replica being caught up: how far the comparison got, and when it should be done at the
@@ -396,6 +399,7 @@ impl Primary {
             client_requests: AtomicU64::new(0),
             repairing: AtomicBool::new(false),
             repair_failures: AtomicU64::new(0),
+            move_held_for: AtomicU64::new(0),
         });
         let others: Vec<NodeId> = lock(&this.state).peers.keys().copied().collect();
         for peer in others {
@@ -1534,11 +1538,32 @@ impl Primary {
                 return;
             }
             let gone = |node: NodeId| crate::node_gone(&catalog, node, now_ms, after_ms);
-            let from = replication
+            // A node down or draining that alone holds snapshots whole keeps its replica
+            // until snapshot repair has copied them (once it is up again) or they are deleted:
+            // moving it would lose them.
+            let (movable, held): (Vec<NodeId>, Vec<NodeId>) = replication
                 .replicas
                 .iter()
                 .copied()
-                .find(|node| *node != local && gone(*node));
+                .filter(|node| *node != local && gone(*node))
+                .partition(|node| {
+                    crate::only_whole_on(entry, &replication.replicas, *node).is_empty()
+                });
+            match held.first().copied() {
+                Some(node) if self.move_held_for.swap(node, Ordering::Relaxed) != node => {
+                    tracing::warn!(
+                        volume = %self.name,
+                        node,
+                        snapshots = %crate::only_whole_on(entry, &replication.replicas, node).join(", "),
+                        "the replica on a node that is gone stays where it is: it alone holds \
+                         these snapshots whole; snapshot repair copies them once the node is \
+                         back, or delete them to let the replica move"
+                    );
+                }
+                Some(_) => {}
+                None => self.move_held_for.store(0, Ordering::Relaxed),
+            }
+            let from = movable.first().copied();
             let staying: Vec<NodeId> = replication
                 .replicas
                 .iter()
