@@ -15,6 +15,8 @@
 //! steps, the seed picks among: a node's power cut (its unsynced writes lost, dropped, kept or
 //! torn) and restart, partitions and healing, message loss and delay, idle time. Then every
 //! link heals, every node comes back, and the volume is served until every replica is in sync.
+//! With [`Mode::Moves`] the engine also acts on outages of its own: a node down for seconds
+//! has its replicas moved and a volume it was primary of taken over in the background.
 //!
 //! What it checks, the contract of `docs/volumes.md`:
 //! 1. **No acknowledged FLUSH is lost.** Each client keeps, per unit, the value its last
@@ -79,9 +81,27 @@ pub struct Report {
     pub replica_changes: u64,
     pub power_cuts: u64,
     pub partitions: u64,
+    /// With [`Mode::Moves`]: how long a node must be down before its replicas move and a
+    /// volume whose primary it was is taken over in the background (`move_after`).
+    pub move_after_ms: Option<u64>,
+    /// Replicas moved off a node gone that long, as Raft recorded them.
+    pub replicas_moved: u64,
     /// Hash of everything observable, in order: two runs of a seed must agree on it.
     pub trace_hash: String,
     pub violations: Vec<String>,
+}
+
+/// What the engine may do on its own besides serving clients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Nodes are never down long enough for the engine to act on it (`move_after` of an hour):
+    /// the schedules the seeds that found bugs were found on.
+    Standard,
+    /// `move_after` of 0.5-3 s past a node's being down (3 s without a report) (drawn from the seed, apart from the schedule's own draws): a
+    /// node down or cut off that long has its replicas moved to another storage node (R=2 on
+    /// three) and a volume it was primary of taken over by the lowest in-sync replica up, in
+    /// the background, racing the clients' own attaches.
+    Moves,
 }
 
 /// The volume's name.
@@ -93,7 +113,9 @@ const UNIT_STRIDE_BYTES: u64 = 64 << 10;
 const BLOCK_BYTES: usize = 4096;
 const VOLUME_BYTES: u64 = 4 << 20;
 
-fn timing() -> Timing {
+/// The cluster's timing; with [`Mode::Moves`], a node silent for 3 s is down (rather than
+/// 8 s), so the seed's outages of up to 10 s meet `move_after`.
+fn timing(mode: Mode) -> Timing {
     Timing {
         raft_heartbeat: Duration::from_millis(50),
         election_timeout_min: Duration::from_millis(300),
@@ -102,7 +124,10 @@ fn timing() -> Timing {
         // Past the replication batch timeout (2 s): a cut-off replica is dropped by its
         // primary's failed batch first, not by the failure detector.
         suspect_after: Duration::from_secs(4),
-        down_after: Duration::from_secs(8),
+        down_after: match mode {
+            Mode::Standard => Duration::from_secs(8),
+            Mode::Moves => Duration::from_secs(3),
+        },
         propose_timeout: Duration::from_secs(4),
         call_timeout: Duration::from_millis(500),
         membership_interval: Duration::from_millis(150),
@@ -258,6 +283,11 @@ struct World {
     snapshots_named: u64,
     /// The catch-ups' pace (slow ones keep an old primary sending after a take-over).
     resync_bytes_per_second: Option<u64>,
+    /// How long a node is down before the engine moves its replicas ([`Mode`]).
+    move_after: Duration,
+    mode: Mode,
+    /// The replica set of the newest epoch seen, for counting moves.
+    replicas_seen: (u64, Vec<NodeId>),
     /// Nodes down, and when each comes back.
     restarts: Vec<(tokio::time::Instant, usize)>,
     /// When the cut in place heals.
@@ -399,6 +429,28 @@ impl World {
         })
     }
 
+    /// Counts a move when the newest epoch any node shows has another replica set of the
+    /// same size than the newest seen before (a change of R changes its size).
+    fn count_moves(&mut self) {
+        let newest = (0..self.nodes.len())
+            .filter_map(|index| self.replication_seen(index))
+            .max_by_key(|replication| replication.epoch);
+        let Some(newest) = newest else {
+            return;
+        };
+        let (epoch, replicas) = &self.replicas_seen;
+        if newest.epoch <= *epoch {
+            return;
+        }
+        let mut now = newest.replicas.clone();
+        now.sort_unstable();
+        if !replicas.is_empty() && replicas.len() == now.len() && *replicas != now {
+            self.report.replicas_moved += 1;
+            self.record(&format!("replicas moved to {now:?}"));
+        }
+        self.replicas_seen = (newest.epoch, now);
+    }
+
     /// The volume's replication as node `index` sees it.
     fn replication_seen(&self, index: usize) -> Option<keel_catalog::Replication> {
         let live = self.nodes[index].live.as_ref()?;
@@ -431,6 +483,8 @@ fn start_node(world: &Shared, index: usize, join: Option<String>) -> StartNode {
         join,
         voters: nodes,
         resync_bytes_per_second: world.borrow().resync_bytes_per_second,
+        move_after: world.borrow().move_after,
+        mode: world.borrow().mode,
     }
 }
 
@@ -445,6 +499,8 @@ struct StartNode {
     join: Option<String>,
     voters: usize,
     resync_bytes_per_second: Option<u64>,
+    move_after: Duration,
+    mode: Mode,
 }
 
 impl StartNode {
@@ -477,7 +533,7 @@ impl StartNode {
             join: self.join,
             cluster_id: Some([9; 16]),
             voters: self.voters,
-            timing: timing(),
+            timing: timing(self.mode),
             clock,
         };
         let cluster = Cluster::start(store.clone(), config, transport.clone(), &handler)
@@ -504,7 +560,7 @@ impl StartNode {
             }),
             tokio::runtime::Handle::current(),
             Settings {
-                move_after: Duration::from_secs(3600),
+                move_after: self.move_after,
                 resync_bytes_per_second: self.resync_bytes_per_second,
                 resync_busy_percent: 100,
                 snapshot_repair: true,
@@ -1090,6 +1146,11 @@ async fn change_replicas(world: &Shared, client: usize, attached: &Attached) -> 
 
 /// Runs one seed to completion (blocking).
 pub fn run(seed: u64, steps: u32) -> Report {
+    run_in(seed, steps, Mode::Standard)
+}
+
+/// [`run`] in `mode`.
+pub fn run_in(seed: u64, steps: u32, mode: Mode) -> Report {
     let mut builder = tokio::runtime::Builder::new_current_thread();
     builder.enable_all().start_paused(true);
     #[cfg(tokio_unstable)]
@@ -1110,6 +1171,12 @@ pub fn run(seed: u64, steps: u32) -> Report {
         replica_changes: 0,
         power_cuts: 0,
         partitions: 0,
+        move_after_ms: match mode {
+            Mode::Standard => None,
+            // Its own draw: the schedule's draws stay those of the seed in either mode.
+            Mode::Moves => Some(StdRng::seed_from_u64(seed ^ 0x6d6f_7665).gen_range(500..3000)),
+        },
+        replicas_moved: 0,
         trace_hash: String::new(),
         violations: Vec::new(),
     };
@@ -1132,6 +1199,11 @@ pub fn run(seed: u64, steps: u32) -> Report {
 
 async fn simulate(mut report: Report) -> Report {
     let (seed, steps) = (report.seed, report.steps);
+    let move_after = Duration::from_millis(report.move_after_ms.unwrap_or(3_600_000));
+    let mode = match report.move_after_ms {
+        Some(_) => Mode::Moves,
+        None => Mode::Standard,
+    };
     let mut rng = StdRng::seed_from_u64(seed);
     let (replicas, witness) = match rng.gen_range(0..3) {
         0 => (2u8, false),
@@ -1169,6 +1241,9 @@ async fn simulate(mut report: Report) -> Report {
         changing: false,
         snapshots_named: 0,
         resync_bytes_per_second: rng.gen_bool(0.3).then_some(256 << 10),
+        move_after,
+        mode,
+        replicas_seen: (0, Vec::new()),
         restarts: Vec::new(),
         heal_at: None,
         armed: None,
@@ -1327,6 +1402,7 @@ async fn simulate(mut report: Report) -> Report {
             _ => {}
         }
         tokio::time::sleep(Duration::from_millis(rng.gen_range(10..250))).await;
+        world.borrow_mut().count_moves();
     }
 
     // Heal everything, bring every node back, and stop the clients.
@@ -1357,6 +1433,7 @@ async fn simulate(mut report: Report) -> Report {
         }
     }
     converge(&world, &mut rng).await;
+    world.borrow_mut().count_moves();
     for index in 0..3 {
         power_cut(&world, index).await;
     }

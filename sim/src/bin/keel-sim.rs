@@ -1,8 +1,10 @@
 //! `keel-sim`: runs the deterministic simulations over many seeds: the metadata cluster's, or
-//! with `--replication` the replicated volumes'.
+//! with `--replication` the replicated volumes' (with `--moves`, nodes down for seconds have
+//! their replicas moved and their volumes taken over in the background).
 //!
 //! ```text
-//! keel-sim [--replication] [--seed FIRST] [--seeds N | --minutes M] [--steps K] [--reproduce SEED]
+//! keel-sim [--replication [--moves]] [--seed FIRST] [--seeds N | --minutes M] [--steps K]
+//!          [--reproduce SEED]
 //! ```
 //! Prints one line per failing seed with the command that replays it, and a summary; exits 1 on
 //! any violation. The cluster simulation's data lives under `target/sim-data` (a real
@@ -80,8 +82,13 @@ fn main() {
 /// `--replication`: the replicated-volume simulation over many seeds (exits).
 fn replication(args: &[String]) -> ! {
     let steps = value(args, "--steps").unwrap_or(200) as u32;
+    let (mode, flag) = if args.iter().any(|arg| arg == "--moves") {
+        (keel_sim::replication::Mode::Moves, " --moves")
+    } else {
+        (keel_sim::replication::Mode::Standard, "")
+    };
     if let Some(seed) = value(args, "--reproduce") {
-        let report = keel_sim::replication::run(seed, steps);
+        let report = keel_sim::replication::run_in(seed, steps, mode);
         println!("{report:#?}");
         std::process::exit(if report.violations.is_empty() { 0 } else { 1 });
     }
@@ -91,7 +98,7 @@ fn replication(args: &[String]) -> ! {
     let started = Instant::now();
     let (mut runs, mut failures) = (0u64, 0u64);
     let (mut writes, mut flushes, mut attaches, mut cuts, mut partitions) = (0, 0, 0, 0, 0);
-    let (mut rollbacks, mut replica_changes) = (0, 0);
+    let (mut rollbacks, mut replica_changes, mut moved) = (0, 0, 0);
     let mut seed = first;
     loop {
         let done = match (seeds, minutes) {
@@ -102,7 +109,7 @@ fn replication(args: &[String]) -> ! {
         if done {
             break;
         }
-        let report = keel_sim::replication::run(seed, steps);
+        let report = keel_sim::replication::run_in(seed, steps, mode);
         runs += 1;
         writes += report.writes;
         flushes += report.flushes;
@@ -111,10 +118,11 @@ fn replication(args: &[String]) -> ! {
         partitions += report.partitions;
         rollbacks += report.rollbacks;
         replica_changes += report.replica_changes;
+        moved += report.replicas_moved;
         if !report.violations.is_empty() {
             failures += 1;
             println!(
-                "seed {seed} (R={}, witness: {}): {} violation(s): {:?}\n  replay: cargo run --release --bin keel-sim -- --replication --reproduce {seed} --steps {steps}",
+                "seed {seed} (R={}, witness: {}): {} violation(s): {:?}\n  replay: cargo run --release --bin keel-sim -- --replication{flag} --reproduce {seed} --steps {steps}",
                 report.replicas,
                 report.witness,
                 report.violations.len(),
@@ -124,7 +132,7 @@ fn replication(args: &[String]) -> ! {
         seed += 1;
     }
     println!(
-        "{runs} seeds ({first}..{}), {steps} steps each, {:.0} s: {writes} writes, {flushes} FLUSHes acknowledged, {attaches} attaches, {cuts} power cuts, {partitions} partitions, {rollbacks} rollbacks, {replica_changes} changes of R; {failures} failing seed(s)",
+        "{runs} seeds ({first}..{}), {steps} steps each, {:.0} s: {writes} writes, {flushes} FLUSHes acknowledged, {attaches} attaches, {cuts} power cuts, {partitions} partitions, {rollbacks} rollbacks, {replica_changes} changes of R, {moved} replicas moved; {failures} failing seed(s)",
         seed.saturating_sub(1),
         started.elapsed().as_secs_f64()
     );
