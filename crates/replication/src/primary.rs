@@ -1365,16 +1365,17 @@ impl Primary {
                         })
                 })
             });
-            match lagging {
-                Some(node) => Err(unavailable(
+            if let Some(node) = lagging {
+                // Refused before `change` ran: nothing can commit later, so no barrier.
+                return Err(unavailable(
                     &self.name,
                     format!(
                         "replica {node} is in the in-sync set but has not applied every write \
                          before the change; try again"
                     ),
-                )),
-                None => change.await,
+                ));
             }
+            change.await
         };
         let outcome = match made {
             Ok(outcome) => outcome,
