@@ -286,8 +286,11 @@ struct World {
     /// How long a node is down before the engine moves its replicas ([`Mode`]).
     move_after: Duration,
     mode: Mode,
-    /// The replica set of the newest epoch seen, for counting moves.
-    replicas_seen: (u64, Vec<NodeId>),
+    /// The replica set of the newest epoch seen and the changes of R tried by then, for
+    /// counting moves.
+    replicas_seen: (u64, Vec<NodeId>, u64),
+    /// Changes of R tried (made or not).
+    replica_changes_tried: u64,
     /// Nodes down, and when each comes back.
     restarts: Vec<(tokio::time::Instant, usize)>,
     /// When the cut in place heals.
@@ -430,7 +433,8 @@ impl World {
     }
 
     /// Counts a move when the newest epoch any node shows has another replica set of the
-    /// same size than the newest seen before (a change of R changes its size).
+    /// same size than the newest seen before, with no change of R tried in between (a raise
+    /// and a lowering can leave another set of the same size).
     fn count_moves(&mut self) {
         let newest = (0..self.nodes.len())
             .filter_map(|index| self.replication_seen(index))
@@ -438,17 +442,21 @@ impl World {
         let Some(newest) = newest else {
             return;
         };
-        let (epoch, replicas) = &self.replicas_seen;
+        let (epoch, replicas, tried) = &self.replicas_seen;
         if newest.epoch <= *epoch {
             return;
         }
         let mut now = newest.replicas.clone();
         now.sort_unstable();
-        if !replicas.is_empty() && replicas.len() == now.len() && *replicas != now {
+        if !replicas.is_empty()
+            && replicas.len() == now.len()
+            && *replicas != now
+            && *tried == self.replica_changes_tried
+        {
             self.report.replicas_moved += 1;
             self.record(&format!("replicas moved to {now:?}"));
         }
-        self.replicas_seen = (newest.epoch, now);
+        self.replicas_seen = (newest.epoch, now, self.replica_changes_tried);
     }
 
     /// The volume's replication as node `index` sees it.
@@ -1124,9 +1132,11 @@ async fn change_replicas(world: &Shared, client: usize, attached: &Attached) -> 
             None => return false,
         }
     };
-    world
-        .borrow_mut()
-        .record(&format!("c{client} R to {wanted}"));
+    {
+        let mut world = world.borrow_mut();
+        world.replica_changes_tried += 1;
+        world.record(&format!("c{client} R to {wanted}"));
+    }
     let answer = through(
         world,
         attached.index,
@@ -1243,7 +1253,8 @@ async fn simulate(mut report: Report) -> Report {
         resync_bytes_per_second: rng.gen_bool(0.3).then_some(256 << 10),
         move_after,
         mode,
-        replicas_seen: (0, Vec::new()),
+        replicas_seen: (0, Vec::new(), 0),
+        replica_changes_tried: 0,
         restarts: Vec::new(),
         heal_at: None,
         armed: None,
@@ -1455,20 +1466,19 @@ async fn serve_in_sync(
         let Some(attached) = attach(world, rng, left).await else {
             break;
         };
-        let placed: Vec<NodeId> = world
-            .borrow()
-            .replication_seen(attached.index)
-            .map(|replication| replication.replicas.to_vec())
-            .unwrap_or_default();
-        let all_in_sync = |world: &Shared| {
+        // The replicas as Raft records them now (a move changes them, not their number),
+        // when every one is in sync as Raft records it and as the primary counts it.
+        let all_in_sync = |world: &Shared| -> Option<Vec<NodeId>> {
             let status = attached.primary.status();
-            let recorded = world
-                .borrow()
-                .replication_seen(attached.index)
-                .map(|replication| replication.in_sync.len());
-            status.in_sync.len() == placed.len()
-                && status.catching_up.is_empty()
-                && recorded == Some(placed.len())
+            let recorded = world.borrow().replication_seen(attached.index)?;
+            let mut placed = recorded.replicas.to_vec();
+            placed.sort_unstable();
+            let mut counted: Vec<NodeId> = status.in_sync.iter().copied().collect();
+            counted.sort_unstable();
+            let mut listed = recorded.in_sync.to_vec();
+            listed.sort_unstable();
+            (counted == placed && listed == placed && status.catching_up.is_empty())
+                .then_some(placed)
         };
         while tokio::time::Instant::now() < deadline {
             let status = attached.primary.status();
@@ -1476,6 +1486,11 @@ async fn serve_in_sync(
                 last = format!("n{} stopped serving it: {why}", attached.index + 1);
                 break;
             }
+            let placed = world
+                .borrow()
+                .replication_seen(attached.index)
+                .map(|replication| replication.replicas.to_vec())
+                .unwrap_or_default();
             last = format!(
                 "n{} serves it in epoch {} with {:?} in sync of {placed:?}, catching up {:?}",
                 attached.index + 1,
@@ -1487,10 +1502,10 @@ async fn serve_in_sync(
                     .map(|catch_up| (catch_up.node, catch_up.compared_bytes))
                     .collect::<Vec<_>>()
             );
-            if !all_in_sync(world) {
+            let Some(placed) = all_in_sync(world) else {
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
-            }
+            };
             let flushed = through(
                 world,
                 attached.index,
@@ -1499,7 +1514,7 @@ async fn serve_in_sync(
             )
             .await;
             if matches!(flushed, Answer::Done(()))
-                && all_in_sync(world)
+                && all_in_sync(world).as_ref() == Some(&placed)
                 && attached.primary.status().epoch == status.epoch
             {
                 return Some((attached, placed));
