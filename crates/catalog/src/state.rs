@@ -1258,18 +1258,27 @@ impl CatalogState {
         record.replication.replicas[slot] = to;
         record.replication.in_sync.retain(|node| *node != from);
         record.replication.epoch = epoch + 1;
-        let plan = self.snapshots_incomplete_on(
+        let plan = self.snapshots_after_replicas_change(
             Plan::new(Outcome::Done).event(Event::VolumeChanged { volume_id }),
             volume_id,
             &[to],
+            &[from],
         );
         Ok(plan.change(Change::PutVolume(record)))
     }
 
-    /// Adds to `plan` that every snapshot of the volume is incomplete on the `added` nodes,
-    /// new replicas: they receive the volume's current contents only (and a node that left
-    /// and comes back has erased its copy).
-    fn snapshots_incomplete_on(&self, mut plan: Plan, volume_id: u64, added: &[NodeId]) -> Plan {
+    /// Adds to `plan` what a change of the volume's replicas does to its snapshots: every
+    /// snapshot is incomplete on the `added` nodes, new replicas (they receive the volume's
+    /// current contents only, and a node that left and comes back has erased its copy), and no
+    /// repair of a copy on an added or `removed` node goes on: the copy it wrote into is
+    /// erased, so ending it would name a copy complete that lacks what it wrote before.
+    fn snapshots_after_replicas_change(
+        &self,
+        mut plan: Plan,
+        volume_id: u64,
+        added: &[NodeId],
+        removed: &[NodeId],
+    ) -> Plan {
         let Some(entry) = self.volumes.get(&volume_id) else {
             return plan;
         };
@@ -1279,11 +1288,14 @@ impl CatalogState {
                 .copied()
                 .filter(|node| snapshot.complete_on(*node))
                 .collect();
-            if !missing.is_empty() {
-                let mut snapshot = snapshot.clone();
-                snapshot.incomplete_on.extend(missing);
-                plan = plan.change(Change::PutSnapshot(snapshot));
+            let ended = |node: NodeId| added.contains(&node) || removed.contains(&node);
+            if missing.is_empty() && !snapshot.repairs.iter().any(|repair| ended(repair.node)) {
+                continue;
             }
+            let mut snapshot = snapshot.clone();
+            snapshot.incomplete_on.extend(missing);
+            snapshot.repairs.retain(|repair| !ended(repair.node));
+            plan = plan.change(Change::PutSnapshot(snapshot));
         }
         plan
     }
@@ -1345,10 +1357,17 @@ impl CatalogState {
             .copied()
             .filter(|node| !current.replicas.contains(node))
             .collect();
-        let plan = self.snapshots_incomplete_on(
+        let removed: Vec<NodeId> = current
+            .replicas
+            .iter()
+            .copied()
+            .filter(|node| !replicas.contains(node))
+            .collect();
+        let plan = self.snapshots_after_replicas_change(
             Plan::new(Outcome::Done).event(Event::VolumeChanged { volume_id }),
             volume_id,
             &added,
+            &removed,
         );
         record.replication = Replication {
             factor: replicas.len() as u8,

@@ -292,6 +292,11 @@ fn check_invariants(state: &CatalogState) {
             // A repair under way writes a generation no view shows.
             for repair in &snapshot.repairs {
                 assert!(repair.generation < record.generation_next);
+                assert!(
+                    replication.replicas.contains(&repair.node),
+                    "a repair of node {}'s copy, which holds no replica",
+                    repair.node
+                );
                 assert!(!snapshot.complete_on(repair.node));
                 let views = std::iter::once(&record.view)
                     .chain(entry.snapshots.values().map(|snapshot| &snapshot.view));
@@ -772,6 +777,96 @@ fn a_snapshot_repair_is_shown_only_once_it_ends() {
     let record = entry().record;
     assert!(shows(&record.view, generation) && shows(&record.view, frozen.generation));
     assert!(!shows(&record.view, live_generation) && !shows(&record.view, receiving));
+}
+
+// Proves a change of the replicas ends the repairs of the copies it erases: node 2's copy of a
+// snapshot is being repaired when R is lowered off node 2 and raised back onto it (the node
+// erased its copy in between, and the repair's writes with it); the old repair can no longer
+// end (it would name node 2's new, empty copy complete) and a new one starts in a new
+// generation. A move off the node being repaired ends its repair too.
+#[test]
+fn a_change_of_replicas_ends_the_repairs_of_the_copies_it_erases() {
+    let dir = store_dir("repair_replicas");
+    let catalog = LocalCatalog::open(open(&dir)).unwrap();
+    catalog.propose(second_node()).unwrap();
+    catalog.propose(third_node()).unwrap();
+    let id = create_r2(&catalog);
+    let epoch = || replication_of(&catalog).epoch;
+    catalog
+        .propose(Command::VolumeSetReplication {
+            volume_id: id,
+            epoch: epoch(),
+            primary: 1,
+            in_sync: vec![1],
+        })
+        .unwrap();
+    catalog
+        .propose(Command::SnapshotCreate {
+            volume: "r2".to_string(),
+            snapshot: "s".to_string(),
+            guid: [1; 16],
+            created_unix_seconds: 6,
+        })
+        .unwrap();
+    let snapshot = || {
+        catalog
+            .catalog()
+            .read()
+            .volume("r2")
+            .unwrap()
+            .snapshot_by_name("s")
+            .unwrap()
+            .clone()
+    };
+    let generation_of_s = snapshot().generation;
+    let begin = |node| Command::SnapshotRepairBegin {
+        volume_id: id,
+        snapshot_generation: generation_of_s,
+        node,
+    };
+    let reserved = |outcome: Outcome| match outcome {
+        Outcome::Reserved { generation, .. } => generation,
+        other => panic!("{other:?}"),
+    };
+    let end = |node, generation| Command::SnapshotRepairEnd {
+        volume_id: id,
+        snapshot_generation: generation_of_s,
+        node,
+        generation,
+    };
+    let set_replicas = |replicas: Vec<u64>| Command::VolumeSetReplicas {
+        volume_id: id,
+        epoch: epoch(),
+        replicas,
+        in_sync_min: 1,
+    };
+
+    let first = reserved(catalog.propose(begin(2)).unwrap());
+    catalog.propose(set_replicas(vec![1])).unwrap();
+    assert!(snapshot().repairs.is_empty(), "{:?}", snapshot().repairs);
+    catalog.propose(set_replicas(vec![1, 2])).unwrap();
+    assert!(!snapshot().complete_on(2));
+    let refused = catalog.propose(end(2, first)).unwrap_err();
+    assert!(refused.to_string().contains("no repair"), "{refused}");
+    assert!(
+        !snapshot().complete_on(2),
+        "the erased copy was named complete"
+    );
+    let second = reserved(catalog.propose(begin(2)).unwrap());
+    assert_ne!(second, first, "a new repair, from the start");
+
+    // Node 2 moved to node 3: the repair of its copy ends there too.
+    catalog
+        .propose(Command::VolumeMoveReplica {
+            volume_id: id,
+            epoch: epoch(),
+            from: 2,
+            to: 3,
+        })
+        .unwrap();
+    assert!(snapshot().repairs.is_empty(), "{:?}", snapshot().repairs);
+    assert!(catalog.propose(end(2, second)).is_err());
+    assert!(!snapshot().complete_on(3));
 }
 
 // Proves new replicas go to the nodes that share the fewest failure-domain labels with the

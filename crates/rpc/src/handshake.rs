@@ -44,8 +44,9 @@ const STATUS_OTHER_PROTOCOL: u8 = 2;
 /// repairs (two commands, a snapshot record format, three replication methods). 4: questions
 /// about a replica's copy (hashes, unwritten ranges, changes since a point) carry the Raft
 /// index the replica must have applied first. 5: replication batches carry the volume's write
-/// generation (a replica refuses one queued before a change it has applied).
-pub const PROTOCOL: u16 = 5;
+/// generation (a replica refuses one queued before a change it has applied). 6: a change of a
+/// volume's replicas ends the snapshot repairs of the copies it adds or removes.
+pub const PROTOCOL: u16 = 6;
 
 fn protocol_of(hello: &[u8]) -> u16 {
     u16::from_le_bytes([hello[6], hello[7]])
