@@ -16,7 +16,8 @@
 //! torn) and restart, partitions and healing, message loss and delay, idle time. Then every
 //! link heals, every node comes back, and the volume is served until every replica is in sync.
 //! With [`Mode::Moves`] the engine also acts on outages of its own: a node down for seconds
-//! has its replicas moved and a volume it was primary of taken over in the background.
+//! has its replicas moved and a volume it was primary of taken over in the background; with
+//! [`Mode::Deletes`] clients also delete snapshots.
 //!
 //! What it checks, the contract of `docs/volumes.md`:
 //! 1. **No acknowledged FLUSH is lost.** Each client keeps, per unit, the value its last
@@ -62,6 +63,7 @@ use rand::{Rng, SeedableRng};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Report {
     pub seed: u64,
+    pub mode: Mode,
     /// The volume's replicas, and whether the third node was a witness.
     pub replicas: u8,
     pub witness: bool,
@@ -86,6 +88,9 @@ pub struct Report {
     pub move_after_ms: Option<u64>,
     /// Replicas moved off a node gone that long, as Raft recorded them.
     pub replicas_moved: u64,
+    /// Snapshots deleted (with [`Mode::Deletes`]: deleting one is what lets a replica holding it
+    /// alone move).
+    pub snapshots_deleted: u64,
     /// Hash of everything observable, in order: two runs of a seed must agree on it.
     pub trace_hash: String,
     pub violations: Vec<String>,
@@ -97,11 +102,16 @@ pub enum Mode {
     /// Nodes are never down long enough for the engine to act on it (`move_after` of an hour):
     /// the schedules the seeds that found bugs were found on.
     Standard,
-    /// `move_after` of 0.5-3 s past a node's being down (3 s without a report) (drawn from the seed, apart from the schedule's own draws): a
-    /// node down or cut off that long has its replicas moved to another storage node (R=2 on
-    /// three) and a volume it was primary of taken over by the lowest in-sync replica up, in
-    /// the background, racing the clients' own attaches.
+    /// A node is down after 3 s without a report, and `move_after` is 0.5-3 s (drawn from the
+    /// seed apart from the schedule's draws): a node down or cut off that long has its
+    /// replicas moved to another storage node (R=2 on three) and a volume it was primary of
+    /// taken over by the lowest in-sync replica up, in the background, racing the clients' own
+    /// attaches.
     Moves,
+    /// As [`Mode::Moves`], and clients also delete snapshots (a move held for a snapshot that
+    /// a node down alone holds whole waits for that, or for snapshot repair). Its own mode so
+    /// that the seeds that found bugs with moves keep their schedules.
+    Deletes,
 }
 
 /// The volume's name.
@@ -126,7 +136,7 @@ fn timing(mode: Mode) -> Timing {
         suspect_after: Duration::from_secs(4),
         down_after: match mode {
             Mode::Standard => Duration::from_secs(8),
-            Mode::Moves => Duration::from_secs(3),
+            Mode::Moves | Mode::Deletes => Duration::from_secs(3),
         },
         propose_timeout: Duration::from_secs(4),
         call_timeout: Duration::from_millis(500),
@@ -961,6 +971,8 @@ async fn client(world: Shared, client: usize, seed: u64, stop: Rc<RefCell<bool>>
             rollback(&world, client, current, &mut rng).await
         } else if roll < 99 {
             change_replicas(&world, client, current).await
+        } else if world.borrow().mode == Mode::Deletes && rng.gen_bool(0.5) {
+            delete_snapshot(&world, client, current, &mut rng).await
         } else {
             tokio::time::sleep(Duration::from_millis(rng.gen_range(0..300))).await;
             false
@@ -1039,6 +1051,50 @@ async fn snapshot(world: &Shared, client: usize, attached: &Attached) -> bool {
             })
             .collect();
         world.snapshots.push(Taken { name, possible });
+    }
+    failed
+}
+
+/// Deletes an acknowledged snapshot through the node `attached`, as the admin API does (a
+/// proposal; no quiesce). It leaves the snapshots checked at the end whether or not it was
+/// made (one that failed may still be). True if it failed. Nothing while a snapshot or
+/// rollback is being made.
+async fn delete_snapshot(
+    world: &Shared,
+    client: usize,
+    attached: &Attached,
+    rng: &mut StdRng,
+) -> bool {
+    let name = {
+        let mut world = world.borrow_mut();
+        if world.changing || world.snapshots.is_empty() {
+            return false;
+        }
+        let at = rng.gen_range(0..world.snapshots.len());
+        world.snapshots.remove(at).name
+    };
+    world
+        .borrow_mut()
+        .record(&format!("c{client} delete snapshot {name}"));
+    let command = Command::SnapshotDelete {
+        volume: VOLUME.to_string(),
+        snapshot: name.clone(),
+    };
+    let cluster = attached.cluster.clone();
+    let answer = through(world, attached.index, attached.incarnation, async move {
+        cluster
+            .propose_async(command)
+            .await
+            .map(drop)
+            .map_err(|error| VolumeError::Metadata {
+                detail: error.to_string(),
+            })
+    })
+    .await;
+    let mut world = world.borrow_mut();
+    let failed = world.settled(&format!("c{client} delete snapshot {name}"), &answer);
+    if !failed {
+        world.report.snapshots_deleted += 1;
     }
     failed
 }
@@ -1167,6 +1223,7 @@ pub fn run_in(seed: u64, steps: u32, mode: Mode) -> Report {
     builder.rng_seed(tokio::runtime::RngSeed::from_bytes(&seed.to_le_bytes()));
     let mut report = Report {
         seed,
+        mode,
         replicas: 0,
         witness: false,
         steps,
@@ -1184,9 +1241,12 @@ pub fn run_in(seed: u64, steps: u32, mode: Mode) -> Report {
         move_after_ms: match mode {
             Mode::Standard => None,
             // Its own draw: the schedule's draws stay those of the seed in either mode.
-            Mode::Moves => Some(StdRng::seed_from_u64(seed ^ 0x6d6f_7665).gen_range(500..3000)),
+            Mode::Moves | Mode::Deletes => {
+                Some(StdRng::seed_from_u64(seed ^ 0x6d6f_7665).gen_range(500..3000))
+            }
         },
         replicas_moved: 0,
+        snapshots_deleted: 0,
         trace_hash: String::new(),
         violations: Vec::new(),
     };
@@ -1210,10 +1270,7 @@ pub fn run_in(seed: u64, steps: u32, mode: Mode) -> Report {
 async fn simulate(mut report: Report) -> Report {
     let (seed, steps) = (report.seed, report.steps);
     let move_after = Duration::from_millis(report.move_after_ms.unwrap_or(3_600_000));
-    let mode = match report.move_after_ms {
-        Some(_) => Mode::Moves,
-        None => Mode::Standard,
-    };
+    let mode = report.mode;
     let mut rng = StdRng::seed_from_u64(seed);
     let (replicas, witness) = match rng.gen_range(0..3) {
         0 => (2u8, false),
@@ -1473,7 +1530,7 @@ async fn serve_in_sync(
             let recorded = world.borrow().replication_seen(attached.index)?;
             let mut placed = recorded.replicas.to_vec();
             placed.sort_unstable();
-            let mut counted: Vec<NodeId> = status.in_sync.iter().copied().collect();
+            let mut counted: Vec<NodeId> = status.in_sync.to_vec();
             counted.sort_unstable();
             let mut listed = recorded.in_sync.to_vec();
             listed.sort_unstable();

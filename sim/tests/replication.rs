@@ -44,27 +44,34 @@ fn a_slice_of_seeds_keeps_every_flushed_write() {
 // Proves the contract holds when the engine acts on nodes being down on its own: with
 // `move_after` of a few seconds, a node down or cut off that long has its replica moved to the
 // third storage node (R=2) and a volume it was primary of taken over in the background, racing
-// the clients' attaches, the power cuts and the changes of R.
+// the clients' attaches, the power cuts and the changes of R; and again with clients deleting
+// snapshots.
 #[test]
 fn a_slice_of_seeds_with_moves_keeps_every_flushed_write() {
-    let (mut moved, mut attaches) = (0, 0);
-    for seed in 1..=(seeds() / 3).max(1) {
-        let report = keel_sim::replication::run_in(seed, 200, keel_sim::replication::Mode::Moves);
+    use keel_sim::replication::Mode;
+    for mode in [Mode::Moves, Mode::Deletes] {
+        let (mut moved, mut attaches, mut deleted) = (0, 0, 0);
+        for seed in 1..=(seeds() / 3).max(1) {
+            let report = keel_sim::replication::run_in(seed, 200, mode);
+            assert!(report.violations.is_empty(), "seed {seed}: {report:#?}");
+            assert!(
+                report.writes > 0 && report.flushes > 0,
+                "seed {seed} did nothing: {report:?}"
+            );
+            moved += report.replicas_moved;
+            attaches += report.attaches;
+            deleted += report.snapshots_deleted;
+        }
         assert!(
-            report.violations.is_empty(),
-            "seed {seed} (--moves): {report:#?}"
+            moved > 3 && attaches > 500,
+            "{mode:?}: {moved} replicas moved, {attaches} attaches"
         );
-        assert!(
-            report.writes > 0 && report.flushes > 0,
-            "seed {seed} did nothing: {report:?}"
+        assert_eq!(
+            deleted > 20,
+            mode == Mode::Deletes,
+            "{mode:?}: {deleted} snapshots deleted"
         );
-        moved += report.replicas_moved;
-        attaches += report.attaches;
     }
-    assert!(
-        moved > 3 && attaches > 500,
-        "{moved} replicas moved, {attaches} attaches"
-    );
 }
 
 // Proves the seeds that found bugs with moves keep passing: 82, 131, 176 and 216 moved a

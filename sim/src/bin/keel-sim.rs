@@ -1,9 +1,10 @@
 //! `keel-sim`: runs the deterministic simulations over many seeds: the metadata cluster's, or
 //! with `--replication` the replicated volumes' (with `--moves`, nodes down for seconds have
-//! their replicas moved and their volumes taken over in the background).
+//! their replicas moved and their volumes taken over in the background; `--deletes` as
+//! `--moves`, and clients delete snapshots too).
 //!
 //! ```text
-//! keel-sim [--replication [--moves]] [--seed FIRST] [--seeds N | --minutes M] [--steps K]
+//! keel-sim [--replication [--moves | --deletes]] [--seed FIRST] [--seeds N | --minutes M] [--steps K]
 //!          [--reproduce SEED]
 //! ```
 //! Prints one line per failing seed with the command that replays it, and a summary; exits 1 on
@@ -82,7 +83,10 @@ fn main() {
 /// `--replication`: the replicated-volume simulation over many seeds (exits).
 fn replication(args: &[String]) -> ! {
     let steps = value(args, "--steps").unwrap_or(200) as u32;
-    let (mode, flag) = if args.iter().any(|arg| arg == "--moves") {
+    let has = |flag: &str| args.iter().any(|arg| arg == flag);
+    let (mode, flag) = if has("--deletes") {
+        (keel_sim::replication::Mode::Deletes, " --deletes")
+    } else if has("--moves") {
         (keel_sim::replication::Mode::Moves, " --moves")
     } else {
         (keel_sim::replication::Mode::Standard, "")
@@ -98,7 +102,7 @@ fn replication(args: &[String]) -> ! {
     let started = Instant::now();
     let (mut runs, mut failures) = (0u64, 0u64);
     let (mut writes, mut flushes, mut attaches, mut cuts, mut partitions) = (0, 0, 0, 0, 0);
-    let (mut rollbacks, mut replica_changes, mut moved) = (0, 0, 0);
+    let (mut rollbacks, mut replica_changes, mut moved, mut deleted) = (0, 0, 0, 0);
     let mut seed = first;
     loop {
         let done = match (seeds, minutes) {
@@ -119,6 +123,7 @@ fn replication(args: &[String]) -> ! {
         rollbacks += report.rollbacks;
         replica_changes += report.replica_changes;
         moved += report.replicas_moved;
+        deleted += report.snapshots_deleted;
         if !report.violations.is_empty() {
             failures += 1;
             println!(
@@ -132,7 +137,7 @@ fn replication(args: &[String]) -> ! {
         seed += 1;
     }
     println!(
-        "{runs} seeds ({first}..{}), {steps} steps each, {:.0} s: {writes} writes, {flushes} FLUSHes acknowledged, {attaches} attaches, {cuts} power cuts, {partitions} partitions, {rollbacks} rollbacks, {replica_changes} changes of R, {moved} replicas moved; {failures} failing seed(s)",
+        "{runs} seeds ({first}..{}), {steps} steps each, {:.0} s: {writes} writes, {flushes} FLUSHes acknowledged, {attaches} attaches, {cuts} power cuts, {partitions} partitions, {rollbacks} rollbacks, {replica_changes} changes of R, {moved} replicas moved, {deleted} snapshots deleted; {failures} failing seed(s)",
         seed.saturating_sub(1),
         started.elapsed().as_secs_f64()
     );
