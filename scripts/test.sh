@@ -26,6 +26,7 @@ step "format and lint gates"
 cargo fmt --all -- --check
 (cd sim && cargo fmt -- --check)
 cargo clippy --release --workspace --all-targets --locked -- -D warnings
+(cd sim && cargo clippy --release --all-targets --locked -- -D warnings)
 
 # Both suites run even when the first fails, so one run reports every failure.
 set +e
