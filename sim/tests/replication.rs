@@ -6,11 +6,27 @@
 //! `cargo run --release --bin keel-sim -- --replication --minutes M`).
 #![allow(clippy::unwrap_used)]
 
+use keel_sim::replication::{Mode, Report};
+
 fn seeds() -> u64 {
     std::env::var("KEEL_SIM_REPLICATION_SEEDS")
         .ok()
         .and_then(|text| text.parse().ok())
         .unwrap_or(150)
+}
+
+/// Runs `seed` in `mode`, which must find no violation and do something; its report.
+fn passing(seed: u64, mode: Mode) -> Report {
+    let report = keel_sim::replication::run_in(seed, 200, mode);
+    assert!(
+        report.violations.is_empty(),
+        "seed {seed} ({mode:?}): {report:#?}"
+    );
+    assert!(
+        report.writes > 0 && report.flushes > 0,
+        "seed {seed} ({mode:?}) did nothing: {report:?}"
+    );
+    report
 }
 
 // Proves the replication contract holds over a slice of seeds (power cuts of any node, the
@@ -22,12 +38,7 @@ fn a_slice_of_seeds_keeps_every_flushed_write() {
     let mut replica_changes = 0;
     let mut shapes = std::collections::BTreeSet::new();
     for seed in 1..=seeds() {
-        let report = keel_sim::replication::run(seed, 200);
-        assert!(report.violations.is_empty(), "seed {seed}: {report:#?}");
-        assert!(
-            report.writes > 0 && report.flushes > 0,
-            "seed {seed} did nothing: {report:?}"
-        );
+        let report = passing(seed, Mode::Standard);
         flushes += report.flushes;
         attaches += report.attaches;
         cuts += report.power_cuts;
@@ -48,16 +59,10 @@ fn a_slice_of_seeds_keeps_every_flushed_write() {
 // snapshots.
 #[test]
 fn a_slice_of_seeds_with_moves_keeps_every_flushed_write() {
-    use keel_sim::replication::Mode;
     for mode in [Mode::Moves, Mode::Deletes] {
         let (mut moved, mut attaches, mut deleted) = (0, 0, 0);
         for seed in 1..=(seeds() / 3).max(1) {
-            let report = keel_sim::replication::run_in(seed, 200, mode);
-            assert!(report.violations.is_empty(), "seed {seed}: {report:#?}");
-            assert!(
-                report.writes > 0 && report.flushes > 0,
-                "seed {seed} did nothing: {report:?}"
-            );
+            let report = passing(seed, mode);
             moved += report.replicas_moved;
             attaches += report.attaches;
             deleted += report.snapshots_deleted;
@@ -82,11 +87,7 @@ fn a_slice_of_seeds_with_moves_keeps_every_flushed_write() {
 #[test]
 fn the_seeds_that_found_bugs_with_moves_pass() {
     for seed in [82, 131, 176, 216, 629, 2299] {
-        let report = keel_sim::replication::run_in(seed, 200, keel_sim::replication::Mode::Moves);
-        assert!(
-            report.violations.is_empty(),
-            "seed {seed} (--moves): {report:#?}"
-        );
+        passing(seed, Mode::Moves);
     }
 }
 
@@ -109,8 +110,7 @@ fn the_seeds_that_found_bugs_pass() {
         6, 8, 42, 56, 65, 67, 82, 90, 126, 131, 158, 168, 174, 177, 292, 318, 804, 1473, 1651,
         1796, 2477, 2737,
     ] {
-        let report = keel_sim::replication::run(seed, 200);
-        assert!(report.violations.is_empty(), "seed {seed}: {report:#?}");
+        passing(seed, Mode::Standard);
     }
 }
 

@@ -93,6 +93,23 @@ def write_random(client, size):
     return data
 
 
+def snapshot_then_raise(node, client, name, snapshot):
+    """Through `client` (attached to `node`, the R=1 volume `name`'s primary): 64 blocks
+    `kept`, snapshot `snapshot`, the first 32 rewritten `newer`; then R raised to 2 through
+    `node`, and both replicas in sync. With snapshot repair off, the new replica's copy of the
+    snapshot lacks its data."""
+    for index in range(64):
+        client.write(index * BLOCK, block("kept", index))
+    client.flush()
+    code, answer = node.api("POST", f"/api/v1/volumes/{name}/snapshots", {"name": snapshot})
+    assert code == 200, answer
+    for index in range(32):
+        client.write(index * BLOCK, block("newer", index))
+    client.flush()
+    node.cli("volume", "set-replication", name, "--replicas", "2")
+    wait_until("the new replica in sync", lambda: len(replication(node, name)["in_sync"]) == 2, timeout=60)
+
+
 def block(tag, index):
     seed = f"{tag}:{index}:".encode()
     return (seed * (BLOCK // len(seed) + 1))[:BLOCK]
@@ -912,16 +929,8 @@ def test_a_new_primary_lacking_a_snapshot_copies_it_from_the_old_one(cluster, wo
     complete there), so once node 1 is killed again node 2 still exports the snapshot, from its
     own copy, with exactly its data."""
     first, second, client = pair_with_one_replica(cluster, workdir, "snapshot_repair = false", "heal")
-    for index in range(64):
-        client.write(index * BLOCK, block("kept", index))
-    client.flush()
-    code, answer = first.api("POST", "/api/v1/volumes/heal/snapshots", {"name": "old"})
-    assert code == 200, answer
-    for index in range(32):
-        client.write(index * BLOCK, block("newer", index))
-    client.flush()
-    first.cli("volume", "set-replication", "heal", "--replicas", "2")
-    wait_until("node 2 in sync", lambda: sorted(replication(first, "heal")["in_sync"]) == [1, 2], timeout=60)
+    snapshot_then_raise(first, client, "heal", "old")
+    assert sorted(replication(first, "heal")["in_sync"]) == [1, 2]
     client.close()
     first.kill9()
     other = attach(second, "heal", timeout=60)
@@ -1433,16 +1442,7 @@ def test_a_replica_alone_holding_a_snapshot_whole_stays_on_its_down_node(cluster
     [home] = replication(nodes[0], "held")["replicas"]
     primary = nodes[home - 1]
     client = attach(primary, "held")
-    for index in range(64):
-        client.write(index * BLOCK, block("kept", index))
-    client.flush()
-    code, answer = primary.api("POST", "/api/v1/volumes/held/snapshots", {"name": "only"})
-    assert code == 200, answer
-    for index in range(32):
-        client.write(index * BLOCK, block("newer", index))
-    client.flush()
-    primary.cli("volume", "set-replication", "held", "--replicas", "2")
-    wait_until("the new replica in sync", lambda: len(replication(primary, "held")["in_sync"]) == 2, timeout=60)
+    snapshot_then_raise(primary, client, "held", "only")
     client.close()
     [survivor_id] = [node for node in replication(primary, "held")["replicas"] if node != home]
     survivor = nodes[survivor_id - 1]
