@@ -1602,7 +1602,32 @@ async fn converge(world: &Shared, rng: &mut StdRng) {
             ));
         }
     }
-    // Every node's own copy holds what the primary's does.
+    // Every node's own copy holds what the primary's does, read through the node's own
+    // catalog once it applied as far as the primary's: a replica durable through every
+    // FLUSH may still lag a change of the view (a rollback committed while it was cut off
+    // shows in its copy once its catalog has it; seed 3329 with deletes).
+    let applied = |index: usize| {
+        let world = world.borrow();
+        world.nodes[index]
+            .live
+            .as_ref()
+            .map(|live| live.cluster.applied_index())
+    };
+    let wanted = applied(attached.index).unwrap_or(0);
+    for node in &placed {
+        let index = (*node - 1) as usize;
+        let caught_up = wait_for(Duration::from_secs(30), || {
+            applied(index).is_some_and(|at| at >= wanted)
+        })
+        .await;
+        if !caught_up {
+            world.borrow_mut().violation(format!(
+                "n{node} did not apply the catalog as far as the primary (index {wanted}) \
+                 within 30 s of being in sync: at {:?}",
+                applied(index)
+            ));
+        }
+    }
     let mut primary_bytes = vec![0u8; VOLUME_BYTES as usize];
     if through(
         world,
