@@ -720,10 +720,15 @@ def test_a_replica_on_a_node_that_stays_down_is_rebuilt_elsewhere(cluster, workd
     second.start()
     wait_until("node 2 back up", lambda: all(n["record"]["state"] == "Up" for n in first.status()["nodes"]), timeout=60)
     # Draining node 3 moves its replica at once, here back to node 2.
-    first.cli("node", "drain", "n3")
+    code, info = first.api("GET", "/api/v1/nodes/n3")
+    assert code == 200 and info["replicas"] == [{"volume": "moving", "primary": False, "in_sync": True}], info
+    drained = first.cli("node", "drain", "n3").stdout
+    assert "n3 draining: 1 volume replica(s) to move off" in drained, drained
     wait_until("the replica moved off the draining node",
                lambda: (replication(first, "moving")["replicas"] == [1, 2]
                         and sorted(replication(first, "moving")["in_sync"]) == [1, 2]), timeout=90)
+    code, info = first.api("GET", "/api/v1/nodes/n3")
+    assert code == 200 and info["replicas"] == [] and info["record"]["draining"], info
     first.kill9()
     other = attach(second, "moving", timeout=60)
     for index, data in expected.items():
@@ -1466,6 +1471,12 @@ def test_a_replica_alone_holding_a_snapshot_whole_stays_on_its_down_node(cluster
     assert code == 200 and [s["incomplete_on"] for s in snapshots] == [[survivor_id]], snapshots
     status = survivor.cli("status").stdout
     assert "KEEL_VOLUME_DEGRADED" in status, status
+    # Health and the node's info say what the move waits for.
+    assert (f"KEEL_REPLICA_MOVE_HELD: volume \"held\"'s replica stays on node {home}" in status
+            and 'snapshot(s) "only" whole' in status), status
+    code, info = survivor.api("GET", f"/api/v1/nodes/{home}")
+    assert code == 200 and info["replicas"] == [
+        {"volume": "held", "primary": False, "in_sync": False, "held_for": ["only"]}], info
 
     code, answer = survivor.api("DELETE", "/api/v1/volumes/held/snapshots/only")
     assert code == 200, answer
@@ -1476,6 +1487,8 @@ def test_a_replica_alone_holding_a_snapshot_whole_stays_on_its_down_node(cluster
                 and sorted(info["in_sync"]) == sorted(info["replicas"]))
 
     wait_until("the replica moved to the third node and in sync", moved, timeout=90)
+    status = survivor.cli("status").stdout
+    assert "KEEL_REPLICA_MOVE_HELD" not in status, status
     current = attach(survivor, "held", timeout=60)
     for index in range(64):
         expected = block("newer" if index < 32 else "kept", index)

@@ -401,6 +401,30 @@ pub fn status_report(
     for (code, severity, message, action) in volume_redundancy(state) {
         checks.push(check(code, severity, message, action));
     }
+    for held in state.replication.held_replicas() {
+        checks.push(check(
+            "KEEL_REPLICA_MOVE_HELD",
+            "warn",
+            format!(
+                "volume {:?}'s replica stays on node {}, which is down, draining or removed: \
+                 that node alone holds snapshot(s) {} whole, and moving the replica would \
+                 lose them",
+                held.volume,
+                held.node,
+                held.snapshots
+                    .iter()
+                    .map(|name| format!("{name:?}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            format!(
+                "bring node {} back (with cluster.snapshot_repair on, the snapshots are copied \
+                 to the other replicas and the replica then moves), or delete those snapshots \
+                 of {:?}",
+                held.node, held.volume
+            ),
+        ));
+    }
     if stats.poisoned {
         checks.push(check(
             "KEEL_STORE_POISONED",
@@ -1442,18 +1466,60 @@ fn find_node(state: &AppState, name: &str) -> ApiResult<keel_catalog::NodeRecord
     found.ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("node {name:?} not found")))
 }
 
+/// A node as the cluster sees it, and the volume replicas it holds.
+#[derive(Serialize)]
+struct NodeInfo {
+    #[serde(flatten)]
+    status: keel_cluster::NodeStatus,
+    replicas: Vec<NodeReplica>,
+}
+
+/// One volume replica on a node.
+#[derive(Serialize)]
+struct NodeReplica {
+    volume: String,
+    primary: bool,
+    in_sync: bool,
+    /// Snapshots only this node holds whole, when its replica would move (the node is down
+    /// for the move time, draining or removed) but stays for them: what a stalled drain
+    /// waits for.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    held_for: Vec<String>,
+}
+
 async fn node_info(
     State(state): State<Shared>,
     Path(name): Path<String>,
-) -> ApiResult<Json<keel_cluster::NodeStatus>> {
+) -> ApiResult<Json<NodeInfo>> {
     let record = find_node(&state, &name)?;
     let status = state.cluster.status().await;
-    status
+    let status = status
         .nodes
         .into_iter()
         .find(|node| node.record.id == record.id)
-        .map(Json)
-        .ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("node {name:?} not found")))
+        .ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("node {name:?} not found")))?;
+    let mut held = state.replication.held_replicas();
+    held.retain(|held| held.node == record.id);
+    let catalog = state.cluster.catalog().read();
+    let mut replicas: Vec<NodeReplica> = catalog
+        .volumes
+        .values()
+        .map(|entry| &entry.record)
+        .filter(|volume| volume.replication.replicas.contains(&record.id))
+        .map(|volume| NodeReplica {
+            volume: volume.name.clone(),
+            primary: volume.replication.primary == record.id,
+            in_sync: volume.replication.in_sync.contains(&record.id),
+            held_for: held
+                .iter()
+                .find(|held| held.volume == volume.name)
+                .map(|held| held.snapshots.clone())
+                .unwrap_or_default(),
+        })
+        .collect();
+    drop(catalog);
+    replicas.sort_by(|a, b| a.volume.cmp(&b.volume));
+    Ok(Json(NodeInfo { status, replicas }))
 }
 
 #[derive(Deserialize)]
@@ -1478,9 +1544,19 @@ async fn drain_node(
         .drain(record.id, request.draining)
         .await
         .map_err(metadata_error)?;
-    Ok(Json(
-        serde_json::json!({ "node": record.name, "draining": request.draining }),
-    ))
+    let replicas = state
+        .cluster
+        .catalog()
+        .read()
+        .volumes
+        .values()
+        .filter(|entry| entry.record.replication.replicas.contains(&record.id))
+        .count();
+    Ok(Json(serde_json::json!({
+        "node": record.name,
+        "draining": request.draining,
+        "replicas": replicas,
+    })))
 }
 
 async fn remove_node(

@@ -1108,15 +1108,16 @@ pub fn node(connection: &Connection, command: NodeCommand) -> anyhow::Result<()>
                 &format!("/api/v1/nodes/{}/drain", Client::encode(&node)),
                 serde_json::json!({ "draining": !undo }),
             )?;
-            println!(
-                "node {} {}",
-                answer["node"].as_str().unwrap_or(&node),
-                if undo {
-                    "no longer draining"
-                } else {
-                    "draining"
-                }
-            );
+            let name = answer["node"].as_str().unwrap_or(&node);
+            if undo {
+                println!("node {name} no longer draining");
+            } else {
+                println!(
+                    "node {name} draining: {} volume replica(s) to move off (keel node info {name} \
+                     lists them, and any held there for a snapshot only it holds whole)",
+                    answer["replicas"]
+                );
+            }
         }
         NodeCommand::Remove { node } => {
             let answer: Value =

@@ -459,6 +459,9 @@ pub struct Replication {
     sessions: Sessions,
     /// This engine, for the RPC handler's blocking tasks.
     this: Weak<Replication>,
+    /// How long a replica's node may stay down before its replica moves
+    /// ([`Settings::move_after`]).
+    move_after: Duration,
 }
 
 fn unavailable(volume: &str, detail: String) -> VolumeError {
@@ -516,6 +519,7 @@ impl Replication {
             attaching: tokio::sync::Mutex::new(()),
             sessions: Sessions::default(),
             this: this.clone(),
+            move_after: settings.move_after,
         });
         replication
             .shared
@@ -1222,7 +1226,7 @@ impl Replication {
                              holding snapshot(s) {} whole: wait until snapshot repair has \
                              copied them to another replica (keel volume info shows it), or \
                              delete them first",
-                            lost.join(", ")
+                            quoted(&lost)
                         ),
                     });
                 }
@@ -1473,8 +1477,17 @@ pub(crate) fn only_whole_on(
                     .iter()
                     .any(|other| *other != node && snapshot.complete_on(*other))
         })
-        .map(|snapshot| format!("{:?}", snapshot.name))
+        .map(|snapshot| snapshot.name.clone())
         .collect()
+}
+
+/// The snapshot names, quoted and separated by commas, for a message.
+pub(crate) fn quoted(names: &[String]) -> String {
+    names
+        .iter()
+        .map(|name| format!("{name:?}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 pub(crate) fn snapshot_of<'a>(
@@ -1529,6 +1542,76 @@ pub(crate) fn node_gone(
             .nodes
             .get(&node)
             .is_some_and(|record| record.draining)
+}
+
+/// The replicas of `entry` that should move, its primary's aside: on nodes that are gone
+/// ([`node_gone`]), but not those `answering` on a node only down: in sync and answering the
+/// primary after all (its reports lag: it just came back, or only the Raft leader lost it),
+/// such a replica would be copied whole elsewhere for nothing (seed 5829 with moves). The first list can move; the second holds replicas whose node alone holds
+/// snapshots whole, which stay until snapshot repair copies them (once the node is up again)
+/// or they are deleted: moving one would lose those snapshots.
+pub(crate) fn replicas_to_move(
+    catalog: &keel_catalog::CatalogState,
+    entry: &keel_catalog::VolumeEntry,
+    answering: impl Fn(NodeId) -> bool,
+    now_ms: i64,
+    after_ms: i64,
+) -> (Vec<NodeId>, Vec<NodeId>) {
+    let replication = &entry.record.replication;
+    let leaving = |node: NodeId| {
+        catalog
+            .nodes
+            .get(&node)
+            .is_none_or(|record| record.removed || record.draining)
+    };
+    replication
+        .replicas
+        .iter()
+        .copied()
+        .filter(|node| {
+            *node != replication.primary
+                && node_gone(catalog, *node, now_ms, after_ms)
+                && (leaving(*node) || !answering(*node))
+        })
+        .partition(|node| only_whole_on(entry, &replication.replicas, *node).is_empty())
+}
+
+/// A replica that would move off its node (down for the move time, draining or removed) but
+/// stays: that node alone holds these snapshots whole.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct HeldReplica {
+    pub volume: String,
+    pub node: NodeId,
+    pub snapshots: Vec<String>,
+}
+
+impl Replication {
+    /// Every replica held on a node that is gone because it alone holds snapshots whole
+    /// ([`replicas_to_move`]), by volume name: what health and `keel node info` show, since
+    /// such a replica waits (and a drain with it) until the node is back or the snapshots
+    /// are deleted.
+    pub fn held_replicas(&self) -> Vec<HeldReplica> {
+        let now_ms = self.shared.clock().wall_unix_ms();
+        let after_ms = i64::try_from(self.move_after.as_millis()).unwrap_or(i64::MAX);
+        let catalog = self.shared.metadata.catalog().read();
+        let mut held = Vec::new();
+        for entry in catalog.volumes.values() {
+            if entry.record.status != keel_catalog::VolumeStatus::Ready {
+                continue;
+            }
+            // (Whether the replica answers its primary is the primary's node's to know.)
+            let (_, nodes) = replicas_to_move(&catalog, entry, |_| false, now_ms, after_ms);
+            for node in nodes {
+                held.push(HeldReplica {
+                    volume: entry.record.name.clone(),
+                    node,
+                    snapshots: only_whole_on(entry, &entry.record.replication.replicas, node),
+                });
+            }
+        }
+        held.sort_by(|a, b| (&a.volume, a.node).cmp(&(&b.volume, b.node)));
+        held
+    }
 }
 
 impl Replication {

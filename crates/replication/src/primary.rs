@@ -141,6 +141,8 @@ struct Peer {
     /// an answer last showed that count grow.
     client_requests: u64,
     client_requests_grew: Option<Instant>,
+    /// When a batch of its current stream was last answered.
+    answered: Option<Instant>,
     /// The chunk its resync reads without the order lock: `(start, end, touched)`, touched
     /// when a change ordered meanwhile overlaps it (the read is then done again).
     resync_reading: Option<(u64, u64, bool)>,
@@ -190,6 +192,7 @@ impl Peer {
             resync_total: 0,
             client_requests: 0,
             client_requests_grew: None,
+            answered: None,
             resync_reading: None,
             lacking: Lacking::default(),
             confirmed_flushes: VecDeque::new(),
@@ -983,6 +986,9 @@ impl Primary {
         peer.queued_bytes = peer.queued_bytes.saturating_sub(sent.bytes);
         match sent.outcome {
             Ok(ack) => {
+                if peer.stream == sent.stream {
+                    peer.answered = Some(self.shared.clock_now());
+                }
                 if ack.client_requests > peer.client_requests {
                     peer.client_requests = ack.client_requests;
                     peer.client_requests_grew = Some(self.shared.clock_now());
@@ -1529,6 +1535,23 @@ impl Primary {
         let local = self.shared.local_node;
         let now_ms = self.shared.clock().wall_unix_ms();
         let after_ms = i64::try_from(after.as_millis()).unwrap_or(i64::MAX);
+        // The replicas in sync whose stream answered within `after`: their node is not down
+        // for that long, whatever its reports say (read before the catalog's lock).
+        let answering: BTreeSet<NodeId> = {
+            let now = self.shared.clock_now();
+            let state = self.state();
+            (state.in_sync.iter().copied())
+                .filter(|node| {
+                    (state.peers.get(node)).is_some_and(|peer| {
+                        peer.streaming
+                            && !peer.failed
+                            && peer.answered.is_some_and(|answered| {
+                                now.saturating_duration_since(answered) < after
+                            })
+                    })
+                })
+                .collect()
+        };
         let planned = {
             let catalog = self.shared.metadata.catalog().read();
             let Some(entry) = catalog.volumes.get(&self.volume_id) else {
@@ -1538,24 +1561,20 @@ impl Primary {
             if replication.primary != local {
                 return;
             }
-            let gone = |node: NodeId| crate::node_gone(&catalog, node, now_ms, after_ms);
-            // A node down or draining that alone holds snapshots whole keeps its replica
-            // until snapshot repair has copied them (once it is up again) or they are deleted:
-            // moving it would lose them.
-            let (movable, held): (Vec<NodeId>, Vec<NodeId>) = replication
-                .replicas
-                .iter()
-                .copied()
-                .filter(|node| *node != local && gone(*node))
-                .partition(|node| {
-                    crate::only_whole_on(entry, &replication.replicas, *node).is_empty()
-                });
+            // A replica whose node alone holds snapshots whole stays (health shows it).
+            let (movable, held) = crate::replicas_to_move(
+                &catalog,
+                entry,
+                |node| answering.contains(&node),
+                now_ms,
+                after_ms,
+            );
             match held.first().copied() {
                 Some(node) if self.move_held_for.swap(node, Ordering::Relaxed) != node => {
                     tracing::warn!(
                         volume = %self.name,
                         node,
-                        snapshots = %crate::only_whole_on(entry, &replication.replicas, node).join(", "),
+                        snapshots = %crate::quoted(&crate::only_whole_on(entry, &replication.replicas, node)),
                         "the replica on a node that is gone stays where it is: it alone holds \
                          these snapshots whole; snapshot repair copies them once the node is \
                          back, or delete them to let the replica move"
