@@ -17,7 +17,8 @@
 //! link heals, every node comes back, and the volume is served until every replica is in sync.
 //! With [`Mode::Moves`] the engine also acts on outages of its own: a node down for seconds
 //! has its replicas moved and a volume it was primary of taken over in the background; with
-//! [`Mode::Deletes`] clients also delete snapshots.
+//! [`Mode::Deletes`] clients also delete snapshots, and with [`Mode::Drains`] they also drain
+//! storage nodes and stop draining them.
 //!
 //! What it checks, the contract of `docs/volumes.md`:
 //! 1. **No acknowledged FLUSH is lost.** Each client keeps, per unit, the value its last
@@ -91,6 +92,8 @@ pub struct Report {
     /// Snapshots deleted (with [`Mode::Deletes`]: deleting one is what lets a replica holding it
     /// alone move).
     pub snapshots_deleted: u64,
+    /// Drains of a storage node begun or ended (with [`Mode::Drains`]).
+    pub drains: u64,
     /// Hash of everything observable, in order: two runs of a seed must agree on it.
     pub trace_hash: String,
     pub violations: Vec<String>,
@@ -112,6 +115,11 @@ pub enum Mode {
     /// a node down alone holds whole waits for that, or for snapshot repair). Its own mode so
     /// that the seeds that found bugs with moves keep their schedules.
     Deletes,
+    /// As [`Mode::Deletes`], and clients also drain a storage node or stop draining it
+    /// (`keel node drain [--undo]`): a replica on a draining node moves at once, unless its
+    /// node alone holds snapshots whole (the move then follows their repair). Every drain
+    /// ends before the final check.
+    Drains,
 }
 
 /// The volume's name.
@@ -136,7 +144,7 @@ fn timing(mode: Mode) -> Timing {
         suspect_after: Duration::from_secs(4),
         down_after: match mode {
             Mode::Standard => Duration::from_secs(8),
-            Mode::Moves | Mode::Deletes => Duration::from_secs(3),
+            Mode::Moves | Mode::Deletes | Mode::Drains => Duration::from_secs(3),
         },
         propose_timeout: Duration::from_secs(4),
         call_timeout: Duration::from_millis(500),
@@ -971,8 +979,10 @@ async fn client(world: Shared, client: usize, seed: u64, stop: Rc<RefCell<bool>>
             rollback(&world, client, current, &mut rng).await
         } else if roll < 99 {
             change_replicas(&world, client, current).await
-        } else if world.borrow().mode == Mode::Deletes && rng.gen_bool(0.5) {
+        } else if matches!(world.borrow().mode, Mode::Deletes | Mode::Drains) && rng.gen_bool(0.5) {
             delete_snapshot(&world, client, current, &mut rng).await
+        } else if world.borrow().mode == Mode::Drains && rng.gen_bool(0.5) {
+            drain(&world, client, current, &mut rng).await
         } else {
             tokio::time::sleep(Duration::from_millis(rng.gen_range(0..300))).await;
             false
@@ -1097,6 +1107,78 @@ async fn delete_snapshot(
         world.report.snapshots_deleted += 1;
     }
     failed
+}
+
+/// Drains a storage node, or stops draining one that is, through the node `attached`, as
+/// `keel node drain [--undo]` does (a proposal). True if it failed.
+async fn drain(world: &Shared, client: usize, attached: &Attached, rng: &mut StdRng) -> bool {
+    let (node, draining) = {
+        let world = world.borrow();
+        let storage = if world.report.witness { 2 } else { 3 };
+        let node = rng.gen_range(1..=storage);
+        let draining = !attached
+            .cluster
+            .catalog()
+            .read()
+            .nodes
+            .get(&node)
+            .is_some_and(|record| record.draining);
+        (node, draining)
+    };
+    let what = format!(
+        "c{client} {} n{node}",
+        if draining { "drain" } else { "undrain" }
+    );
+    world.borrow_mut().record(&what);
+    let cluster = attached.cluster.clone();
+    let answer = through(world, attached.index, attached.incarnation, async move {
+        cluster
+            .drain(node, draining)
+            .await
+            .map_err(|error| VolumeError::Metadata {
+                detail: error.to_string(),
+            })
+    })
+    .await;
+    let mut world = world.borrow_mut();
+    let failed = world.settled(&what, &answer);
+    if !failed {
+        world.report.drains += 1;
+    }
+    failed
+}
+
+/// Ends every drain (the clients have stopped, every node is up and every link healed), as an
+/// operator would after maintenance: the final check then compares replicas that stay put.
+async fn end_drains(world: &Shared) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while tokio::time::Instant::now() < deadline {
+        let (cluster, draining) = {
+            let world = world.borrow();
+            let Some(live) = world.nodes.iter().find_map(|node| node.live.as_ref()) else {
+                return;
+            };
+            let cluster = live.cluster.clone();
+            let draining: Vec<NodeId> = (cluster.catalog().read().nodes.values())
+                .filter(|record| record.draining)
+                .map(|record| record.id)
+                .collect();
+            (cluster, draining)
+        };
+        let Some(node) = draining.first().copied() else {
+            return;
+        };
+        world.borrow_mut().record(&format!("undrain n{node}"));
+        if let Err(error) = cluster.drain(node, false).await {
+            world
+                .borrow_mut()
+                .record(&format!("undrain n{node} failed: {error}"));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    world
+        .borrow_mut()
+        .violation("a drain could not be ended within 60 s of healing".to_string());
 }
 
 /// Rolls the volume back onto an acknowledged snapshot through the primary `attached`, as the
@@ -1241,12 +1323,13 @@ pub fn run_in(seed: u64, steps: u32, mode: Mode) -> Report {
         move_after_ms: match mode {
             Mode::Standard => None,
             // Its own draw: the schedule's draws stay those of the seed in either mode.
-            Mode::Moves | Mode::Deletes => {
+            Mode::Moves | Mode::Deletes | Mode::Drains => {
                 Some(StdRng::seed_from_u64(seed ^ 0x6d6f_7665).gen_range(500..3000))
             }
         },
         replicas_moved: 0,
         snapshots_deleted: 0,
+        drains: 0,
         trace_hash: String::new(),
         violations: Vec::new(),
     };
@@ -1500,6 +1583,7 @@ async fn simulate(mut report: Report) -> Report {
                 .violation(format!("a client panicked: {error}"));
         }
     }
+    end_drains(&world).await;
     converge(&world, &mut rng).await;
     world.borrow_mut().count_moves();
     for index in 0..3 {

@@ -55,17 +55,18 @@ fn a_slice_of_seeds_keeps_every_flushed_write() {
 // Proves the contract holds when the engine acts on nodes being down on its own: with
 // `move_after` of a few seconds, a node down or cut off that long has its replica moved to the
 // third storage node (R=2) and a volume it was primary of taken over in the background, racing
-// the clients' attaches, the power cuts and the changes of R; and again with clients deleting
-// snapshots.
+// the clients' attaches, the power cuts and the changes of R; again with clients deleting
+// snapshots; and again with clients draining storage nodes too.
 #[test]
 fn a_slice_of_seeds_with_moves_keeps_every_flushed_write() {
-    for mode in [Mode::Moves, Mode::Deletes] {
-        let (mut moved, mut attaches, mut deleted) = (0, 0, 0);
+    for mode in [Mode::Moves, Mode::Deletes, Mode::Drains] {
+        let (mut moved, mut attaches, mut deleted, mut drains) = (0, 0, 0, 0);
         for seed in 1..=(seeds() / 3).max(1) {
             let report = passing(seed, mode);
             moved += report.replicas_moved;
             attaches += report.attaches;
             deleted += report.snapshots_deleted;
+            drains += report.drains;
         }
         assert!(
             moved > 3 && attaches > 500,
@@ -73,8 +74,13 @@ fn a_slice_of_seeds_with_moves_keeps_every_flushed_write() {
         );
         assert_eq!(
             deleted > 20,
-            mode == Mode::Deletes,
+            mode != Mode::Moves,
             "{mode:?}: {deleted} snapshots deleted"
+        );
+        assert_eq!(
+            drains > 20,
+            mode == Mode::Drains,
+            "{mode:?}: {drains} drains"
         );
     }
 }

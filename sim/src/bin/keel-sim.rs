@@ -1,10 +1,11 @@
 //! `keel-sim`: runs the deterministic simulations over many seeds: the metadata cluster's, or
 //! with `--replication` the replicated volumes' (with `--moves`, nodes down for seconds have
 //! their replicas moved and their volumes taken over in the background; `--deletes` as
-//! `--moves`, and clients delete snapshots too).
+//! `--moves`, and clients delete snapshots too; `--drains` as `--deletes`, and clients drain
+//! storage nodes and stop draining them).
 //!
 //! ```text
-//! keel-sim [--replication [--moves | --deletes]] [--seed FIRST] [--seeds N | --minutes M] [--steps K]
+//! keel-sim [--replication [--moves | --deletes | --drains]] [--seed FIRST] [--seeds N | --minutes M] [--steps K]
 //!          [--reproduce SEED]
 //! ```
 //! Prints one line per failing seed with the command that replays it, and a summary; exits 1 on
@@ -84,7 +85,9 @@ fn main() {
 fn replication(args: &[String]) -> ! {
     let steps = value(args, "--steps").unwrap_or(200) as u32;
     let has = |flag: &str| args.iter().any(|arg| arg == flag);
-    let (mode, flag) = if has("--deletes") {
+    let (mode, flag) = if has("--drains") {
+        (keel_sim::replication::Mode::Drains, " --drains")
+    } else if has("--deletes") {
         (keel_sim::replication::Mode::Deletes, " --deletes")
     } else if has("--moves") {
         (keel_sim::replication::Mode::Moves, " --moves")
@@ -103,6 +106,7 @@ fn replication(args: &[String]) -> ! {
     let (mut runs, mut failures) = (0u64, 0u64);
     let (mut writes, mut flushes, mut attaches, mut cuts, mut partitions) = (0, 0, 0, 0, 0);
     let (mut rollbacks, mut replica_changes, mut moved, mut deleted) = (0, 0, 0, 0);
+    let mut drains = 0;
     let mut seed = first;
     loop {
         let done = match (seeds, minutes) {
@@ -124,6 +128,7 @@ fn replication(args: &[String]) -> ! {
         replica_changes += report.replica_changes;
         moved += report.replicas_moved;
         deleted += report.snapshots_deleted;
+        drains += report.drains;
         if !report.violations.is_empty() {
             failures += 1;
             println!(
@@ -137,7 +142,7 @@ fn replication(args: &[String]) -> ! {
         seed += 1;
     }
     println!(
-        "{runs} seeds ({first}..{}), {steps} steps each, {:.0} s: {writes} writes, {flushes} FLUSHes acknowledged, {attaches} attaches, {cuts} power cuts, {partitions} partitions, {rollbacks} rollbacks, {replica_changes} changes of R, {moved} replicas moved, {deleted} snapshots deleted; {failures} failing seed(s)",
+        "{runs} seeds ({first}..{}), {steps} steps each, {:.0} s: {writes} writes, {flushes} FLUSHes acknowledged, {attaches} attaches, {cuts} power cuts, {partitions} partitions, {rollbacks} rollbacks, {replica_changes} changes of R, {moved} replicas moved, {deleted} snapshots deleted, {drains} drains begun or ended; {failures} failing seed(s)",
         seed.saturating_sub(1),
         started.elapsed().as_secs_f64()
     );
