@@ -719,16 +719,23 @@ def test_a_replica_on_a_node_that_stays_down_is_rebuilt_elsewhere(cluster, workd
 
     second.start()
     wait_until("node 2 back up", lambda: all(n["record"]["state"] == "Up" for n in first.status()["nodes"]), timeout=60)
-    # Draining node 3 moves its replica at once, here back to node 2.
+    # Draining node 3 moves its replica at once, here back to node 2; the only copy of an
+    # R=1 volume created there stays, and the drain says so.
+    code, created = third.api("POST", "/api/v1/volumes", {"name": "solo", "size_bytes": SIZE}, timeout=30)
+    assert code == 200, created
     code, info = first.api("GET", "/api/v1/nodes/n3")
-    assert code == 200 and info["replicas"] == [{"volume": "moving", "primary": False, "in_sync": True}], info
+    assert code == 200 and info["replicas"] == [
+        {"volume": "moving", "primary": False, "in_sync": True},
+        {"volume": "solo", "primary": True, "in_sync": True}], info
     drained = first.cli("node", "drain", "n3").stdout
-    assert "n3 draining: 1 volume replica(s) to move off" in drained, drained
+    assert ("n3 draining: 2 volume replica(s) to move off" in drained
+            and "1 of them the volume's only copy" in drained and "primary:" not in drained), drained
     wait_until("the replica moved off the draining node",
                lambda: (replication(first, "moving")["replicas"] == [1, 2]
                         and sorted(replication(first, "moving")["in_sync"]) == [1, 2]), timeout=90)
     code, info = first.api("GET", "/api/v1/nodes/n3")
-    assert code == 200 and info["replicas"] == [] and info["record"]["draining"], info
+    assert (code == 200 and [replica["volume"] for replica in info["replicas"]] == ["solo"]
+            and info["record"]["draining"]), info
     first.kill9()
     other = attach(second, "moving", timeout=60)
     for index, data in expected.items():

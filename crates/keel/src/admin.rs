@@ -1544,18 +1544,29 @@ async fn drain_node(
         .drain(record.id, request.draining)
         .await
         .map_err(metadata_error)?;
-    let replicas = state
-        .cluster
-        .catalog()
-        .read()
-        .volumes
-        .values()
-        .filter(|entry| entry.record.replication.replicas.contains(&record.id))
-        .count();
+    // What the drain has to move; among it, a replicated volume's primary stays until its
+    // clients attach through another replica, and a volume's only copy until R is raised.
+    let (replicas, primaries, single) = {
+        let catalog = state.cluster.catalog().read();
+        let held: Vec<&keel_catalog::Replication> = (catalog.volumes.values())
+            .map(|entry| &entry.record.replication)
+            .filter(|replication| replication.replicas.contains(&record.id))
+            .collect();
+        let count = |single: bool| {
+            held.iter()
+                .filter(|replication| {
+                    replication.primary == record.id && (replication.replicas.len() == 1) == single
+                })
+                .count()
+        };
+        (held.len(), count(false), count(true))
+    };
     Ok(Json(serde_json::json!({
         "node": record.name,
         "draining": request.draining,
         "replicas": replicas,
+        "primaries": primaries,
+        "single_copies": single,
     })))
 }
 

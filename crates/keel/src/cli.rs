@@ -1117,6 +1117,21 @@ pub fn node(connection: &Connection, command: NodeCommand) -> anyhow::Result<()>
                      lists them, and any held there for a snapshot only it holds whole)",
                     answer["replicas"]
                 );
+                let primaries = answer["primaries"].as_u64().unwrap_or(0);
+                if primaries > 0 {
+                    println!(
+                        "{primaries} of them primary: a primary is not moved; attach its \
+                         volume's clients through another replica, then it moves"
+                    );
+                }
+                let single = answer["single_copies"].as_u64().unwrap_or(0);
+                if single > 0 {
+                    println!(
+                        "{single} of them the volume's only copy: it stays until you raise the \
+                         volume's replicas (keel volume set-replication NAME --replicas 2) and \
+                         attach its clients through the new one"
+                    );
+                }
             }
         }
         NodeCommand::Remove { node } => {
