@@ -736,6 +736,13 @@ def test_a_replica_on_a_node_that_stays_down_is_rebuilt_elsewhere(cluster, workd
     code, info = first.api("GET", "/api/v1/nodes/n3")
     assert (code == 200 and [replica["volume"] for replica in info["replicas"]] == ["solo"]
             and info["record"]["draining"]), info
+    status = first.cli("status").stdout
+    assert ("KEEL_NODE_DRAINING: node n3 is draining: 1 volume replica(s) left, 0 of them a "
+            "replicated volume's primary and 1 a volume's only copy" in status), status
+    code, deleted = third.api("DELETE", "/api/v1/volumes/solo")
+    assert code == 200, deleted
+    wait_until("node 3 drained",
+               lambda: "KEEL_NODE_DRAINING: node n3 is drained: it holds no volume replica" in first.cli("status").stdout)
     first.kill9()
     other = attach(second, "moving", timeout=60)
     for index, data in expected.items():

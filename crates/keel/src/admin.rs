@@ -299,6 +299,76 @@ pub struct StoreStatus {
     pub fill: Option<crate::fill_rate::FillEstimate>,
 }
 
+/// The volume replicas a drain of a node has left to move; among them, those that do not move
+/// on their own: a replicated volume's primary (until its clients attach through another
+/// replica) and a volume's only copy (until R is raised).
+struct DrainLeft {
+    replicas: usize,
+    primaries: usize,
+    single_copies: usize,
+}
+
+impl DrainLeft {
+    fn of(catalog: &keel_catalog::CatalogState, node: keel_catalog::NodeId) -> DrainLeft {
+        let held: Vec<&keel_catalog::Replication> = (catalog.volumes.values())
+            .map(|entry| &entry.record.replication)
+            .filter(|replication| replication.replicas.contains(&node))
+            .collect();
+        let primaries = |single: bool| {
+            (held.iter())
+                .filter(|replication| {
+                    replication.primary == node && (replication.replicas.len() == 1) == single
+                })
+                .count()
+        };
+        DrainLeft {
+            replicas: held.len(),
+            primaries: primaries(false),
+            single_copies: primaries(true),
+        }
+    }
+}
+
+/// One finding (info) per node draining: what it has left to move, or that it is drained.
+fn drains(state: &AppState) -> Vec<keel_cluster::HealthCheck> {
+    let catalog = state.cluster.catalog().read();
+    (catalog.nodes.values())
+        .filter(|record| record.draining && !record.removed)
+        .map(|record| {
+            let left = DrainLeft::of(&catalog, record.id);
+            if left.replicas == 0 {
+                return check(
+                    "KEEL_NODE_DRAINING",
+                    "info",
+                    format!(
+                        "node {} is drained: it holds no volume replica",
+                        record.name
+                    ),
+                    format!(
+                        "keel node remove {} once it is no longer needed",
+                        record.name
+                    ),
+                );
+            }
+            check(
+                "KEEL_NODE_DRAINING",
+                "info",
+                format!(
+                    "node {} is draining: {} volume replica(s) left, {} of them a replicated \
+                     volume's primary and {} a volume's only copy, which do not move on their own",
+                    record.name, left.replicas, left.primaries, left.single_copies
+                ),
+                format!(
+                    "keel node info {} lists them: attach a primary's clients through another \
+                     replica; raise an only copy's replicas, then attach its clients through the \
+                     new one",
+                    record.name
+                ),
+            )
+        })
+        .collect()
+}
+
 /// Replicated volumes with fewer replicas in sync than wanted: (code, severity, message,
 /// action) per volume.
 fn volume_redundancy(state: &AppState) -> Vec<(&'static str, &'static str, String, String)> {
@@ -401,6 +471,7 @@ pub fn status_report(
     for (code, severity, message, action) in volume_redundancy(state) {
         checks.push(check(code, severity, message, action));
     }
+    checks.extend(drains(state));
     for held in state.replication.held_replicas() {
         checks.push(check(
             "KEEL_REPLICA_MOVE_HELD",
@@ -1544,29 +1615,13 @@ async fn drain_node(
         .drain(record.id, request.draining)
         .await
         .map_err(metadata_error)?;
-    // What the drain has to move; among it, a replicated volume's primary stays until its
-    // clients attach through another replica, and a volume's only copy until R is raised.
-    let (replicas, primaries, single) = {
-        let catalog = state.cluster.catalog().read();
-        let held: Vec<&keel_catalog::Replication> = (catalog.volumes.values())
-            .map(|entry| &entry.record.replication)
-            .filter(|replication| replication.replicas.contains(&record.id))
-            .collect();
-        let count = |single: bool| {
-            held.iter()
-                .filter(|replication| {
-                    replication.primary == record.id && (replication.replicas.len() == 1) == single
-                })
-                .count()
-        };
-        (held.len(), count(false), count(true))
-    };
+    let left = DrainLeft::of(&state.cluster.catalog().read(), record.id);
     Ok(Json(serde_json::json!({
         "node": record.name,
         "draining": request.draining,
-        "replicas": replicas,
-        "primaries": primaries,
-        "single_copies": single,
+        "replicas": left.replicas,
+        "primaries": left.primaries,
+        "single_copies": left.single_copies,
     })))
 }
 
