@@ -1547,9 +1547,10 @@ pub(crate) fn node_gone(
 /// The replicas of `entry` that should move, its primary's aside: on nodes that are gone
 /// ([`node_gone`]), but not those `answering` on a node only down: in sync and answering the
 /// primary after all (its reports lag: it just came back, or only the Raft leader lost it),
-/// such a replica would be copied whole elsewhere for nothing (seed 5829 with moves). The first list can move; the second holds replicas whose node alone holds
-/// snapshots whole, which stay until snapshot repair copies them (once the node is up again)
-/// or they are deleted: moving one would lose those snapshots.
+/// such a replica would be copied whole elsewhere for nothing (seed 5829 with moves).
+/// The first list can move; the second holds replicas whose node alone holds snapshots
+/// whole, which stay until snapshot repair copies them (once the node is up again) or they
+/// are deleted: moving one would lose those snapshots.
 pub(crate) fn replicas_to_move(
     catalog: &keel_catalog::CatalogState,
     entry: &keel_catalog::VolumeEntry,
