@@ -1770,3 +1770,145 @@ impl Handler for Replication {
         self.shared.local_node
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use keel_catalog::{
+        CatalogState, Command, NodeAddresses, NodeRole, NodeSpec, NodeState, VolumeSettings,
+        VolumeStatus,
+    };
+
+    use super::replicas_to_move;
+
+    fn apply(state: &mut CatalogState, command: Command) {
+        let plan = state.plan(&command).unwrap();
+        state.commit(&plan.changes);
+    }
+
+    /// Node `index`: the first bootstraps the cluster, the others join it.
+    fn node(index: u8) -> Command {
+        let node = NodeSpec {
+            name: format!("n{index}"),
+            instance: [index; 16],
+            role: NodeRole::Storage,
+            addresses: NodeAddresses {
+                cluster: format!("127.0.0.{index}:3902"),
+                ..NodeAddresses::default()
+            },
+            labels: Default::default(),
+            devices: Vec::new(),
+        };
+        match index {
+            1 => Command::Bootstrap {
+                cluster_id: [7; 16],
+                created_unix_ms: 0,
+                node,
+            },
+            _ => Command::NodeAdd {
+                node,
+                joined_unix_ms: 1,
+            },
+        }
+    }
+
+    /// Nodes 1-3 and the volume "v" on nodes 2 and 1, whose snapshot "s" was taken while node 2
+    /// was primary and node 1 out of sync (so node 2 alone holds it whole) when `alone` is
+    /// set; node 1 is primary again, both in sync, and node 2 is down since 0 ms.
+    fn cluster(alone: bool) -> CatalogState {
+        let mut state = CatalogState::default();
+        for index in 1..=3 {
+            apply(&mut state, node(index));
+        }
+        apply(
+            &mut state,
+            Command::VolumeCreate {
+                settings: VolumeSettings {
+                    name: "v".to_string(),
+                    size_bytes: 1 << 20,
+                    compression: "none".to_string(),
+                    iops_max: None,
+                    bandwidth_max_mib_per_second: None,
+                },
+                uuid: [1; 16],
+                created_unix_seconds: 1,
+                replicas: vec![2, 1],
+                status: VolumeStatus::Ready,
+            },
+        );
+        let volume_id = state.volume("v").unwrap().record.id;
+        let mut epoch = state.volume("v").unwrap().record.replication.epoch;
+        let mut replication = |state: &mut CatalogState, primary, in_sync: &[u64]| {
+            apply(
+                state,
+                Command::VolumeSetReplication {
+                    volume_id,
+                    epoch,
+                    primary,
+                    in_sync: in_sync.to_vec(),
+                },
+            );
+            epoch += 1;
+        };
+        if alone {
+            replication(&mut state, 2, &[2]);
+        }
+        apply(
+            &mut state,
+            Command::SnapshotCreate {
+                volume: "v".to_string(),
+                snapshot: "s".to_string(),
+                guid: [2; 16],
+                created_unix_seconds: 2,
+            },
+        );
+        // Node 1 back in sync, then primary.
+        replication(&mut state, 2, &[2, 1]);
+        replication(&mut state, 1, &[1, 2]);
+        apply(
+            &mut state,
+            Command::NodeSetState {
+                id: 2,
+                state: NodeState::Down,
+                at_unix_ms: 0,
+            },
+        );
+        state
+    }
+
+    fn planned(state: &CatalogState, answering: bool, now_ms: i64) -> (Vec<u64>, Vec<u64>) {
+        let entry = state.volume("v").unwrap();
+        replicas_to_move(state, entry, |node| answering && node == 2, now_ms, 1_000)
+    }
+
+    // Proves which replicas the primary moves: one on a node down for the move time, but not
+    // one that still answers it in sync (its node's reports lag), unless the node is draining;
+    // and none whose node alone holds a snapshot whole, which is held instead.
+    #[test]
+    fn a_replica_moves_off_a_node_gone_unless_it_answers_or_alone_holds_a_snapshot() {
+        let mut state = cluster(false);
+        assert_eq!(state.volume("v").unwrap().record.replication.primary, 1);
+        // Down, but not for the move time yet.
+        assert_eq!(planned(&state, false, 999), (vec![], vec![]));
+        assert_eq!(planned(&state, false, 1_000), (vec![2], vec![]));
+        // Down for long as the catalog says, but answering its primary: it stays.
+        assert_eq!(planned(&state, true, 1_000), (vec![], vec![]));
+        // Draining: it moves, answering or not.
+        apply(
+            &mut state,
+            Command::NodeSetDraining {
+                id: 2,
+                draining: true,
+            },
+        );
+        assert_eq!(planned(&state, true, 0), (vec![2], vec![]));
+
+        let state = cluster(true);
+        let entry = state.volume("v").unwrap();
+        assert_eq!(entry.snapshot_by_name("s").unwrap().incomplete_on, vec![1]);
+        assert_eq!(planned(&state, false, 1_000), (vec![], vec![2]));
+        // The primary's node is never in either list.
+        assert!(!planned(&state, false, 1_000).0.contains(&1));
+    }
+}
