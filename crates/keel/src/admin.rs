@@ -482,11 +482,7 @@ pub fn status_report(
                  lose them",
                 held.volume,
                 held.node,
-                held.snapshots
-                    .iter()
-                    .map(|name| format!("{name:?}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                keel_replication::quoted(&held.snapshots)
             ),
             format!(
                 "bring node {} back (with cluster.snapshot_repair on, the snapshots are copied \

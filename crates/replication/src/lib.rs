@@ -1482,7 +1482,7 @@ pub(crate) fn only_whole_on(
 }
 
 /// The snapshot names, quoted and separated by commas, for a message.
-pub(crate) fn quoted(names: &[String]) -> String {
+pub fn quoted(names: &[String]) -> String {
     names
         .iter()
         .map(|name| format!("{name:?}"))
@@ -1579,7 +1579,7 @@ pub(crate) fn replicas_to_move(
 
 /// A replica that would move off its node (down for the move time, draining or removed) but
 /// stays: that node alone holds these snapshots whole.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HeldReplica {
     pub volume: String,
     pub node: NodeId,

@@ -986,12 +986,13 @@ impl Primary {
         peer.queued_bytes = peer.queued_bytes.saturating_sub(sent.bytes);
         match sent.outcome {
             Ok(ack) => {
+                let now = self.shared.clock_now();
                 if peer.stream == sent.stream {
-                    peer.answered = Some(self.shared.clock_now());
+                    peer.answered = Some(now);
                 }
                 if ack.client_requests > peer.client_requests {
                     peer.client_requests = ack.client_requests;
-                    peer.client_requests_grew = Some(self.shared.clock_now());
+                    peer.client_requests_grew = Some(now);
                 }
                 // An answer of a stream a resync has since replaced confirms nothing.
                 if let (Some(flush), true) = (sent.flush, peer.stream == sent.stream) {
