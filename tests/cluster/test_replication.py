@@ -738,7 +738,8 @@ def test_a_replica_on_a_node_that_stays_down_is_rebuilt_elsewhere(cluster, workd
             and info["record"]["draining"]), info
     status = first.cli("status").stdout
     assert ("KEEL_NODE_DRAINING: node n3 is draining: 1 volume replica(s) left, 0 of them a "
-            "replicated volume's primary and 1 a volume's only copy" in status), status
+            "replicated volume's primary (handed to another replica in sync first) and 1 a "
+            "volume's only copy" in status), status
     code, deleted = third.api("DELETE", "/api/v1/volumes/solo")
     assert code == 200, deleted
     wait_until("node 3 drained",
@@ -748,6 +749,97 @@ def test_a_replica_on_a_node_that_stays_down_is_rebuilt_elsewhere(cluster, workd
     for index, data in expected.items():
         assert other.read(index * BLOCK, BLOCK) == data, f"block {index} lost"
     assert replication(second, "moving")["primary"] == 2
+
+
+def test_a_drain_hands_primaries_off_and_forwards_the_clients_attached_there(cluster, workdir):
+    """Three storage nodes; node 1 the primary of an R=2 volume attached there through NBD and
+    of an R=3 volume nobody attached. Draining node 1 hands each primary to another replica in
+    sync; the R=2 volume's replica on node 1 then moves to node 3. The client attached to node
+    1 notices nothing: it goes on writing and flushing through the new primary (forwarded) and
+    reads back every block. The R=3 volume's replica has nowhere to go and stays; a client
+    attaching to node 1 is forwarded to the new primary rather than take the volume back.
+    Lowering that volume's R removes the draining node's replica, and node 1 is drained."""
+    config = cluster_config(workdir, "handing", "replica_move_after_ms = 1000")
+    nodes = [cluster.add(extra_args=config) for _ in range(3)]
+    wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
+    first, second, _ = nodes
+
+    def replication(_node, name):
+        """The volume's replication as its primary answers it (another node redirects)."""
+        for node in nodes:
+            code, info = node.api("GET", f"/api/v1/volumes/{name}")
+            if code == 200:
+                return info["replication"]
+        raise AssertionError(f"no node answers for {name}: {info}")
+
+    create_r2(first, "attached")
+    code, created = first.api("POST", "/api/v1/volumes", {"name": "wide", "size_bytes": SIZE, "replicas": 3},
+                              timeout=30)
+    assert code == 200, created
+    for name, count in (("attached", 2), ("wide", 3)):
+        wait_until(f"{name}'s replicas in sync", lambda: len(replication(first, name)["in_sync"]) == count, timeout=60)
+    placed = replication(first, "attached")
+    assert placed["primary"] == 1 and 1 in placed["replicas"], placed
+    other = next(node for node in placed["replicas"] if node != 1)
+    client = attach(first, "attached")
+    expected = {}
+    for index in range(64):
+        expected[index] = block("before-drain", index)
+        client.write(index * BLOCK, expected[index])
+    client.flush()
+    wide = attach(first, "wide")
+    wide.write(0, block("wide", 0))
+    wide.flush()
+    wide.close()
+
+    drained = first.cli("node", "drain", "n1").stdout
+    assert ("n1 draining: 2 volume replica(s) to move off" in drained
+            and "2 of them primary: each is handed to another replica in sync first" in drained), drained
+
+    def handed():
+        attached, wide = replication(first, "attached"), replication(first, "wide")
+        return (attached["primary"] == other and sorted(attached["replicas"]) == [2, 3]
+                and sorted(attached["in_sync"]) == [2, 3] and wide["primary"] == 2
+                and sorted(wide["in_sync"]) == [1, 2, 3])
+
+    # The client writes while the volume changes hands: not one request fails.
+    index = 64
+    deadline = time.monotonic() + 90
+    while not handed():
+        assert time.monotonic() < deadline, [replication(first, name) for name in ("attached", "wide")]
+        expected[index] = block("during-drain", index)
+        client.write(index * BLOCK, expected[index])
+        client.flush()
+        index += 1
+        time.sleep(0.05)
+    assert index > 64, "the drain finished before the client wrote through it"
+    for offset, data in expected.items():
+        assert client.read(offset * BLOCK, BLOCK) == data, f"block {offset} read through the drained node"
+    expected[index] = block("after-drain", index)
+    client.write(index * BLOCK, expected[index])
+    client.flush()
+    client.close()
+
+    code, info = first.api("GET", "/api/v1/nodes/n1")
+    assert code == 200 and info["replicas"] == [{"volume": "wide", "primary": False, "in_sync": True}], info
+    forwarded = attach(first, "wide")
+    assert forwarded.read(0, BLOCK) == block("wide", 0)
+    forwarded.write(BLOCK, block("wide", 1))
+    forwarded.flush()
+    forwarded.close()
+    assert replication(first, "wide")["primary"] == 2
+    second.cli("volume", "set-replication", "wide", "--replicas", "2")
+    assert sorted(replication(first, "wide")["replicas"]) == [2, 3]
+    wait_until("node 1 drained",
+               lambda: "KEEL_NODE_DRAINING: node n1 is drained: it holds no volume replica" in first.cli("status").stdout)
+
+    fresh = attach(nodes[other - 1], "attached")
+    for offset, data in expected.items():
+        assert fresh.read(offset * BLOCK, BLOCK) == data, f"block {offset} on the new primary"
+    fresh.close()
+    wide = attach(second, "wide")
+    assert wide.read(0, 2 * BLOCK) == block("wide", 0) + block("wide", 1)
+    wide.close()
 
 
 def test_snapshots_of_an_r2_volume_cut_the_same_writes_on_both_replicas(cluster):

@@ -299,9 +299,9 @@ pub struct StoreStatus {
     pub fill: Option<crate::fill_rate::FillEstimate>,
 }
 
-/// The volume replicas a drain of a node has left to move; among them, those that do not move
-/// on their own: a replicated volume's primary (until its clients attach through another
-/// replica) and a volume's only copy (until R is raised).
+/// The volume replicas a drain of a node has left to move; among them, a replicated volume's
+/// primary (handed to another replica in sync first) and a volume's only copy (which does not
+/// move on its own: it stays until R is raised).
 struct DrainLeft {
     replicas: usize,
     primaries: usize,
@@ -355,13 +355,14 @@ fn drains(state: &AppState) -> Vec<keel_cluster::HealthCheck> {
                 "info",
                 format!(
                     "node {} is draining: {} volume replica(s) left, {} of them a replicated \
-                     volume's primary and {} a volume's only copy, which do not move on their own",
+                     volume's primary (handed to another replica in sync first) and {} a \
+                     volume's only copy (which does not move on its own)",
                     record.name, left.replicas, left.primaries, left.single_copies
                 ),
                 format!(
-                    "keel node info {} lists them: attach a primary's clients through another \
-                     replica; raise an only copy's replicas, then attach its clients through the \
-                     new one",
+                    "keel node info {} lists them: raise an only copy's replicas (keel volume \
+                     set-replication NAME --replicas 2); attach clients forwarded through this \
+                     node through another",
                     record.name
                 ),
             )

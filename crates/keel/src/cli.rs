@@ -1120,16 +1120,17 @@ pub fn node(connection: &Connection, command: NodeCommand) -> anyhow::Result<()>
                 let primaries = answer["primaries"].as_u64().unwrap_or(0);
                 if primaries > 0 {
                     println!(
-                        "{primaries} of them primary: a primary is not moved; attach its \
-                         volume's clients through another replica, then it moves"
+                        "{primaries} of them primary: each is handed to another replica in \
+                         sync first; clients attached to this node are then forwarded to it \
+                         (slower): attach them through another node"
                     );
                 }
                 let single = answer["single_copies"].as_u64().unwrap_or(0);
                 if single > 0 {
                     println!(
                         "{single} of them the volume's only copy: it stays until you raise the \
-                         volume's replicas (keel volume set-replication NAME --replicas 2) and \
-                         attach its clients through the new one"
+                         volume's replicas (keel volume set-replication NAME --replicas 2); once \
+                         the new replica is in sync the volume is handed to it"
                     );
                 }
             }

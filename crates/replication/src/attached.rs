@@ -1,7 +1,12 @@
-//! A volume with one replica as the clients attached here see it: its local copy, until
-//! raising R makes this node its primary ([`crate::Replication::set_replicas`]). Every I/O runs
-//! under a read lock, so the switch to the primary waits for the I/O in flight: none of it can
-//! land after the new replicas started comparing what they hold.
+//! A volume as the clients attached here see it, through whatever serves it now:
+//! - with one replica, its local copy, until raising R makes this node its primary
+//!   ([`crate::Replication::set_replicas`]): none of the I/O in flight can land after the new
+//!   replicas started comparing what they hold;
+//! - with more, the primary served here, until this node drains and hands the volume to
+//!   another replica, whose primary it then forwards to ([`crate::Replication`]'s hand-off):
+//!   no write lands between the hand-off's FLUSH and the new primary.
+//!
+//! Every I/O runs under a read lock, so a switch waits for the I/O in flight.
 
 use std::sync::{Arc, RwLock, RwLockReadGuard};
 
@@ -24,6 +29,11 @@ impl Attached {
         self.inner
             .read()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Whether clients reach `io` through this now.
+    pub(crate) fn serves<T: ?Sized>(&self, io: &Arc<T>) -> bool {
+        std::ptr::addr_eq(Arc::as_ptr(&*self.current()), Arc::as_ptr(io))
     }
 
     /// Runs `make` once no I/O is in flight, and serves every later I/O through what it

@@ -189,6 +189,7 @@ fn point_record(peer: NodeId) -> Vec<u8> {
 #[derive(Default)]
 pub struct Counters {
     received_bytes: AtomicU64,
+    handed_off: AtomicU64,
 }
 
 impl Counters {
@@ -198,6 +199,11 @@ impl Counters {
 
     pub fn received_bytes(&self) -> u64 {
         self.received_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Volumes this node handed to another replica because it was draining.
+    pub fn handed_off(&self) -> u64 {
+        self.handed_off.load(Ordering::Relaxed)
     }
 }
 
@@ -451,6 +457,9 @@ pub struct Replication {
     /// Volumes with one replica that clients attached here (raising R switches them over to
     /// a primary).
     singles: Mutex<HashMap<u64, Weak<Attached>>>,
+    /// Replicated volumes whose clients attached here reach the primary served here (a
+    /// drain's hand-off switches them to forwarding, [`Replication::hand_off_primaries`]).
+    clients: Mutex<HashMap<u64, Weak<Attached>>>,
     /// Serializes attaches and replica-set changes (one take-over of a volume at a time). An
     /// attach reads the volume's record again once it holds this: the replicas may have
     /// changed while it waited.
@@ -516,6 +525,7 @@ impl Replication {
             }),
             primaries: Mutex::new(BTreeMap::new()),
             singles: Mutex::new(HashMap::new()),
+            clients: Mutex::new(HashMap::new()),
             attaching: tokio::sync::Mutex::new(()),
             sessions: Sessions::default(),
             this: this.clone(),
@@ -830,8 +840,12 @@ impl Replication {
     /// the primary already, or the leader has not heard from the primary for longer than its
     /// lease ([`TAKE_OVER_SILENCE`]). Taking over bumps the epoch with this node alone in
     /// sync (fencing every older stream); the other replicas catch up and rejoin.
+    ///
+    /// On a draining node, a replicated volume whose primary is another node that is up is
+    /// forwarded there like on a node without a replica: the drain moves this node's replica
+    /// off, and a client attached here must not take the volume back.
     pub fn open(&self, name: &str) -> VolumeResult<Arc<dyn VolumeIo>> {
-        if !self.hosted_here(name)? {
+        if !self.hosted_here(name)? || self.forwarded_while_draining(name)? {
             return Ok(Forwarded::open(self.shared.clone(), name)?);
         }
         self.shared.runtime.block_on(self.open_hosted(name))
@@ -861,6 +875,21 @@ impl Replication {
         )?)
     }
 
+    /// Whether this node is draining and `name` a replicated volume served by another node
+    /// that is up ([`Self::open`]).
+    fn forwarded_while_draining(&self, name: &str) -> VolumeResult<bool> {
+        if !self.draining_here() {
+            return Ok(false);
+        }
+        let record = self.shared.volume_record(name)?;
+        let replication = &record.replication;
+        let catalog = self.shared.metadata.catalog().read();
+        Ok(replication.replicas.len() > 1
+            && replication.primary != self.shared.local_node
+            && (catalog.nodes.get(&replication.primary))
+                .is_some_and(|record| record.state == keel_catalog::NodeState::Up))
+    }
+
     fn hosted_here(&self, name: &str) -> VolumeResult<bool> {
         let record = self.shared.volume_record(name)?;
         Ok(record.replication.hosts(self.shared.local_node))
@@ -880,7 +909,7 @@ impl Replication {
                     return Ok(single);
                 }
             } else if let Some(primary) = self.open_replicated(name).await? {
-                return Ok(primary);
+                return Ok(self.client_handle(name, primary));
             }
         }
         Err(unavailable(
@@ -888,6 +917,31 @@ impl Replication {
             "its number of replicas kept changing while this client attached; attach again"
                 .to_string(),
         ))
+    }
+
+    /// The handle clients attached here reach `primary` through: one per volume, shared, so
+    /// that a hand-off switches them all at once.
+    fn client_handle(&self, name: &str, primary: Arc<Primary>) -> Arc<dyn VolumeIo> {
+        let mut clients = lock(&self.clients);
+        clients.retain(|_, attached| attached.strong_count() > 0);
+        let volume_id = primary.volume_id();
+        if let Some(attached) = clients.get(&volume_id).and_then(Weak::upgrade) {
+            if attached.serves(&primary) {
+                return attached;
+            }
+        }
+        let attached = Arc::new(Attached::new(name, primary));
+        clients.insert(volume_id, Arc::downgrade(&attached));
+        attached
+    }
+
+    /// The handle through which clients attached here reach `primary`, if any is still held.
+    fn attached_to(&self, primary: &Arc<Primary>) -> Option<Arc<Attached>> {
+        let volume_id = primary.volume_id();
+        [&self.clients, &self.singles]
+            .into_iter()
+            .filter_map(|map| lock(map).get(&volume_id).and_then(Weak::upgrade))
+            .find(|attached| attached.serves(primary))
     }
 
     /// [`Replication::open`] for an async client of a replicated volume on a node that holds a
@@ -1052,10 +1106,11 @@ impl Replication {
     /// Only the volume's primary does it (another node is refused with its address). Added
     /// replicas go to up storage nodes spread over failure domains and are caught up by the
     /// primary in the background; lowering R removes replicas that are out of sync first,
-    /// never the primary's, and never the only replica holding a snapshot whole (refused when
-    /// it would have to). Without a new minimum the current one stays (lowered to R if it
-    /// would exceed it). A volume with one replica attached here switches to replicated
-    /// writes once the I/O in flight has finished.
+    /// then those on nodes draining or removed, never the primary's, and never the only
+    /// replica holding a snapshot whole (refused when it would have to). Without a new
+    /// minimum the current one stays (lowered to R if it would exceed it). A volume with one
+    /// replica attached here switches to replicated writes once the I/O in flight has
+    /// finished.
     pub fn set_replicas(
         &self,
         name: &str,
@@ -1200,7 +1255,11 @@ impl Replication {
                 replicas.extend(added);
             }
             // Leaving: a replica whose removal loses no snapshot (one it alone holds whole),
-            // out of sync first, then the highest node id; never the primary.
+            // out of sync first, then one on a node draining or removed, then the highest
+            // node id; never the primary.
+            let leaving_node = |node: NodeId| {
+                (catalog.nodes.get(&node)).is_none_or(|record| record.draining || record.removed)
+            };
             while replicas.len() > wanted {
                 let Some(leaving) = replicas
                     .iter()
@@ -1211,6 +1270,7 @@ impl Replication {
                         (
                             lost,
                             current.in_sync.contains(node),
+                            !leaving_node(*node),
                             std::cmp::Reverse(*node),
                         )
                     })
@@ -1670,6 +1730,108 @@ impl Replication {
     }
 }
 
+/// The replica a draining node hands a volume's primary to: the lowest in the in-sync set
+/// other than `local` whose node is up and neither draining nor removed (`None`: the primary
+/// stays until one is).
+fn hand_off_target(
+    catalog: &keel_catalog::CatalogState,
+    replication: &keel_catalog::Replication,
+    local: NodeId,
+) -> Option<NodeId> {
+    (replication.in_sync.iter().copied())
+        .filter(|node| *node != local)
+        .filter(|node| {
+            catalog.nodes.get(node).is_some_and(|record| {
+                record.state == keel_catalog::NodeState::Up && !record.draining && !record.removed
+            })
+        })
+        .min()
+}
+
+impl Replication {
+    /// Whether this node is draining (as its catalog shows).
+    fn draining_here(&self) -> bool {
+        let catalog = self.shared.metadata.catalog().read();
+        (catalog.nodes.get(&self.shared.local_node)).is_some_and(|record| record.draining)
+    }
+
+    /// On a draining node, hands each replicated volume served here as primary to another
+    /// replica in sync ([`hand_off_target`], [`Primary::hand_off`]), so that the drain can
+    /// move this node's replica off like any other. Clients attached here go on through the
+    /// new primary, forwarded ([`Forwarded`]), without noticing: their I/O waits while the
+    /// volume changes hands. Attaches wait too (the attach lock): none can reach the primary
+    /// once it is being handed off.
+    async fn hand_off_primaries(&self) {
+        if !self.draining_here() {
+            return;
+        }
+        let local = self.shared.local_node;
+        let planned: Vec<(Arc<Primary>, NodeId)> = {
+            let served: Vec<Arc<Primary>> = lock(&self.primaries)
+                .values()
+                .filter(|primary| !primary.is_closed())
+                .cloned()
+                .collect();
+            let catalog = self.shared.metadata.catalog().read();
+            served
+                .into_iter()
+                .filter_map(|primary| {
+                    let replication = &catalog
+                        .volumes
+                        .get(&primary.volume_id())?
+                        .record
+                        .replication;
+                    if replication.primary != local {
+                        return None;
+                    }
+                    hand_off_target(&catalog, replication, local).map(|to| (primary, to))
+                })
+                .collect()
+        };
+        for (primary, to) in planned {
+            let _attaching = self.attaching.lock().await;
+            let name = primary.name().to_string();
+            let handed = match self.attached_to(&primary) {
+                None => primary.hand_off(to).await,
+                Some(attached) => {
+                    let shared = self.shared.clone();
+                    let forwarded = name.clone();
+                    blocking(move || {
+                        attached.switch(|| {
+                            shared.runtime.block_on(primary.hand_off(to))?;
+                            Ok::<Arc<dyn VolumeIo>, VolumeError>(Forwarded::open(
+                                shared.clone(),
+                                &forwarded,
+                            )?)
+                        })
+                    })
+                    .await
+                    .unwrap_or_else(|error| Err(unavailable(&name, error)))
+                }
+            };
+            match handed {
+                Ok(()) => {
+                    self.shared
+                        .counters
+                        .handed_off
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        volume = name,
+                        node = to,
+                        "this node is draining: handed the volume to another replica"
+                    )
+                }
+                Err(error) => tracing::info!(
+                    volume = name,
+                    node = to,
+                    %error,
+                    "could not hand the volume to another replica yet"
+                ),
+            }
+        }
+    }
+}
+
 /// A snapshot copy due for a repair ([`primary`]'s `repair` module): the snapshot's
 /// generation, the replica whose copy lacks its data, and the node to copy it from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1737,6 +1899,7 @@ async fn move_loop(replication: std::sync::Weak<Replication>, after: Duration) {
                 ),
             }
         }
+        strong.hand_off_primaries().await;
         let primaries: Vec<Arc<Primary>> = lock(&strong.primaries).values().cloned().collect();
         drop(strong);
         for primary in primaries {
@@ -1780,7 +1943,7 @@ mod tests {
         VolumeStatus,
     };
 
-    use super::replicas_to_move;
+    use super::{hand_off_target, replicas_to_move};
 
     fn apply(state: &mut CatalogState, command: Command) {
         let plan = state.plan(&command).unwrap();
@@ -1910,5 +2073,58 @@ mod tests {
         assert_eq!(planned(&state, false, 1_000), (vec![], vec![2]));
         // The primary's node is never in either list.
         assert!(!planned(&state, false, 1_000).0.contains(&1));
+    }
+
+    // Proves where a draining primary hands its volume: to the lowest other replica in sync
+    // whose node is up and not draining; to none while the only other one is down, draining
+    // or out of sync.
+    #[test]
+    fn a_draining_primary_hands_off_to_an_up_replica_in_sync_only() {
+        let set_state = |state: &mut CatalogState, id, node_state| {
+            apply(
+                state,
+                Command::NodeSetState {
+                    id,
+                    state: node_state,
+                    at_unix_ms: 5,
+                },
+            )
+        };
+        let target = |state: &CatalogState| {
+            let replication = &state.volume("v").unwrap().record.replication;
+            hand_off_target(state, replication, replication.primary)
+        };
+        let mut state = cluster(false);
+        // Node 2, the other replica, is down.
+        assert_eq!(target(&state), None);
+        set_state(&mut state, 2, NodeState::Up);
+        assert_eq!(target(&state), Some(2));
+        apply(
+            &mut state,
+            Command::NodeSetDraining {
+                id: 2,
+                draining: true,
+            },
+        );
+        assert_eq!(target(&state), None);
+        apply(
+            &mut state,
+            Command::NodeSetDraining {
+                id: 2,
+                draining: false,
+            },
+        );
+        // Out of sync: not a target.
+        let record = state.volume("v").unwrap().record.clone();
+        apply(
+            &mut state,
+            Command::VolumeSetReplication {
+                volume_id: record.id,
+                epoch: record.replication.epoch,
+                primary: 1,
+                in_sync: vec![1],
+            },
+        );
+        assert_eq!(target(&state), None);
     }
 }

@@ -349,6 +349,12 @@ fn unavailable(name: &str, detail: String) -> VolumeError {
     }
 }
 
+/// The phase a wait for the replicas shows in (`keel ops`): that of the request on the
+/// calling thread.
+fn replicating() -> keel_ops::Phase {
+    keel_ops::Phase::enter(keel_ops::phase::REPLICATING)
+}
+
 impl Primary {
     /// Starts serving a volume this node just took over: `taken` is its replication record
     /// as Raft now holds it (this node primary and alone in sync); the other replicas start
@@ -413,6 +419,10 @@ impl Primary {
 
     fn state(&self) -> MutexGuard<'_, State> {
         lock(&self.state)
+    }
+
+    pub(crate) fn volume_id(&self) -> u64 {
+        self.volume_id
     }
 
     pub fn status(&self) -> PrimaryStatus {
@@ -492,6 +502,7 @@ impl Primary {
                 Some(deadline),
                 None,
                 |_| Ok(()),
+                replicating,
             )
             .await,
         );
@@ -735,15 +746,17 @@ impl Primary {
     /// `done` of the state as it is then. Fails once this node may no longer serve, loses its
     /// lease for good, or at `deadline`. With `since`, a request being tracked (`keel ops`)
     /// records for each replica counted for FLUSHes when, after `since`, it was seen
-    /// confirmed.
-    async fn wait_confirmed<T>(
+    /// confirmed. `mark` enters the phase the wait shows in (its guard held while waiting).
+    async fn wait_confirmed<T, G>(
         &self,
         pending: impl Fn(NodeId, &Peer) -> bool,
         deadline: Option<Instant>,
         since: Option<Instant>,
         done: impl FnOnce(&State) -> VolumeResult<T>,
+        mark: impl FnOnce() -> G,
     ) -> VolumeResult<T> {
         let mut _waiting = None;
+        let mut mark = Some(mark);
         let since = since.filter(|_| keel_ops::tracking());
         let mut unconfirmed: Vec<NodeId> = match since {
             Some(_) => self
@@ -796,7 +809,9 @@ impl Primary {
                 self.lease().await?;
                 continue;
             }
-            _waiting.get_or_insert_with(|| keel_ops::Phase::enter(keel_ops::phase::REPLICATING));
+            if let Some(mark) = mark.take() {
+                _waiting = Some(mark());
+            }
             self.wait_changed(changed).await;
         }
     }
@@ -821,6 +836,7 @@ impl Primary {
                 }
                 Ok(())
             },
+            replicating,
         )
         .await
     }
@@ -1327,6 +1343,16 @@ impl Primary {
         &self,
         change: impl std::future::Future<Output = VolumeResult<T>>,
     ) -> VolumeResult<T> {
+        self.quiesce_marked(change, replicating).await
+    }
+
+    /// [`Self::quiesce_async`], its wait shown by `mark` (a background task's, whose future
+    /// must be `Send`, marks nothing).
+    async fn quiesce_marked<T, G>(
+        &self,
+        change: impl std::future::Future<Output = VolumeResult<T>>,
+        mark: impl FnOnce() -> G,
+    ) -> VolumeResult<T> {
         self.lease().await?;
         let (upto, queued, _paused) = {
             let _order = self.ordering().await?;
@@ -1355,6 +1381,7 @@ impl Primary {
             Some(deadline),
             None,
             |_| Ok(()),
+            mark,
         )
         .await?;
         // Made with no in-sync change in flight or being settled, and only once every replica
@@ -1623,6 +1650,51 @@ impl Primary {
                 tracing::info!(volume = %self.name, %error, "could not move a replica yet");
             }
         }
+    }
+
+    /// Hands the volume to `to`, a replica in sync, because this node is draining. At one
+    /// point of the write stream ([`Self::quiesce_async`]: every replica in sync holds every
+    /// earlier write durable), with this copy flushed too, Raft records `to` as the primary of
+    /// the next epoch with the same in-sync set; this primary then stops serving (a refused
+    /// or unanswered proposal is settled by the quiesce's barrier, which closes it if the
+    /// hand-off was made after all). `to` serves the volume as after any take-over: its
+    /// background loop does, or the first client forwarded to it.
+    pub(crate) async fn hand_off(&self, to: NodeId) -> VolumeResult<()> {
+        let unmarked = || ();
+        self.quiesce_marked(
+            async {
+                let local = self.local.clone();
+                crate::blocking(move || local.flush())
+                    .await
+                    .map_err(|error| unavailable(&self.name, error))??;
+                let (epoch, in_sync) = {
+                    let state = self.state();
+                    (state.epoch, state.in_sync.clone())
+                };
+                if !in_sync.contains(&to) {
+                    return Err(unavailable(
+                        &self.name,
+                        format!("node {to} left the in-sync set before the hand-off"),
+                    ));
+                }
+                let command = Command::VolumeSetReplication {
+                    volume_id: self.volume_id,
+                    epoch,
+                    primary: to,
+                    in_sync: in_sync.into_iter().collect(),
+                };
+                self.propose(command)
+                    .await
+                    .map_err(|error| unavailable(&self.name, error.to_string()))?;
+                self.close(format!(
+                    "this node is draining: node {to} serves the volume from epoch {}",
+                    epoch + 1
+                ));
+                Ok(())
+            },
+            unmarked,
+        )
+        .await
     }
 
     /// Changes the volume's replica set and in-sync minimum through Raft (epoch + 1): added
@@ -2381,6 +2453,7 @@ impl Primary {
             None,
             None,
             |_| Ok(()),
+            replicating,
         )
         .await
     }
