@@ -94,6 +94,8 @@ pub struct Report {
     pub snapshots_deleted: u64,
     /// Drains of a storage node begun or ended (with [`Mode::Drains`]).
     pub drains: u64,
+    /// Volumes a draining node handed to another replica (with [`Mode::Drains`]).
+    pub primaries_handed_off: u64,
     /// Hash of everything observable, in order: two runs of a seed must agree on it.
     pub trace_hash: String,
     pub violations: Vec<String>,
@@ -624,6 +626,9 @@ async fn power_cut(world: &Shared, index: usize) {
         node.live.take()
     };
     if let Some(live) = live {
+        if let Some(replication) = &live.replication {
+            world.borrow_mut().report.primaries_handed_off += replication.counters().handed_off();
+        }
         // Stops its Raft and, through it, its engine's tasks (they write to the old disk,
         // which nothing reads any more).
         live.cluster.shutdown().await;
@@ -1345,6 +1350,7 @@ pub fn run_in(seed: u64, steps: u32, mode: Mode) -> Report {
         replicas_moved: 0,
         snapshots_deleted: 0,
         drains: 0,
+        primaries_handed_off: 0,
         trace_hash: String::new(),
         violations: Vec::new(),
     };

@@ -60,13 +60,14 @@ fn a_slice_of_seeds_keeps_every_flushed_write() {
 #[test]
 fn a_slice_of_seeds_with_moves_keeps_every_flushed_write() {
     for mode in [Mode::Moves, Mode::Deletes, Mode::Drains] {
-        let (mut moved, mut attaches, mut deleted, mut drains) = (0, 0, 0, 0);
+        let (mut moved, mut attaches, mut deleted, mut drains, mut handed) = (0, 0, 0, 0, 0);
         for seed in 1..=(seeds() / 3).max(1) {
             let report = passing(seed, mode);
             moved += report.replicas_moved;
             attaches += report.attaches;
             deleted += report.snapshots_deleted;
             drains += report.drains;
+            handed += report.primaries_handed_off;
         }
         assert!(
             moved > 3 && attaches > 500,
@@ -81,6 +82,11 @@ fn a_slice_of_seeds_with_moves_keeps_every_flushed_write() {
             drains > 20,
             mode == Mode::Drains,
             "{mode:?}: {drains} drains"
+        );
+        assert_eq!(
+            handed > 3,
+            mode == Mode::Drains,
+            "{mode:?}: {handed} primaries handed off"
         );
     }
 }

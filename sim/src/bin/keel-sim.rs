@@ -107,6 +107,7 @@ fn replication(args: &[String]) -> ! {
     let (mut writes, mut flushes, mut attaches, mut cuts, mut partitions) = (0, 0, 0, 0, 0);
     let (mut rollbacks, mut replica_changes, mut moved, mut deleted) = (0, 0, 0, 0);
     let mut drains = 0;
+    let mut handed = 0;
     let mut seed = first;
     loop {
         let done = match (seeds, minutes) {
@@ -129,6 +130,7 @@ fn replication(args: &[String]) -> ! {
         moved += report.replicas_moved;
         deleted += report.snapshots_deleted;
         drains += report.drains;
+        handed += report.primaries_handed_off;
         if !report.violations.is_empty() {
             failures += 1;
             println!(
@@ -142,7 +144,7 @@ fn replication(args: &[String]) -> ! {
         seed += 1;
     }
     println!(
-        "{runs} seeds ({first}..{}), {steps} steps each, {:.0} s: {writes} writes, {flushes} FLUSHes acknowledged, {attaches} attaches, {cuts} power cuts, {partitions} partitions, {rollbacks} rollbacks, {replica_changes} changes of R, {moved} replicas moved, {deleted} snapshots deleted, {drains} drains begun or ended; {failures} failing seed(s)",
+        "{runs} seeds ({first}..{}), {steps} steps each, {:.0} s: {writes} writes, {flushes} FLUSHes acknowledged, {attaches} attaches, {cuts} power cuts, {partitions} partitions, {rollbacks} rollbacks, {replica_changes} changes of R, {moved} replicas moved, {deleted} snapshots deleted, {drains} drains begun or ended, {handed} primaries handed off; {failures} failing seed(s)",
         seed.saturating_sub(1),
         started.elapsed().as_secs_f64()
     );
