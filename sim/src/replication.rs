@@ -52,7 +52,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use keel_catalog::{Command, NodeAddresses, NodeId, NodeRole, VolumeSettings, VolumeStatus};
 use keel_cluster::{Cluster, ClusterConfig, ClusterHandler, Dispatch, LocalNetwork, Timing};
-use keel_namespace::volume::{VolumeError, VolumeIo, VolumeManager, VolumeResult};
+use keel_namespace::volume::{BackgroundWork, VolumeError, VolumeIo, VolumeManager, VolumeResult};
 use keel_replication::primary::Primary;
 use keel_replication::{LocalVolumes, Replication, Settings};
 use keel_store::simdisk::SimDisk;
@@ -538,6 +538,8 @@ impl StartNode {
         // Small segments: a simulated disk holds them in memory.
         config.segment_size_max_bytes = 8 << 20;
         config.reserve_bytes = 0;
+        // No thread racing the seed's schedule.
+        config.prepare_segments = false;
         let store =
             Store::open(config).map_err(|error| format!("opening {}: {error}", self.name))?;
         let handler = ClusterHandler::new();
@@ -577,7 +579,8 @@ impl StartNode {
         }
         let metadata: Arc<dyn keel_catalog::Metadata> = cluster.clone();
         let volumes = Arc::new(
-            VolumeManager::open(store, metadata)
+            // Erasing and garbage collection run at the steps' own points (no worker thread).
+            VolumeManager::open_with(store, metadata, BackgroundWork::Caller)
                 .map_err(|error| format!("opening {}'s volumes: {error}", self.name))?,
         );
         let replication = Replication::new(
@@ -632,6 +635,17 @@ async fn power_cut(world: &Shared, index: usize) {
         // Stops its Raft and, through it, its engine's tasks (they write to the old disk,
         // which nothing reads any more).
         live.cluster.shutdown().await;
+    }
+}
+
+/// Each live node's volume background work queued so far (erasing copies it no longer
+/// hosts, collecting garbage), at this point of the schedule.
+fn run_background_work(world: &Shared) {
+    let managers: Vec<Arc<VolumeManager>> = (world.borrow().nodes.iter())
+        .filter_map(|node| node.live.as_ref()?.volumes.clone())
+        .collect();
+    for volumes in managers {
+        volumes.run_background_work();
     }
 }
 
@@ -1575,6 +1589,7 @@ async fn simulate(mut report: Report) -> Report {
         }
         tokio::time::sleep(Duration::from_millis(rng.gen_range(10..250))).await;
         world.borrow_mut().count_moves();
+        run_background_work(&world);
     }
 
     // Heal everything, bring every node back, and stop the clients.

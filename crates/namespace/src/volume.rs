@@ -27,9 +27,9 @@ use keel_store::{Compression, Progress, Store};
 use keel_volume::{hex, new_unique_id, unix_seconds_now, Engine};
 
 pub use keel_volume::{
-    changed_blocks_since, copy_record_key, GcReport, ReceiveReport, SendStream, VolumeError,
-    VolumeHandle, VolumeIo, VolumeResult, BLOCK_SIZE_BYTES, CLONE_DEPTH_MAX, NAME_MAX_BYTES,
-    SNAPSHOTS_PER_VOLUME_MAX, VOLUME_SIZE_MAX_BYTES,
+    changed_blocks_since, copy_record_key, BackgroundWork, GcReport, ReceiveReport, SendStream,
+    VolumeError, VolumeHandle, VolumeIo, VolumeResult, BLOCK_SIZE_BYTES, CLONE_DEPTH_MAX,
+    NAME_MAX_BYTES, SNAPSHOTS_PER_VOLUME_MAX, VOLUME_SIZE_MAX_BYTES,
 };
 
 /// What to create.
@@ -158,6 +158,18 @@ impl VolumeManager {
     /// Starts the local volume engine on `store`, subscribed to the catalog, and finishes
     /// what a crash interrupted on this node: erasing deleted volumes, abandoning receives.
     pub fn open(store: Store, metadata: Arc<dyn Metadata>) -> VolumeResult<VolumeManager> {
+        VolumeManager::open_with(store, metadata, BackgroundWork::Thread)
+    }
+
+    /// [`Self::open`], its background work run as `background` says. With
+    /// [`BackgroundWork::Caller`] (a seeded simulation's: [`Self::run_background_work`]), a
+    /// deleted volume whose erase finished is forgotten at the next open, not at once: that
+    /// is a blocking Raft proposal, which the caller's runtime thread cannot make.
+    pub fn open_with(
+        store: Store,
+        metadata: Arc<dyn Metadata>,
+        background: BackgroundWork,
+    ) -> VolumeResult<VolumeManager> {
         let local_node = metadata.local_node();
         // Subscribe before reading the state, so no change falls in between; the engine starts
         // from the state, and changes applied meanwhile are refreshed twice (harmless).
@@ -168,7 +180,7 @@ impl VolumeManager {
                 target: pending.clone(),
             });
             catalog.subscribe(forwarder);
-            let engine = Engine::start(store, local_node, &catalog.read())?;
+            let engine = Engine::start(store, local_node, &catalog.read(), background)?;
             *pending
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(Arc::downgrade(&engine));
@@ -176,7 +188,11 @@ impl VolumeManager {
             engine
         };
         let weak: Weak<dyn Metadata> = Arc::downgrade(&metadata);
+        let forget = background == BackgroundWork::Thread;
         engine.on_erased(Box::new(move |volume_id| {
+            if !forget {
+                return;
+            }
             let Some(metadata) = weak.upgrade() else {
                 return;
             };
@@ -191,6 +207,12 @@ impl VolumeManager {
         };
         manager.finish_interrupted()?;
         Ok(manager)
+    }
+
+    /// Runs the engine's background work queued so far, here and now (opened with
+    /// [`BackgroundWork::Caller`]).
+    pub fn run_background_work(&self) {
+        self.engine.run_background_work();
     }
 
     /// Receives that died with the process are abandoned; deletions whose erase finished but

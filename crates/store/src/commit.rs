@@ -884,8 +884,12 @@ impl Engine {
     }
 
     /// Starts zero-filling segment `id` on a background thread, once, unless the writer
-    /// outran the preparations before it (see PREPARE_SKIPS_MAX).
+    /// outran the preparations before it (see PREPARE_SKIPS_MAX) or preparing is off
+    /// ([`StoreConfig::prepare_segments`]).
     fn prepare_next_segment(&self, id: u64, early: bool) {
+        if !self.config.prepare_segments {
+            return;
+        }
         {
             let backoff = lock(&self.prepare_backoff);
             if id <= backoff.skip_through

@@ -151,6 +151,11 @@ pub struct StoreConfig {
     /// The filesystem under the store: the real one, or a simulated disk in tests
     /// ([`simdisk::SimDisk`]) that loses unsynced writes at a power cut and fails chosen syncs.
     pub disk: Arc<dyn disk::Disk>,
+    /// Prepare (zero-fill) the next segment on a background thread ahead of the writer.
+    /// Default on; a seeded simulation turns it off (the writer then creates each segment
+    /// when it gets there): a thread finishing in real time would make what a power cut
+    /// leaves depend on the machine's load, not on the seed.
+    pub prepare_segments: bool,
 }
 
 impl StoreConfig {
@@ -163,6 +168,7 @@ impl StoreConfig {
             reserve_bytes: 256 << 20,
             checkpoint_interval_bytes: 64 << 20,
             disk: Arc::new(disk::RealDisk),
+            prepare_segments: true,
         }
     }
 }

@@ -493,13 +493,27 @@ pub struct Engine {
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
+/// Who runs an engine's background work: erasing deleted volumes and copies this node no
+/// longer hosts, collecting garbage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackgroundWork {
+    /// A worker thread of the engine's own, as soon as the work is queued.
+    Thread,
+    /// Whoever calls [`Engine::run_background_work`]: a seeded simulation, where a thread
+    /// finishing in real time would make what each node's store holds depend on the machine's
+    /// load, not on the seed.
+    Caller,
+}
+
 impl Engine {
-    /// Builds the engine from the catalog's current state and starts its worker. Subscribe it to
-    /// the catalog before reading `state`, so no change falls between the two.
+    /// Builds the engine from the catalog's current state and starts its worker (with
+    /// [`BackgroundWork::Thread`]). Subscribe it to the catalog before reading `state`, so no
+    /// change falls between the two.
     pub fn start(
         store: Store,
         local_node: NodeId,
         state: &CatalogState,
+        background: BackgroundWork,
     ) -> VolumeResult<Arc<Engine>> {
         let engine = Arc::new(Engine {
             store,
@@ -512,6 +526,9 @@ impl Engine {
         });
         engine.refresh_all(state);
         engine.find_orphans(state)?;
+        if background == BackgroundWork::Caller {
+            return Ok(engine);
+        }
         let weak = Arc::downgrade(&engine);
         let worker = std::thread::Builder::new()
             .name("keel-volume-worker".into())
@@ -519,6 +536,13 @@ impl Engine {
             .map_err(VolumeError::Io)?;
         *lock(&engine.worker) = Some(worker);
         Ok(engine)
+    }
+
+    /// Runs the background work queued so far, here and now ([`BackgroundWork::Caller`]).
+    pub fn run_background_work(&self) {
+        while let Some(job) = next_job(self, false) {
+            run_job(self, job);
+        }
     }
 
     /// Where erased volumes are reported (set once, by the namespace).
@@ -994,7 +1018,8 @@ enum Job {
     Collect(u64),
 }
 
-fn next_job(engine: &Engine) -> Option<Job> {
+/// The next job queued; with `wait`, waits for one (`None` once the engine stops).
+fn next_job(engine: &Engine, wait: bool) -> Option<Job> {
     let mut work = lock(&engine.work);
     loop {
         if work.stopping {
@@ -1011,6 +1036,9 @@ fn next_job(engine: &Engine) -> Option<Job> {
             work.running_collect = Some(id);
             return Some(Job::Collect(id));
         }
+        if !wait {
+            return None;
+        }
         work = engine
             .work_changed
             .wait(work)
@@ -1023,40 +1051,44 @@ fn worker_loop(engine: std::sync::Weak<Engine>) {
         let Some(strong) = engine.upgrade() else {
             return;
         };
-        let Some(job) = next_job(&strong) else {
+        let Some(job) = next_job(&strong, true) else {
             return;
         };
-        let result = match job {
-            Job::Erase(id) => {
-                let result = strong.erase(id, &mut |_| {});
-                lock(&strong.work).running_erase = None;
-                strong.work_changed.notify_all();
-                result
-            }
-            // Batch by batch, and only while the volume is not hosted here: a replica placed
-            // back on this node meanwhile keeps what it is sent from then on.
-            Job::EraseOrphan(id) => scan::delete_all_blocks_while(
-                &strong.store,
-                id,
-                &format!("#{id}"),
-                0,
-                &mut |_| {},
-                || {
-                    let volumes = read(&strong.volumes);
-                    (!volumes.contains_key(&id)).then_some(volumes)
-                },
-            ),
-            Job::Collect(id) => {
-                let result = strong.collect(id, &mut |_| {});
-                let mut work = lock(&strong.work);
-                work.running_collect = None;
-                work.finished_collect = result.as_ref().ok().map(|report| (id, *report));
-                strong.work_changed.notify_all();
-                result.map(|_| ())
-            }
-        };
-        if let Err(error) = result {
-            tracing::warn!(%error, "volume background work failed; it is retried at the next start");
+        run_job(&strong, job);
+    }
+}
+
+fn run_job(strong: &Engine, job: Job) {
+    let result = match job {
+        Job::Erase(id) => {
+            let result = strong.erase(id, &mut |_| {});
+            lock(&strong.work).running_erase = None;
+            strong.work_changed.notify_all();
+            result
         }
+        // Batch by batch, and only while the volume is not hosted here: a replica placed
+        // back on this node meanwhile keeps what it is sent from then on.
+        Job::EraseOrphan(id) => scan::delete_all_blocks_while(
+            &strong.store,
+            id,
+            &format!("#{id}"),
+            0,
+            &mut |_| {},
+            || {
+                let volumes = read(&strong.volumes);
+                (!volumes.contains_key(&id)).then_some(volumes)
+            },
+        ),
+        Job::Collect(id) => {
+            let result = strong.collect(id, &mut |_| {});
+            let mut work = lock(&strong.work);
+            work.running_collect = None;
+            work.finished_collect = result.as_ref().ok().map(|report| (id, *report));
+            strong.work_changed.notify_all();
+            result.map(|_| ())
+        }
+    };
+    if let Err(error) = result {
+        tracing::warn!(%error, "volume background work failed; it is retried at the next start");
     }
 }
