@@ -756,7 +756,8 @@ def test_a_drain_hands_primaries_off_and_forwards_the_clients_attached_there(clu
     of an R=3 volume nobody attached. Draining node 1 hands each primary to another replica in
     sync; the R=2 volume's replica on node 1 then moves to node 3. The client attached to node
     1 notices nothing: it goes on writing and flushing through the new primary (forwarded) and
-    reads back every block. The R=3 volume's replica has nowhere to go and stays; a client
+    reads back every block; nor does a client attached to the node without a replica, whose
+    session on node 1 held a write not yet flushed. The R=3 volume's replica has nowhere to go and stays; a client
     attaching to node 1 is forwarded to the new primary rather than take the volume back.
     Lowering that volume's R removes the draining node's replica, and node 1 is drained."""
     config = cluster_config(workdir, "handing", "replica_move_after_ms = 1000")
@@ -787,6 +788,13 @@ def test_a_drain_hands_primaries_off_and_forwards_the_clients_attached_there(clu
         expected[index] = block("before-drain", index)
         client.write(index * BLOCK, expected[index])
     client.flush()
+    # A client on the node without a replica: forwarded to node 1, with a write acknowledged
+    # and not flushed when the volume changes hands.
+    free = next(node for node in (2, 3) if node not in placed["replicas"])
+    remote = attach(nodes[free - 1], "attached")
+    far = SIZE // BLOCK - 2
+    expected[far] = block("forwarded", far)
+    remote.write(far * BLOCK, expected[far])
     wide = attach(first, "wide")
     wide.write(0, block("wide", 0))
     wide.flush()
@@ -823,6 +831,12 @@ def test_a_drain_hands_primaries_off_and_forwards_the_clients_attached_there(clu
     client.write(index * BLOCK, expected[index])
     client.flush()
     client.close()
+    # The forwarded client's session on node 1 goes on through the new primary.
+    expected[far + 1] = block("forwarded", far + 1)
+    remote.write((far + 1) * BLOCK, expected[far + 1])
+    remote.flush()
+    assert remote.read(far * BLOCK, 2 * BLOCK) == expected[far] + expected[far + 1]
+    remote.close()
 
     code, info = first.api("GET", "/api/v1/nodes/n1")
     assert code == 200 and info["replicas"] == [{"volume": "wide", "primary": False, "in_sync": True}], info
