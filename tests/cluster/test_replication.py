@@ -115,6 +115,16 @@ def block(tag, index):
     return (seed * (BLOCK // len(seed) + 1))[:BLOCK]
 
 
+def write_blocks(client, tag, indexes):
+    """Writes block(tag, index) at each index through `client`, flushes, returns them by index."""
+    written = {}
+    for index in indexes:
+        written[index] = block(tag, index)
+        client.write(index * BLOCK, written[index])
+    client.flush()
+    return written
+
+
 def test_r2_volume_survives_losing_a_replica_and_resyncs_what_changed(cluster):
     """An R=2 volume is placed on both storage nodes and both are in sync once attached (the
     never-written volume is skipped, not compared). With
@@ -783,11 +793,7 @@ def test_a_drain_hands_primaries_off_and_forwards_the_clients_attached_there(clu
     assert placed["primary"] == 1 and 1 in placed["replicas"], placed
     other = next(node for node in placed["replicas"] if node != 1)
     client = attach(first, "attached")
-    expected = {}
-    for index in range(64):
-        expected[index] = block("before-drain", index)
-        client.write(index * BLOCK, expected[index])
-    client.flush()
+    expected = write_blocks(client, "before-drain", range(64))
     # A client on the node without a replica: forwarded to node 1, with a write acknowledged
     # and not flushed when the volume changes hands.
     free = next(node for node in (2, 3) if node not in placed["replicas"])
@@ -1260,11 +1266,7 @@ def test_replicas_change_online_and_a_removed_replica_erases_its_copy(cluster):
     assert code == 200, created
     assert replication(first, "grow")["replicas"] == [1]
     client = attach(first, "grow")
-    expected = {}
-    for index in range(256):
-        expected[index] = block("single", index)
-        client.write(index * BLOCK, expected[index])
-    client.flush()
+    expected = write_blocks(client, "single", range(256))
 
     # A writer on the attached connection while R goes from 1 to 3.
     flushed = {}
