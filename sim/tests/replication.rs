@@ -144,3 +144,14 @@ fn a_seed_replays_exactly() {
     assert!(first.power_cuts > 0 && first.attaches > 1, "{first:#?}");
     assert_eq!(first, second);
 }
+
+// Proves a seed replays exactly with the engine acting on its own: drains (seed 1 hands two
+// primaries off), replicas moved, snapshots deleted.
+#[test]
+fn a_drains_seed_replays_exactly() {
+    let first = keel_sim::replication::run_in(1, 200, Mode::Drains);
+    let second = keel_sim::replication::run_in(1, 200, Mode::Drains);
+    assert!(first.violations.is_empty(), "{first:#?}");
+    assert!(first.primaries_handed_off > 0, "{first:#?}");
+    assert_eq!(first, second);
+}
