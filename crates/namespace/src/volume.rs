@@ -187,19 +187,17 @@ impl VolumeManager {
             engine.refresh_from(&catalog.read());
             engine
         };
-        let weak: Weak<dyn Metadata> = Arc::downgrade(&metadata);
-        let forget = background == BackgroundWork::Thread;
-        engine.on_erased(Box::new(move |volume_id| {
-            if !forget {
-                return;
-            }
-            let Some(metadata) = weak.upgrade() else {
-                return;
-            };
-            if let Err(error) = metadata.propose(Command::VolumeForget { volume_id }) {
-                tracing::warn!(volume_id, %error, "could not forget an erased volume; retried at the next start");
-            }
-        }));
+        if background == BackgroundWork::Thread {
+            let weak: Weak<dyn Metadata> = Arc::downgrade(&metadata);
+            engine.on_erased(Box::new(move |volume_id| {
+                let Some(metadata) = weak.upgrade() else {
+                    return;
+                };
+                if let Err(error) = metadata.propose(Command::VolumeForget { volume_id }) {
+                    tracing::warn!(volume_id, %error, "could not forget an erased volume; retried at the next start");
+                }
+            }));
+        }
         let manager = VolumeManager {
             metadata,
             engine,
