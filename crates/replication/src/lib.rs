@@ -1945,6 +1945,23 @@ mod tests {
 
     use super::{hand_off_target, replicas_to_move};
 
+    /// The command creating a ready 1 MiB volume `name` on `replicas` (the first its primary).
+    pub(crate) fn volume_create(name: &str, replicas: Vec<u64>) -> Command {
+        Command::VolumeCreate {
+            settings: VolumeSettings {
+                name: name.to_string(),
+                size_bytes: 1 << 20,
+                compression: "none".to_string(),
+                iops_max: None,
+                bandwidth_max_mib_per_second: None,
+            },
+            uuid: [1; 16],
+            created_unix_seconds: 1,
+            replicas,
+            status: VolumeStatus::Ready,
+        }
+    }
+
     fn apply(state: &mut CatalogState, command: Command) {
         let plan = state.plan(&command).unwrap();
         state.commit(&plan.changes);
@@ -1984,22 +2001,7 @@ mod tests {
         for index in 1..=3 {
             apply(&mut state, node(index));
         }
-        apply(
-            &mut state,
-            Command::VolumeCreate {
-                settings: VolumeSettings {
-                    name: "v".to_string(),
-                    size_bytes: 1 << 20,
-                    compression: "none".to_string(),
-                    iops_max: None,
-                    bandwidth_max_mib_per_second: None,
-                },
-                uuid: [1; 16],
-                created_unix_seconds: 1,
-                replicas: vec![2, 1],
-                status: VolumeStatus::Ready,
-            },
-        );
+        apply(&mut state, volume_create("v", vec![2, 1]));
         let volume_id = state.volume("v").unwrap().record.id;
         let mut epoch = state.volume("v").unwrap().record.replication.epoch;
         let mut replication = |state: &mut CatalogState, primary, in_sync: &[u64]| {

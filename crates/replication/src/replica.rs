@@ -729,10 +729,7 @@ pub(crate) async fn snapshot_repair(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use keel_catalog::{
-        Command, LocalCatalog, Metadata, NodeAddresses, NodeRole, NodeSpec, VolumeSettings,
-        VolumeStatus,
-    };
+    use keel_catalog::{Command, LocalCatalog, Metadata, NodeAddresses, NodeRole, NodeSpec};
 
     // Proves the fencing rule: only the catalog's primary writes, an older epoch's primary is
     // fenced after a take-over, a newer epoch waits for the catalog, and a node without a
@@ -765,19 +762,7 @@ mod tests {
                 .unwrap();
         }
         catalog
-            .propose(Command::VolumeCreate {
-                settings: VolumeSettings {
-                    name: "r2".to_string(),
-                    size_bytes: 1 << 20,
-                    compression: "none".to_string(),
-                    iops_max: None,
-                    bandwidth_max_mib_per_second: None,
-                },
-                uuid: [1; 16],
-                created_unix_seconds: 1,
-                replicas: vec![1, 2],
-                status: VolumeStatus::Ready,
-            })
+            .propose(crate::tests::volume_create("r2", vec![1, 2]))
             .unwrap();
         let id = catalog.catalog().read().volume("r2").unwrap().record.id;
         let code = |local, epoch, sender| {
