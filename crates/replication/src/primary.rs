@@ -1030,7 +1030,9 @@ impl Primary {
             }
             Err(failure) if failure.code == Some(CODE_FENCED) => {
                 drop(state);
-                self.close(format!("a replica fenced this node: {}", failure.message));
+                if self.fenced_by(node) {
+                    self.close(format!("a replica fenced this node: {}", failure.message));
+                }
                 false
             }
             // A batch of a stream a resync has since replaced (the replica refuses it once
@@ -2585,6 +2587,17 @@ impl Primary {
         (state.epoch, catalog_index)
     }
 
+    /// Whether `node` refusing this primary ([`CODE_FENCED`]) means another primary took the
+    /// volume over: not when Raft removed `node`'s replica while keeping this node primary
+    /// (R lowered, a replica moved), and `node` applied that before a request sent earlier
+    /// reached it. It then holds no replica, and its refusal says nothing about this
+    /// primary. A catalog that has not seen the removal (this node cut off) still lists it.
+    fn fenced_by(&self, node: NodeId) -> bool {
+        self.catalog_replication().is_none_or(|replication| {
+            replication.primary != self.shared.local_node || replication.hosts(node)
+        })
+    }
+
     /// Asks a replica about a range of the volume (`METHOD_HASHES`, `METHOD_UNWRITTEN`) in
     /// this primary's epoch; a replica that fences it closes this primary.
     async fn ask_range<T: serde::de::DeserializeOwned>(
@@ -2620,7 +2633,7 @@ impl Primary {
             .call(node, method, payload, timeout)
             .await
             .map_err(|failure| {
-                if failure.code == Some(CODE_FENCED) {
+                if failure.code == Some(CODE_FENCED) && self.fenced_by(node) {
                     self.close(format!("a replica fenced this node: {}", failure.message));
                 }
                 failure.message
