@@ -277,6 +277,18 @@ pub enum Command {
         node: NodeId,
         generation: u64,
     },
+
+    // ---- drains (appended) ----
+    /// Copies a volume with one replica (R=1) off its node, which is draining: node `to`
+    /// joins its replicas out of sync while R stays 1, in epoch `epoch + 1` (refused unless
+    /// the volume is still in `epoch`). The primary catches `to` up, then hands it the volume
+    /// (`VolumeSetReplication`), and the new primary removes the draining node's copy
+    /// (`VolumeSetReplicas`, which makes R what its replicas are again).
+    VolumeCopyOffDraining {
+        volume_id: u64,
+        epoch: u64,
+        to: NodeId,
+    },
 }
 
 impl Command {
@@ -293,6 +305,7 @@ impl Command {
             Command::VolumeSetReplication { .. } => "volume-set-replication",
             Command::VolumeMoveReplica { .. } => "volume-move-replica",
             Command::VolumeSetReplicas { .. } => "volume-set-replicas",
+            Command::VolumeCopyOffDraining { .. } => "volume-copy-off-draining",
             Command::VolumeClone { .. } => "volume-clone",
             Command::VolumeDelete { .. } => "volume-delete",
             Command::VolumeForget { .. } => "volume-forget",

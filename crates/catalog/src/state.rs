@@ -680,6 +680,11 @@ impl CatalogState {
                 *size_bytes,
                 *created_unix_seconds,
             ),
+            Command::VolumeCopyOffDraining {
+                volume_id,
+                epoch,
+                to,
+            } => self.plan_copy_off_draining(*volume_id, *epoch, *to),
             Command::SnapshotRepairBegin {
                 volume_id,
                 snapshot_generation,
@@ -1263,6 +1268,41 @@ impl CatalogState {
             volume_id,
             &[to],
             &[from],
+        );
+        Ok(plan.change(Change::PutVolume(record)))
+    }
+
+    fn plan_copy_off_draining(
+        &self,
+        volume_id: u64,
+        epoch: u64,
+        to: NodeId,
+    ) -> Result<Plan, CatalogError> {
+        let mut record = self.volume_in_epoch(volume_id, epoch)?;
+        let invalid = |detail: String| CatalogError::Invalid {
+            subject: format!("volume {:?}", record.name),
+            detail,
+        };
+        let replication = &record.replication;
+        if replication.factor != 1 || replication.replicas != [replication.primary] {
+            return Err(invalid(format!(
+                "R is {} with replicas on nodes {:?}: only a volume's one replica is copied off \
+                 a draining node (others are moved)",
+                replication.factor, replication.replicas
+            )));
+        }
+        let from = replication.primary;
+        if !self.live_node(from)?.draining {
+            return Err(invalid(format!("node {from} is not draining")));
+        }
+        self.check_new_replica(&record.name, to)?;
+        record.replication.replicas.push(to);
+        record.replication.epoch = epoch + 1;
+        let plan = self.snapshots_after_replicas_change(
+            Plan::new(Outcome::Done).event(Event::VolumeChanged { volume_id }),
+            volume_id,
+            &[to],
+            &[],
         );
         Ok(plan.change(Change::PutVolume(record)))
     }

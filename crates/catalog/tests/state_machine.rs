@@ -100,6 +100,15 @@ fn command() -> impl Strategy<Value = Command> {
                 to,
             }
         }),
+        (1u64..4, any::<bool>())
+            .prop_map(|(id, draining)| Command::NodeSetDraining { id, draining }),
+        (0u64..6, 1u64..4, 1u64..4).prop_map(|(volume_id, epoch, to)| {
+            Command::VolumeCopyOffDraining {
+                volume_id,
+                epoch,
+                to,
+            }
+        }),
         (volume.clone(), snapshot.clone()).prop_map(|(volume, snapshot)| {
             Command::SnapshotCreate {
                 volume,
@@ -280,7 +289,13 @@ fn check_invariants(state: &CatalogState) {
             .all(|node| replication.replicas.contains(node)));
         assert!(replication.epoch >= 1);
         assert!(replication.replicas.contains(&replication.primary));
-        assert_eq!(usize::from(replication.factor), replication.replicas.len());
+        // R is what the replicas are, but while a volume with one replica is copied off a
+        // draining node: then there are two.
+        assert!(
+            usize::from(replication.factor) == replication.replicas.len()
+                || (replication.factor == 1 && replication.replicas.len() == 2),
+            "{replication:?}"
+        );
         assert!(
             replication.in_sync_min >= 1
                 && usize::from(replication.in_sync_min) <= replication.replicas.len()
@@ -524,6 +539,113 @@ fn replication_changes_compare_the_epoch() {
             replication.factor
         ),
         (vec![2], vec![2], 1)
+    );
+}
+
+// Proves a volume's one replica is copied off a draining node with R kept at 1: only from a
+// draining node, onto a storage node that takes replicas, in the volume's epoch; and that
+// removing the draining node's copy afterwards leaves R=1 on the new node.
+#[test]
+fn a_single_copy_is_copied_off_a_draining_node() {
+    let dir = store_dir("copy-off");
+    let catalog = LocalCatalog::open(open(&dir)).unwrap();
+    catalog.propose(second_node()).unwrap();
+    catalog.propose(third_node()).unwrap();
+    catalog
+        .propose(Command::VolumeCreate {
+            settings: VolumeSettings {
+                name: "r2".to_string(),
+                size_bytes: 1 << 20,
+                compression: "none".to_string(),
+                iops_max: None,
+                bandwidth_max_mib_per_second: None,
+            },
+            uuid: [1; 16],
+            created_unix_seconds: 5,
+            replicas: vec![1],
+            status: VolumeStatus::Ready,
+        })
+        .unwrap();
+    let id = catalog.catalog().read().volume("r2").unwrap().record.id;
+    catalog
+        .propose(Command::SnapshotCreate {
+            volume: "r2".to_string(),
+            snapshot: "before".to_string(),
+            guid: [2; 16],
+            created_unix_seconds: 6,
+        })
+        .unwrap();
+    let copy = |epoch, to| Command::VolumeCopyOffDraining {
+        volume_id: id,
+        epoch,
+        to,
+    };
+    let refused = catalog.propose(copy(1, 2)).unwrap_err();
+    assert!(refused.to_string().contains("not draining"), "{refused}");
+    let draining = |id, draining| Command::NodeSetDraining { id, draining };
+    catalog.propose(draining(1, true)).unwrap();
+    catalog.propose(draining(3, true)).unwrap();
+    assert!(catalog.propose(copy(1, 3)).is_err(), "onto a draining node");
+    assert!(catalog.propose(copy(1, 1)).is_err(), "onto itself");
+    assert!(catalog.propose(copy(1, 9)).is_err(), "onto a stranger");
+    assert!(catalog.propose(copy(0, 2)).is_err(), "an old epoch");
+    catalog.propose(copy(1, 2)).unwrap();
+    let replication = replication_of(&catalog);
+    assert_eq!(
+        (
+            replication.factor,
+            replication.replicas.clone(),
+            replication.in_sync.clone(),
+            replication.epoch
+        ),
+        (1, vec![1, 2], vec![1], 2),
+        "R stays 1; the copy starts out of sync"
+    );
+    let entry = catalog.catalog().read().volume("r2").unwrap().clone();
+    let snapshot = entry.snapshots.values().next().unwrap();
+    assert_eq!(
+        snapshot.incomplete_on,
+        vec![2],
+        "the snapshot is not on the copy yet"
+    );
+    let again = catalog.propose(copy(2, 3)).unwrap_err();
+    assert!(
+        again.to_string().contains("only a volume's one replica"),
+        "{again}"
+    );
+    // The copy caught up, took the volume over, and removed the draining node's replica.
+    catalog
+        .propose(Command::VolumeSetReplication {
+            volume_id: id,
+            epoch: 2,
+            primary: 1,
+            in_sync: vec![1, 2],
+        })
+        .unwrap();
+    catalog
+        .propose(Command::VolumeSetReplication {
+            volume_id: id,
+            epoch: 3,
+            primary: 2,
+            in_sync: vec![1, 2],
+        })
+        .unwrap();
+    catalog
+        .propose(Command::VolumeSetReplicas {
+            volume_id: id,
+            epoch: 4,
+            replicas: vec![2],
+            in_sync_min: 1,
+        })
+        .unwrap();
+    let replication = replication_of(&catalog);
+    assert_eq!(
+        (
+            replication.factor,
+            replication.replicas,
+            replication.primary
+        ),
+        (1, vec![2], 2)
     );
 }
 

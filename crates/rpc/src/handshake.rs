@@ -45,8 +45,9 @@ const STATUS_OTHER_PROTOCOL: u8 = 2;
 /// about a replica's copy (hashes, unwritten ranges, changes since a point) carry the Raft
 /// index the replica must have applied first. 5: replication batches carry the volume's write
 /// generation (a replica refuses one queued before a change it has applied). 6: a change of a
-/// volume's replicas ends the snapshot repairs of the copies it adds or removes.
-pub const PROTOCOL: u16 = 6;
+/// volume's replicas ends the snapshot repairs of the copies it adds or removes. 7: a command
+/// copies a volume's one replica off a draining node (R stays 1 with two replicas).
+pub const PROTOCOL: u16 = 7;
 
 fn protocol_of(hello: &[u8]) -> u16 {
     u16::from_le_bytes([hello[6], hello[7]])
