@@ -702,8 +702,9 @@ def test_a_replica_on_a_node_that_stays_down_is_rebuilt_elsewhere(cluster, workd
     """Three storage nodes, an R=2 volume on nodes 1 and 2. Node 2 is killed and stays down
     past `replica_move_after_ms`: its replica moves to node 3 through Raft and node 3 is
     caught up and put in sync. Node 2 returns; draining node 3 moves the replica back to node
-    2 at once. The primary is killed, and the volume attached through node 2 holds every
-    flushed write."""
+    2 at once, and copies an R=1 volume nobody attached to node 1, which then holds its one
+    replica with every block. The primary is killed, and the volume attached through node 2
+    holds every flushed write."""
     config = workdir / "fast-moves.toml"
     config.write_text("[cluster]\nsuspect_after_ms = 1000\ndown_after_ms = 2000\nreplica_move_after_ms = 1000\n")
     nodes = [cluster.add(extra_args=["--config", str(config)]) for _ in range(3)]
@@ -729,31 +730,38 @@ def test_a_replica_on_a_node_that_stays_down_is_rebuilt_elsewhere(cluster, workd
 
     second.start()
     wait_until("node 2 back up", lambda: all(n["record"]["state"] == "Up" for n in first.status()["nodes"]), timeout=60)
-    # Draining node 3 moves its replica at once, here back to node 2; the only copy of an
-    # R=1 volume created there stays, and the drain says so.
+    # Draining node 3 moves its replica at once, here back to node 2, and copies the only
+    # replica of an R=1 volume created there to node 1 (nobody attached it).
     code, created = third.api("POST", "/api/v1/volumes", {"name": "solo", "size_bytes": SIZE}, timeout=30)
     assert code == 200, created
+    solo = attach(third, "solo")
+    solo_blocks = write_blocks(solo, "solo", range(0, SIZE // BLOCK, 97))
+    solo.close()
     code, info = first.api("GET", "/api/v1/nodes/n3")
     assert code == 200 and info["replicas"] == [
         {"volume": "moving", "primary": False, "in_sync": True},
         {"volume": "solo", "primary": True, "in_sync": True}], info
     drained = first.cli("node", "drain", "n3").stdout
     assert ("n3 draining: 2 volume replica(s) to move off" in drained
-            and "1 of them the volume's only copy" in drained and "primary:" not in drained), drained
+            and "1 of them the volume's only copy (R=1): each is copied to another storage node" in drained
+            and "primary:" not in drained), drained
     wait_until("the replica moved off the draining node",
                lambda: (replication(first, "moving")["replicas"] == [1, 2]
                         and sorted(replication(first, "moving")["in_sync"]) == [1, 2]), timeout=90)
-    code, info = first.api("GET", "/api/v1/nodes/n3")
-    assert (code == 200 and [replica["volume"] for replica in info["replicas"]] == ["solo"]
-            and info["record"]["draining"]), info
-    status = first.cli("status").stdout
-    assert ("KEEL_NODE_DRAINING: node n3 is draining: 1 volume replica(s) left, 0 of them a "
-            "replicated volume's primary (handed to another replica in sync first) and 1 a "
-            "volume's only copy" in status), status
-    code, deleted = third.api("DELETE", "/api/v1/volumes/solo")
-    assert code == 200, deleted
+
+    def solo_on_node_1():
+        code, info = first.api("GET", "/api/v1/volumes/solo")
+        return code == 200 and info["replication"]
+    moved = wait_until("the R=1 volume's copy on node 1 alone", lambda: (
+        (solo_on_node_1() or {}).get("replicas") == [1] and solo_on_node_1()), timeout=90)
+    assert (moved["factor"], moved["primary"], moved["in_sync"]) == (1, 1, [1]), moved
     wait_until("node 3 drained",
-               lambda: "KEEL_NODE_DRAINING: node n3 is drained: it holds no volume replica" in first.cli("status").stdout)
+               lambda: "KEEL_NODE_DRAINING: node n3 is drained: it holds no volume replica" in first.cli("status").stdout,
+               timeout=60)
+    solo = attach(first, "solo")
+    for index, data in solo_blocks.items():
+        assert solo.read(index * BLOCK, BLOCK) == data, f"solo block {index} lost in the copy"
+    solo.close()
     first.kill9()
     other = attach(second, "moving", timeout=60)
     for index, data in expected.items():
@@ -762,14 +770,16 @@ def test_a_replica_on_a_node_that_stays_down_is_rebuilt_elsewhere(cluster, workd
 
 
 def test_a_drain_hands_primaries_off_and_forwards_the_clients_attached_there(cluster, workdir):
-    """Three storage nodes; node 1 the primary of an R=2 volume attached there through NBD and
-    of an R=3 volume nobody attached. Draining node 1 hands each primary to another replica in
-    sync; the R=2 volume's replica on node 1 then moves to node 3. The client attached to node
-    1 notices nothing: it goes on writing and flushing through the new primary (forwarded) and
-    reads back every block; nor does a client attached to the node without a replica, whose
-    session on node 1 held a write not yet flushed. The R=3 volume's replica has nowhere to go and stays; a client
-    attaching to node 1 is forwarded to the new primary rather than take the volume back.
-    Lowering that volume's R removes the draining node's replica, and node 1 is drained."""
+    """Three storage nodes; node 1 the primary of an R=2 volume attached there through NBD, of
+    an R=3 volume nobody attached, and the only replica of an R=1 volume attached there too.
+    Draining node 1 hands each primary to another replica in sync; the R=2 volume's replica on
+    node 1 then moves to node 3; the R=1 volume is copied to node 2, handed to it, and its copy
+    on node 1 removed, R staying 1. The clients attached to node 1 notice nothing: they go on
+    writing and flushing through the new primaries (forwarded) and read back every block; nor
+    does a client attached to the node without a replica, whose session on node 1 held a write
+    not yet flushed. The R=3 volume's replica has nowhere to go and stays; a client attaching
+    to node 1 is forwarded to the new primary rather than take the volume back. Lowering that
+    volume's R removes the draining node's replica, and node 1 is drained."""
     config = cluster_config(workdir, "handing", "replica_move_after_ms = 1000")
     nodes = [cluster.add(extra_args=config) for _ in range(3)]
     wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
@@ -805,34 +815,46 @@ def test_a_drain_hands_primaries_off_and_forwards_the_clients_attached_there(clu
     wide.write(0, block("wide", 0))
     wide.flush()
     wide.close()
+    code, created = first.api("POST", "/api/v1/volumes", {"name": "solo", "size_bytes": SIZE}, timeout=30)
+    assert code == 200, created
+    solo = attach(first, "solo")
+    solo_expected = write_blocks(solo, "solo-before-drain", range(0, SIZE // BLOCK, 61))
 
     drained = first.cli("node", "drain", "n1").stdout
-    assert ("n1 draining: 2 volume replica(s) to move off" in drained
-            and "2 of them primary: each is handed to another replica in sync first" in drained), drained
+    assert ("n1 draining: 3 volume replica(s) to move off" in drained
+            and "2 of them primary: each is handed to another replica in sync first" in drained
+            and "1 of them the volume's only copy (R=1): each is copied to another storage node" in drained), drained
 
     def handed():
-        attached, wide = replication(first, "attached"), replication(first, "wide")
+        attached, wide, solo = (replication(first, name) for name in ("attached", "wide", "solo"))
         return (attached["primary"] == other and sorted(attached["replicas"]) == [2, 3]
                 and sorted(attached["in_sync"]) == [2, 3] and wide["primary"] == 2
-                and sorted(wide["in_sync"]) == [1, 2, 3])
+                and sorted(wide["in_sync"]) == [1, 2, 3]
+                and (solo["factor"], solo["replicas"], solo["primary"]) == (1, [2], 2))
 
-    # The client writes while the volume changes hands, back to back: not one request fails.
+    # The clients write while the volumes change hands, back to back: not one request fails.
     index = 64
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 120
     slowest = 0.0
     while not handed():
-        assert time.monotonic() < deadline, [replication(first, name) for name in ("attached", "wide")]
+        assert time.monotonic() < deadline, [replication(first, name) for name in ("attached", "wide", "solo")]
         expected[index] = block("during-drain", index)
+        solo_expected[index] = block("solo-during-drain", index)
         started = time.monotonic()
         client.write(index * BLOCK, expected[index])
         client.flush()
+        solo.write(index * BLOCK, solo_expected[index])
+        solo.flush()
         slowest = max(slowest, time.monotonic() - started)
         index += 1
     assert index > 64, "the drain finished before the client wrote through it"
-    print(f"{index - 64} writes + FLUSHes through the drain, the slowest {slowest * 1000:.0f} ms "
-          "(the hand-off's pause; nodes share one disk)")
+    print(f"{index - 64} writes + FLUSHes to each of two volumes through the drain, the slowest pair "
+          f"{slowest * 1000:.0f} ms (the hand-offs' pauses; nodes share one disk)")
     for offset, data in expected.items():
         assert client.read(offset * BLOCK, BLOCK) == data, f"block {offset} read through the drained node"
+    for offset, data in solo_expected.items():
+        assert solo.read(offset * BLOCK, BLOCK) == data, f"solo block {offset} read through the drained node"
+    solo.close()
     expected[index] = block("after-drain", index)
     client.write(index * BLOCK, expected[index])
     client.flush()
@@ -864,6 +886,38 @@ def test_a_drain_hands_primaries_off_and_forwards_the_clients_attached_there(clu
     wide = attach(second, "wide")
     assert wide.read(0, 2 * BLOCK) == block("wide", 0) + block("wide", 1)
     wide.close()
+    solo = attach(second, "solo")
+    for offset, data in solo_expected.items():
+        assert solo.read(offset * BLOCK, BLOCK) == data, f"solo block {offset} on its new node"
+    solo.close()
+
+
+def test_an_undone_drain_removes_the_copy_it_began(cluster, workdir):
+    """An R=1 volume on node 1 holding 16 MiB, attached there; catch-ups limited to 2 MiB/s.
+    Draining node 1 copies the volume to node 2 (R stays 1, two replicas, the copy out of
+    sync); undoing the drain before the copy is in sync removes the copy again: the volume is
+    back on node 1 alone, and the client, which wrote throughout, reads back every byte."""
+    first, second, client = pair_with_one_replica(cluster, workdir, "resync_mib_per_second = 2", "undone")
+    data = bytearray(write_random(client, 16 << 20))
+    first.cli("node", "drain", "n1")
+    copying = wait_until("the copy on node 2, out of sync", lambda: (
+        replication(first, "undone")["replicas"] == [1, 2] and replication(first, "undone")), timeout=30)
+    assert (copying["factor"], copying["primary"], copying["in_sync"]) == (1, 1, [1]), copying
+    for index in range(16):
+        data[index * BLOCK:(index + 1) * BLOCK] = block("while-copying", index)
+        client.write(index * BLOCK, block("while-copying", index))
+    client.flush()
+    first.cli("node", "drain", "n1", "--undo")
+    back = wait_until("the copy removed", lambda: (
+        replication(first, "undone")["replicas"] == [1] and replication(first, "undone")), timeout=30)
+    assert (back["factor"], back["primary"], back["in_sync"]) == (1, 1, [1]), back
+    code, info = second.api("GET", "/api/v1/nodes/n2")
+    assert code == 200 and info["replicas"] == [], info
+    client.write(BLOCK * 16, block("after-undo", 16))
+    client.flush()
+    data[16 * BLOCK:17 * BLOCK] = block("after-undo", 16)
+    assert client.read(0, len(data)) == bytes(data)
+    client.close()
 
 
 def test_snapshots_of_an_r2_volume_cut_the_same_writes_on_both_replicas(cluster):

@@ -300,8 +300,8 @@ pub struct StoreStatus {
 }
 
 /// The volume replicas a drain of a node has left to move; among them, a replicated volume's
-/// primary (handed to another replica in sync first) and a volume's only copy (which does not
-/// move on its own: it stays until R is raised).
+/// primary (handed to another replica in sync first) and a volume's only copy (copied to another
+/// node first, R staying 1, then handed to the copy).
 struct DrainLeft {
     replicas: usize,
     primaries: usize,
@@ -356,13 +356,12 @@ fn drains(state: &AppState) -> Vec<keel_cluster::HealthCheck> {
                 format!(
                     "node {} is draining: {} volume replica(s) left, {} of them a replicated \
                      volume's primary (handed to another replica in sync first) and {} a \
-                     volume's only copy (which does not move on its own)",
+                     volume's only copy (copied to another node first, R staying 1)",
                     record.name, left.replicas, left.primaries, left.single_copies
                 ),
                 format!(
-                    "keel node info {} lists them: raise an only copy's replicas (keel volume \
-                     set-replication NAME --replicas 2); attach clients forwarded through this \
-                     node through another",
+                    "keel node info {} lists them; attach clients forwarded through this node \
+                     through another",
                     record.name
                 ),
             )

@@ -1128,9 +1128,9 @@ pub fn node(connection: &Connection, command: NodeCommand) -> anyhow::Result<()>
                 let single = answer["single_copies"].as_u64().unwrap_or(0);
                 if single > 0 {
                     println!(
-                        "{single} of them the volume's only copy: it stays until you raise the \
-                         volume's replicas (keel volume set-replication NAME --replicas 2); once \
-                         the new replica is in sync the volume is handed to it"
+                        "{single} of them the volume's only copy (R=1): each is copied to \
+                         another storage node that is up first (R stays 1), then handed to it; \
+                         with no such node it stays"
                     );
                 }
             }

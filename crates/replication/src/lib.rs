@@ -1137,40 +1137,7 @@ impl Replication {
                     replicas,
                     in_sync_min,
                 };
-                attached.switch(|| -> VolumeResult<Arc<dyn VolumeIo>> {
-                    self.shared
-                        .metadata
-                        .propose(command)
-                        .map_err(|error| change_error(name, error))?;
-                    let taken = self
-                        .shared
-                        .metadata
-                        .catalog()
-                        .read()
-                        .volumes
-                        .get(&record.id)
-                        .map(|entry| entry.record.replication.clone())
-                        .ok_or_else(|| VolumeError::NotFound {
-                            name: name.to_string(),
-                        })?;
-                    let local = self.shared.local.open_local(name)?;
-                    let primary = Primary::start(
-                        self.shared.clone(),
-                        record.id,
-                        name.to_string(),
-                        local,
-                        &taken,
-                        BTreeMap::new(),
-                    );
-                    lock(&self.primaries).insert(record.id, primary.clone());
-                    tracing::info!(
-                        volume = name,
-                        epoch = taken.epoch,
-                        "serving as the volume's primary"
-                    );
-                    Ok(primary)
-                })?;
-                Ok(())
+                self.widen_attached_single(&attached, name, record.id, command)
             }
             _ => self.shared.runtime.block_on(self.change_replicas(
                 name,
@@ -1179,6 +1146,53 @@ impl Replication {
                 in_sync_min,
             )),
         }
+    }
+
+    /// Gives a volume with one replica, attached here behind `attached`, more replicas
+    /// through `command` (Raft), and switches its clients over to a primary serving it here
+    /// once the I/O in flight has finished: their writes from then on reach the new replicas
+    /// too. Blocking; the caller holds the attach lock.
+    fn widen_attached_single(
+        &self,
+        attached: &Attached,
+        name: &str,
+        volume_id: u64,
+        command: Command,
+    ) -> VolumeResult<()> {
+        attached.switch(|| -> VolumeResult<Arc<dyn VolumeIo>> {
+            self.shared
+                .metadata
+                .propose(command)
+                .map_err(|error| change_error(name, error))?;
+            let taken = self
+                .shared
+                .metadata
+                .catalog()
+                .read()
+                .volumes
+                .get(&volume_id)
+                .map(|entry| entry.record.replication.clone())
+                .ok_or_else(|| VolumeError::NotFound {
+                    name: name.to_string(),
+                })?;
+            let local = self.shared.local.open_local(name)?;
+            let primary = Primary::start(
+                self.shared.clone(),
+                volume_id,
+                name.to_string(),
+                local,
+                &taken,
+                BTreeMap::new(),
+            );
+            lock(&self.primaries).insert(volume_id, primary.clone());
+            tracing::info!(
+                volume = name,
+                epoch = taken.epoch,
+                "serving as the volume's primary"
+            );
+            Ok(primary)
+        })?;
+        Ok(())
     }
 
     /// [`Self::set_replicas`] for an async caller (the simulation's). A volume with one
@@ -1832,6 +1846,96 @@ impl Replication {
     }
 }
 
+impl Replication {
+    /// On a draining node, copies each volume whose one replica (R=1) is here to another
+    /// storage node that is up and holds none (`VolumeCopyOffDraining`: R stays 1, the copy
+    /// joins out of sync). This node then serves the volume as primary (a client attached
+    /// here switches over once its I/O in flight has finished, as when R is raised; nobody
+    /// attached: the background loop serves it), catches the copy up and hands it the
+    /// volume ([`Self::hand_off_primaries`]); the new primary removes this node's copy
+    /// ([`Primary::move_replicas`]). With no node to copy to, the volume stays.
+    async fn copy_single_copies_off(&self) {
+        if !self.draining_here() {
+            return;
+        }
+        let local = self.shared.local_node;
+        let planned: Vec<(String, NodeId)> = {
+            let catalog = self.shared.metadata.catalog().read();
+            catalog
+                .ready_volumes()
+                .filter(|entry| {
+                    let replication = &entry.record.replication;
+                    replication.factor == 1 && replication.replicas == [local]
+                })
+                .filter_map(|entry| {
+                    let to = catalog.choose_replica_nodes(&[local], 1).first().copied()?;
+                    Some((entry.record.name.clone(), to))
+                })
+                .collect()
+        };
+        for (name, to) in planned {
+            match self.copy_off(&name, to).await {
+                Ok(true) => tracing::warn!(
+                    volume = name,
+                    node = to,
+                    "this node is draining: copying the volume's one replica to another node"
+                ),
+                Ok(false) => {}
+                Err(error) => tracing::info!(
+                    volume = name,
+                    node = to,
+                    %error,
+                    "could not copy the volume's one replica off this draining node yet"
+                ),
+            }
+        }
+    }
+
+    /// [`Self::copy_single_copies_off`] for one volume, under the attach lock: through the
+    /// primary serving it here, the client's switch, or Raft alone. False if the volume
+    /// changed meanwhile and has more than this one replica.
+    async fn copy_off(&self, name: &str, to: NodeId) -> VolumeResult<bool> {
+        let _attaching = self.attaching.lock().await;
+        let record = self.shared.volume_record(name)?;
+        let replication = &record.replication;
+        if !(replication.factor == 1 && replication.replicas == [self.shared.local_node]) {
+            return Ok(false);
+        }
+        let command = Command::VolumeCopyOffDraining {
+            volume_id: record.id,
+            epoch: replication.epoch,
+            to,
+        };
+        if let Some(primary) = self.served(record.id) {
+            primary.copy_off(to).await?;
+            return Ok(true);
+        }
+        let attached = lock(&self.singles).get(&record.id).and_then(Weak::upgrade);
+        match attached {
+            Some(attached) => {
+                let this = self
+                    .this
+                    .upgrade()
+                    .ok_or_else(|| unavailable(name, "this node is stopping".to_string()))?;
+                let volume = name.to_string();
+                blocking(move || {
+                    this.widen_attached_single(&attached, &volume, record.id, command)
+                })
+                .await
+                .map_err(|error| unavailable(name, error))??;
+            }
+            None => {
+                self.shared
+                    .cluster
+                    .propose_async(command)
+                    .await
+                    .map_err(|error| change_error(name, error))?;
+            }
+        }
+        Ok(true)
+    }
+}
+
 /// A snapshot copy due for a repair ([`primary`]'s `repair` module): the snapshot's
 /// generation, the replica whose copy lacks its data, and the node to copy it from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1900,6 +2004,7 @@ async fn move_loop(replication: std::sync::Weak<Replication>, after: Duration) {
             }
         }
         strong.hand_off_primaries().await;
+        strong.copy_single_copies_off().await;
         let primaries: Vec<Arc<Primary>> = lock(&strong.primaries).values().cloned().collect();
         drop(strong);
         for primary in primaries {

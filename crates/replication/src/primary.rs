@@ -256,6 +256,18 @@ struct State {
     paused: usize,
 }
 
+/// The next change [`Primary::move_replicas`] makes to the replica set.
+enum Planned {
+    /// A replica off a node that is gone, to another (`VolumeMoveReplica`).
+    Move { from: NodeId, to: NodeId },
+    /// The copy a drain had a volume with one replica keep, once no longer needed.
+    Remove {
+        leaving: NodeId,
+        replicas: Vec<NodeId>,
+        in_sync_min: u8,
+    },
+}
+
 /// A replicated volume served by this node as its primary.
 pub struct Primary {
     volume_id: u64,
@@ -1559,7 +1571,7 @@ impl Primary {
             return;
         }
         // (A rollback under way: the next round moves it.)
-        let Ok(_replica_set) = self.replica_set.try_lock() else {
+        let Ok(replica_set) = self.replica_set.try_lock() else {
             return;
         };
         let local = self.shared.local_node;
@@ -1591,40 +1603,66 @@ impl Primary {
             if replication.primary != local {
                 return;
             }
-            // A replica whose node alone holds snapshots whole stays (health shows it).
-            let (movable, held) = crate::replicas_to_move(
-                &catalog,
-                entry,
-                |node| answering.contains(&node),
-                now_ms,
-                after_ms,
-            );
-            match held.first().copied() {
-                Some(node) if self.move_held_for.swap(node, Ordering::Relaxed) != node => {
-                    tracing::warn!(
-                        volume = %self.name,
-                        node,
-                        snapshots = %crate::quoted(&crate::only_whole_on(entry, &replication.replicas, node)),
-                        "the replica on a node that is gone stays where it is: it alone holds \
-                         these snapshots whole; snapshot repair copies them once the node is \
-                         back, or delete them to let the replica move"
-                    );
-                }
-                Some(_) => {}
-                None => self.move_held_for.store(0, Ordering::Relaxed),
+            // More replicas than R: a volume with one replica copied off a draining node.
+            // Once this node is not draining (the volume was handed to the copy, or the drain
+            // was undone), the other copy goes, unless it alone holds snapshots whole
+            // (snapshot repair copies them here first). Until then a copy on a node that is
+            // gone moves like any replica.
+            if replication.replicas.len() > usize::from(replication.factor)
+                && !crate::node_gone(&catalog, local, now_ms, after_ms)
+            {
+                let leaving = (replication.replicas.iter().copied())
+                    .filter(|node| *node != local)
+                    .min_by_key(|node| {
+                        (
+                            crate::only_whole_on(entry, &replication.replicas, *node).len(),
+                            !crate::node_gone(&catalog, *node, now_ms, after_ms),
+                            std::cmp::Reverse(*node),
+                        )
+                    });
+                let Some(leaving) = leaving.filter(|node| {
+                    crate::only_whole_on(entry, &replication.replicas, *node).is_empty()
+                }) else {
+                    return;
+                };
+                let replicas: Vec<NodeId> = (replication.replicas.iter().copied())
+                    .filter(|node| *node != leaving)
+                    .collect();
+                let in_sync_min = replication.in_sync_min.min(replicas.len() as u8);
+                Some(Planned::Remove {
+                    leaving,
+                    replicas,
+                    in_sync_min,
+                })
+            } else {
+                self.plan_move(&catalog, entry, &answering, now_ms, after_ms)
             }
-            let from = movable.first().copied();
-            let staying: Vec<NodeId> = replication
-                .replicas
-                .iter()
-                .copied()
-                .filter(|node| Some(*node) != from)
-                .collect();
-            let to = catalog.choose_replica_nodes(&staying, 1).first().copied();
-            from.zip(to)
         };
-        let Some((from, to)) = planned else {
-            return;
+        let (from, to) = match planned {
+            None => return,
+            Some(Planned::Move { from, to }) => (from, to),
+            Some(Planned::Remove {
+                leaving,
+                replicas,
+                in_sync_min,
+            }) => {
+                // (`set_replicas` takes the replica-set lock itself.)
+                drop(replica_set);
+                match self.set_replicas(replicas, in_sync_min).await {
+                    Ok(()) => tracing::warn!(
+                        volume = %self.name,
+                        node = leaving,
+                        "removed the copy a drain had the volume keep: R is back to its replicas"
+                    ),
+                    Err(error) => tracing::info!(
+                        volume = %self.name,
+                        node = leaving,
+                        %error,
+                        "could not remove the copy a drain had the volume keep yet"
+                    ),
+                }
+                return;
+            }
         };
         let _proposing = self.proposing.lock().await;
         let epoch = self.state().epoch;
@@ -1652,6 +1690,49 @@ impl Primary {
                 tracing::info!(volume = %self.name, %error, "could not move a replica yet");
             }
         }
+    }
+
+    /// The move [`Self::move_replicas`] makes of a replica on a node that is gone, if any.
+    fn plan_move(
+        &self,
+        catalog: &keel_catalog::CatalogState,
+        entry: &keel_catalog::VolumeEntry,
+        answering: &BTreeSet<NodeId>,
+        now_ms: i64,
+        after_ms: i64,
+    ) -> Option<Planned> {
+        let replication = &entry.record.replication;
+        // A replica whose node alone holds snapshots whole stays (health shows it).
+        let (movable, held) = crate::replicas_to_move(
+            catalog,
+            entry,
+            |node| answering.contains(&node),
+            now_ms,
+            after_ms,
+        );
+        match held.first().copied() {
+            Some(node) if self.move_held_for.swap(node, Ordering::Relaxed) != node => {
+                tracing::warn!(
+                    volume = %self.name,
+                    node,
+                    snapshots = %crate::quoted(&crate::only_whole_on(entry, &replication.replicas, node)),
+                    "the replica on a node that is gone stays where it is: it alone holds \
+                     these snapshots whole; snapshot repair copies them once the node is \
+                     back, or delete them to let the replica move"
+                );
+            }
+            Some(_) => {}
+            None => self.move_held_for.store(0, Ordering::Relaxed),
+        }
+        let from = movable.first().copied();
+        let staying: Vec<NodeId> = replication
+            .replicas
+            .iter()
+            .copied()
+            .filter(|node| Some(*node) != from)
+            .collect();
+        let to = catalog.choose_replica_nodes(&staying, 1).first().copied();
+        from.zip(to).map(|(from, to)| Planned::Move { from, to })
     }
 
     /// Hands the volume to `to`, a replica in sync, because this node is draining. At one
@@ -1707,6 +1788,47 @@ impl Primary {
         replicas: Vec<NodeId>,
         in_sync_min: u8,
     ) -> VolumeResult<()> {
+        let volume_id = self.volume_id;
+        let command = |epoch, replicas: &[NodeId]| Command::VolumeSetReplicas {
+            volume_id,
+            epoch,
+            replicas: replicas.to_vec(),
+            in_sync_min,
+        };
+        self.change_replica_set(replicas, in_sync_min, command)
+            .await
+    }
+
+    /// Copies this volume's one replica to `to` because this node is draining
+    /// (`VolumeCopyOffDraining`: R stays 1, `to` starts out of sync and is caught up; once it
+    /// is in sync the drain hands it the volume).
+    pub(crate) async fn copy_off(self: &Arc<Self>, to: NodeId) -> VolumeResult<()> {
+        let volume_id = self.volume_id;
+        let Some(current) = self.catalog_replication() else {
+            return Err(VolumeError::NotFound {
+                name: self.name.clone(),
+            });
+        };
+        let mut replicas = current.replicas;
+        replicas.push(to);
+        let in_sync_min = current.in_sync_min;
+        let command = |epoch, _: &[NodeId]| Command::VolumeCopyOffDraining {
+            volume_id,
+            epoch,
+            to,
+        };
+        self.change_replica_set(replicas, in_sync_min, command)
+            .await
+    }
+
+    /// Proposes `command(epoch, replicas)` (a change of the replica set to `replicas`, with
+    /// the in-sync minimum `in_sync_min`) and applies it to this primary's state.
+    async fn change_replica_set(
+        self: &Arc<Self>,
+        replicas: Vec<NodeId>,
+        in_sync_min: u8,
+        command: impl FnOnce(u64, &[NodeId]) -> Command,
+    ) -> VolumeResult<()> {
         let _replica_set = tokio::select! {
             held = self.replica_set.lock() => held,
             _ = self.shared.clock().sleep(REPLICA_SET_WAIT) => {
@@ -1726,13 +1848,7 @@ impl Primary {
             self.check_serving(&state)?;
             state.epoch
         };
-        let command = Command::VolumeSetReplicas {
-            volume_id: self.volume_id,
-            epoch,
-            replicas: replicas.clone(),
-            in_sync_min,
-        };
-        self.propose(command)
+        self.propose(command(epoch, &replicas))
             .await
             .map_err(|error| crate::change_error(&self.name, error))?;
         let local = self.shared.local_node;
