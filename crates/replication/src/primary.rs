@@ -1042,9 +1042,7 @@ impl Primary {
             }
             Err(failure) if failure.code == Some(CODE_FENCED) => {
                 drop(state);
-                if self.fenced_by(node) {
-                    self.close(format!("a replica fenced this node: {}", failure.message));
-                }
+                self.refused_by(node, failure.message);
                 false
             }
             // A batch of a stream a resync has since replaced (the replica refuses it once
@@ -2703,15 +2701,42 @@ impl Primary {
         (state.epoch, catalog_index)
     }
 
-    /// Whether `node` refusing this primary ([`CODE_FENCED`]) means another primary took the
-    /// volume over: not when Raft removed `node`'s replica while keeping this node primary
-    /// (R lowered, a replica moved), and `node` applied that before a request sent earlier
-    /// reached it. It then holds no replica, and its refusal says nothing about this
-    /// primary. A catalog that has not seen the removal (this node cut off) still lists it.
+    /// Whether `node` refusing this primary ([`CODE_FENCED`]) means this primary must stop,
+    /// as this primary knows it now: not when its own change removed `node`'s replica (R
+    /// lowered, a replica moved: `node` is no longer its peer), Raft recorded that change
+    /// keeping this node primary, and `node` applied it before a request sent earlier
+    /// reached it. `node` then holds no replica, and its refusal says nothing about this
+    /// primary. Otherwise it stops: another primary took over, or Raft recorded a change
+    /// whose answer this primary never saw (its state is stale; a fresh primary reads the
+    /// catalog again). A catalog that has not seen the removal (this node cut off) still
+    /// lists `node`. While a change of this primary is being proposed the answer is not
+    /// known yet: [`Self::refused_by`] waits for it.
     fn fenced_by(&self, node: NodeId) -> bool {
-        self.catalog_replication().is_none_or(|replication| {
-            replication.primary != self.shared.local_node || replication.hosts(node)
-        })
+        self.state().peers.contains_key(&node)
+            || self.catalog_replication().is_none_or(|replication| {
+                replication.primary != self.shared.local_node || replication.hosts(node)
+            })
+    }
+
+    /// `node` answered a batch with [`CODE_FENCED`]: this primary stops if
+    /// [`Self::fenced_by`] says so, once no change of its own is being proposed (the change
+    /// may be the one that removed `node`, which it applied first). Meanwhile the FLUSHes
+    /// counting `node` wait: none is acknowledged without it.
+    fn refused_by(self: &Arc<Self>, node: NodeId, message: String) {
+        let settle = move |primary: &Primary| {
+            if primary.fenced_by(node) {
+                primary.close(format!("a replica fenced this node: {message}"));
+            }
+        };
+        if self.proposing.try_lock().is_ok() {
+            settle(self);
+            return;
+        }
+        let this = self.clone();
+        self.shared.runtime.spawn(async move {
+            drop(this.proposing.lock().await);
+            settle(&this);
+        });
     }
 
     /// Asks a replica about a range of the volume (`METHOD_HASHES`, `METHOD_UNWRITTEN`) in
@@ -2749,7 +2774,12 @@ impl Primary {
             .call(node, method, payload, timeout)
             .await
             .map_err(|failure| {
-                if failure.code == Some(CODE_FENCED) && self.fenced_by(node) {
+                // (While a change of this primary is being proposed, the question fails and
+                // is asked again after it: a peer it removed is asked no more.)
+                if failure.code == Some(CODE_FENCED)
+                    && self.proposing.try_lock().is_ok()
+                    && self.fenced_by(node)
+                {
                     self.close(format!("a replica fenced this node: {}", failure.message));
                 }
                 failure.message
