@@ -406,6 +406,11 @@ fn third_node() -> Command {
 
 /// Creates volume "r2" on nodes 1 and 2; returns its id.
 fn create_r2(catalog: &LocalCatalog) -> u64 {
+    create_r2_on(catalog, vec![1, 2])
+}
+
+/// Creates volume "r2" (whatever its R) on `replicas`, the first its primary; returns its id.
+fn create_r2_on(catalog: &LocalCatalog, replicas: Vec<u64>) -> u64 {
     catalog
         .propose(Command::VolumeCreate {
             settings: VolumeSettings {
@@ -417,7 +422,7 @@ fn create_r2(catalog: &LocalCatalog) -> u64 {
             },
             uuid: [1; 16],
             created_unix_seconds: 5,
-            replicas: vec![1, 2],
+            replicas,
             status: VolumeStatus::Ready,
         })
         .unwrap();
@@ -551,22 +556,7 @@ fn a_single_copy_is_copied_off_a_draining_node() {
     let catalog = LocalCatalog::open(open(&dir)).unwrap();
     catalog.propose(second_node()).unwrap();
     catalog.propose(third_node()).unwrap();
-    catalog
-        .propose(Command::VolumeCreate {
-            settings: VolumeSettings {
-                name: "r2".to_string(),
-                size_bytes: 1 << 20,
-                compression: "none".to_string(),
-                iops_max: None,
-                bandwidth_max_mib_per_second: None,
-            },
-            uuid: [1; 16],
-            created_unix_seconds: 5,
-            replicas: vec![1],
-            status: VolumeStatus::Ready,
-        })
-        .unwrap();
-    let id = catalog.catalog().read().volume("r2").unwrap().record.id;
+    let id = create_r2_on(&catalog, vec![1]);
     catalog
         .propose(Command::SnapshotCreate {
             volume: "r2".to_string(),
@@ -614,22 +604,14 @@ fn a_single_copy_is_copied_off_a_draining_node() {
         "{again}"
     );
     // The copy caught up, took the volume over, and removed the draining node's replica.
-    catalog
-        .propose(Command::VolumeSetReplication {
-            volume_id: id,
-            epoch: 2,
-            primary: 1,
-            in_sync: vec![1, 2],
-        })
-        .unwrap();
-    catalog
-        .propose(Command::VolumeSetReplication {
-            volume_id: id,
-            epoch: 3,
-            primary: 2,
-            in_sync: vec![1, 2],
-        })
-        .unwrap();
+    let set = |epoch, primary| Command::VolumeSetReplication {
+        volume_id: id,
+        epoch,
+        primary,
+        in_sync: vec![1, 2],
+    };
+    catalog.propose(set(2, 1)).unwrap();
+    catalog.propose(set(3, 2)).unwrap();
     catalog
         .propose(Command::VolumeSetReplicas {
             volume_id: id,
