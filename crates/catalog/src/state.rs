@@ -1436,10 +1436,14 @@ impl CatalogState {
     }
 
     /// Up to `count` storage nodes to take new replicas of a volume whose replicas are on
-    /// `holding`: up, not draining or removed, holding none; each pick shares the fewest
+    /// `holding`: up, not draining or removed, holding none. Each pick shares the fewest
     /// failure-domain labels (same key, same value: `zone`, `rack`, `host`, ...) with the
-    /// replicas already placed, then the lowest id.
+    /// replicas already placed; among those, it is the node least provisioned
+    /// ([`Self::provisioned_fraction`]), then the lowest id. So the volumes a drain copies or
+    /// moves, proposed one after the other, spread over the nodes in proportion to their
+    /// capacity instead of all landing on one.
     pub fn choose_replica_nodes(&self, holding: &[NodeId], count: usize) -> Vec<NodeId> {
+        let provisioned = self.provisioned_bytes();
         let mut placed: Vec<&NodeRecord> = holding
             .iter()
             .filter_map(|node| self.nodes.get(node))
@@ -1472,7 +1476,14 @@ impl CatalogState {
             let Some(best) = candidates
                 .iter()
                 .enumerate()
-                .min_by_key(|(_, node)| (shared_labels(node), node.id))
+                .min_by_key(|(_, node)| {
+                    let provisioned = provisioned.get(&node.id).copied().unwrap_or(0);
+                    (
+                        shared_labels(node),
+                        Self::provisioned_fraction(node, provisioned),
+                        node.id,
+                    )
+                })
                 .map(|(index, _)| index)
             else {
                 break;
@@ -1482,6 +1493,38 @@ impl CatalogState {
             placed.push(node);
         }
         chosen
+    }
+
+    /// The logical size of every volume (any status: one being deleted still holds its
+    /// blocks) with a replica on each node, summed per node.
+    pub fn provisioned_bytes(&self) -> BTreeMap<NodeId, u64> {
+        let mut provisioned = BTreeMap::new();
+        for entry in self.volumes.values() {
+            for node in &entry.record.replication.replicas {
+                let bytes: &mut u64 = provisioned.entry(*node).or_default();
+                *bytes = bytes.saturating_add(entry.record.size_bytes);
+            }
+        }
+        provisioned
+    }
+
+    /// `provisioned` bytes as a fraction of the node's capacity (its data directories' sizes
+    /// when it joined), in millionths; volumes are thin, so it may exceed a million. A node
+    /// that recorded no capacity counts as one of 1 GiB.
+    pub fn provisioned_fraction(node: &NodeRecord, provisioned: u64) -> u64 {
+        const UNKNOWN_CAPACITY: u64 = 1 << 30;
+        let capacity: u64 = node
+            .devices
+            .iter()
+            .map(|device| device.capacity_bytes)
+            .fold(0, u64::saturating_add);
+        let capacity = if capacity == 0 {
+            UNKNOWN_CAPACITY
+        } else {
+            capacity
+        };
+        let fraction = u128::from(provisioned) * 1_000_000 / u128::from(capacity);
+        u64::try_from(fraction).unwrap_or(u64::MAX)
     }
 
     /// Replicas must be distinct live storage nodes; the first is the primary.

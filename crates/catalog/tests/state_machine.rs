@@ -6,13 +6,13 @@
 //! - the invariants the state module states hold after every command.
 #![allow(clippy::unwrap_used)]
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use keel_catalog::{
-    Catalog, CatalogState, Command, KeyRecord, LocalCatalog, Metadata, NodeAddresses, NodeRole,
-    NodeSpec, Outcome, VolumeSettings, VolumeStatus,
+    Catalog, CatalogState, Command, DeviceRecord, KeyRecord, LocalCatalog, Metadata, NodeAddresses,
+    NodeRole, NodeSpec, Outcome, VolumeSettings, VolumeStatus,
 };
 use keel_store::{Durability, Store, StoreConfig};
 use proptest::prelude::*;
@@ -1016,6 +1016,81 @@ fn placement_spreads_replicas_over_failure_domains() {
         .unwrap();
     let state = catalog.catalog().read().clone();
     assert_eq!(state.choose_replica_nodes(&[2], 2), vec![3]);
+}
+
+// Proves placement weighs how much of each node's capacity its volumes already take: volumes
+// placed one after the other (a drain's copies, new volumes) spread over the nodes in
+// proportion to their capacity, where they once all went to the lowest id.
+#[test]
+fn placement_fills_nodes_in_proportion_to_their_capacity() {
+    const GIB: u64 = 1 << 30;
+    let dir = store_dir("placement-capacity");
+    let catalog = LocalCatalog::open(open(&dir)).unwrap();
+    for (id, capacity_gib) in [(2u64, 100u64), (3, 100), (4, 300)] {
+        let Command::NodeAdd { mut node, .. } = second_node() else {
+            unreachable!()
+        };
+        node.name = format!("n{id}");
+        node.instance = [id as u8; 16];
+        node.addresses.cluster = format!("127.0.0.{id}:3902");
+        node.devices = vec![DeviceRecord {
+            path: "/var/lib/keel".to_string(),
+            filesystem: "ext4".to_string(),
+            capacity_bytes: capacity_gib * GIB,
+        }];
+        catalog
+            .propose(Command::NodeAdd {
+                node,
+                joined_unix_ms: 4,
+            })
+            .unwrap();
+    }
+    // 25 volumes of 10 GiB, each where placement puts a volume that leaves node 1.
+    let mut placed = BTreeMap::<u64, usize>::new();
+    for index in 0..25u8 {
+        let to = catalog.catalog().read().choose_replica_nodes(&[1], 1);
+        assert_eq!(to.len(), 1, "{to:?}");
+        catalog
+            .propose(Command::VolumeCreate {
+                settings: VolumeSettings {
+                    name: format!("v{index}"),
+                    size_bytes: 10 * GIB,
+                    compression: "none".to_string(),
+                    iops_max: None,
+                    bandwidth_max_mib_per_second: None,
+                },
+                uuid: [index; 16],
+                created_unix_seconds: 5,
+                replicas: to.clone(),
+                status: VolumeStatus::Ready,
+            })
+            .unwrap();
+        *placed.entry(to[0]).or_default() += 1;
+    }
+    assert_eq!(placed, BTreeMap::from([(2, 5), (3, 5), (4, 15)]));
+    let state = catalog.catalog().read().clone();
+    assert_eq!(
+        state.provisioned_bytes(),
+        BTreeMap::from([(2, 50 * GIB), (3, 50 * GIB), (4, 150 * GIB)])
+    );
+    // Failure domains still come first: node 4 shares a zone with the replica on node 2, so
+    // the second replica goes to node 3 although node 4 is as full.
+    let label = |id: u64| {
+        let mut record = state.nodes[&id].clone();
+        record.labels.insert("zone".to_string(), "a".to_string());
+        record
+    };
+    let mut zoned = state.clone();
+    zoned.nodes.insert(2, label(2));
+    zoned.nodes.insert(4, label(4));
+    if let Some(first) = zoned.nodes.get_mut(&1) {
+        first.draining = true;
+    }
+    assert_eq!(zoned.choose_replica_nodes(&[2], 1), vec![3]);
+    assert_eq!(zoned.choose_replica_nodes(&[4], 2), vec![3, 2]);
+    // Without the zones and the drain: node 1 holds nothing, then node 3 (the lower id of
+    // two at half their capacity).
+    assert_eq!(state.choose_replica_nodes(&[2], 2), vec![1, 3]);
 }
 
 /// Some unrelated catalog records the restore must remove.
