@@ -702,9 +702,9 @@ def test_a_replica_on_a_node_that_stays_down_is_rebuilt_elsewhere(cluster, workd
     """Three storage nodes, an R=2 volume on nodes 1 and 2. Node 2 is killed and stays down
     past `replica_move_after_ms`: its replica moves to node 3 through Raft and node 3 is
     caught up and put in sync. Node 2 returns; draining node 3 moves the replica back to node
-    2 at once, and copies an R=1 volume nobody attached to node 1, which then holds its one
-    replica with every block. The primary is killed, and the volume attached through node 2
-    holds every flushed write."""
+    2 at once, and copies two R=1 volumes nobody attached off it, one to each other node (the
+    less provisioned first), which then holds its one replica with every block. The primary is
+    killed, and the volume attached through node 2 holds every flushed write."""
     config = workdir / "fast-moves.toml"
     config.write_text("[cluster]\nsuspect_after_ms = 1000\ndown_after_ms = 2000\nreplica_move_after_ms = 1000\n")
     nodes = [cluster.add(extra_args=["--config", str(config)]) for _ in range(3)]
@@ -731,37 +731,52 @@ def test_a_replica_on_a_node_that_stays_down_is_rebuilt_elsewhere(cluster, workd
     second.start()
     wait_until("node 2 back up", lambda: all(n["record"]["state"] == "Up" for n in first.status()["nodes"]), timeout=60)
     # Draining node 3 moves its replica at once, here back to node 2, and copies the only
-    # replica of an R=1 volume created there to node 1 (nobody attached it).
-    code, created = third.api("POST", "/api/v1/volumes", {"name": "solo", "size_bytes": SIZE}, timeout=30)
-    assert code == 200, created
-    solo = attach(third, "solo")
-    solo_blocks = write_blocks(solo, "solo", range(0, SIZE // BLOCK, 97))
-    solo.close()
+    # replica of each R=1 volume created there (nobody attached them) to another node.
+    solo_blocks = {}
+    for name in ("solo", "solo2"):
+        code, created = third.api("POST", "/api/v1/volumes", {"name": name, "size_bytes": SIZE}, timeout=30)
+        assert code == 200, created
+        solo = attach(third, name)
+        solo_blocks[name] = write_blocks(solo, name, range(0, SIZE // BLOCK, 97))
+        solo.close()
     code, info = first.api("GET", "/api/v1/nodes/n3")
     assert code == 200 and info["replicas"] == [
         {"volume": "moving", "primary": False, "in_sync": True},
-        {"volume": "solo", "primary": True, "in_sync": True}], info
+        {"volume": "solo", "primary": True, "in_sync": True},
+        {"volume": "solo2", "primary": True, "in_sync": True}], info
     drained = first.cli("node", "drain", "n3").stdout
-    assert ("n3 draining: 2 volume replica(s) to move off" in drained
-            and "1 of them the volume's only copy (R=1): each is copied to another storage node" in drained
+    assert ("n3 draining: 3 volume replica(s) to move off" in drained
+            and "2 of them the volume's only copy (R=1): each is copied to another storage node" in drained
             and "primary:" not in drained), drained
     wait_until("the replica moved off the draining node",
                lambda: (replication(first, "moving")["replicas"] == [1, 2]
                         and sorted(replication(first, "moving")["in_sync"]) == [1, 2]), timeout=90)
 
-    def solo_on_node_1():
-        code, info = first.api("GET", "/api/v1/volumes/solo")
-        return code == 200 and info["replication"]
-    moved = wait_until("the R=1 volume's copy on node 1 alone", lambda: (
-        (solo_on_node_1() or {}).get("replicas") == [1] and solo_on_node_1()), timeout=90)
-    assert (moved["factor"], moved["primary"], moved["in_sync"]) == (1, 1, [1]), moved
+    def copied_off():
+        """Where the R=1 volumes are, once each is on one node other than node 3."""
+        placed = {}
+        for name in ("solo", "solo2"):
+            # The primary answers (another node redirects).
+            answers = [node.api("GET", f"/api/v1/volumes/{name}") for node in nodes]
+            info = next((info["replication"] for code, info in answers if code == 200), None)
+            if info is None or len(info["replicas"]) != 1 or info["primary"] == 3:
+                return None
+            placed[name] = info
+        return placed
+    placed = wait_until("each R=1 volume's copy alone on another node", copied_off, timeout=90)
+    # Nodes 1 and 2 hold "moving" alike: the first copy goes to the lower id of the two, or to
+    # node 2 if "moving" was not back there yet; the second to the other node either way.
+    assert sorted(info["primary"] for info in placed.values()) == [1, 2], placed
+    for info in placed.values():
+        assert (info["factor"], info["replicas"], info["in_sync"]) == (1, [info["primary"]], [info["primary"]]), placed
     wait_until("node 3 drained",
                lambda: "KEEL_NODE_DRAINING: node n3 is drained: it holds no volume replica" in first.cli("status").stdout,
                timeout=60)
-    solo = attach(first, "solo")
-    for index, data in solo_blocks.items():
-        assert solo.read(index * BLOCK, BLOCK) == data, f"solo block {index} lost in the copy"
-    solo.close()
+    for name, blocks in solo_blocks.items():
+        solo = attach(nodes[placed[name]["primary"] - 1], name)
+        for index, data in blocks.items():
+            assert solo.read(index * BLOCK, BLOCK) == data, f"{name} block {index} lost in the copy"
+        solo.close()
     first.kill9()
     other = attach(second, "moving", timeout=60)
     for index, data in expected.items():

@@ -1859,7 +1859,7 @@ impl Replication {
             return;
         }
         let local = self.shared.local_node;
-        let planned: Vec<(String, NodeId)> = {
+        let single: Vec<String> = {
             let catalog = self.shared.metadata.catalog().read();
             catalog
                 .ready_volumes()
@@ -1867,13 +1867,19 @@ impl Replication {
                     let replication = &entry.record.replication;
                     replication.factor == 1 && replication.replicas == [local]
                 })
-                .filter_map(|entry| {
-                    let to = catalog.choose_replica_nodes(&[local], 1).first().copied()?;
-                    Some((entry.record.name.clone(), to))
-                })
+                .map(|entry| entry.record.name.clone())
                 .collect()
         };
-        for (name, to) in planned {
+        for name in single {
+            // Chosen after the previous copy was recorded, which counts on its node: the
+            // copies spread by the nodes' provisioned fraction.
+            let to = {
+                let catalog = self.shared.metadata.catalog().read();
+                catalog.choose_replica_nodes(&[local], 1).first().copied()
+            };
+            let Some(to) = to else {
+                break;
+            };
             match self.copy_off(&name, to).await {
                 Ok(true) => tracing::warn!(
                     volume = name,
