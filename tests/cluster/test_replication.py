@@ -772,6 +772,15 @@ def test_a_replica_on_a_node_that_stays_down_is_rebuilt_elsewhere(cluster, workd
     wait_until("node 3 drained",
                lambda: "KEEL_NODE_DRAINING: node n3 is drained: it holds no volume replica" in first.cli("status").stdout,
                timeout=60)
+    # What placement weighed, as operators see it: "moving" and one R=1 volume on each node.
+    code, listed = third.api("GET", "/api/v1/nodes")
+    assert code == 200, listed
+    assert {node["record"]["id"]: node["provisioned_bytes"] for node in listed} == {
+        1: 2 * SIZE, 2: 2 * SIZE, 3: 0}, listed
+    listing = third.cli("node", "list").stdout.splitlines()
+    assert "PROVISIONED" in listing[0] and "OF CAPACITY" in listing[0], listing
+    for name, shown in (("n1", "128.0 MiB"), ("n2", "128.0 MiB"), ("n3", "0 B")):
+        assert any(line.split()[1] == name and shown in line for line in listing[1:]), listing
     for name, blocks in solo_blocks.items():
         solo = attach(nodes[placed[name]["primary"] - 1], name)
         for index, data in blocks.items():

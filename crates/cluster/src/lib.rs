@@ -1388,6 +1388,7 @@ impl Cluster {
         let voters: BTreeSet<NodeId> = membership.voter_ids().collect();
         let learners: BTreeSet<NodeId> = membership.learner_ids().collect();
         let state = self.catalog.read();
+        let provisioned = state.provisioned_bytes();
         let by_node: HashMap<NodeId, NodeLiveness> = liveness
             .iter()
             .flatten()
@@ -1405,6 +1406,7 @@ impl Cluster {
                     RaftRole::None
                 },
                 leader: leader == Some(record.id),
+                provisioned_bytes: provisioned.get(&record.id).copied().unwrap_or(0),
                 liveness: by_node.get(&record.id).cloned(),
                 record: record.clone(),
             })
@@ -1564,6 +1566,9 @@ pub struct NodeStatus {
     pub record: NodeRecord,
     pub raft_role: RaftRole,
     pub leader: bool,
+    /// The logical sizes of the volumes with a replica on the node, summed: what placement
+    /// weighs against the node's capacity ([`keel_catalog::CatalogState::provisioned_bytes`]).
+    pub provisioned_bytes: u64,
     pub liveness: Option<NodeLiveness>,
 }
 

@@ -993,8 +993,17 @@ fn age(milliseconds: Option<u64>) -> String {
 
 fn print_nodes(nodes: &[Value]) {
     println!(
-        "{:<4} {:<16} {:<8} {:<8} {:<8} {:<9} {:<12} {:<22} FREE",
-        "ID", "NAME", "ROLE", "STATE", "RAFT", "DRAINING", "HEARD", "CLUSTER ADDRESS"
+        "{:<4} {:<16} {:<8} {:<8} {:<8} {:<9} {:<12} {:<22} {:<12} {:<12} FREE",
+        "ID",
+        "NAME",
+        "ROLE",
+        "STATE",
+        "RAFT",
+        "DRAINING",
+        "HEARD",
+        "CLUSTER ADDRESS",
+        "PROVISIONED",
+        "OF CAPACITY"
     );
     for node in nodes {
         let record = &node["record"];
@@ -1015,9 +1024,25 @@ fn print_nodes(nodes: &[Value]) {
                 ""
             }
         );
+        let provisioned = node["provisioned_bytes"].as_u64().unwrap_or(0);
+        let capacity: u64 = record["devices"]
+            .as_array()
+            .map(|devices| {
+                devices
+                    .iter()
+                    .filter_map(|device| device["capacity_bytes"].as_u64())
+                    .sum()
+            })
+            .unwrap_or(0);
+        // Volumes are thin: the provisioned share may pass 100%.
+        let share = if capacity == 0 {
+            "-".to_string()
+        } else {
+            format!("{:.0}%", provisioned as f64 * 100.0 / capacity as f64)
+        };
         println!(
-            "{:<4} {:<16} {:<8} {:<8} {:<8} {:<9} {:<12} {:<22} {}",
-            record["id"],
+            "{:<4} {:<16} {:<8} {:<8} {:<8} {:<9} {:<12} {:<22} {:<12} {:<12} {}",
+            record["id"].as_u64().unwrap_or(0),
             record["name"].as_str().unwrap_or(""),
             record["role"].as_str().unwrap_or("").to_lowercase(),
             record["state"].as_str().unwrap_or("").to_lowercase(),
@@ -1029,6 +1054,8 @@ fn print_nodes(nodes: &[Value]) {
             },
             age(liveness["last_report_ms_ago"].as_u64()),
             record["addresses"]["cluster"].as_str().unwrap_or(""),
+            human_bytes(provisioned),
+            share,
             if liveness.is_null() {
                 "-".to_string()
             } else {
