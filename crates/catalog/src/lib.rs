@@ -29,7 +29,7 @@ pub use records::{
     NodeState, ObjectLock, Origin, Replication, SnapshotRecord, SnapshotRepair, Versioning,
     VolumeRecord, VolumeStatus, REPLICAS_MAX, SNAPSHOT_RECORD_FORMAT,
 };
-pub use state::{CatalogState, Change, Plan, VolumeEntry};
+pub use state::{CatalogState, Change, DrainWait, Plan, VolumeEntry};
 
 /// A node's id in the cluster (and in Raft). Handed out once, never reused.
 pub type NodeId = u64;

@@ -69,6 +69,38 @@ pub struct CatalogState {
     pub bucket_settings: BTreeMap<String, BucketSettings>,
 }
 
+/// Why a draining node's replica of a volume cannot leave yet ([`CatalogState::drain_waits`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DrainWait {
+    /// The primary of a replicated volume, with no other replica in sync on a node that is up
+    /// and not draining to hand the volume to.
+    NoHandOffTarget,
+    /// The volume's only copy (R=1), with no storage node up and not draining to copy it to.
+    NoCopyTarget,
+    /// Every storage node that is up and not draining already holds a replica of the volume.
+    NoMoveTarget,
+}
+
+impl DrainWait {
+    /// What it waits for, and what the operator can do about it.
+    pub fn describe(self) -> &'static str {
+        match self {
+            DrainWait::NoHandOffTarget => {
+                "its primary has no other replica in sync on a node that is up and not draining \
+                 to hand the volume to (yet: a catch-up under way ends it)"
+            }
+            DrainWait::NoCopyTarget => {
+                "its only copy (R=1) has no storage node that is up and not draining to go to: \
+                 add a node or bring one back"
+            }
+            DrainWait::NoMoveTarget => {
+                "every storage node that is up and not draining holds one of its replicas: add \
+                 a node, or lower the volume's R"
+            }
+        }
+    }
+}
+
 /// One record-level change a command makes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change {
@@ -1493,6 +1525,56 @@ impl CatalogState {
             placed.push(node);
         }
         chosen
+    }
+
+    /// The replica a draining node hands a volume's primary to: the lowest in the in-sync set
+    /// other than `from` whose node is up and neither draining nor removed (`None`: the primary
+    /// stays until one is).
+    pub fn hand_off_target(&self, replication: &Replication, from: NodeId) -> Option<NodeId> {
+        (replication.in_sync.iter().copied())
+            .filter(|node| *node != from)
+            .filter(|node| {
+                self.nodes.get(node).is_some_and(|record| {
+                    record.state == NodeState::Up && !record.draining && !record.removed
+                })
+            })
+            .min()
+    }
+
+    /// The ready volumes whose replica on `node` (draining) cannot leave it as things are,
+    /// each with why: what the drain waits for, before any copying ([`DrainWait`]). A volume
+    /// whose copy or catch-up is under way, or whose R was lowered below its replica count,
+    /// is not listed: it is on its way.
+    pub fn drain_waits(&self, node: NodeId) -> Vec<(String, Vec<DrainWait>)> {
+        self.ready_volumes()
+            .filter_map(|entry| {
+                let replication = &entry.record.replication;
+                if !replication.hosts(node)
+                    || replication.replicas.len() > usize::from(replication.factor)
+                {
+                    return None;
+                }
+                let mut waits = Vec::new();
+                if replication.replicas.len() == 1 {
+                    if self.choose_replica_nodes(&[node], 1).is_empty() {
+                        waits.push(DrainWait::NoCopyTarget);
+                    }
+                } else {
+                    if replication.primary == node
+                        && self.hand_off_target(replication, node).is_none()
+                    {
+                        waits.push(DrainWait::NoHandOffTarget);
+                    }
+                    let staying: Vec<NodeId> = (replication.replicas.iter().copied())
+                        .filter(|replica| *replica != node)
+                        .collect();
+                    if self.choose_replica_nodes(&staying, 1).is_empty() {
+                        waits.push(DrainWait::NoMoveTarget);
+                    }
+                }
+                (!waits.is_empty()).then(|| (entry.record.name.clone(), waits))
+            })
+            .collect()
     }
 
     /// The logical size of every volume (any status: one being deleted still holds its

@@ -1093,6 +1093,98 @@ fn placement_fills_nodes_in_proportion_to_their_capacity() {
     assert_eq!(state.choose_replica_nodes(&[2], 2), vec![1, 3]);
 }
 
+// Proves a drain names what it waits for (in volume order): a replica with nowhere to move, a
+// primary with no replica in sync to hand off to, an only copy with no node to copy to; and
+// nothing for a volume that can leave.
+#[test]
+fn a_drain_names_the_volumes_that_cannot_leave() {
+    use keel_catalog::DrainWait::{NoCopyTarget, NoHandOffTarget, NoMoveTarget};
+    let dir = store_dir("drain-waits");
+    let catalog = LocalCatalog::open(open(&dir)).unwrap();
+    catalog.propose(second_node()).unwrap();
+    catalog.propose(third_node()).unwrap();
+    let create = |name: &str, replicas: Vec<u64>| {
+        catalog
+            .propose(Command::VolumeCreate {
+                settings: VolumeSettings {
+                    name: name.to_string(),
+                    size_bytes: 1 << 20,
+                    compression: "none".to_string(),
+                    iops_max: None,
+                    bandwidth_max_mib_per_second: None,
+                },
+                uuid: [name.len() as u8; 16],
+                created_unix_seconds: 5,
+                replicas,
+                status: VolumeStatus::Ready,
+            })
+            .unwrap();
+    };
+    create("wide", vec![2, 1, 3]);
+    create("pair", vec![1, 2]);
+    create("solo", vec![1]);
+    create("elsewhere", vec![2, 3]);
+    catalog
+        .propose(Command::NodeSetDraining {
+            id: 1,
+            draining: true,
+        })
+        .unwrap();
+    let waits = |catalog: &LocalCatalog| catalog.catalog().read().drain_waits(1);
+    // "pair" moves to node 3 after a hand-off to node 2, "solo" is copied: only "wide" waits.
+    assert_eq!(
+        waits(&catalog),
+        vec![("wide".to_string(), vec![NoMoveTarget])]
+    );
+    let set_state = |id, state| {
+        catalog
+            .propose(Command::NodeSetState {
+                id,
+                state,
+                at_unix_ms: 9,
+            })
+            .unwrap();
+    };
+    // Node 2 down: "pair" has nobody in sync to take its primary; "wide", also nowhere to go.
+    set_state(2, keel_catalog::NodeState::Down);
+    assert_eq!(
+        waits(&catalog),
+        vec![
+            ("wide".to_string(), vec![NoMoveTarget]),
+            ("pair".to_string(), vec![NoHandOffTarget]),
+        ]
+    );
+    // Node 3 down too: "solo" has nowhere to go either, and "pair" neither.
+    set_state(3, keel_catalog::NodeState::Down);
+    assert_eq!(
+        waits(&catalog),
+        vec![
+            ("wide".to_string(), vec![NoMoveTarget]),
+            ("pair".to_string(), vec![NoHandOffTarget, NoMoveTarget]),
+            ("solo".to_string(), vec![NoCopyTarget]),
+        ]
+    );
+    // Back up, and "wide" down to R=2 through its primary: nothing waits.
+    set_state(2, keel_catalog::NodeState::Up);
+    set_state(3, keel_catalog::NodeState::Up);
+    let wide = catalog
+        .catalog()
+        .read()
+        .volume("wide")
+        .unwrap()
+        .record
+        .clone();
+    catalog
+        .propose(Command::VolumeSetReplicas {
+            volume_id: wide.id,
+            epoch: wide.replication.epoch,
+            in_sync_min: 1,
+            replicas: vec![2, 3],
+        })
+        .unwrap();
+    assert_eq!(waits(&catalog), Vec::new());
+}
+
 /// Some unrelated catalog records the restore must remove.
 fn second_node_ops() -> Vec<keel_store::WriteOp> {
     let mut stray = CatalogState {

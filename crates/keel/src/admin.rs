@@ -306,7 +306,13 @@ struct DrainLeft {
     replicas: usize,
     primaries: usize,
     single_copies: usize,
+    /// Volumes whose replica cannot leave as things are, with why
+    /// ([`keel_catalog::CatalogState::drain_waits`]).
+    waiting: Vec<(String, Vec<keel_catalog::DrainWait>)>,
 }
+
+/// The volumes a drain waits for, named in a health message: this many at most.
+const DRAIN_WAITING_NAMED_MAX: usize = 5;
 
 impl DrainLeft {
     fn of(catalog: &keel_catalog::CatalogState, node: keel_catalog::NodeId) -> DrainLeft {
@@ -325,8 +331,39 @@ impl DrainLeft {
             replicas: held.len(),
             primaries: primaries(false),
             single_copies: primaries(true),
+            waiting: catalog.drain_waits(node),
         }
     }
+
+    /// "; N of them wait: volume V: why; ..." for the volumes it cannot move yet (the first
+    /// [`DRAIN_WAITING_NAMED_MAX`]), or nothing.
+    fn waiting_sentence(&self) -> String {
+        if self.waiting.is_empty() {
+            return String::new();
+        }
+        let mut named: Vec<String> = (self.waiting.iter())
+            .take(DRAIN_WAITING_NAMED_MAX)
+            .map(|(volume, waits)| format!("volume {volume}: {}", describe_waits(waits)))
+            .collect();
+        if self.waiting.len() > DRAIN_WAITING_NAMED_MAX {
+            named.push(format!(
+                "and {} more",
+                self.waiting.len() - DRAIN_WAITING_NAMED_MAX
+            ));
+        }
+        format!(
+            "; {} of them cannot move as things are: {}",
+            self.waiting.len(),
+            named.join("; ")
+        )
+    }
+}
+
+fn describe_waits(waits: &[keel_catalog::DrainWait]) -> String {
+    (waits.iter())
+        .map(|wait| wait.describe())
+        .collect::<Vec<_>>()
+        .join(", and ")
 }
 
 /// One finding (info) per node draining: what it has left to move, or that it is drained.
@@ -356,8 +393,12 @@ fn drains(state: &AppState) -> Vec<keel_cluster::HealthCheck> {
                 format!(
                     "node {} is draining: {} volume replica(s) left, {} of them a replicated \
                      volume's primary (handed to another replica in sync first) and {} a \
-                     volume's only copy (copied to another node first, R staying 1)",
-                    record.name, left.replicas, left.primaries, left.single_copies
+                     volume's only copy (copied to another node first, R staying 1){}",
+                    record.name,
+                    left.replicas,
+                    left.primaries,
+                    left.single_copies,
+                    left.waiting_sentence()
                 ),
                 format!(
                     "keel node info {} lists them; attach clients forwarded through this node \
@@ -1618,6 +1659,12 @@ async fn drain_node(
         "replicas": left.replicas,
         "primaries": left.primaries,
         "single_copies": left.single_copies,
+        "waiting": (left.waiting.iter())
+            .map(|(volume, waits)| serde_json::json!({
+                "volume": volume,
+                "why": describe_waits(waits),
+            }))
+            .collect::<Vec<_>>(),
     })))
 }
 

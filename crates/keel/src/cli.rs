@@ -1160,6 +1160,24 @@ pub fn node(connection: &Connection, command: NodeCommand) -> anyhow::Result<()>
                          with no such node it stays"
                     );
                 }
+                let waiting = answer["waiting"]
+                    .as_array()
+                    .map(Vec::as_slice)
+                    .unwrap_or(&[]);
+                if !waiting.is_empty() {
+                    println!(
+                        "{} of them cannot move as things are (keel status shows it until they \
+                         can):",
+                        waiting.len()
+                    );
+                    for wait in waiting {
+                        println!(
+                            "  volume {}: {}",
+                            wait["volume"].as_str().unwrap_or("?"),
+                            wait["why"].as_str().unwrap_or("?")
+                        );
+                    }
+                }
             }
         }
         NodeCommand::Remove { node } => {

@@ -1744,24 +1744,6 @@ impl Replication {
     }
 }
 
-/// The replica a draining node hands a volume's primary to: the lowest in the in-sync set
-/// other than `local` whose node is up and neither draining nor removed (`None`: the primary
-/// stays until one is).
-fn hand_off_target(
-    catalog: &keel_catalog::CatalogState,
-    replication: &keel_catalog::Replication,
-    local: NodeId,
-) -> Option<NodeId> {
-    (replication.in_sync.iter().copied())
-        .filter(|node| *node != local)
-        .filter(|node| {
-            catalog.nodes.get(node).is_some_and(|record| {
-                record.state == keel_catalog::NodeState::Up && !record.draining && !record.removed
-            })
-        })
-        .min()
-}
-
 impl Replication {
     /// Whether this node is draining (as its catalog shows).
     fn draining_here(&self) -> bool {
@@ -1770,7 +1752,7 @@ impl Replication {
     }
 
     /// On a draining node, hands each replicated volume served here as primary to another
-    /// replica in sync ([`hand_off_target`], [`Primary::hand_off`]), so that the drain can
+    /// replica in sync ([`keel_catalog::CatalogState::hand_off_target`], [`Primary::hand_off`]), so that the drain can
     /// move this node's replica off like any other. Clients attached here go on through the
     /// new primary, forwarded ([`Forwarded`]), without noticing: their I/O waits while the
     /// volume changes hands. Attaches wait too (the attach lock): none can reach the primary
@@ -1798,7 +1780,9 @@ impl Replication {
                     if replication.primary != local {
                         return None;
                     }
-                    hand_off_target(&catalog, replication, local).map(|to| (primary, to))
+                    catalog
+                        .hand_off_target(replication, local)
+                        .map(|to| (primary, to))
                 })
                 .collect()
         };
@@ -2054,7 +2038,7 @@ mod tests {
         VolumeStatus,
     };
 
-    use super::{hand_off_target, replicas_to_move};
+    use super::replicas_to_move;
 
     /// The command creating a ready 1 MiB volume `name` on `replicas` (the first its primary).
     pub(crate) fn volume_create(name: &str, replicas: Vec<u64>) -> Command {
@@ -2205,7 +2189,7 @@ mod tests {
         };
         let target = |state: &CatalogState| {
             let replication = &state.volume("v").unwrap().record.replication;
-            hand_off_target(state, replication, replication.primary)
+            state.hand_off_target(replication, replication.primary)
         };
         let mut state = cluster(false);
         // Node 2, the other replica, is down.
