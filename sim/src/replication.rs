@@ -5,7 +5,8 @@
 //! faults, on simulated time, driven by one seed.
 //!
 //! One run ([`run`]): three nodes (R=2 on three storage nodes, R=3 on three, or R=2 on two
-//! storage nodes and a metadata-only witness, chosen by the seed) and one replicated volume.
+//! storage nodes and a metadata-only witness, chosen by the seed; with [`Mode::Singles`], R=1
+//! or R=2 on three storage nodes) and one volume.
 //! Two clients write 4 KiB blocks to their own units of the volume, FLUSH, take snapshots and
 //! roll the volume back onto one, each through the node it attached to, as NBD clients and the
 //! admin API do; a client whose
@@ -17,8 +18,9 @@
 //! link heals, every node comes back, and the volume is served until every replica is in sync.
 //! With [`Mode::Moves`] the engine also acts on outages of its own: a node down for seconds
 //! has its replicas moved and a volume it was primary of taken over in the background; with
-//! [`Mode::Deletes`] clients also delete snapshots, and with [`Mode::Drains`] they also drain
-//! storage nodes and stop draining them.
+//! [`Mode::Deletes`] clients also delete snapshots, with [`Mode::Drains`] they also drain
+//! storage nodes and stop draining them, and with [`Mode::Singles`] they also lower R to 1, so
+//! that a drain copies the volume's one replica off its node.
 //!
 //! What it checks, the contract of `docs/volumes.md`:
 //! 1. **No acknowledged FLUSH is lost.** Each client keeps, per unit, the value its last
@@ -96,6 +98,9 @@ pub struct Report {
     pub drains: u64,
     /// Volumes a draining node handed to another replica (with [`Mode::Drains`]).
     pub primaries_handed_off: u64,
+    /// Volumes with one replica a draining node began copying to another node (with
+    /// [`Mode::Singles`]).
+    pub single_copies_copied_off: u64,
     /// Hash of everything observable, in order: two runs of a seed must agree on it.
     pub trace_hash: String,
     pub violations: Vec<String>,
@@ -122,6 +127,14 @@ pub enum Mode {
     /// node alone holds snapshots whole (the move then follows their repair). Every drain
     /// ends before the final check.
     Drains,
+    /// As [`Mode::Drains`], and R also goes down to 1 (from 2, on three storage nodes; 1 goes
+    /// back to 2): the volume's one replica is served by its primary, and a drain of its node
+    /// copies it to another node (`VolumeCopyOffDraining`, R staying 1), hands it to the copy
+    /// and removes the old copy, under the same faults. Its clients attach a volume with one
+    /// replica as its primary ([`Replication::open_primary`]), as one whose R was lowered
+    /// while attached stays served; a server's clients of such a volume use its local copy
+    /// (the blocking switch to a primary when R is raised is not simulated).
+    Singles,
 }
 
 /// The volume's name.
@@ -146,7 +159,7 @@ fn timing(mode: Mode) -> Timing {
         suspect_after: Duration::from_secs(4),
         down_after: match mode {
             Mode::Standard => Duration::from_secs(8),
-            Mode::Moves | Mode::Deletes | Mode::Drains => Duration::from_secs(3),
+            Mode::Moves | Mode::Deletes | Mode::Drains | Mode::Singles => Duration::from_secs(3),
         },
         propose_timeout: Duration::from_secs(4),
         call_timeout: Duration::from_millis(500),
@@ -630,7 +643,9 @@ async fn power_cut(world: &Shared, index: usize) {
     };
     if let Some(live) = live {
         if let Some(replication) = &live.replication {
-            world.borrow_mut().report.primaries_handed_off += replication.counters().handed_off();
+            let mut world = world.borrow_mut();
+            world.report.primaries_handed_off += replication.counters().handed_off();
+            world.report.single_copies_copied_off += replication.counters().copied_off();
         }
         // Stops its Raft and, through it, its engine's tasks (they write to the old disk,
         // which nothing reads any more).
@@ -997,10 +1012,14 @@ async fn client(world: Shared, client: usize, seed: u64, stop: Rc<RefCell<bool>>
         } else if roll < 98 {
             rollback(&world, client, current, &mut rng).await
         } else if roll < 99 {
-            change_replicas(&world, client, current).await
-        } else if matches!(world.borrow().mode, Mode::Deletes | Mode::Drains) && rng.gen_bool(0.5) {
+            change_replicas(&world, client, current, &mut rng).await
+        } else if matches!(
+            world.borrow().mode,
+            Mode::Deletes | Mode::Drains | Mode::Singles
+        ) && rng.gen_bool(0.5)
+        {
             delete_snapshot(&world, client, current, &mut rng).await
-        } else if world.borrow().mode == Mode::Drains && rng.gen_bool(0.5) {
+        } else if matches!(world.borrow().mode, Mode::Drains | Mode::Singles) && rng.gen_bool(0.5) {
             drain(&world, client, current, &mut rng).await
         } else {
             tokio::time::sleep(Duration::from_millis(rng.gen_range(0..300))).await;
@@ -1289,17 +1308,27 @@ async fn rollback(world: &Shared, client: usize, attached: &Attached, rng: &mut 
 
 /// Raises R from 2 to 3 or lowers it from 3 to 2 through the primary `attached`, as the
 /// admin API does ([`Replication::set_replicas_async`]), at any moment: during another
-/// client's snapshot or rollback too. The contents stay what they were: the checks at the end
-/// cover the replicas it added (caught up, copies converged, snapshots repaired onto them).
-/// Nothing on a run with a witness (two storage nodes). True if it failed.
-async fn change_replicas(world: &Shared, client: usize, attached: &Attached) -> bool {
+/// client's snapshot or rollback too; with [`Mode::Singles`], R 2 goes to 1 or 3 (half each)
+/// and R 1 back to 2. The contents stay what they were: the checks at the end cover the
+/// replicas it added (caught up, copies converged, snapshots repaired onto them). Nothing on
+/// a run with a witness (two storage nodes). True if it failed.
+async fn change_replicas(
+    world: &Shared,
+    client: usize,
+    attached: &Attached,
+    rng: &mut StdRng,
+) -> bool {
     let wanted = {
         let world = world.borrow();
         if world.report.witness {
             return false;
         }
+        let singles = world.mode == Mode::Singles;
         match world.replication_seen(attached.index) {
             Some(replication) if replication.replicas.len() == 3 => 2u8,
+            Some(replication) if singles && replication.factor == 1 => 2,
+            // Drawn in this mode alone: the other modes' seeds keep their schedules.
+            Some(_) if singles && rng.gen_bool(0.5) => 1,
             Some(_) => 3,
             None => return false,
         }
@@ -1357,7 +1386,7 @@ pub fn run_in(seed: u64, steps: u32, mode: Mode) -> Report {
         move_after_ms: match mode {
             Mode::Standard => None,
             // Its own draw: the schedule's draws stay those of the seed in either mode.
-            Mode::Moves | Mode::Deletes | Mode::Drains => {
+            Mode::Moves | Mode::Deletes | Mode::Drains | Mode::Singles => {
                 Some(StdRng::seed_from_u64(seed ^ 0x6d6f_7665).gen_range(500..3000))
             }
         },
@@ -1365,6 +1394,7 @@ pub fn run_in(seed: u64, steps: u32, mode: Mode) -> Report {
         snapshots_deleted: 0,
         drains: 0,
         primaries_handed_off: 0,
+        single_copies_copied_off: 0,
         trace_hash: String::new(),
         violations: Vec::new(),
     };
@@ -1390,9 +1420,12 @@ async fn simulate(mut report: Report) -> Report {
     let move_after = Duration::from_millis(report.move_after_ms.unwrap_or(3_600_000));
     let mode = report.mode;
     let mut rng = StdRng::seed_from_u64(seed);
-    let (replicas, witness) = match rng.gen_range(0..3) {
-        0 => (2u8, false),
-        1 => (3, false),
+    let (replicas, witness) = match (rng.gen_range(0..3), mode) {
+        // With one replica to copy off from the start, on three storage nodes.
+        (0 | 1, Mode::Singles) => (1u8, false),
+        (_, Mode::Singles) => (2, false),
+        (0, _) => (2, false),
+        (1, _) => (3, false),
         _ => (2, true),
     };
     report.replicas = replicas;
@@ -1619,7 +1652,7 @@ async fn simulate(mut report: Report) -> Report {
                 .violation(format!("a client panicked: {error}"));
         }
     }
-    if mode == Mode::Drains {
+    if matches!(mode, Mode::Drains | Mode::Singles) {
         end_drains(&world).await;
     }
     converge(&world, &mut rng).await;
@@ -1632,8 +1665,8 @@ async fn simulate(mut report: Report) -> Report {
 
 /// Attaches (again if the primary it attached to stops serving) until every replica is in
 /// sync — as Raft records it and as the primary counts it, with no change of the set in flight
-/// — across a FLUSH that went through; the primary and the volume's replicas then. A violation
-/// at `deadline`.
+/// and as many replicas as R — across a FLUSH that went through; the primary and the volume's
+/// replicas then. A violation at `deadline`.
 async fn serve_in_sync(
     world: &Shared,
     rng: &mut StdRng,
@@ -1656,8 +1689,13 @@ async fn serve_in_sync(
             counted.sort_unstable();
             let mut listed = recorded.in_sync.to_vec();
             listed.sort_unstable();
-            (counted == placed && listed == placed && status.catching_up.is_empty())
-                .then_some(placed)
+            // As many replicas as R: a copy a drain began and then had removed (R=1 with two
+            // replicas) is gone first ([`Mode::Singles`]).
+            (counted == placed
+                && listed == placed
+                && status.catching_up.is_empty()
+                && placed.len() == usize::from(recorded.factor))
+            .then_some(placed)
         };
         while tokio::time::Instant::now() < deadline {
             let status = attached.primary.status();

@@ -91,6 +91,30 @@ fn a_slice_of_seeds_with_moves_keeps_every_flushed_write() {
     }
 }
 
+// Proves the contract holds with volumes of one replica: R also goes down to 1 and back, and
+// a drain of the node holding a volume's one replica copies it to another node, hands the
+// volume to the copy and removes the old one (or, the drain undone, removes the copy), under
+// power cuts, partitions and the clients' own changes.
+#[test]
+fn a_slice_of_seeds_with_single_copies_keeps_every_flushed_write() {
+    let (mut copied, mut drains, mut changes, mut snapshots) = (0, 0, 0, 0);
+    let mut shapes = std::collections::BTreeSet::new();
+    for seed in 1..=(seeds() / 3).max(1) {
+        let report = passing(seed, Mode::Singles);
+        copied += report.single_copies_copied_off;
+        drains += report.drains;
+        changes += report.replica_changes;
+        snapshots += report.snapshot_copies_checked;
+        shapes.insert(report.replicas);
+    }
+    assert!(copied > 3, "{copied} single copies copied off");
+    assert!(
+        drains > 20 && changes > 50 && snapshots > 50,
+        "{drains} drains, {changes} changes of R, {snapshots} snapshot copies checked"
+    );
+    assert_eq!(shapes, [1, 2].into(), "R=1 and R=2 at the start");
+}
+
 // Proves the seeds that found bugs with moves keep passing: 82, 131, 176 and 216 moved a
 // replica off a node down for long, which alone held snapshots whole (fails without the fix);
 // 629 moved a replica during the final check, which compared the node it left; 2299 lowered

@@ -190,6 +190,7 @@ fn point_record(peer: NodeId) -> Vec<u8> {
 pub struct Counters {
     received_bytes: AtomicU64,
     handed_off: AtomicU64,
+    copied_off: AtomicU64,
 }
 
 impl Counters {
@@ -204,6 +205,12 @@ impl Counters {
     /// Volumes this node handed to another replica because it was draining.
     pub fn handed_off(&self) -> u64 {
         self.handed_off.load(Ordering::Relaxed)
+    }
+
+    /// Volumes with one replica (R=1) this node began copying to another node because it
+    /// was draining (`VolumeCopyOffDraining` recorded).
+    pub fn copied_off(&self) -> u64 {
+        self.copied_off.load(Ordering::Relaxed)
     }
 }
 
@@ -908,7 +915,7 @@ impl Replication {
                 if let Some(single) = self.open_single(name).await? {
                     return Ok(single);
                 }
-            } else if let Some(primary) = self.open_replicated(name).await? {
+            } else if let Some(primary) = self.open_replicated(name, false).await? {
                 return Ok(self.client_handle(name, primary));
             }
         }
@@ -944,12 +951,14 @@ impl Replication {
             .find(|attached| attached.serves(primary))
     }
 
-    /// [`Replication::open`] for an async client of a replicated volume on a node that holds a
-    /// replica (the simulation's): the primary, served here from now on. A volume with one
-    /// replica, and one this node holds no replica of, are refused. Store I/O runs inline:
-    /// a server's clients use [`Replication::open`].
+    /// [`Replication::open`] for an async client of a volume on a node that holds a replica
+    /// (the simulation's): the primary, served here from now on; one this node holds no
+    /// replica of is refused. A volume with one replica is served by a primary too, as one
+    /// whose R was lowered to 1 while attached is (a server's clients get its local copy
+    /// instead, switched over when R is raised, which takes blocking work). Store I/O runs
+    /// inline: a server's clients use [`Replication::open`].
     pub async fn open_primary(&self, name: &str) -> VolumeResult<Arc<Primary>> {
-        self.open_replicated(name)
+        self.open_replicated(name, true)
             .await?
             .ok_or_else(|| VolumeError::Invalid {
                 volume: name.to_string(),
@@ -957,8 +966,13 @@ impl Replication {
             })
     }
 
-    /// [`Self::open_primary`], with `None` for a volume with one replica.
-    async fn open_replicated(&self, name: &str) -> VolumeResult<Option<Arc<Primary>>> {
+    /// [`Self::open_primary`]; `None` for a volume with one replica unless `single` (serve
+    /// that too).
+    async fn open_replicated(
+        &self,
+        name: &str,
+        single: bool,
+    ) -> VolumeResult<Option<Arc<Primary>>> {
         let local_node = self.shared.local_node;
         // The record read under the attach lock: a change of R holds it while Raft records
         // the change, so what follows acts on the replicas and epoch as they are.
@@ -968,7 +982,7 @@ impl Replication {
         if !replication.hosts(local_node) {
             return Err(self.shared.elsewhere(name, replication.primary));
         }
-        if replication.replicas.len() <= 1 {
+        if replication.replicas.len() <= 1 && !single {
             return Ok(None);
         }
         let primary_address = || {
@@ -1865,11 +1879,17 @@ impl Replication {
                 break;
             };
             match self.copy_off(&name, to).await {
-                Ok(true) => tracing::warn!(
-                    volume = name,
-                    node = to,
-                    "this node is draining: copying the volume's one replica to another node"
-                ),
+                Ok(true) => {
+                    self.shared
+                        .counters
+                        .copied_off
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        volume = name,
+                        node = to,
+                        "this node is draining: copying the volume's one replica to another node"
+                    )
+                }
                 Ok(false) => {}
                 Err(error) => tracing::info!(
                     volume = name,

@@ -2,10 +2,11 @@
 //! with `--replication` the replicated volumes' (with `--moves`, nodes down for seconds have
 //! their replicas moved and their volumes taken over in the background; `--deletes` as
 //! `--moves`, and clients delete snapshots too; `--drains` as `--deletes`, and clients drain
-//! storage nodes and stop draining them).
+//! storage nodes and stop draining them; `--singles` as `--drains`, and R also goes down to 1,
+//! so that a drain copies the volume's one replica off).
 //!
 //! ```text
-//! keel-sim [--replication [--moves | --deletes | --drains]] [--seed FIRST] [--seeds N | --minutes M] [--steps K]
+//! keel-sim [--replication [--moves | --deletes | --drains | --singles]] [--seed FIRST] [--seeds N | --minutes M] [--steps K]
 //!          [--reproduce SEED]
 //! ```
 //! Prints one line per failing seed with the command that replays it, and a summary; exits 1 on
@@ -85,7 +86,9 @@ fn main() {
 fn replication(args: &[String]) -> ! {
     let steps = value(args, "--steps").unwrap_or(200) as u32;
     let has = |flag: &str| args.iter().any(|arg| arg == flag);
-    let (mode, flag) = if has("--drains") {
+    let (mode, flag) = if has("--singles") {
+        (keel_sim::replication::Mode::Singles, " --singles")
+    } else if has("--drains") {
         (keel_sim::replication::Mode::Drains, " --drains")
     } else if has("--deletes") {
         (keel_sim::replication::Mode::Deletes, " --deletes")
@@ -108,6 +111,7 @@ fn replication(args: &[String]) -> ! {
     let (mut rollbacks, mut replica_changes, mut moved, mut deleted) = (0, 0, 0, 0);
     let mut drains = 0;
     let mut handed = 0;
+    let mut copied = 0;
     let mut seed = first;
     loop {
         let done = match (seeds, minutes) {
@@ -131,6 +135,7 @@ fn replication(args: &[String]) -> ! {
         deleted += report.snapshots_deleted;
         drains += report.drains;
         handed += report.primaries_handed_off;
+        copied += report.single_copies_copied_off;
         if !report.violations.is_empty() {
             failures += 1;
             println!(
@@ -144,7 +149,7 @@ fn replication(args: &[String]) -> ! {
         seed += 1;
     }
     println!(
-        "{runs} seeds ({first}..{}), {steps} steps each, {:.0} s: {writes} writes, {flushes} FLUSHes acknowledged, {attaches} attaches, {cuts} power cuts, {partitions} partitions, {rollbacks} rollbacks, {replica_changes} changes of R, {moved} replicas moved, {deleted} snapshots deleted, {drains} drains begun or ended, {handed} primaries handed off; {failures} failing seed(s)",
+        "{runs} seeds ({first}..{}), {steps} steps each, {:.0} s: {writes} writes, {flushes} FLUSHes acknowledged, {attaches} attaches, {cuts} power cuts, {partitions} partitions, {rollbacks} rollbacks, {replica_changes} changes of R, {moved} replicas moved, {deleted} snapshots deleted, {drains} drains begun or ended, {handed} primaries handed off, {copied} single copies copied off; {failures} failing seed(s)",
         seed.saturating_sub(1),
         started.elapsed().as_secs_f64()
     );
