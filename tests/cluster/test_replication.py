@@ -793,6 +793,48 @@ def test_a_replica_on_a_node_that_stays_down_is_rebuilt_elsewhere(cluster, workd
     assert replication(second, "moving")["primary"] == 2
 
 
+def test_a_nearly_full_node_takes_no_new_replica(cluster, workdir):
+    """Three storage nodes; node 2 runs with `nearfull_percent = 1`, which this disk is fuller
+    than: it records itself nearly full through Raft. Every node's `keel status` warns
+    (KEEL_NODE_NEARFULL) and `keel node list` says so. An R=2 volume created on node 1 gets
+    its second replica on node 3, not on node 2 (the lower id, which placement picks
+    otherwise); raising it to R=3 is refused, naming nearly full nodes. Node 2 restarted with
+    the check off clears the mark, and R=3 then places the third replica there."""
+    total, used, _ = shutil.disk_usage(workdir)
+    assert used * 100 > total, f"the test needs a disk more than 1% used: {used} of {total} bytes"
+    config = workdir / "nearfull.toml"
+    config.write_text("nearfull_percent = 1\n")
+    first = cluster.add()
+    second = cluster.add(extra_args=["--config", str(config)])
+    third = cluster.add()
+    wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
+
+    def marked(node):
+        code, listed = node.api("GET", "/api/v1/nodes")
+        assert code == 200, listed
+        return {entry["record"]["id"] for entry in listed if entry["nearfull"]}
+    wait_until("node 2 recorded nearly full", lambda: marked(first) == {2}, timeout=30)
+    status = third.cli("status").stdout
+    assert "KEEL_NODE_NEARFULL" in status and "node n2 is nearly full" in status, status
+    listing = first.cli("node", "list").stdout.splitlines()
+    assert [line.split()[1] for line in listing if "nearly full: no new replicas" in line] == ["n2"], listing
+
+    create_r2(first, "spared")
+    assert replication(first, "spared")["replicas"] == [1, 3]
+    code, answer = first.api("POST", "/api/v1/volumes/spared/replication", {"replicas": 3}, timeout=30)
+    assert code != 200 and "not nearly full" in answer["error"], (code, answer)
+    assert replication(first, "spared")["replicas"] == [1, 3]
+
+    config.write_text("nearfull_percent = 100\n")
+    second.kill9()
+    second.start()
+    wait_until("node 2's mark cleared", lambda: marked(first) == set(), timeout=30)
+    assert "KEEL_NODE_NEARFULL" not in third.cli("status").stdout
+    code, answer = first.api("POST", "/api/v1/volumes/spared/replication", {"replicas": 3}, timeout=30)
+    assert code == 200, answer
+    assert replication(first, "spared")["replicas"] == [1, 3, 2]
+
+
 def test_a_drain_hands_primaries_off_and_forwards_the_clients_attached_there(cluster, workdir):
     """Three storage nodes; node 1 the primary of an R=2 volume attached there through NBD, of
     an R=3 volume nobody attached, and the only replica of an R=1 volume attached there too.
@@ -851,8 +893,8 @@ def test_a_drain_hands_primaries_off_and_forwards_the_clients_attached_there(clu
             and "2 of them primary: each is handed to another replica in sync first" in drained
             and "1 of them the volume's only copy (R=1): each is copied to another storage node" in drained
             and "1 of them cannot move as things are" in drained
-            and ("volume wide: every storage node that is up and not draining holds one of its replicas: "
-                 "add a node, or lower the volume's R") in drained), drained
+            and ("volume wide: every storage node that is up, not draining and not nearly full holds one "
+                 "of its replicas: add a node, or lower the volume's R") in drained), drained
 
     def handed():
         attached, wide, solo = (replication(first, name) for name in ("attached", "wide", "solo"))

@@ -289,6 +289,15 @@ pub enum Command {
         epoch: u64,
         to: NodeId,
     },
+
+    // ---- space (appended) ----
+    /// A storage node's own report that its data directories are over its nearfull threshold
+    /// (`nearfull`), or back under it: placement gives a nearly full node no new replica, and
+    /// a move, copy or new replica onto it is refused, while it is.
+    NodeSetNearfull {
+        id: NodeId,
+        nearfull: bool,
+    },
 }
 
 impl Command {
@@ -306,6 +315,7 @@ impl Command {
             Command::VolumeMoveReplica { .. } => "volume-move-replica",
             Command::VolumeSetReplicas { .. } => "volume-set-replicas",
             Command::VolumeCopyOffDraining { .. } => "volume-copy-off-draining",
+            Command::NodeSetNearfull { .. } => "node-set-nearfull",
             Command::VolumeClone { .. } => "volume-clone",
             Command::VolumeDelete { .. } => "volume-delete",
             Command::VolumeForget { .. } => "volume-forget",

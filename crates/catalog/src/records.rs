@@ -4,6 +4,7 @@
 //! | -------------------------------------------- | --------------------------------------- |
 //! | `c/cluster`                                  | [`ClusterRecord`]                       |
 //! | `c/node/<node id, 16 hex>`                   | [`NodeRecord`]                          |
+//! | `c/nearfull/<node id, 16 hex>`               | node id (version byte + postcard): the node is nearly full |
 //! | `v/next-volume-id`                           | u64 (postcard): the next volume id      |
 //! | `v/vol/<volume id, 16 hex>`                  | [`VolumeRecord`]                        |
 //! | `v/snap/<volume id, 16 hex>/<gen, 16 hex>`   | [`SnapshotRecord`]                      |
@@ -35,6 +36,11 @@ pub const RECORD_VERSION: u8 = 1;
 
 pub const CLUSTER_SUFFIX: &[u8] = b"c/cluster";
 pub const NODE_PREFIX: &[u8] = b"c/node/";
+/// Nodes over their nearfull threshold (`CatalogState::nearfull`): one record each, none once
+/// back under it.
+pub const NEARFULL_PREFIX: &[u8] = b"c/nearfull/";
+/// Format byte in front of the nearly full nodes at the end of a catalog snapshot.
+pub const NEARFULL_FORMAT: u8 = 1;
 pub const NEXT_VOLUME_ID_SUFFIX: &[u8] = b"v/next-volume-id";
 pub const VOLUME_PREFIX: &[u8] = b"v/vol/";
 pub const SNAPSHOT_PREFIX: &[u8] = b"v/snap/";
@@ -648,6 +654,10 @@ pub fn cluster_key() -> Vec<u8> {
 
 pub fn node_key(node: NodeId) -> Vec<u8> {
     meta(NODE_PREFIX, hex16(node).as_bytes())
+}
+
+pub fn nearfull_key(node: NodeId) -> Vec<u8> {
+    meta(NEARFULL_PREFIX, hex16(node).as_bytes())
 }
 
 pub fn next_volume_id_key() -> Vec<u8> {

@@ -13,7 +13,7 @@
 //!   generation is below `generation_next`;
 //! - a clone's origin snapshot exists while the clone does.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
@@ -67,6 +67,11 @@ pub struct CatalogState {
     /// before bucket settings existed still decode.
     #[serde(skip)]
     pub bucket_settings: BTreeMap<String, BucketSettings>,
+    /// Storage nodes whose data directories are over their nearfull threshold, as each
+    /// reported itself (`NodeSetNearfull`): placement gives them no new replica. Encoded after
+    /// the bucket settings in a snapshot, which older snapshots lack.
+    #[serde(skip)]
+    pub nearfull: BTreeSet<NodeId>,
 }
 
 /// Why a draining node's replica of a volume cannot leave yet ([`CatalogState::drain_waits`]).
@@ -75,9 +80,11 @@ pub enum DrainWait {
     /// The primary of a replicated volume, with no other replica in sync on a node that is up
     /// and not draining to hand the volume to.
     NoHandOffTarget,
-    /// The volume's only copy (R=1), with no storage node up and not draining to copy it to.
+    /// The volume's only copy (R=1), with no storage node up, not draining and not nearly
+    /// full to copy it to.
     NoCopyTarget,
-    /// Every storage node that is up and not draining already holds a replica of the volume.
+    /// Every storage node that is up, not draining and not nearly full already holds a
+    /// replica of the volume.
     NoMoveTarget,
 }
 
@@ -90,12 +97,12 @@ impl DrainWait {
                  to hand the volume to (yet: a catch-up under way ends it)"
             }
             DrainWait::NoCopyTarget => {
-                "its only copy (R=1) has no storage node that is up and not draining to go to: \
-                 add a node or bring one back"
+                "its only copy (R=1) has no storage node that is up, not draining and not \
+                 nearly full to go to: add a node or bring one back"
             }
             DrainWait::NoMoveTarget => {
-                "every storage node that is up and not draining holds one of its replicas: add \
-                 a node, or lower the volume's R"
+                "every storage node that is up, not draining and not nearly full holds one of \
+                 its replicas: add a node, or lower the volume's R"
             }
         }
     }
@@ -117,6 +124,7 @@ pub enum Change {
     DeleteBucket(String),
     PutBucketSettings(BucketSettings),
     DeleteBucketSettings(String),
+    SetNearfull { node: NodeId, nearfull: bool },
 }
 
 impl Change {
@@ -171,6 +179,19 @@ impl Change {
             ),
             Change::DeleteBucketSettings(name) => WriteOp::Delete {
                 key: records::bucket_settings_key(name),
+            },
+            Change::SetNearfull {
+                node,
+                nearfull: true,
+            } => put(
+                records::nearfull_key(*node),
+                records::encode_versioned(node),
+            ),
+            Change::SetNearfull {
+                node,
+                nearfull: false,
+            } => WriteOp::Delete {
+                key: records::nearfull_key(*node),
             },
         }
     }
@@ -253,6 +274,10 @@ impl CatalogState {
                 let suffix = key.get(1..).unwrap_or_default();
                 if suffix == records::CLUSTER_SUFFIX {
                     state.cluster = Some(records::decode_versioned(&key, &value)?);
+                } else if suffix.starts_with(records::NEARFULL_PREFIX) {
+                    state
+                        .nearfull
+                        .insert(records::decode_versioned(&key, &value)?);
                 } else if suffix.starts_with(records::NODE_PREFIX) {
                     let node: NodeRecord = records::decode_versioned(&key, &value)?;
                     state.nodes.insert(node.id, node);
@@ -332,6 +357,10 @@ impl CatalogState {
                 .cloned()
                 .map(Change::PutBucketSettings),
         );
+        changes.extend(self.nearfull.iter().map(|node| Change::SetNearfull {
+            node: *node,
+            nearfull: true,
+        }));
         ops.extend(changes.iter().map(Change::store_op));
         Ok(ops)
     }
@@ -346,6 +375,8 @@ impl CatalogState {
         out.extend_from_slice(&records::encode_plain(&legacy));
         out.push(records::BUCKET_SETTINGS_FORMAT);
         out.extend_from_slice(&records::encode_plain(&self.bucket_settings));
+        out.push(records::NEARFULL_FORMAT);
+        out.extend_from_slice(&records::encode_plain(&self.nearfull));
         out
     }
 
@@ -366,18 +397,37 @@ impl CatalogState {
         }
         let (legacy, rest): (BTreeMap<String, records::BucketSettingsV1>, &[u8]) =
             postcard::take_from_bytes(rest).map_err(|error| corrupt(error.to_string()))?;
-        state.bucket_settings = match rest.split_first() {
-            None => legacy
-                .into_iter()
-                .map(|(name, settings)| (name, settings.into()))
-                .collect(),
+        let rest = match rest.split_first() {
+            None => {
+                state.bucket_settings = legacy
+                    .into_iter()
+                    .map(|(name, settings)| (name, settings.into()))
+                    .collect();
+                return Ok(state);
+            }
             Some((&records::BUCKET_SETTINGS_FORMAT, body)) => {
-                postcard::from_bytes(body).map_err(|error| corrupt(error.to_string()))?
+                let (settings, rest) =
+                    postcard::take_from_bytes(body).map_err(|error| corrupt(error.to_string()))?;
+                state.bucket_settings = settings;
+                rest
             }
             Some((format, _)) => {
                 return Err(corrupt(format!("unknown bucket settings format {format}")))
             }
         };
+        // Snapshots from before nearly full nodes were recorded end here.
+        match rest.split_first() {
+            None => {}
+            Some((&records::NEARFULL_FORMAT, body)) => {
+                state.nearfull =
+                    postcard::from_bytes(body).map_err(|error| corrupt(error.to_string()))?;
+            }
+            Some((format, _)) => {
+                return Err(corrupt(format!(
+                    "unknown nearly full nodes format {format}"
+                )))
+            }
+        }
         Ok(state)
     }
 
@@ -493,6 +543,15 @@ impl CatalogState {
                 record.state_since_unix_ms = *at_unix_ms;
                 Ok(Plan::new(Outcome::Done)
                     .change(Change::PutNode(record))
+                    .event(Event::NodeChanged { node: *id }))
+            }
+            Command::NodeSetNearfull { id, nearfull } => {
+                self.live_node(*id)?;
+                Ok(Plan::new(Outcome::Done)
+                    .change(Change::SetNearfull {
+                        node: *id,
+                        nearfull: *nearfull,
+                    })
                     .event(Event::NodeChanged { node: *id }))
             }
             Command::NodeSetDraining { id, draining } => {
@@ -977,6 +1036,13 @@ impl CatalogState {
                 Change::DeleteBucketSettings(name) => {
                     self.bucket_settings.remove(name);
                 }
+                Change::SetNearfull { node, nearfull } => {
+                    if *nearfull {
+                        self.nearfull.insert(*node);
+                    } else {
+                        self.nearfull.remove(node);
+                    }
+                }
             }
         }
     }
@@ -1455,11 +1521,14 @@ impl CatalogState {
     /// A node may take a new replica of `volume`: a live storage node, not draining.
     fn check_new_replica(&self, volume: &str, node: NodeId) -> Result<(), CatalogError> {
         let target = self.live_node(node)?;
-        if target.role != crate::records::NodeRole::Storage || target.draining {
+        if target.role != crate::records::NodeRole::Storage
+            || target.draining
+            || self.nearfull.contains(&node)
+        {
             return Err(CatalogError::Invalid {
                 subject: format!("volume {volume:?}"),
                 detail: format!(
-                    "node {} cannot take a replica (a witness, or draining)",
+                    "node {} cannot take a replica (a witness, draining, or nearly full)",
                     target.name
                 ),
             });
@@ -1468,7 +1537,7 @@ impl CatalogState {
     }
 
     /// Up to `count` storage nodes to take new replicas of a volume whose replicas are on
-    /// `holding`: up, not draining or removed, holding none. Each pick shares the fewest
+    /// `holding`: up, not draining, removed or nearly full, holding none. Each pick shares the fewest
     /// failure-domain labels (same key, same value: `zone`, `rack`, `host`, ...) with the
     /// replicas already placed; among those, it is the node least provisioned
     /// ([`Self::provisioned_fraction`]), then the lowest id. So the volumes a drain copies or
@@ -1486,6 +1555,7 @@ impl CatalogState {
             .filter(|node| {
                 !node.removed
                     && !node.draining
+                    && !self.nearfull.contains(&node.id)
                     && node.role == crate::records::NodeRole::Storage
                     && node.state == NodeState::Up
                     && !holding.contains(&node.id)

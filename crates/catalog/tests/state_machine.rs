@@ -102,6 +102,8 @@ fn command() -> impl Strategy<Value = Command> {
         }),
         (1u64..4, any::<bool>())
             .prop_map(|(id, draining)| Command::NodeSetDraining { id, draining }),
+        (1u64..4, any::<bool>())
+            .prop_map(|(id, nearfull)| Command::NodeSetNearfull { id, nearfull }),
         (0u64..6, 1u64..4, 1u64..4).prop_map(|(volume_id, epoch, to)| {
             Command::VolumeCopyOffDraining {
                 volume_id,
@@ -1183,6 +1185,61 @@ fn a_drain_names_the_volumes_that_cannot_leave() {
         })
         .unwrap();
     assert_eq!(waits(&catalog), Vec::new());
+}
+
+// Proves a node recorded as nearly full takes no new replica (placement skips it, Raft refuses
+// one onto it), that the mark survives a restart (its store record) and a snapshot, that a
+// snapshot from before the mark existed decodes without it, and that clearing it lets the node
+// take replicas again.
+#[test]
+fn a_nearly_full_node_takes_no_new_replica() {
+    let dir = store_dir("nearfull");
+    let catalog = LocalCatalog::open(open(&dir)).unwrap();
+    catalog.propose(second_node()).unwrap();
+    catalog.propose(third_node()).unwrap();
+    let id = create_r2_on(&catalog, vec![1]);
+    let mark = |nearfull| Command::NodeSetNearfull { id: 2, nearfull };
+    assert!(catalog
+        .propose(Command::NodeSetNearfull {
+            id: 9,
+            nearfull: true
+        })
+        .is_err());
+    catalog.propose(mark(true)).unwrap();
+    let state = catalog.catalog().read().clone();
+    assert_eq!(state.nearfull, BTreeSet::from([2]));
+    assert_eq!(state.choose_replica_nodes(&[1], 2), vec![3]);
+    let onto_2 = Command::VolumeSetReplicas {
+        volume_id: id,
+        epoch: 1,
+        replicas: vec![1, 2],
+        in_sync_min: 1,
+    };
+    let refused = catalog.propose(onto_2.clone()).unwrap_err().to_string();
+    assert!(refused.contains("nearly full"), "{refused}");
+
+    // A snapshot keeps the mark; one written before it existed ends before it and decodes.
+    let encoded = state.encode();
+    assert_eq!(CatalogState::decode(&encoded).unwrap(), state);
+    let tail = 1 + postcard::to_allocvec(&state.nearfull).unwrap().len();
+    let older = CatalogState::decode(&encoded[..encoded.len() - tail]).unwrap();
+    assert!(older.nearfull.is_empty());
+    assert_eq!(older.nodes, state.nodes);
+
+    // The store record keeps it across a restart.
+    drop(catalog);
+    let catalog = LocalCatalog::open(open(&dir)).unwrap();
+    assert_eq!(catalog.catalog().read().nearfull, BTreeSet::from([2]));
+    catalog.propose(mark(false)).unwrap();
+    assert!(catalog.catalog().read().nearfull.is_empty());
+    assert_eq!(
+        catalog.catalog().read().choose_replica_nodes(&[1], 1),
+        vec![2]
+    );
+    catalog.propose(onto_2).unwrap();
+    drop(catalog);
+    let catalog = LocalCatalog::open(open(&dir)).unwrap();
+    assert!(catalog.catalog().read().nearfull.is_empty());
 }
 
 /// Some unrelated catalog records the restore must remove.

@@ -1407,6 +1407,7 @@ impl Cluster {
                 },
                 leader: leader == Some(record.id),
                 provisioned_bytes: provisioned.get(&record.id).copied().unwrap_or(0),
+                nearfull: state.nearfull.contains(&record.id),
                 liveness: by_node.get(&record.id).cloned(),
                 record: record.clone(),
             })
@@ -1569,6 +1570,8 @@ pub struct NodeStatus {
     /// The logical sizes of the volumes with a replica on the node, summed: what placement
     /// weighs against the node's capacity ([`keel_catalog::CatalogState::provisioned_bytes`]).
     pub provisioned_bytes: u64,
+    /// Recorded as nearly full (its own report, `NodeSetNearfull`): no new replica goes there.
+    pub nearfull: bool,
     pub liveness: Option<NodeLiveness>,
 }
 

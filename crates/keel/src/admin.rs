@@ -366,6 +366,33 @@ fn describe_waits(waits: &[keel_catalog::DrainWait]) -> String {
         .join(", and ")
 }
 
+/// One finding (warn) per storage node recorded as nearly full, seen from every node: it
+/// takes no new replica (placement skips it, Raft refuses one onto it).
+fn nearfull_nodes(state: &AppState) -> Vec<keel_cluster::HealthCheck> {
+    let catalog = state.cluster.catalog().read();
+    (catalog.nearfull.iter())
+        .filter_map(|node| catalog.nodes.get(node))
+        .filter(|record| !record.removed)
+        .map(|record| {
+            check(
+                "KEEL_NODE_NEARFULL",
+                "warn",
+                format!(
+                    "node {} is nearly full (a data directory over its nearfull_percent): it \
+                     takes no new replica, so rebuilds, moves and drains place replicas on \
+                     other nodes",
+                    record.name
+                ),
+                format!(
+                    "free space or add a device on {}; keel node list shows each node's free \
+                     space and provisioned volumes",
+                    record.name
+                ),
+            )
+        })
+        .collect()
+}
+
 /// One finding (info) per node draining: what it has left to move, or that it is drained.
 fn drains(state: &AppState) -> Vec<keel_cluster::HealthCheck> {
     let catalog = state.cluster.catalog().read();
@@ -513,6 +540,7 @@ pub fn status_report(
         checks.push(check(code, severity, message, action));
     }
     checks.extend(drains(state));
+    checks.extend(nearfull_nodes(state));
     for held in state.replication.held_replicas() {
         checks.push(check(
             "KEEL_REPLICA_MOVE_HELD",

@@ -1056,10 +1056,14 @@ fn print_nodes(nodes: &[Value]) {
             record["addresses"]["cluster"].as_str().unwrap_or(""),
             human_bytes(provisioned),
             share,
-            if liveness.is_null() {
-                "-".to_string()
-            } else {
-                human_bytes(free)
+            match (
+                liveness.is_null(),
+                node["nearfull"].as_bool().unwrap_or(false)
+            ) {
+                (true, false) => "-".to_string(),
+                (true, true) => "- (nearly full: no new replicas)".to_string(),
+                (false, false) => human_bytes(free),
+                (false, true) => format!("{} (nearly full: no new replicas)", human_bytes(free)),
             },
         );
     }

@@ -14,6 +14,7 @@ mod fill_rate;
 mod jobs;
 mod lifecycle;
 mod metrics;
+mod nearfull;
 mod process;
 mod scrub_schedule;
 mod server;

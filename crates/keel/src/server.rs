@@ -388,6 +388,15 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             window.sample(store, &keel_clock::SystemClock, stop).await;
         });
     }
+    if !config.cluster.witness {
+        tokio::spawn(crate::nearfull::watch(
+            cluster.clone(),
+            config.data.clone(),
+            config.nearfull_percent,
+            Arc::new(keel_clock::SystemClock),
+            stopped.clone(),
+        ));
+    }
     let fill_window = Arc::new(crate::fill_rate::FillWindow::default());
     {
         let (window, dirs, stop) = (fill_window.clone(), config.data.clone(), stopped.clone());

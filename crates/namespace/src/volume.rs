@@ -43,7 +43,8 @@ pub struct VolumeSpec {
     pub iops_max: Option<u64>,
     /// Bytes read plus written per second, in MiB; None: unlimited.
     pub bandwidth_max_mib_per_second: Option<u64>,
-    /// Replicas (R): this node and R - 1 other storage nodes that are up and not draining.
+    /// Replicas (R): this node and R - 1 other storage nodes that are up, not draining and not
+    /// nearly full.
     pub replicas: u8,
 }
 
@@ -346,7 +347,8 @@ impl VolumeManager {
             return Err(VolumeError::Invalid {
                 volume: volume.to_string(),
                 detail: format!(
-                    "{wanted} replicas need {wanted} storage nodes that are up; the cluster has {}",
+                    "{wanted} replicas need {wanted} storage nodes that are up, not draining and \
+                     (but this one) not nearly full; the cluster has {}",
                     replicas.len()
                 ),
             });

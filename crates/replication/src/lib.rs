@@ -1275,7 +1275,7 @@ impl Replication {
                         volume: name.to_string(),
                         detail: format!(
                             "{wanted} replicas need {missing} more storage node(s) that are up, \
-                             not draining and hold none; the cluster has {}",
+                             not draining, not nearly full and hold none; the cluster has {}",
                             added.len()
                         ),
                     });

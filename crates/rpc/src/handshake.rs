@@ -46,8 +46,9 @@ const STATUS_OTHER_PROTOCOL: u8 = 2;
 /// index the replica must have applied first. 5: replication batches carry the volume's write
 /// generation (a replica refuses one queued before a change it has applied). 6: a change of a
 /// volume's replicas ends the snapshot repairs of the copies it adds or removes. 7: a command
-/// copies a volume's one replica off a draining node (R stays 1 with two replicas).
-pub const PROTOCOL: u16 = 7;
+/// copies a volume's one replica off a draining node (R stays 1 with two replicas). 8: a
+/// command records a node as nearly full, and the catalog's snapshot ends with those nodes.
+pub const PROTOCOL: u16 = 8;
 
 fn protocol_of(hello: &[u8]) -> u16 {
     u16::from_le_bytes([hello[6], hello[7]])
