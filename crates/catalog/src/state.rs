@@ -578,9 +578,14 @@ impl CatalogState {
                     });
                 }
                 record.removed = true;
-                Ok(Plan::new(Outcome::Done)
-                    .change(Change::PutNode(record))
-                    .event(Event::NodeChanged { node: *id }))
+                let mut plan = Plan::new(Outcome::Done).change(Change::PutNode(record));
+                if self.nearfull.contains(id) {
+                    plan = plan.change(Change::SetNearfull {
+                        node: *id,
+                        nearfull: false,
+                    });
+                }
+                Ok(plan.event(Event::NodeChanged { node: *id }))
             }
             Command::VolumeCreate {
                 settings,
@@ -1518,7 +1523,8 @@ impl CatalogState {
         Ok(plan.change(Change::PutVolume(record)))
     }
 
-    /// A node may take a new replica of `volume`: a live storage node, not draining.
+    /// A node may take a new replica of `volume`: a live storage node, not draining, not
+    /// nearly full.
     fn check_new_replica(&self, volume: &str, node: NodeId) -> Result<(), CatalogError> {
         let target = self.live_node(node)?;
         if target.role != crate::records::NodeRole::Storage
@@ -1537,9 +1543,9 @@ impl CatalogState {
     }
 
     /// Up to `count` storage nodes to take new replicas of a volume whose replicas are on
-    /// `holding`: up, not draining, removed or nearly full, holding none. Each pick shares the fewest
-    /// failure-domain labels (same key, same value: `zone`, `rack`, `host`, ...) with the
-    /// replicas already placed; among those, it is the node least provisioned
+    /// `holding`: up, not draining, removed or nearly full, holding none. Each pick shares the
+    /// fewest failure-domain labels (same key, same value: `zone`, `rack`, `host`, ...) with
+    /// the replicas already placed; among those, it is the node least provisioned
     /// ([`Self::provisioned_fraction`]), then the lowest id. So the volumes a drain copies or
     /// moves, proposed one after the other, spread over the nodes in proportion to their
     /// capacity instead of all landing on one.

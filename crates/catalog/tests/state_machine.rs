@@ -1190,7 +1190,7 @@ fn a_drain_names_the_volumes_that_cannot_leave() {
 // Proves a node recorded as nearly full takes no new replica (placement skips it, Raft refuses
 // one onto it), that the mark survives a restart (its store record) and a snapshot, that a
 // snapshot from before the mark existed decodes without it, and that clearing it lets the node
-// take replicas again.
+// take replicas again; and that a node removed leaves no mark.
 #[test]
 fn a_nearly_full_node_takes_no_new_replica() {
     let dir = store_dir("nearfull");
@@ -1237,6 +1237,15 @@ fn a_nearly_full_node_takes_no_new_replica() {
         vec![2]
     );
     catalog.propose(onto_2).unwrap();
+    // A node removed leaves no mark behind.
+    catalog
+        .propose(Command::NodeSetNearfull {
+            id: 3,
+            nearfull: true,
+        })
+        .unwrap();
+    catalog.propose(Command::NodeRemove { id: 3 }).unwrap();
+    assert!(catalog.catalog().read().nearfull.is_empty());
     drop(catalog);
     let catalog = LocalCatalog::open(open(&dir)).unwrap();
     assert!(catalog.catalog().read().nearfull.is_empty());
