@@ -795,8 +795,8 @@ def test_a_replica_on_a_node_that_stays_down_is_rebuilt_elsewhere(cluster, workd
 
 def test_a_nearly_full_node_takes_no_new_replica(cluster, workdir):
     """Three storage nodes; node 2 runs with `nearfull_percent = 1`, which this disk is fuller
-    than: it records itself nearly full through Raft. Every node's `keel status` warns
-    (KEEL_NODE_NEARFULL) and `keel node list` says so. An R=2 volume created on node 1 gets
+    than: it records itself nearly full through Raft. The other nodes' `keel status` warns
+    (KEEL_NODE_NEARFULL; node 2's own says KEEL_NEARFULL) and `keel node list` says so. An R=2 volume created on node 1 gets
     its second replica on node 3, not on node 2 (the lower id, which placement picks
     otherwise); raising it to R=3 is refused, naming nearly full nodes. Node 2 restarted with
     the check off clears the mark, and R=3 then places the third replica there."""
@@ -816,6 +816,8 @@ def test_a_nearly_full_node_takes_no_new_replica(cluster, workdir):
     wait_until("node 2 recorded nearly full", lambda: marked(first) == {2}, timeout=30)
     status = third.cli("status").stdout
     assert "KEEL_NODE_NEARFULL" in status and "node n2 is nearly full" in status, status
+    own = second.cli("status").stdout
+    assert "KEEL_NEARFULL" in own and "KEEL_NODE_NEARFULL" not in own, own
     listing = first.cli("node", "list").stdout.splitlines()
     assert [line.split()[1] for line in listing if "nearly full: no new replicas" in line] == ["n2"], listing
 

@@ -366,11 +366,13 @@ fn describe_waits(waits: &[keel_catalog::DrainWait]) -> String {
         .join(", and ")
 }
 
-/// One finding (warn) per storage node recorded as nearly full, seen from every node: it
-/// takes no new replica (placement skips it, Raft refuses one onto it).
+/// One finding (warn) per other storage node recorded as nearly full: it takes no new replica
+/// (placement skips it, Raft refuses one onto it). This node's own shows as `KEEL_NEARFULL`.
 fn nearfull_nodes(state: &AppState) -> Vec<keel_cluster::HealthCheck> {
+    let local = keel_catalog::Metadata::local_node(state.cluster.as_ref());
     let catalog = state.cluster.catalog().read();
     (catalog.nearfull.iter())
+        .filter(|node| **node != local)
         .filter_map(|node| catalog.nodes.get(node))
         .filter(|record| !record.removed)
         .map(|record| {
@@ -621,8 +623,11 @@ pub fn status_report(
         };
         available = available.min(info.available_bytes);
         let limit = u64::from(state.config.nearfull_percent);
-        let used = info.total_bytes.saturating_sub(info.available_bytes);
-        if limit < 100 && info.total_bytes > 0 && used * 100 > info.total_bytes * limit {
+        let (used, counted) = info.used_of();
+        if limit < 100
+            && counted > 0
+            && u128::from(used) * 100 > u128::from(counted) * u128::from(limit)
+        {
             let days = fill
                 .as_ref()
                 .and_then(|fill| fill.days_to_full)
@@ -634,7 +639,7 @@ pub fn status_report(
                 format!(
                     "{} is {}% used, over the {limit}% warning level{days}",
                     dir.display(),
-                    used * 100 / info.total_bytes
+                    u128::from(used) * 100 / u128::from(counted)
                 ),
                 "free space or add a device; keel store compact returns what deleted data held",
             ));

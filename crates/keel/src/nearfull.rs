@@ -14,8 +14,9 @@ use keel_clock::Clock;
 /// How often the data directories are looked at.
 pub const CHECK_EVERY: Duration = Duration::from_secs(5);
 
-/// Whether data directories with these `(total, available)` bytes make the node nearly full:
-/// one is over `percent` used, or, the node being marked already (`marked`), one is still over
+/// Whether data directories with these `(used, counted)` bytes
+/// ([`keel_store::fsinfo::FilesystemInfo::used_of`]: `df`'s figures) make the node nearly
+/// full: one is over `percent` used, or, the node being marked already (`marked`), one is still over
 /// `percent - 1` (a point of hysteresis, so a node at the edge does not flap). 100 or more
 /// never marks a node.
 pub fn nearly_full(usage: &[(u64, u64)], percent: u8, marked: bool) -> bool {
@@ -27,10 +28,9 @@ pub fn nearly_full(usage: &[(u64, u64)], percent: u8, marked: bool) -> bool {
     } else {
         percent
     });
-    usage.iter().any(|&(total, available)| {
-        let used = u128::from(total.saturating_sub(available));
-        total > 0 && used * 100 > u128::from(total) * limit
-    })
+    usage
+        .iter()
+        .any(|&(used, counted)| counted > 0 && u128::from(used) * 100 > u128::from(counted) * limit)
 }
 
 /// Checks the data directories every [`CHECK_EVERY`] and proposes the mark when it should
@@ -47,7 +47,7 @@ pub async fn watch(
         let usage: Vec<(u64, u64)> = dirs
             .iter()
             .filter_map(|dir| keel_store::fsinfo::filesystem_info(dir).ok())
-            .map(|info| (info.total_bytes, info.available_bytes))
+            .map(|info| info.used_of())
             .collect();
         let marked = cluster.catalog().read().nearfull.contains(&node);
         let full = nearly_full(&usage, percent, marked);
@@ -87,7 +87,7 @@ mod tests {
     // 100 (the check off), and that one full directory of several is enough.
     #[test]
     fn a_node_is_nearly_full_over_the_threshold_until_a_point_under_it() {
-        let used = |percent: u64| (100, 100 - percent);
+        let used = |percent: u64| (percent, 100);
         assert!(!nearly_full(&[used(95)], 95, false));
         assert!(nearly_full(&[used(96)], 95, false));
         assert!(nearly_full(&[used(95)], 95, true), "kept at the threshold");

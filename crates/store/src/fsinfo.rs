@@ -32,9 +32,18 @@ pub struct FilesystemInfo {
     pub magic: i64,
     pub available_bytes: u64,
     pub total_bytes: u64,
+    /// Free bytes including those reserved for root (`available_bytes` excludes them).
+    pub free_bytes: u64,
 }
 
 impl FilesystemInfo {
+    /// Bytes in use and the bytes `df` counts its percentage of (in use plus available to
+    /// unprivileged writers: root's reserve is neither), so Keel's "percent used" is `df`'s.
+    pub fn used_of(&self) -> (u64, u64) {
+        let used = self.total_bytes.saturating_sub(self.free_bytes);
+        (used, used.saturating_add(self.available_bytes))
+    }
+
     /// tmpfs and ramfs keep data in memory: fsync returns at once and a power cut loses it all.
     pub fn is_volatile(&self) -> bool {
         matches!(self.filesystem.as_str(), "tmpfs" | "ramfs")
@@ -74,6 +83,7 @@ pub fn filesystem_info(path: &Path) -> io::Result<FilesystemInfo> {
         magic,
         available_bytes: raw.f_bavail as u64 * block,
         total_bytes: raw.f_blocks as u64 * block,
+        free_bytes: raw.f_bfree as u64 * block,
     })
 }
 
@@ -155,12 +165,19 @@ pub fn write_cache(path: &Path) -> Option<WriteCacheInfo> {
 mod tests {
     use super::*;
 
-    /// The target directory the tests run in is a real filesystem, reported by name.
+    /// The target directory the tests run in is a real filesystem, reported by name, with
+    /// `df`'s figures: in use plus available is at most its size (root's reserve is neither).
     #[test]
     fn reports_a_known_filesystem_for_the_build_dir() {
         let info = filesystem_info(Path::new(env!("CARGO_MANIFEST_DIR"))).unwrap();
         assert!(info.total_bytes > 0);
         assert!(!info.filesystem.is_empty());
+        assert!(info.available_bytes <= info.free_bytes && info.free_bytes <= info.total_bytes);
+        let (used, counted) = info.used_of();
+        assert!(
+            used > 0 && used < counted && counted <= info.total_bytes,
+            "{info:?}"
+        );
     }
 
     /// /proc is not a block device: no write-cache answer rather than a wrong one.
