@@ -167,11 +167,19 @@ struct Peer {
     /// says nothing, so its catch-up compares everything.
     added: bool,
     wake: Arc<tokio::sync::Notify>,
+    /// This entry's identity: a replica removed and added back (R lowered and raised) gets a
+    /// new entry, and the catch-up task of the old one must not work on it
+    /// ([`Primary::spawn_resync`]).
+    id: u64,
 }
+
+/// Identities of [`Peer`] entries, never reused.
+static PEER_IDS: AtomicU64 = AtomicU64::new(1);
 
 impl Peer {
     fn new() -> Peer {
         Peer {
+            id: PEER_IDS.fetch_add(1, Ordering::Relaxed),
             queue: VecDeque::new(),
             queued_bytes: 0,
             streaming: false,
@@ -1685,8 +1693,22 @@ impl Primary {
                 self.spawn_resync(to);
             }
             Err(error) => {
+                self.close_if_unanswered(&error);
                 tracing::info!(volume = %self.name, %error, "could not move a replica yet");
             }
+        }
+    }
+
+    /// Stops serving after a change of the replica set whose answer never came: it may have
+    /// been made, and this primary would then neither catch up a replica Raft added nor stop
+    /// streaming to one it removed (found by the simulation with single copies, seed 5810: a
+    /// replica added that way was never caught up). Its clients attach again, and the primary
+    /// that serves them starts from what Raft recorded.
+    fn close_if_unanswered(&self, error: &MetadataError) {
+        if matches!(error, MetadataError::Timeout { .. }) {
+            self.close(format!(
+                "a change of its replicas went unanswered (it may have been made): {error}"
+            ));
         }
     }
 
@@ -1846,9 +1868,10 @@ impl Primary {
             self.check_serving(&state)?;
             state.epoch
         };
-        self.propose(command(epoch, &replicas))
-            .await
-            .map_err(|error| crate::change_error(&self.name, error))?;
+        if let Err(error) = self.propose(command(epoch, &replicas)).await {
+            self.close_if_unanswered(&error);
+            return Err(crate::change_error(&self.name, error));
+        }
         let local = self.shared.local_node;
         let added: Vec<NodeId> = {
             let mut state = self.state();
@@ -2118,7 +2141,7 @@ impl Primary {
     }
 
     fn spawn_resync(self: &Arc<Self>, node: NodeId) {
-        {
+        let id = {
             let mut state = self.state();
             let Some(peer) = state.peers.get_mut(&node) else {
                 return;
@@ -2127,18 +2150,28 @@ impl Primary {
                 return;
             }
             peer.resync_running = true;
-        }
+            peer.id
+        };
         let this = self.clone();
         self.shared.runtime.spawn(async move {
             let mut failures = 0u64;
             loop {
-                match this.resync(node).await {
+                // The replica's entry, if it is still the one this task catches up: one removed
+                // and added back while this task slept has a task of its own, and two catch-ups
+                // of one replica would undo each other (one starting a stream, uncounted, while
+                // the other's addition to the in-sync set is on its way: found by the
+                // simulation with single copies, seed 6165).
+                if this.state().peers.get(&node).is_none_or(|peer| peer.id != id) {
+                    return;
+                }
+                match this.resync(node, id).await {
                     // Done, unless the replica's stream failed meanwhile (as it joined the set,
                     // or while the FLUSH after it waited): the drop_replica that followed found
                     // this catch-up running and left the next one to it. Looked at under the
                     // same lock that ends it, so no failure falls in between.
                     Ok(()) => {
                         let again = match this.state().peers.get_mut(&node) {
+                            Some(peer) if peer.id != id => false,
                             Some(peer) if peer.failed || !peer.streaming => true,
                             Some(peer) => {
                                 peer.resync_running = false;
@@ -2165,7 +2198,9 @@ impl Primary {
                 }
             }
             if let Some(peer) = this.state().peers.get_mut(&node) {
-                peer.resync_running = false;
+                if peer.id == id {
+                    peer.resync_running = false;
+                }
             }
         });
     }
@@ -2176,7 +2211,9 @@ impl Primary {
     /// and the blocks that differ are queued on the same stream (so a later write to a block
     /// always lands after its copy); then the replica flushes, counts for FLUSHes, and Raft
     /// records it in sync.
-    async fn resync(self: &Arc<Self>, node: NodeId) -> Result<(), String> {
+    /// `id` is the replica's entry this catch-up works on ([`Peer::id`]): another (the replica
+    /// removed and added back meanwhile) is left alone, as a replica gone.
+    async fn resync(self: &Arc<Self>, node: NodeId, id: u64) -> Result<(), String> {
         let size = self.local.size_bytes();
         let block = u64::from(self.local.block_size_bytes());
         // What it lacks is unknown (this node just became primary, after a crash or a
@@ -2185,7 +2222,7 @@ impl Primary {
         // made, so none falls between.
         let unknown = {
             let mut state = self.state();
-            let Some(peer) = state.peers.get_mut(&node) else {
+            let Some(peer) = state.peers.get_mut(&node).filter(|peer| peer.id == id) else {
                 return Ok(());
             };
             // (A stream an earlier attempt left behind: what it carries unconfirmed is folded
@@ -2221,7 +2258,7 @@ impl Primary {
                 return Err("still in the in-sync set: waiting for it to be taken out".to_string());
             }
             let stream = self.shared.new_stream_id(self.volume_id, state.epoch);
-            let Some(peer) = state.peers.get_mut(&node) else {
+            let Some(peer) = state.peers.get_mut(&node).filter(|peer| peer.id == id) else {
                 return Ok(());
             };
             // A stream an earlier attempt began: what it carried unconfirmed is lacked too.
@@ -2318,7 +2355,9 @@ impl Primary {
                 loop {
                     {
                         let state = self.state();
-                        let peer = state.peers.get(&node).ok_or("replica gone")?;
+                        let peer = (state.peers.get(&node))
+                            .filter(|peer| peer.stream == stream)
+                            .ok_or("replica gone")?;
                         if state.closed.is_some() {
                             return Ok(());
                         }
@@ -2332,7 +2371,7 @@ impl Primary {
                     self.shared.clock().sleep(Duration::from_millis(5)).await;
                 }
                 let copied = self
-                    .queue_differences(node, offset, length, block, theirs)
+                    .queue_differences((node, stream), offset, length, block, theirs)
                     .await?;
                 shipped += copied;
                 self.state().resync_compared_bytes += length;
@@ -2369,7 +2408,9 @@ impl Primary {
             let _order = self.ordering().await.map_err(|error| error.to_string())?;
             let mut state = self.state();
             let upto = state.next_seq - 1;
-            let peer = state.peers.get_mut(&node).ok_or("replica gone")?;
+            let peer = (state.peers.get_mut(&node))
+                .filter(|peer| peer.stream == stream)
+                .ok_or("replica gone")?;
             if peer.failed {
                 return Err("the replica's stream failed during the resync".to_string());
             }
@@ -2381,7 +2422,9 @@ impl Primary {
         loop {
             {
                 let state = self.state();
-                let peer = state.peers.get(&node).ok_or("replica gone")?;
+                let peer = (state.peers.get(&node))
+                    .filter(|peer| peer.stream == stream)
+                    .ok_or("replica gone")?;
                 if peer.failed {
                     return Err("the replica failed before it was in sync".to_string());
                 }
@@ -2390,7 +2433,9 @@ impl Primary {
                 }
             }
             if self.shared.clock().now() > deadline {
-                if let Some(peer) = self.state().peers.get_mut(&node) {
+                if let Some(peer) =
+                    (self.state().peers.get_mut(&node)).filter(|peer| peer.stream == stream)
+                {
                     peer.counted = false;
                 }
                 return Err("the replica did not confirm its flush".to_string());
@@ -2516,10 +2561,19 @@ impl Primary {
                         .runtime
                         .block_on(self.remote_hashes(*node, offset, length))
                         .map_err(failed)?;
+                    // Onto the replica's stream as it is now (one replaced meanwhile is
+                    // left alone: "replica gone").
+                    let stream = (self.state().peers.get(node)).map_or(0, |peer| peer.stream);
                     let shipped = self
                         .shared
                         .runtime
-                        .block_on(self.queue_differences(*node, offset, length, block, theirs))
+                        .block_on(self.queue_differences(
+                            (*node, stream),
+                            offset,
+                            length,
+                            block,
+                            theirs,
+                        ))
                         .map_err(failed)?;
                     report.replica_blocks_repaired += shipped / block;
                 }
@@ -2796,7 +2850,7 @@ impl Primary {
     /// bytes queued.
     async fn queue_differences(
         self: &Arc<Self>,
-        node: NodeId,
+        (node, stream): (NodeId, u64),
         offset: u64,
         length: u64,
         block: u64,
@@ -2820,7 +2874,7 @@ impl Primary {
             let hashes = theirs.clone();
             let last = attempt >= RESYNC_READ_ATTEMPTS;
             let step = crate::blocking(move || {
-                this.difference_step(node, (offset, length), block, &hashes, last)
+                this.difference_step((node, stream), (offset, length), block, &hashes, last)
             })
             .await??;
             match step {
@@ -2836,7 +2890,7 @@ impl Primary {
     /// meanwhile overlapped it; the `last` attempt reads it under the lock throughout.
     fn difference_step(
         &self,
-        node: NodeId,
+        (node, stream): (NodeId, u64),
         (offset, length): (u64, u64),
         block: usize,
         theirs: &[u8],
@@ -2858,6 +2912,7 @@ impl Primary {
         self.state()
             .peers
             .get_mut(&node)
+            .filter(|peer| peer.stream == stream)
             .ok_or("replica gone")?
             .resync_reading = Some((offset, offset + length, false));
         if !last {
@@ -2868,7 +2923,9 @@ impl Primary {
         let mut state = self.state();
         let paused = state.paused > 0;
         let next_position = state.next_seq;
-        let peer = state.peers.get_mut(&node).ok_or("replica gone")?;
+        let peer = (state.peers.get_mut(&node))
+            .filter(|peer| peer.stream == stream)
+            .ok_or("replica gone")?;
         let touched = peer
             .resync_reading
             .take()
