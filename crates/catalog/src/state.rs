@@ -1366,13 +1366,7 @@ impl CatalogState {
         record.replication.replicas[slot] = to;
         record.replication.in_sync.retain(|node| *node != from);
         record.replication.epoch = epoch + 1;
-        let plan = self.snapshots_after_replicas_change(
-            Plan::new(Outcome::Done).event(Event::VolumeChanged { volume_id }),
-            volume_id,
-            &[to],
-            &[from],
-        );
-        Ok(plan.change(Change::PutVolume(record)))
+        Ok(self.plan_replicas_changed(record, &[to], &[from]))
     }
 
     fn plan_copy_off_draining(
@@ -1401,13 +1395,25 @@ impl CatalogState {
         self.check_new_replica(&record.name, to)?;
         record.replication.replicas.push(to);
         record.replication.epoch = epoch + 1;
-        let plan = self.snapshots_after_replicas_change(
+        Ok(self.plan_replicas_changed(record, &[to], &[]))
+    }
+
+    /// The plan of a change of a volume's replicas, `record` as it becomes: the record, and
+    /// what the change does to its snapshots ([`Self::snapshots_after_replicas_change`]).
+    fn plan_replicas_changed(
+        &self,
+        record: VolumeRecord,
+        added: &[NodeId],
+        removed: &[NodeId],
+    ) -> Plan {
+        let volume_id = record.id;
+        self.snapshots_after_replicas_change(
             Plan::new(Outcome::Done).event(Event::VolumeChanged { volume_id }),
             volume_id,
-            &[to],
-            &[],
-        );
-        Ok(plan.change(Change::PutVolume(record)))
+            added,
+            removed,
+        )
+        .change(Change::PutVolume(record))
     }
 
     /// Adds to `plan` what a change of the volume's replicas does to its snapshots: every
@@ -1506,12 +1512,6 @@ impl CatalogState {
             .copied()
             .filter(|node| !replicas.contains(node))
             .collect();
-        let plan = self.snapshots_after_replicas_change(
-            Plan::new(Outcome::Done).event(Event::VolumeChanged { volume_id }),
-            volume_id,
-            &added,
-            &removed,
-        );
         record.replication = Replication {
             factor: replicas.len() as u8,
             in_sync_min,
@@ -1520,7 +1520,7 @@ impl CatalogState {
             primary: current.primary,
             in_sync,
         };
-        Ok(plan.change(Change::PutVolume(record)))
+        Ok(self.plan_replicas_changed(record, &added, &removed))
     }
 
     /// A node may take a new replica of `volume`: a live storage node, not draining, not
@@ -1550,22 +1550,14 @@ impl CatalogState {
     /// moves, proposed one after the other, spread over the nodes in proportion to their
     /// capacity instead of all landing on one.
     pub fn choose_replica_nodes(&self, holding: &[NodeId], count: usize) -> Vec<NodeId> {
+        let mut candidates: Vec<&NodeRecord> = self.replica_candidates(holding).collect();
+        if candidates.is_empty() {
+            return Vec::new();
+        }
         let provisioned = self.provisioned_bytes();
         let mut placed: Vec<&NodeRecord> = holding
             .iter()
             .filter_map(|node| self.nodes.get(node))
-            .collect();
-        let mut candidates: Vec<&NodeRecord> = self
-            .nodes
-            .values()
-            .filter(|node| {
-                !node.removed
-                    && !node.draining
-                    && !self.nearfull.contains(&node.id)
-                    && node.role == crate::records::NodeRole::Storage
-                    && node.state == NodeState::Up
-                    && !holding.contains(&node.id)
-            })
             .collect();
         let mut chosen = Vec::new();
         while chosen.len() < count {
@@ -1603,6 +1595,22 @@ impl CatalogState {
         chosen
     }
 
+    /// The nodes [`Self::choose_replica_nodes`] picks from, in no order: storage nodes up,
+    /// not draining, removed or nearly full, holding none of `holding`.
+    fn replica_candidates<'a>(
+        &'a self,
+        holding: &'a [NodeId],
+    ) -> impl Iterator<Item = &'a NodeRecord> + 'a {
+        self.nodes.values().filter(move |node| {
+            !node.removed
+                && !node.draining
+                && !self.nearfull.contains(&node.id)
+                && node.role == crate::records::NodeRole::Storage
+                && node.state == NodeState::Up
+                && !holding.contains(&node.id)
+        })
+    }
+
     /// The replica a draining node hands a volume's primary to: the lowest in the in-sync set
     /// other than `from` whose node is up and neither draining nor removed (`None`: the primary
     /// stays until one is).
@@ -1632,7 +1640,7 @@ impl CatalogState {
                 }
                 let mut waits = Vec::new();
                 if replication.replicas.len() == 1 {
-                    if self.choose_replica_nodes(&[node], 1).is_empty() {
+                    if self.replica_candidates(&[node]).next().is_none() {
                         waits.push(DrainWait::NoCopyTarget);
                     }
                 } else {
@@ -1644,7 +1652,7 @@ impl CatalogState {
                     let staying: Vec<NodeId> = (replication.replicas.iter().copied())
                         .filter(|replica| *replica != node)
                         .collect();
-                    if self.choose_replica_nodes(&staying, 1).is_empty() {
+                    if self.replica_candidates(&staying).next().is_none() {
                         waits.push(DrainWait::NoMoveTarget);
                     }
                 }
@@ -1669,7 +1677,7 @@ impl CatalogState {
     /// `provisioned` bytes as a fraction of the node's capacity (its data directories' sizes
     /// when it joined), in millionths; volumes are thin, so it may exceed a million. A node
     /// that recorded no capacity counts as one of 1 GiB.
-    pub fn provisioned_fraction(node: &NodeRecord, provisioned: u64) -> u64 {
+    fn provisioned_fraction(node: &NodeRecord, provisioned: u64) -> u64 {
         const UNKNOWN_CAPACITY: u64 = 1 << 30;
         let capacity: u64 = node
             .devices

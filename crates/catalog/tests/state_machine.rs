@@ -413,22 +413,34 @@ fn create_r2(catalog: &LocalCatalog) -> u64 {
 
 /// Creates volume "r2" (whatever its R) on `replicas`, the first its primary; returns its id.
 fn create_r2_on(catalog: &LocalCatalog, replicas: Vec<u64>) -> u64 {
+    create_volume(catalog, "r2", 1 << 20, 1, replicas)
+}
+
+/// Creates a ready volume `name` of `size_bytes` (UUID bytes all `uuid`) on `replicas`, the
+/// first its primary; returns its id.
+fn create_volume(
+    catalog: &LocalCatalog,
+    name: &str,
+    size_bytes: u64,
+    uuid: u8,
+    replicas: Vec<u64>,
+) -> u64 {
     catalog
         .propose(Command::VolumeCreate {
             settings: VolumeSettings {
-                name: "r2".to_string(),
-                size_bytes: 1 << 20,
+                name: name.to_string(),
+                size_bytes,
                 compression: "none".to_string(),
                 iops_max: None,
                 bandwidth_max_mib_per_second: None,
             },
-            uuid: [1; 16],
+            uuid: [uuid; 16],
             created_unix_seconds: 5,
             replicas,
             status: VolumeStatus::Ready,
         })
         .unwrap();
-    catalog.catalog().read().volume("r2").unwrap().record.id
+    catalog.catalog().read().volume(name).unwrap().record.id
 }
 
 fn replication_of(catalog: &LocalCatalog) -> keel_catalog::Replication {
@@ -1052,21 +1064,7 @@ fn placement_fills_nodes_in_proportion_to_their_capacity() {
     for index in 0..25u8 {
         let to = catalog.catalog().read().choose_replica_nodes(&[1], 1);
         assert_eq!(to.len(), 1, "{to:?}");
-        catalog
-            .propose(Command::VolumeCreate {
-                settings: VolumeSettings {
-                    name: format!("v{index}"),
-                    size_bytes: 10 * GIB,
-                    compression: "none".to_string(),
-                    iops_max: None,
-                    bandwidth_max_mib_per_second: None,
-                },
-                uuid: [index; 16],
-                created_unix_seconds: 5,
-                replicas: to.clone(),
-                status: VolumeStatus::Ready,
-            })
-            .unwrap();
+        create_volume(&catalog, &format!("v{index}"), 10 * GIB, index, to.clone());
         *placed.entry(to[0]).or_default() += 1;
     }
     assert_eq!(placed, BTreeMap::from([(2, 5), (3, 5), (4, 15)]));
@@ -1105,27 +1103,17 @@ fn a_drain_names_the_volumes_that_cannot_leave() {
     let catalog = LocalCatalog::open(open(&dir)).unwrap();
     catalog.propose(second_node()).unwrap();
     catalog.propose(third_node()).unwrap();
-    let create = |name: &str, replicas: Vec<u64>| {
-        catalog
-            .propose(Command::VolumeCreate {
-                settings: VolumeSettings {
-                    name: name.to_string(),
-                    size_bytes: 1 << 20,
-                    compression: "none".to_string(),
-                    iops_max: None,
-                    bandwidth_max_mib_per_second: None,
-                },
-                uuid: [name.len() as u8; 16],
-                created_unix_seconds: 5,
-                replicas,
-                status: VolumeStatus::Ready,
-            })
-            .unwrap();
-    };
-    create("wide", vec![2, 1, 3]);
-    create("pair", vec![1, 2]);
-    create("solo", vec![1]);
-    create("elsewhere", vec![2, 3]);
+    for (uuid, (name, replicas)) in [
+        ("wide", vec![2, 1, 3]),
+        ("pair", vec![1, 2]),
+        ("solo", vec![1]),
+        ("elsewhere", vec![2, 3]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        create_volume(&catalog, name, 1 << 20, uuid as u8, replicas);
+    }
     catalog
         .propose(Command::NodeSetDraining {
             id: 1,
