@@ -1671,14 +1671,21 @@ impl Primary {
             }
         };
         let _proposing = self.proposing.lock().await;
-        let epoch = self.state().epoch;
+        let (epoch, replicas, in_sync_min) = {
+            let state = self.state();
+            let replicas: Vec<NodeId> = std::iter::once(local)
+                .chain(state.peers.keys().copied().filter(|node| *node != from))
+                .chain(std::iter::once(to))
+                .collect();
+            (state.epoch, replicas, state.in_sync_min)
+        };
         let command = Command::VolumeMoveReplica {
             volume_id: self.volume_id,
             epoch,
             from,
             to,
         };
-        match self.propose(command).await {
+        match (self.propose_replica_set(epoch, command, &replicas, in_sync_min)).await {
             Ok(()) => {
                 let mut state = self.state();
                 state.epoch = epoch + 1;
@@ -1693,22 +1700,48 @@ impl Primary {
                 self.spawn_resync(to);
             }
             Err(error) => {
-                self.close_if_unanswered(&error);
                 tracing::info!(volume = %self.name, %error, "could not move a replica yet");
             }
         }
     }
 
-    /// Stops serving after a change of the replica set whose answer never came: it may have
-    /// been made, and this primary would then neither catch up a replica Raft added nor stop
-    /// streaming to one it removed (found by the simulation with single copies, seed 5810: a
-    /// replica added that way was never caught up). Its clients attach again, and the primary
-    /// that serves them starts from what Raft recorded.
-    fn close_if_unanswered(&self, error: &MetadataError) {
-        if matches!(error, MetadataError::Timeout { .. }) {
-            self.close(format!(
-                "a change of its replicas went unanswered (it may have been made): {error}"
-            ));
+    /// Proposes `command`, a change of the replica set to `replicas` (this node included)
+    /// with the in-sync minimum `in_sync_min`, made against `epoch` (call it holding
+    /// `proposing`). An unanswered one is settled ([`Self::settle_unanswered`]): made, it is
+    /// as if answered; otherwise it fails, with nothing changed. Found by the simulation with
+    /// single copies (seed 5810): a replica added by a change taken as failed was never
+    /// caught up.
+    async fn propose_replica_set(
+        &self,
+        epoch: u64,
+        command: Command,
+        replicas: &[NodeId],
+        in_sync_min: usize,
+    ) -> VolumeResult<()> {
+        match self.propose(command).await {
+            Ok(()) => Ok(()),
+            Err(MetadataError::Timeout { detail }) => {
+                tracing::warn!(volume = %self.name, epoch, %detail, "a change of the replicas went unanswered; settling whether it was made");
+                let wanted: BTreeSet<NodeId> = replicas.iter().copied().collect();
+                let made = |recorded: &keel_catalog::Replication| {
+                    usize::from(recorded.in_sync_min) == in_sync_min
+                        && recorded.replicas.iter().copied().collect::<BTreeSet<_>>() == wanted
+                };
+                match self
+                    .settle_unanswered(epoch, "change of the replicas", made)
+                    .await
+                {
+                    Ok(true) => Ok(()),
+                    Ok(false) => Err(unavailable(
+                        &self.name,
+                        format!(
+                            "the change of its replicas went unanswered and was not made: {detail}"
+                        ),
+                    )),
+                    Err(why) => Err(unavailable(&self.name, why)),
+                }
+            }
+            Err(error) => Err(crate::change_error(&self.name, error)),
         }
     }
 
@@ -1868,10 +1901,8 @@ impl Primary {
             self.check_serving(&state)?;
             state.epoch
         };
-        if let Err(error) = self.propose(command(epoch, &replicas)).await {
-            self.close_if_unanswered(&error);
-            return Err(crate::change_error(&self.name, error));
-        }
+        let command = command(epoch, &replicas);
+        (self.propose_replica_set(epoch, command, &replicas, usize::from(in_sync_min))).await?;
         let local = self.shared.local_node;
         let added: Vec<NodeId> = {
             let mut state = self.state();
@@ -1965,7 +1996,20 @@ impl Primary {
             }
             Err(MetadataError::Timeout { detail }) => {
                 tracing::warn!(volume = %self.name, epoch, %detail, "an in-sync change went unanswered; settling whether it was made");
-                self.settle_unknown(epoch, in_sync).await
+                let made = |recorded: &keel_catalog::Replication| {
+                    self.same_replicas(recorded)
+                        && recorded.in_sync.iter().copied().collect::<BTreeSet<_>>() == in_sync
+                };
+                match self
+                    .settle_unanswered(epoch, "in-sync change", made)
+                    .await?
+                {
+                    true => {
+                        self.recorded(epoch + 1, in_sync);
+                        Ok(())
+                    }
+                    false => Err("the in-sync change was not made".to_string()),
+                }
             }
             Err(error) => Err(error.to_string()),
         }
@@ -2004,15 +2048,35 @@ impl Primary {
         state.in_sync = in_sync;
     }
 
-    /// Settles an in-sync change made against `epoch` whose answer never came (it may have
-    /// been made or not), before anything else about the set is decided (call it holding
-    /// `proposing`): either this node's catalog shows it made, and it is taken as made; or a
-    /// change against the same epoch that keeps the set as it was is made, and then the
-    /// unanswered one never can be (each is a compare-and-set on the epoch). Until then
-    /// nothing is uncounted: a replica Raft may list in sync stays counted for FLUSHes, so no
-    /// FLUSH completes without a replica a take-over could pick.
-    async fn settle_unknown(&self, epoch: u64, proposed: BTreeSet<NodeId>) -> Result<(), String> {
+    /// Whether `recorded` lists this primary's replicas (itself and its peers) and in-sync
+    /// minimum.
+    fn same_replicas(&self, recorded: &keel_catalog::Replication) -> bool {
+        let others: BTreeSet<NodeId> = (recorded.replicas.iter().copied())
+            .filter(|node| *node != self.shared.local_node)
+            .collect();
+        let state = self.state();
+        others.iter().eq(state.peers.keys())
+            && usize::from(recorded.in_sync_min) == state.in_sync_min
+    }
+
+    /// Settles a change of the volume's replication made against `epoch` whose answer never
+    /// came (it may have been made or not), before anything else about it is decided (call it
+    /// holding `proposing`): either this node's catalog shows epoch + 1 as `made` describes
+    /// it, and it is taken as made (true); or a change against the same epoch that keeps the
+    /// in-sync set as it was is made, and then the unanswered one never can be (each is a
+    /// compare-and-set on the epoch): false, with the kept set recorded. Until then nothing
+    /// changes here: a replica Raft may list in sync stays counted for FLUSHes, so no FLUSH
+    /// completes without a replica a take-over could pick, and a replica Raft may have added
+    /// or removed is neither caught up nor dropped before it is known. Anything else at
+    /// epoch + 1 was made by another node: this primary stops serving.
+    async fn settle_unanswered(
+        &self,
+        epoch: u64,
+        what: &str,
+        made: impl Fn(&keel_catalog::Replication) -> bool,
+    ) -> Result<bool, String> {
         let clock = self.shared.clock();
+        let local = self.shared.local_node;
         let kept = self.state().in_sync.clone();
         let mut refused_since: Option<Instant> = None;
         loop {
@@ -2024,69 +2088,50 @@ impl Primary {
                 return Err("the volume was deleted".to_string());
             };
             if recorded.epoch > epoch {
-                let set: BTreeSet<NodeId> = recorded.in_sync.iter().copied().collect();
-                // Only the two changes made here against `epoch` can have given `epoch + 1`
-                // this primary, these replicas and one of these sets.
-                let same_replicas = {
-                    let state = self.state();
-                    let others: BTreeSet<NodeId> = recorded
-                        .replicas
-                        .iter()
-                        .copied()
-                        .filter(|node| *node != self.shared.local_node)
-                        .collect();
-                    others.iter().eq(state.peers.keys())
-                        && usize::from(recorded.in_sync_min) == state.in_sync_min
-                };
-                let ours = recorded.epoch == epoch + 1
-                    && recorded.primary == self.shared.local_node
-                    && same_replicas
-                    && (set == proposed || set == kept);
-                if !ours {
-                    let why = format!(
-                        "its replication changed elsewhere (epoch {}) while an in-sync change \
-                         went unanswered",
-                        recorded.epoch
-                    );
-                    self.close(why.clone());
-                    return Err(why);
+                if recorded.epoch == epoch + 1 && recorded.primary == local {
+                    if made(&recorded) {
+                        tracing::info!(volume = %self.name, epoch = epoch + 1, "the unanswered {what} is settled: made");
+                        return Ok(true);
+                    }
+                    let set: BTreeSet<NodeId> = recorded.in_sync.iter().copied().collect();
+                    if set == kept && self.same_replicas(&recorded) {
+                        self.recorded(epoch + 1, set);
+                        tracing::info!(volume = %self.name, epoch = epoch + 1, "the unanswered {what} is settled: not made");
+                        return Ok(false);
+                    }
                 }
-                let made = set == proposed;
-                self.recorded(epoch + 1, set);
-                tracing::info!(volume = %self.name, epoch = epoch + 1, made, "the unanswered in-sync change is settled");
-                return if made {
-                    Ok(())
-                } else {
-                    Err("the in-sync change was not made".to_string())
-                };
+                let why = format!(
+                    "its replication changed elsewhere (epoch {}) while the {what} went unanswered",
+                    recorded.epoch
+                );
+                self.close(why.clone());
+                return Err(why);
             }
             // Not seen here: the same set as before, against the same epoch.
             match self.propose_raw(self.in_sync_command(epoch, &kept)).await {
                 Ok(()) => {
                     self.recorded(epoch + 1, kept);
-                    tracing::info!(volume = %self.name, epoch = epoch + 1, "the unanswered in-sync change is settled: not made");
-                    return Err("the in-sync change was not made".to_string());
+                    tracing::info!(volume = %self.name, epoch = epoch + 1, "the unanswered {what} is settled: not made");
+                    return Ok(false);
                 }
                 // The epoch moved on (by the unanswered change, or another node's): this
                 // node's catalog shows which once it applied it.
                 Err(MetadataError::Refused(refusal)) => {
                     let since = *refused_since.get_or_insert_with(|| clock.now());
                     if clock.now().saturating_duration_since(since) > SETTLE_REFUSED_MAX {
-                        let why =
-                            format!("an unanswered in-sync change could not be settled: {refusal}");
+                        let why = format!("the unanswered {what} could not be settled: {refusal}");
                         self.close(why.clone());
                         return Err(why);
                     }
                     clock.sleep(Duration::from_millis(20)).await;
                 }
                 Err(MetadataError::Failed { detail }) => {
-                    let why =
-                        format!("an unanswered in-sync change could not be settled: {detail}");
+                    let why = format!("the unanswered {what} could not be settled: {detail}");
                     self.close(why.clone());
                     return Err(why);
                 }
                 Err(error) => {
-                    tracing::info!(volume = %self.name, %error, "could not settle the unanswered in-sync change yet; retrying");
+                    tracing::info!(volume = %self.name, %error, "could not settle the unanswered {what} yet; retrying");
                     clock.sleep(Duration::from_millis(200)).await;
                 }
             }

@@ -444,6 +444,68 @@ async fn an_in_sync_change_whose_answer_is_lost_is_settled_before_a_flush_goes_o
     stop(&nodes.iter().collect::<Vec<_>>(), Some(primary_node)).await;
 }
 
+// Proves a change of the replica set whose answer is lost is settled rather than ending the
+// primary: R is raised from 2 to 3 while every answer to the primary's proposals is lost, so
+// Raft adds the third replica but the primary cannot tell. It must take the change as made
+// once its catalog shows it: the raise succeeds, the client attached there goes on writing
+// through the same handle, and the primary catches the added replica up until it is in sync
+// (before, the primary stopped serving, which failed its client's I/O, and with it the
+// catch-up of a replica Raft had added).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_of_the_replicas_whose_answer_is_lost_is_settled_and_the_primary_serves_on() {
+    let network = LocalNetwork::new();
+    let (nodes, primary, replica) =
+        replicated_volume(&network, "unanswered_set", 64, 2, None).await;
+    let primary_node = &nodes[primary];
+    let primary_id = primary_node.cluster.node_id();
+    let replica_id = nodes[replica].cluster.node_id();
+    let third = nodes
+        .iter()
+        .find(|n| ![primary_id, replica_id].contains(&n.cluster.node_id()))
+        .unwrap();
+    let third_id = third.cluster.node_id();
+    // The third node leads, so the primary's proposals cross the network to it.
+    lead(&nodes, third_id).await;
+
+    let replication = primary_node.replication.clone();
+    let volume = blocking(move || replication.open("v")).await.unwrap();
+    let write_and_flush = |round: u8| {
+        let io = volume.clone();
+        blocking(move || {
+            io.write(u64::from(round) * 65536, &pattern(round), false)?;
+            io.flush()
+        })
+    };
+    write_and_flush(0).await.unwrap();
+
+    network.lose_answers(primary_id, keel_cluster::messages::METHOD_PROPOSE);
+    let replication = primary_node.replication.clone();
+    let raised = blocking(move || replication.set_replicas("v", Some(3), None)).await;
+    network.keep_answers();
+    raised.expect("a raise of R that Raft made failed because its answer was lost");
+    assert!(replica_set(primary_node, "v").contains(&third_id));
+    let volume_id = primary_node
+        .cluster
+        .catalog()
+        .read()
+        .volume("v")
+        .unwrap()
+        .record
+        .id;
+    let status = primary_node.replication.primary_status(volume_id).unwrap();
+    assert_eq!(status.closed, None, "the primary stopped serving");
+
+    write_and_flush(1)
+        .await
+        .expect("the client's I/O failed after the settled change");
+    wait_for("the added replica in sync", || {
+        in_sync(primary_node, "v").contains(&third_id)
+    })
+    .await;
+    write_and_flush(2).await.unwrap();
+    stop(&nodes.iter().collect::<Vec<_>>(), None).await;
+}
+
 // Proves a replica refuses a stream from an old primary once another node took the volume
 // over: R=3, the primary catching one replica up slowly (rate-limited) when it is cut off
 // from the other replica's node, which leads Raft and takes the volume over; the primary can
