@@ -98,9 +98,9 @@ pub struct Report {
     pub drains: u64,
     /// Volumes a draining node handed to another replica (with [`Mode::Drains`]).
     pub primaries_handed_off: u64,
-    /// Volumes with one replica a draining node began copying to another node (with
-    /// [`Mode::Singles`]).
-    pub single_copies_copied_off: u64,
+    /// Replicas on draining nodes copied to another node before they go (the one replica of
+    /// an R=1 volume with [`Mode::Singles`], or any replica of a replicated volume).
+    pub copies_off_draining: u64,
     /// Hash of everything observable, in order: two runs of a seed must agree on it.
     pub trace_hash: String,
     pub violations: Vec<String>,
@@ -645,7 +645,7 @@ async fn power_cut(world: &Shared, index: usize) {
         if let Some(replication) = &live.replication {
             let mut world = world.borrow_mut();
             world.report.primaries_handed_off += replication.counters().handed_off();
-            world.report.single_copies_copied_off += replication.counters().copied_off();
+            world.report.copies_off_draining += replication.counters().copied_off();
         }
         // Stops its Raft and, through it, its engine's tasks (they write to the old disk,
         // which nothing reads any more).
@@ -1394,7 +1394,7 @@ pub fn run_in(seed: u64, steps: u32, mode: Mode) -> Report {
         snapshots_deleted: 0,
         drains: 0,
         primaries_handed_off: 0,
-        single_copies_copied_off: 0,
+        copies_off_draining: 0,
         trace_hash: String::new(),
         violations: Vec::new(),
     };

@@ -60,7 +60,8 @@ fn a_slice_of_seeds_keeps_every_flushed_write() {
 #[test]
 fn a_slice_of_seeds_with_moves_keeps_every_flushed_write() {
     for mode in [Mode::Moves, Mode::Deletes, Mode::Drains] {
-        let (mut moved, mut attaches, mut deleted, mut drains, mut handed) = (0, 0, 0, 0, 0);
+        let (mut moved, mut attaches, mut deleted, mut drains, mut handed, mut copied) =
+            (0, 0, 0, 0, 0, 0);
         for seed in 1..=(seeds() / 3).max(1) {
             let report = passing(seed, mode);
             moved += report.replicas_moved;
@@ -68,10 +69,16 @@ fn a_slice_of_seeds_with_moves_keeps_every_flushed_write() {
             deleted += report.snapshots_deleted;
             drains += report.drains;
             handed += report.primaries_handed_off;
+            copied += report.copies_off_draining;
         }
         assert!(
-            moved > 3 && attaches > 500,
-            "{mode:?}: {moved} replicas moved, {attaches} attaches"
+            moved + copied > 3 && attaches > 500,
+            "{mode:?}: {moved} replicas moved, {copied} copied off, {attaches} attaches"
+        );
+        assert_eq!(
+            copied > 3,
+            mode == Mode::Drains,
+            "{mode:?}: {copied} replicas copied off draining nodes"
         );
         assert_eq!(
             deleted > 20,
@@ -101,13 +108,16 @@ fn a_slice_of_seeds_with_single_copies_keeps_every_flushed_write() {
     let mut shapes = std::collections::BTreeSet::new();
     for seed in 1..=(seeds() / 3).max(1) {
         let report = passing(seed, Mode::Singles);
-        copied += report.single_copies_copied_off;
+        copied += report.copies_off_draining;
         drains += report.drains;
         changes += report.replica_changes;
         snapshots += report.snapshot_copies_checked;
         shapes.insert(report.replicas);
     }
-    assert!(copied > 3, "{copied} single copies copied off");
+    assert!(
+        copied > 3,
+        "{copied} single copies copied off draining nodes"
+    );
     assert!(
         drains > 20 && changes > 50 && snapshots > 50,
         "{drains} drains, {changes} changes of R, {snapshots} snapshot copies checked"

@@ -701,8 +701,8 @@ def test_postgres_on_r2_survives_losing_the_replica_then_the_primary(cluster, wo
 def test_a_replica_on_a_node_that_stays_down_is_rebuilt_elsewhere(cluster, workdir):
     """Three storage nodes, an R=2 volume on nodes 1 and 2. Node 2 is killed and stays down
     past `replica_move_after_ms`: its replica moves to node 3 through Raft and node 3 is
-    caught up and put in sync. Node 2 returns; draining node 3 moves the replica back to node
-    2 at once, and copies two R=1 volumes nobody attached off it, one to each other node (the
+    caught up and put in sync. Node 2 returns; draining node 3 copies the replica back to node
+    2 at once (node 3's copy stays in sync until node 2's is, then goes), and copies two R=1 volumes nobody attached off it, one to each other node (the
     less provisioned first), which then holds its one replica with every block. The primary is
     killed, and the volume attached through node 2 holds every flushed write."""
     config = workdir / "fast-moves.toml"
@@ -730,7 +730,7 @@ def test_a_replica_on_a_node_that_stays_down_is_rebuilt_elsewhere(cluster, workd
 
     second.start()
     wait_until("node 2 back up", lambda: all(n["record"]["state"] == "Up" for n in first.status()["nodes"]), timeout=60)
-    # Draining node 3 moves its replica at once, here back to node 2, and copies the only
+    # Draining node 3 copies its replica at once, here back to node 2, and copies the only
     # replica of each R=1 volume created there (nobody attached them) to another node.
     solo_blocks = {}
     for name in ("solo", "solo2"):
@@ -744,13 +744,37 @@ def test_a_replica_on_a_node_that_stays_down_is_rebuilt_elsewhere(cluster, workd
         {"volume": "moving", "primary": False, "in_sync": True},
         {"volume": "solo", "primary": True, "in_sync": True},
         {"volume": "solo2", "primary": True, "in_sync": True}], info
+    # What the R=2 volume's replication goes through during the drain, sampled: node 3's copy
+    # must stay in sync until node 2's new one is, and only then go.
+    seen = []
+    sampling = threading.Event()
+
+    def sample():
+        while not sampling.is_set():
+            info = replication(first, "moving")
+            state = (info["replicas"], sorted(info["in_sync"]))
+            if not seen or seen[-1] != state:
+                seen.append(state)
+            time.sleep(0.05)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     drained = first.cli("node", "drain", "n3").stdout
     assert ("n3 draining: 3 volume replica(s) to move off" in drained
             and "2 of them the volume's only copy (R=1): each is copied to another storage node" in drained
             and "primary:" not in drained), drained
-    wait_until("the replica moved off the draining node",
-               lambda: (replication(first, "moving")["replicas"] == [1, 2]
-                        and sorted(replication(first, "moving")["in_sync"]) == [1, 2]), timeout=90)
+    try:
+        wait_until("the replica moved off the draining node",
+                   lambda: (replication(first, "moving")["replicas"] == [1, 2]
+                            and sorted(replication(first, "moving")["in_sync"]) == [1, 2]), timeout=90)
+    finally:
+        sampling.set()
+        sampler.join(timeout=10)
+    if seen[-1] != ([1, 2], [1, 2]):
+        seen.append(([1, 2], [1, 2]))
+    assert seen[0] == ([1, 3], [1, 3]) and seen[-1] == ([1, 2], [1, 2]), seen
+    # (The copy may be in sync by the first sample that shows it: a 2 s check removes node 3's.)
+    assert seen[1][0] == [1, 3, 2] and 3 in seen[1][1], f"node 3's copy went before node 2's was made: {seen}"
+    assert all(len(in_sync) >= 2 for _, in_sync in seen), f"fewer than 2 copies in sync: {seen}"
 
     def copied_off():
         """Where the R=1 volumes are, once each is on one node other than node 3."""

@@ -279,11 +279,13 @@ pub enum Command {
     },
 
     // ---- drains (appended) ----
-    /// Copies a volume with one replica (R=1) off its node, which is draining: node `to`
-    /// joins its replicas out of sync while R stays 1, in epoch `epoch + 1` (refused unless
-    /// the volume is still in `epoch`). The primary catches `to` up, then hands it the volume
-    /// (`VolumeSetReplication`), and the new primary removes the draining node's copy
-    /// (`VolumeSetReplicas`, which makes R what its replicas are again).
+    /// Copies a volume's replica off a draining node before that copy goes: node `to` joins
+    /// its replicas out of sync while R stays, in epoch `epoch + 1` (refused unless the
+    /// volume is still in `epoch`, has R replicas, one of them on a draining node). The
+    /// primary catches `to` up; then (R=1: after handing `to` the volume with
+    /// `VolumeSetReplication`) the primary removes the draining node's copy
+    /// (`VolumeSetReplicas`, which makes R what its replicas are again), so the volume never
+    /// has fewer copies in sync than before the drain.
     VolumeCopyOffDraining {
         volume_id: u64,
         epoch: u64,

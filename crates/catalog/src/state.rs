@@ -1381,16 +1381,24 @@ impl CatalogState {
             detail,
         };
         let replication = &record.replication;
-        if replication.factor != 1 || replication.replicas != [replication.primary] {
+        if replication.replicas.len() != usize::from(replication.factor) {
             return Err(invalid(format!(
-                "R is {} with replicas on nodes {:?}: only a volume's one replica is copied off \
-                 a draining node (others are moved)",
+                "R is {} with replicas on nodes {:?}: a copy off a draining node is under way \
+                 already",
                 replication.factor, replication.replicas
             )));
         }
-        let from = replication.primary;
-        if !self.live_node(from)?.draining {
-            return Err(invalid(format!("node {from} is not draining")));
+        let draining = |node: &NodeId| {
+            (self.nodes.get(node)).is_some_and(|record| record.draining && !record.removed)
+        };
+        if !replication.replicas.iter().any(draining) {
+            return Err(invalid(format!(
+                "none of its replicas (nodes {:?}) is on a draining node",
+                replication.replicas
+            )));
+        }
+        if replication.replicas.contains(&to) {
+            return Err(invalid(format!("node {to} already holds a replica")));
         }
         self.check_new_replica(&record.name, to)?;
         record.replication.replicas.push(to);

@@ -585,7 +585,10 @@ fn a_single_copy_is_copied_off_a_draining_node() {
         to,
     };
     let refused = catalog.propose(copy(1, 2)).unwrap_err();
-    assert!(refused.to_string().contains("not draining"), "{refused}");
+    assert!(
+        refused.to_string().contains("is on a draining node"),
+        "{refused}"
+    );
     let draining = |id, draining| Command::NodeSetDraining { id, draining };
     catalog.propose(draining(1, true)).unwrap();
     catalog.propose(draining(3, true)).unwrap();
@@ -613,10 +616,7 @@ fn a_single_copy_is_copied_off_a_draining_node() {
         "the snapshot is not on the copy yet"
     );
     let again = catalog.propose(copy(2, 3)).unwrap_err();
-    assert!(
-        again.to_string().contains("only a volume's one replica"),
-        "{again}"
-    );
+    assert!(again.to_string().contains("under way already"), "{again}");
     // The copy caught up, took the volume over, and removed the draining node's replica.
     let set = |epoch, primary| Command::VolumeSetReplication {
         volume_id: id,
@@ -643,6 +643,69 @@ fn a_single_copy_is_copied_off_a_draining_node() {
         ),
         (1, vec![2], 2)
     );
+}
+
+// Proves a replica of an R=2 volume is copied off a draining node before it goes: the copy
+// joins as a third replica out of sync while R stays 2 and the draining node's copy stays in
+// sync; only one copy at a time, never onto a node that holds a replica; and removing the
+// draining node's copy afterwards leaves R=2.
+#[test]
+fn a_replica_is_copied_off_a_draining_node_before_it_goes() {
+    let dir = store_dir("copy-off-r2");
+    let catalog = LocalCatalog::open(open(&dir)).unwrap();
+    catalog.propose(second_node()).unwrap();
+    catalog.propose(third_node()).unwrap();
+    let id = create_volume(&catalog, "r2", 1 << 20, 1, vec![1, 2]);
+    let copy = |epoch, to| Command::VolumeCopyOffDraining {
+        volume_id: id,
+        epoch,
+        to,
+    };
+    catalog
+        .propose(Command::VolumeSetReplication {
+            volume_id: id,
+            epoch: 1,
+            primary: 1,
+            in_sync: vec![1, 2],
+        })
+        .unwrap();
+    let refused = catalog.propose(copy(2, 3)).unwrap_err();
+    assert!(
+        refused.to_string().contains("is on a draining node"),
+        "{refused}"
+    );
+    catalog
+        .propose(Command::NodeSetDraining {
+            id: 2,
+            draining: true,
+        })
+        .unwrap();
+    let onto = catalog.propose(copy(2, 1)).unwrap_err();
+    assert!(onto.to_string().contains("already holds"), "{onto}");
+    catalog.propose(copy(2, 3)).unwrap();
+    let replication = replication_of(&catalog);
+    assert_eq!(
+        (
+            replication.factor,
+            replication.replicas.clone(),
+            replication.in_sync.clone(),
+            replication.epoch
+        ),
+        (2, vec![1, 2, 3], vec![1, 2], 3),
+        "R stays 2; the draining node's copy stays in sync, the new one starts out of it"
+    );
+    let again = catalog.propose(copy(3, 3)).unwrap_err();
+    assert!(again.to_string().contains("under way already"), "{again}");
+    catalog
+        .propose(Command::VolumeSetReplicas {
+            volume_id: id,
+            epoch: 3,
+            replicas: vec![1, 3],
+            in_sync_min: 1,
+        })
+        .unwrap();
+    let replication = replication_of(&catalog);
+    assert_eq!((replication.factor, replication.replicas), (2, vec![1, 3]));
 }
 
 // Proves a snapshot records the replicas whose copy of it is incomplete (out of sync when it

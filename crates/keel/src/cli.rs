@@ -1144,8 +1144,10 @@ pub fn node(connection: &Connection, command: NodeCommand) -> anyhow::Result<()>
                 println!("node {name} no longer draining");
             } else {
                 println!(
-                    "node {name} draining: {} volume replica(s) to move off (keel node info {name} \
-                     lists them, and any held there for a snapshot only it holds whole)",
+                    "node {name} draining: {} volume replica(s) to move off, each copied to \
+                     another storage node first and removed here once the copy is in sync \
+                     (keel node info {name} lists them, and any held there for a snapshot only \
+                     it holds whole)",
                     answer["replicas"]
                 );
                 let primaries = answer["primaries"].as_u64().unwrap_or(0);

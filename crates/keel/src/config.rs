@@ -113,7 +113,8 @@ pub struct ClusterSettings {
     /// away for longer catches up by snapshot.
     pub snapshot_every_entries: u64,
     /// A replicated volume's replica on a node that has been `down` this long is rebuilt on
-    /// another storage node (replicas on draining or removed nodes move at once). Default
+    /// another storage node (replicas on removed nodes move at once; those on draining nodes
+    /// are copied off first). Default
     /// 300000 ms (5 minutes): long enough for a reboot, which resyncs only what changed.
     pub replica_move_after_ms: u64,
     /// Caps what catching a replica up ships, per replica, in MiB/s (resync after an

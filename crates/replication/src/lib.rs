@@ -207,8 +207,9 @@ impl Counters {
         self.handed_off.load(Ordering::Relaxed)
     }
 
-    /// Volumes with one replica (R=1) this node began copying to another node because it
-    /// was draining (`VolumeCopyOffDraining` recorded).
+    /// Replicas on a draining node this node began copying to another node before they go
+    /// (`VolumeCopyOffDraining` recorded): the one replica of an R=1 volume on this node, or,
+    /// as a volume's primary, a replica on another node.
     pub fn copied_off(&self) -> u64 {
         self.copied_off.load(Ordering::Relaxed)
     }
@@ -1605,7 +1606,7 @@ const MOVE_CHECK_EVERY: Duration = Duration::from_secs(2);
 
 /// Whether `node` was removed or has been down for at least `after_ms` (a reboot comes back
 /// sooner).
-fn node_lost(
+pub(crate) fn node_lost(
     catalog: &keel_catalog::CatalogState,
     node: NodeId,
     now_ms: i64,

@@ -266,14 +266,59 @@ struct State {
 
 /// The next change [`Primary::move_replicas`] makes to the replica set.
 enum Planned {
-    /// A replica off a node that is gone, to another (`VolumeMoveReplica`).
+    /// A replica off a node that is lost (down for the move time, or removed), to another
+    /// (`VolumeMoveReplica`).
     Move { from: NodeId, to: NodeId },
-    /// The copy a drain had a volume with one replica keep, once no longer needed.
+    /// A replica on a draining node copied to `to` first (`VolumeCopyOffDraining`): the
+    /// draining node's copy goes once `to` is in sync ([`Planned::Remove`]).
+    CopyOff { from: NodeId, to: NodeId },
+    /// A copy a drain had the volume keep beside R replicas, once the others are in sync.
     Remove {
         leaving: NodeId,
         replicas: Vec<NodeId>,
         in_sync_min: u8,
     },
+}
+
+/// The removal of the copy beside R replicas ([`Planned::Remove`]) that `local`, the primary
+/// and not draining, makes now, if any: the copy on a draining (or lost) node first, else one
+/// out of sync (a drain undone), never one alone holding snapshots whole, and only once every
+/// replica that stays is in sync.
+fn plan_removal(
+    catalog: &keel_catalog::CatalogState,
+    entry: &keel_catalog::VolumeEntry,
+    local: NodeId,
+    now_ms: i64,
+    after_ms: i64,
+) -> Option<Planned> {
+    let replication = &entry.record.replication;
+    let only_whole = |node: NodeId| crate::only_whole_on(entry, &replication.replicas, node);
+    let leaving = (replication.replicas.iter().copied())
+        .filter(|node| *node != local)
+        .min_by_key(|node| {
+            (
+                only_whole(*node).len(),
+                !crate::node_gone(catalog, *node, now_ms, after_ms),
+                replication.in_sync.contains(node),
+                std::cmp::Reverse(*node),
+            )
+        })
+        .filter(|node| only_whole(*node).is_empty())?;
+    let replicas: Vec<NodeId> = (replication.replicas.iter().copied())
+        .filter(|node| *node != leaving)
+        .collect();
+    if !replicas
+        .iter()
+        .all(|node| replication.in_sync.contains(node))
+    {
+        return None;
+    }
+    let in_sync_min = replication.in_sync_min.min(replicas.len() as u8);
+    Some(Planned::Remove {
+        leaving,
+        replicas,
+        in_sync_min,
+    })
 }
 
 /// A replicated volume served by this node as its primary.
@@ -1609,44 +1654,48 @@ impl Primary {
             if replication.primary != local {
                 return;
             }
-            // More replicas than R: a volume with one replica copied off a draining node.
-            // Once this node is not draining (the volume was handed to the copy, or the drain
-            // was undone), the other copy goes, unless it alone holds snapshots whole
-            // (snapshot repair copies them here first). Until then a copy on a node that is
-            // gone moves like any replica.
-            if replication.replicas.len() > usize::from(replication.factor)
-                && !crate::node_gone(&catalog, local, now_ms, after_ms)
-            {
-                let leaving = (replication.replicas.iter().copied())
-                    .filter(|node| *node != local)
-                    .min_by_key(|node| {
-                        (
-                            crate::only_whole_on(entry, &replication.replicas, *node).len(),
-                            !crate::node_gone(&catalog, *node, now_ms, after_ms),
-                            std::cmp::Reverse(*node),
-                        )
-                    });
-                let Some(leaving) = leaving.filter(|node| {
-                    crate::only_whole_on(entry, &replication.replicas, *node).is_empty()
-                }) else {
-                    return;
-                };
-                let replicas: Vec<NodeId> = (replication.replicas.iter().copied())
-                    .filter(|node| *node != leaving)
-                    .collect();
-                let in_sync_min = replication.in_sync_min.min(replicas.len() as u8);
-                Some(Planned::Remove {
-                    leaving,
-                    replicas,
-                    in_sync_min,
-                })
-            } else {
-                self.plan_move(&catalog, entry, &answering, now_ms, after_ms)
+            // More replicas than R: a replica copied off a draining node. Once this node is
+            // not draining (R=1: the volume was handed to the copy) and the replicas that stay
+            // are in sync, the copy on the draining node goes (the drain undone: the new copy
+            // not in sync yet goes instead), unless it alone holds snapshots whole (snapshot
+            // repair copies them first). Until then a copy on a node that is lost moves like
+            // any replica.
+            let extra = replication.replicas.len() > usize::from(replication.factor);
+            let removal = (extra && !crate::node_gone(&catalog, local, now_ms, after_ms))
+                .then(|| plan_removal(&catalog, entry, local, now_ms, after_ms))
+                .flatten();
+            match removal {
+                Some(removal) => Some(removal),
+                None => self.plan_move(&catalog, entry, &answering, extra, now_ms, after_ms),
             }
         };
         let (from, to) = match planned {
             None => return,
             Some(Planned::Move { from, to }) => (from, to),
+            Some(Planned::CopyOff { from, to }) => {
+                // (`copy_off` takes the replica-set lock itself.)
+                drop(replica_set);
+                match self.copy_off(to).await {
+                    Ok(()) => {
+                        (self.shared.counters.copied_off).fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(
+                            volume = %self.name,
+                            from,
+                            to,
+                            "copying the replica off a draining node; its copy there goes \
+                             once the new one is in sync"
+                        )
+                    }
+                    Err(error) => tracing::info!(
+                        volume = %self.name,
+                        from,
+                        to,
+                        %error,
+                        "could not copy the replica off a draining node yet"
+                    ),
+                }
+                return;
+            }
             Some(Planned::Remove {
                 leaving,
                 replicas,
@@ -1751,6 +1800,7 @@ impl Primary {
         catalog: &keel_catalog::CatalogState,
         entry: &keel_catalog::VolumeEntry,
         answering: &BTreeSet<NodeId>,
+        extra: bool,
         now_ms: i64,
         after_ms: i64,
     ) -> Option<Planned> {
@@ -1777,15 +1827,22 @@ impl Primary {
             Some(_) => {}
             None => self.move_held_for.store(0, Ordering::Relaxed),
         }
-        let from = movable.first().copied();
-        let staying: Vec<NodeId> = replication
-            .replicas
-            .iter()
-            .copied()
-            .filter(|node| Some(*node) != from)
-            .collect();
-        let to = catalog.choose_replica_nodes(&staying, 1).first().copied();
-        from.zip(to).map(|(from, to)| Planned::Move { from, to })
+        // A replica on a draining node that is not lost is copied before it goes: once per
+        // volume (`extra`: a copy is under way); one on a lost node moves.
+        let lost = |node: NodeId| crate::node_lost(catalog, node, now_ms, after_ms);
+        let from = movable.iter().copied().find(|node| lost(*node) || !extra)?;
+        if lost(from) {
+            let staying: Vec<NodeId> = (replication.replicas.iter().copied())
+                .filter(|node| *node != from)
+                .collect();
+            let to = catalog.choose_replica_nodes(&staying, 1).first().copied()?;
+            Some(Planned::Move { from, to })
+        } else {
+            let to = (catalog.choose_replica_nodes(&replication.replicas, 1))
+                .first()
+                .copied()?;
+            Some(Planned::CopyOff { from, to })
+        }
     }
 
     /// Hands the volume to `to`, a replica in sync, because this node is draining. At one
@@ -1852,9 +1909,10 @@ impl Primary {
             .await
     }
 
-    /// Copies this volume's one replica to `to` because this node is draining
-    /// (`VolumeCopyOffDraining`: R stays 1, `to` starts out of sync and is caught up; once it
-    /// is in sync the drain hands it the volume).
+    /// Adds `to` as a replica beside R because one of them is on a draining node
+    /// (`VolumeCopyOffDraining`: R stays, `to` starts out of sync and is caught up). Once it
+    /// is in sync, the draining node's copy goes ([`Self::move_replicas`]); with R=1, on this
+    /// node, only after the drain handed `to` the volume.
     pub(crate) async fn copy_off(self: &Arc<Self>, to: NodeId) -> VolumeResult<()> {
         let volume_id = self.volume_id;
         let Some(current) = self.catalog_replication() else {
