@@ -607,6 +607,7 @@ impl StartNode {
                 move_after: self.move_after,
                 resync_bytes_per_second: self.resync_bytes_per_second,
                 resync_busy_percent: 100,
+                rebuilds_max: 2,
                 snapshot_repair: true,
                 point_every: keel_replication::POINT_EVERY,
             },

@@ -126,6 +126,12 @@ pub struct ClusterSettings {
     /// does not take their latency with it; when they are idle it goes at full speed. Default
     /// 25; 100: never yields.
     pub resync_busy_percent: u8,
+    /// Most whole-volume catch-ups (a replica added, rebuilt elsewhere or copied off a
+    /// draining node) this node sends at once, as the primary of their volumes; the others
+    /// wait their turn in order (`keel volume info` shows them waiting), so a drain or a lost
+    /// node does not start a copy of every volume at once. A catch-up after a short absence
+    /// never waits. Default 2; at least 1.
+    pub rebuilds_max: usize,
     /// Whether a primary copies a snapshot's data to the in-sync replicas whose copy of it is
     /// incomplete (out of sync when it was taken, placed after it, or not the node that
     /// received its stream), paced as a resync. Default true; false leaves such copies
@@ -154,6 +160,7 @@ impl Default for ClusterSettings {
             replica_move_after_ms: 300_000,
             resync_mib_per_second: 0,
             resync_busy_percent: 25,
+            rebuilds_max: 2,
             snapshot_repair: true,
             debug_faults: false,
         }
@@ -303,6 +310,9 @@ impl Config {
                 self.cluster.resync_busy_percent
             );
         }
+        if self.cluster.rebuilds_max == 0 {
+            bail!("cluster.rebuilds_max must be at least 1 (got 0)");
+        }
         if ![1, 3, 5].contains(&self.cluster.voters) {
             bail!(
                 "cluster.voters must be 1, 3 or 5 (got {})",
@@ -380,5 +390,16 @@ mod tests {
         }
         let negative: Config = toml::from_str("slow_sync_ms = -1").unwrap();
         assert!(negative.validate().is_err());
+    }
+
+    /// `cluster.rebuilds_max` defaults to 2 and must be at least 1.
+    #[test]
+    fn rebuilds_max_is_at_least_one() {
+        assert_eq!(Config::default().cluster.rebuilds_max, 2);
+        let one: Config = toml::from_str("[cluster]\nrebuilds_max = 1\n").unwrap();
+        one.validate().unwrap();
+        let none: Config = toml::from_str("[cluster]\nrebuilds_max = 0\n").unwrap();
+        let refused = none.validate().unwrap_err().to_string();
+        assert!(refused.contains("cluster.rebuilds_max"), "{refused}");
     }
 }

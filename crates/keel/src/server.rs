@@ -275,6 +275,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
                 .then_some(config.cluster.resync_mib_per_second << 20),
             resync_busy_percent: config.cluster.resync_busy_percent,
             snapshot_repair: config.cluster.snapshot_repair,
+            rebuilds_max: config.cluster.rebuilds_max,
             point_every: keel_replication::POINT_EVERY,
         },
         ops.clone(),

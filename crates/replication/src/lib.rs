@@ -229,6 +229,10 @@ pub struct Settings {
     /// Whether primaries copy snapshots' data to the in-sync replicas whose copy lacks it
     /// (paced as a resync); off, such copies stay incomplete and are served by the others.
     pub snapshot_repair: bool,
+    /// Most whole-volume catch-ups (a replica added, moved or copied off a draining node, or
+    /// one with no common point) this node sends at once; the others wait their turn, in
+    /// order. At least 1.
+    pub rebuilds_max: usize,
     /// How often a node keeps its common point with another for a volume, at most
     /// ([`POINT_EVERY`]).
     pub point_every: Duration,
@@ -247,6 +251,8 @@ pub(crate) struct Shared {
     pub resync_bytes_per_second: Option<u64>,
     pub resync_busy_percent: u8,
     pub snapshot_repair: bool,
+    /// Turns for whole-volume catch-ups sent from this node ([`Settings::rebuilds_max`]).
+    pub rebuilds: Arc<tokio::sync::Semaphore>,
     pub point_every: Duration,
     /// Counts this node's client requests (every frontend): a resync yields while they come.
     pub activity: keel_ops::Ops,
@@ -526,6 +532,7 @@ impl Replication {
                 resync_bytes_per_second: settings.resync_bytes_per_second,
                 resync_busy_percent: settings.resync_busy_percent,
                 snapshot_repair: settings.snapshot_repair,
+                rebuilds: Arc::new(tokio::sync::Semaphore::new(settings.rebuilds_max.max(1))),
                 point_every: settings.point_every,
                 activity,
                 forwarding: Mutex::new(HashMap::new()),

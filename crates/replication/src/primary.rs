@@ -133,6 +133,8 @@ struct Peer {
     generation: u64,
     sender_running: bool,
     resync_running: bool,
+    /// Its catch-up copies the whole volume and waits for a turn ([`Settings::rebuilds_max`]).
+    rebuild_waiting: bool,
     /// The resync in progress: when it started, and bytes compared of the volume's size.
     resync_started: Option<Instant>,
     resync_compared: u64,
@@ -195,6 +197,7 @@ impl Peer {
             generation: 0,
             sender_running: false,
             resync_running: false,
+            rebuild_waiting: false,
             resync_started: None,
             resync_compared: 0,
             resync_total: 0,
@@ -360,6 +363,8 @@ pub struct Primary {
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct CatchUp {
     pub node: NodeId,
+    /// It copies the whole volume and waits for one of this node's turns for that.
+    pub waiting_for_turn: bool,
     pub compared_bytes: u64,
     pub total_bytes: u64,
     pub eta_seconds: Option<u64>,
@@ -514,6 +519,7 @@ impl Primary {
                     };
                     CatchUp {
                         node: *node,
+                        waiting_for_turn: peer.rebuild_waiting,
                         compared_bytes: peer.resync_compared,
                         total_bytes: peer.resync_total,
                         eta_seconds,
@@ -2308,6 +2314,60 @@ impl Primary {
         });
     }
 
+    /// A turn of this node's for catching `node` up ([`Settings::rebuilds_max`]), if it lacks
+    /// the whole volume: waited for in order, the replica marked waiting meanwhile (`keel
+    /// volume info`). `None` for a catch-up of what changed during an absence, which never
+    /// waits behind whole copies. Fails once the replica's entry `id` is gone or this primary
+    /// stopped.
+    async fn rebuild_turn(
+        &self,
+        node: NodeId,
+        id: u64,
+    ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, String> {
+        let whole = |this: &Self| -> Result<bool, String> {
+            let state = this.state();
+            if state.closed.is_some() {
+                return Err("this node stopped serving the volume".to_string());
+            }
+            let peer = (state.peers.get(&node))
+                .filter(|peer| peer.id == id)
+                .ok_or("replica gone")?;
+            Ok(peer.lacking.to_compare().is_none())
+        };
+        if !whole(self)? {
+            return Ok(None);
+        }
+        let rebuilds = self.shared.rebuilds.clone();
+        let clock = self.shared.clock();
+        let acquire = rebuilds.acquire_owned();
+        tokio::pin!(acquire);
+        let mut waited = false;
+        let turn = loop {
+            tokio::select! {
+                turn = &mut acquire => break turn.map_err(|error| error.to_string())?,
+                _ = clock.sleep(Duration::from_millis(500)) => {
+                    if !waited {
+                        waited = true;
+                        tracing::info!(volume = %self.name, node, "a whole copy to this replica waits for a turn (rebuilds_max)");
+                    }
+                    if let Some(peer) = self.state().peers.get_mut(&node).filter(|peer| peer.id == id) {
+                        peer.rebuild_waiting = true;
+                    }
+                    whole(self)?;
+                }
+            }
+        };
+        if let Some(peer) = self
+            .state()
+            .peers
+            .get_mut(&node)
+            .filter(|peer| peer.id == id)
+        {
+            peer.rebuild_waiting = false;
+        }
+        Ok(Some(turn))
+    }
+
     /// Catches a replica up and puts it back in the in-sync set: a new stream carries every
     /// write from now on; meanwhile each chunk of the volume it may lack ([`Lacking`]: after a
     /// short absence, the chunks changed meanwhile; otherwise all) is compared by block hashes
@@ -2349,6 +2409,8 @@ impl Primary {
             // again at the next attempt, rather than compare the whole volume now.
             found?;
         }
+        // Held to the end of the catch-up.
+        let turn = self.rebuild_turn(node, id).await?;
         let generation = self.catalog_generation();
         let (runs, probing, stream) = {
             let mut state = self.state();
@@ -2370,6 +2432,9 @@ impl Primary {
             // replica lacks after an absence was written by definition.
             let (runs, probing) = match peer.lacking.to_compare() {
                 Some(chunks) => (chunks.runs(size, block), false),
+                None if turn.is_none() => {
+                    return Err("it now lacks the whole volume: waiting for a turn".to_string());
+                }
                 None => (vec![(0, size)], true),
             };
             peer.queue.clear();

@@ -983,6 +983,87 @@ async fn a_late_batch_of_a_replaced_stream_is_not_applied_over_a_newer_one() {
     stop(&nodes.iter().collect::<Vec<_>>(), None).await;
 }
 
+// Proves a node sends at most `rebuilds_max` whole-volume catch-ups at once: two R=1 volumes
+// with their one replica on the same node are raised to R=2 together, with one turn and a
+// rate that makes each copy last seconds. The second copy must wait (shown as waiting for a
+// turn) until the first replica is in sync, then go; without the limit both copy at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_copies_sent_from_a_node_take_turns() {
+    let network = LocalNetwork::new();
+    let settings = Settings {
+        move_after: Duration::from_secs(3600),
+        resync_bytes_per_second: Some(2 << 20),
+        resync_busy_percent: 100,
+        rebuilds_max: 1,
+        snapshot_repair: true,
+        point_every: keel_replication::POINT_EVERY,
+    };
+    let (nodes, primary, _) = replicated_volume_with(&network, "turns", 64, 1, settings).await;
+    let primary_node = &nodes[primary];
+    let volumes = primary_node.volumes.clone();
+    blocking(move || volumes.create(&VolumeSpec::new("w", 64 * 65536)).unwrap()).await;
+    let names = ["v", "w"];
+    let mut ids = Vec::new();
+    for name in names {
+        assert_eq!(
+            replica_set(primary_node, name),
+            vec![primary_node.cluster.node_id()]
+        );
+        let (replication, volumes) = (
+            primary_node.replication.clone(),
+            primary_node.volumes.clone(),
+        );
+        blocking(move || {
+            let io = volumes.open_volume(name).unwrap();
+            for unit in 0..64u8 {
+                io.write(u64::from(unit) * 65536, &pattern(unit), false)
+                    .unwrap();
+            }
+            io.flush().unwrap();
+            replication.set_replicas(name, Some(2), None).unwrap();
+        })
+        .await;
+        ids.push(
+            primary_node
+                .cluster
+                .catalog()
+                .read()
+                .volume(name)
+                .unwrap()
+                .record
+                .id,
+        );
+    }
+    let in_sync_both = || {
+        names
+            .iter()
+            .all(|name| in_sync(primary_node, name).len() == 2)
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let (mut waited, mut overlapped) = (false, false);
+    while !in_sync_both() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the copies never ended"
+        );
+        let copying: Vec<_> = ids
+            .iter()
+            .filter_map(|id| primary_node.replication.primary_status(*id))
+            .flat_map(|status| status.catching_up)
+            .collect();
+        waited |= copying.iter().any(|catch_up| catch_up.waiting_for_turn);
+        overlapped |= copying
+            .iter()
+            .filter(|catch_up| catch_up.compared_bytes > 0)
+            .count()
+            > 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!overlapped, "two whole copies went at once with one turn");
+    assert!(waited, "no copy was shown waiting for its turn");
+    stop(&nodes.iter().collect::<Vec<_>>(), None).await;
+}
+
 /// Starts three nodes and a volume `v` of `units` 64 KiB units with `replicas` replicas;
 /// returns the nodes and the indexes of the volume's first replica (where it is attached) and
 /// its second (or another node, with one replica).
@@ -997,6 +1078,7 @@ async fn replicated_volume(
         move_after: Duration::from_secs(3600),
         resync_bytes_per_second,
         resync_busy_percent: 100,
+        rebuilds_max: 2,
         snapshot_repair: true,
         point_every: keel_replication::POINT_EVERY,
     };
@@ -1201,6 +1283,7 @@ async fn a_rollback_drops_a_replica_added_as_it_starts() {
         move_after: Duration::from_secs(3600),
         resync_bytes_per_second: Some(16 << 20),
         resync_busy_percent: 100,
+        rebuilds_max: 2,
         snapshot_repair: false,
         point_every: keel_replication::POINT_EVERY,
     };
@@ -1322,6 +1405,7 @@ async fn lowering_r_keeps_the_only_whole_copy_of_a_snapshot() {
         move_after: Duration::from_secs(3600),
         resync_bytes_per_second: None,
         resync_busy_percent: 100,
+        rebuilds_max: 2,
         snapshot_repair: false,
         point_every: keel_replication::POINT_EVERY,
     };
@@ -1437,6 +1521,7 @@ async fn replica_lacking_a_snapshot(
         move_after: Duration::from_secs(3600),
         resync_bytes_per_second: None,
         resync_busy_percent: 100,
+        rebuilds_max: 2,
         snapshot_repair: false,
         point_every,
     };
