@@ -1523,18 +1523,31 @@ def test_replicas_change_online_and_a_removed_replica_erases_its_copy(cluster):
 def test_a_resync_ships_no_faster_than_its_configured_rate(cluster, workdir):
     """With `resync_mib_per_second = 2`, raising an R=1 volume holding 16 MiB to R=2 ships the
     16 MiB to the new replica in no less than 7.5 s (unthrottled it takes well under a second
-    here); `volume info` shows the progress meanwhile, and the replica then holds the data."""
-    first, second, client = pair_with_one_replica(cluster, workdir, "resync_mib_per_second = 2", "paced")
+    here); `volume info` shows the progress meanwhile, and the replica then holds the data.
+    With `rebuilds_max = 1`, a second volume on node 1 raised right after waits its turn,
+    shown in `volume info`, and copies only once the first replica is in sync."""
+    first, second, client = pair_with_one_replica(
+        cluster, workdir, "resync_mib_per_second = 2\nrebuilds_max = 1", "paced")
     data = os.urandom(16 << 20)
     for offset in range(0, len(data), 1 << 20):
         client.write(offset, data[offset:offset + (1 << 20)])
     client.flush()
+    code, created = first.api("POST", "/api/v1/volumes", {"name": "next", "size_bytes": SIZE}, timeout=30)
+    assert code == 200, created
+    next_client = attach(first, "next")
+    next_data = write_random(next_client, 2 << 20)
+    next_client.close()
 
     started = time.time()
     first.cli("volume", "set-replication", "paced", "--replicas", "2")
     progress = wait_until("progress shown", lambda: [
         c for c in replication(first, "paced")["served_here"]["catching_up"] if c["compared_bytes"] > 0])
     assert progress[0]["node"] == 2 and progress[0]["total_bytes"] == SIZE, progress
+    first.cli("volume", "set-replication", "next", "--replicas", "2")
+    waiting = wait_until("the second copy waiting for its turn", lambda: [
+        c for c in replication(first, "next")["served_here"]["catching_up"] if c["waiting_for_turn"]])
+    assert waiting[0]["compared_bytes"] == 0, waiting
+    assert sorted(replication(first, "paced")["in_sync"]) == [1], "the first copy ended before the check"
     wait_until("the new replica in sync",
                lambda: sorted(replication(first, "paced")["in_sync"]) == [1, 2], timeout=60)
     took = time.time() - started
@@ -1542,10 +1555,15 @@ def test_a_resync_ships_no_faster_than_its_configured_rate(cluster, workdir):
     assert shipped >= len(data), shipped
     assert took >= (len(data) - (1 << 20)) / (2 << 20), f"16 MiB shipped in {took:.2f} s at a 2 MiB/s limit"
     print(f"16 MiB resynced at a 2 MiB/s limit in {took:.2f} s")
+    wait_until("the second volume's replica in sync",
+               lambda: sorted(replication(first, "next")["in_sync"]) == [1, 2], timeout=60)
     client.close()
     first.kill9()
     other = attach(second, "paced", timeout=60)
     assert other.read(0, len(data)) == data
+    other.close()
+    other = attach(second, "next", timeout=60)
+    assert other.read(0, len(next_data)) == next_data
 
 
 @pytest.mark.parametrize("clients_of", ["the volume", "another volume on its node",
