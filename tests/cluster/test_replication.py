@@ -1547,6 +1547,8 @@ def test_a_resync_ships_no_faster_than_its_configured_rate(cluster, workdir):
     waiting = wait_until("the second copy waiting for its turn", lambda: [
         c for c in replication(first, "next")["served_here"]["catching_up"] if c["waiting_for_turn"]])
     assert waiting[0]["compared_bytes"] == 0, waiting
+    status = first.cli("status").stdout
+    assert "KEEL_REBUILDS_WAITING" in status and '"next" to node 2' in status, status
     assert sorted(replication(first, "paced")["in_sync"]) == [1], "the first copy ended before the check"
     wait_until("the new replica in sync",
                lambda: sorted(replication(first, "paced")["in_sync"]) == [1, 2], timeout=60)

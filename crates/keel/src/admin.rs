@@ -543,6 +543,33 @@ pub fn status_report(
     }
     checks.extend(drains(state));
     checks.extend(nearfull_nodes(state));
+    let waiting = state.replication.rebuilds_waiting();
+    if !waiting.is_empty() {
+        const NAMED_MAX: usize = 5;
+        let named: Vec<String> = (waiting.iter().take(NAMED_MAX))
+            .map(|wait| format!("{:?} to node {}", wait.volume, wait.node))
+            .collect();
+        let more = waiting.len().saturating_sub(NAMED_MAX);
+        checks.push(check(
+            "KEEL_REBUILDS_WAITING",
+            "info",
+            format!(
+                "{} whole-volume copies from this node wait for a turn (cluster.rebuilds_max = \
+                 {} run at once): {}{}; their replicas stay out of sync until then",
+                waiting.len(),
+                state.replication.rebuilds_max(),
+                named.join(", "),
+                if more > 0 {
+                    format!(" and {more} more")
+                } else {
+                    String::new()
+                }
+            ),
+            "nothing to do: each starts when a copy ends (keel volume info shows progress); \
+             raise cluster.rebuilds_max to run more at once"
+                .to_string(),
+        ));
+    }
     for held in state.replication.held_replicas() {
         checks.push(check(
             "KEEL_REPLICA_MOVE_HELD",

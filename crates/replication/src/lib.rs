@@ -485,6 +485,8 @@ pub struct Replication {
     /// How long a replica's node may stay down before its replica moves
     /// ([`Settings::move_after`]).
     move_after: Duration,
+    /// [`Settings::rebuilds_max`].
+    rebuilds_max: usize,
 }
 
 fn unavailable(volume: &str, detail: String) -> VolumeError {
@@ -545,6 +547,7 @@ impl Replication {
             sessions: Sessions::default(),
             this: this.clone(),
             move_after: settings.move_after,
+            rebuilds_max: settings.rebuilds_max.max(1),
         });
         replication
             .shared
@@ -1671,6 +1674,42 @@ pub(crate) fn replicas_to_move(
                 && (leaving(*node) || !answering(*node))
         })
         .partition(|node| only_whole_on(entry, &replication.replicas, *node).is_empty())
+}
+
+/// A whole-volume copy this node waits to send ([`Settings::rebuilds_max`]): the volume and
+/// the replica's node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RebuildWaiting {
+    pub volume: String,
+    pub node: NodeId,
+}
+
+impl Replication {
+    /// The whole-volume copies waiting for one of this node's turns (`rebuilds_max`), by
+    /// volume name: what health shows, since their replicas stay out of sync meanwhile.
+    pub fn rebuilds_waiting(&self) -> Vec<RebuildWaiting> {
+        let primaries: Vec<Arc<Primary>> = lock(&self.primaries).values().cloned().collect();
+        let mut waiting: Vec<RebuildWaiting> = primaries
+            .iter()
+            .filter(|primary| !primary.is_closed())
+            .flat_map(|primary| {
+                let volume = primary.name().to_string();
+                (primary.status().catching_up.into_iter())
+                    .filter(|catch_up| catch_up.waiting_for_turn)
+                    .map(move |catch_up| RebuildWaiting {
+                        volume: volume.clone(),
+                        node: catch_up.node,
+                    })
+            })
+            .collect();
+        waiting.sort_by(|a, b| (&a.volume, a.node).cmp(&(&b.volume, b.node)));
+        waiting
+    }
+
+    /// How many whole-volume copies this node sends at once ([`Settings::rebuilds_max`]).
+    pub fn rebuilds_max(&self) -> usize {
+        self.rebuilds_max
+    }
 }
 
 /// A replica that would move off its node (down for the move time, draining or removed) but
