@@ -76,7 +76,7 @@ fn a_slice_of_seeds_with_moves_keeps_every_flushed_write() {
             "{mode:?}: {moved} replicas moved, {copied} copied off, {attaches} attaches"
         );
         assert_eq!(
-            copied > 3,
+            copied > 0,
             mode == Mode::Drains,
             "{mode:?}: {copied} replicas copied off draining nodes"
         );
