@@ -311,8 +311,18 @@ struct DrainLeft {
     waiting: Vec<(String, Vec<keel_catalog::DrainWait>)>,
 }
 
-/// The volumes a drain waits for, named in a health message: this many at most.
-const DRAIN_WAITING_NAMED_MAX: usize = 5;
+/// Volumes named in one health message: this many at most ([`first_named`]).
+const NAMED_MAX: usize = 5;
+
+/// The first [`NAMED_MAX`] of `names`, then "and N more" for the rest.
+fn first_named(mut names: Vec<String>) -> Vec<String> {
+    if names.len() > NAMED_MAX {
+        let more = names.len() - NAMED_MAX;
+        names.truncate(NAMED_MAX);
+        names.push(format!("and {more} more"));
+    }
+    names
+}
 
 impl DrainLeft {
     fn of(catalog: &keel_catalog::CatalogState, node: keel_catalog::NodeId) -> DrainLeft {
@@ -336,21 +346,16 @@ impl DrainLeft {
     }
 
     /// "; N of them wait: volume V: why; ..." for the volumes it cannot move yet (the first
-    /// [`DRAIN_WAITING_NAMED_MAX`]), or nothing.
+    /// [`NAMED_MAX`]), or nothing.
     fn waiting_sentence(&self) -> String {
         if self.waiting.is_empty() {
             return String::new();
         }
-        let mut named: Vec<String> = (self.waiting.iter())
-            .take(DRAIN_WAITING_NAMED_MAX)
-            .map(|(volume, waits)| format!("volume {volume}: {}", describe_waits(waits)))
-            .collect();
-        if self.waiting.len() > DRAIN_WAITING_NAMED_MAX {
-            named.push(format!(
-                "and {} more",
-                self.waiting.len() - DRAIN_WAITING_NAMED_MAX
-            ));
-        }
+        let named = first_named(
+            (self.waiting.iter())
+                .map(|(volume, waits)| format!("volume {volume}: {}", describe_waits(waits)))
+                .collect(),
+        );
         format!(
             "; {} of them cannot move as things are: {}",
             self.waiting.len(),
@@ -545,25 +550,20 @@ pub fn status_report(
     checks.extend(nearfull_nodes(state));
     let waiting = state.replication.rebuilds_waiting();
     if !waiting.is_empty() {
-        const NAMED_MAX: usize = 5;
-        let named: Vec<String> = (waiting.iter().take(NAMED_MAX))
-            .map(|wait| format!("{:?} to node {}", wait.volume, wait.node))
-            .collect();
-        let more = waiting.len().saturating_sub(NAMED_MAX);
+        let named = first_named(
+            (waiting.iter())
+                .map(|wait| format!("{:?} to node {}", wait.volume, wait.node))
+                .collect(),
+        );
         checks.push(check(
             "KEEL_REBUILDS_WAITING",
             "info",
             format!(
                 "{} whole-volume copies from this node wait for a turn (cluster.rebuilds_max = \
-                 {} run at once): {}{}; their replicas stay out of sync until then",
+                 {} run at once): {}; their replicas stay out of sync until then",
                 waiting.len(),
                 state.replication.rebuilds_max(),
-                named.join(", "),
-                if more > 0 {
-                    format!(" and {more} more")
-                } else {
-                    String::new()
-                }
+                named.join(", ")
             ),
             "nothing to do: each starts when a copy ends (keel volume info shows progress); \
              raise cluster.rebuilds_max to run more at once"
@@ -649,12 +649,9 @@ pub fn status_report(
             continue;
         };
         available = available.min(info.available_bytes);
-        let limit = u64::from(state.config.nearfull_percent);
+        let limit = state.config.nearfull_percent;
         let (used, counted) = info.used_of();
-        if limit < 100
-            && counted > 0
-            && u128::from(used) * 100 > u128::from(counted) * u128::from(limit)
-        {
+        if crate::nearfull::nearly_full(&[(used, counted)], limit, false) {
             let days = fill
                 .as_ref()
                 .and_then(|fill| fill.days_to_full)
