@@ -21,7 +21,7 @@ use crate::error::{StoreError, StoreResult};
 use crate::format::{self, Compression, ExtentHeader};
 use crate::index::{Index, IndexUpdate, Location, Persist, Tail};
 use crate::latency::{BatchSizes, SyncTimes};
-use crate::segment::{hex, Segment, Segments};
+use crate::segment::{hex, DirectWrites, Segment, Segments};
 use crate::{Durability, StoreConfig, StoreStats, WriteAck, WriteOp};
 
 const INDEX_FILE: &str = "index.redb";
@@ -217,6 +217,11 @@ struct Pending {
     durability: Durability,
     /// Compaction and checkpoints may write into the space reserve.
     may_use_reserve: bool,
+    /// Bytes this node does not read back soon: a replica's copy of a volume, a received
+    /// stream, compaction's copies. A batch carrying `StoreConfig::direct_write_min_bytes` of
+    /// them is written around the page cache, where they would only push out pages that are
+    /// read.
+    bulk: bool,
     /// Make the index durable after this batch, dropping these segments' counters.
     checkpoint: Option<Vec<u64>>,
     slot: Arc<Slot>,
@@ -246,6 +251,8 @@ struct Writer {
     space_checked_at: Option<std::time::Instant>,
     space_available_bytes: u64,
     appended_since_space_check_bytes: u64,
+    /// For batches carrying `StoreConfig::direct_write_min_bytes` of bulk writes.
+    direct: DirectWrites,
 }
 
 pub(crate) struct Engine {
@@ -357,7 +364,12 @@ impl Engine {
     }
 
     pub fn write(&self, ops: Vec<WriteOp>, durability: Durability) -> StoreResult<WriteAck> {
-        self.write_ops(ops, durability, false)
+        self.write_ops(ops, durability, false, false)
+    }
+
+    /// [`Engine::write`] of bytes this node does not read back soon (see [`Pending::bulk`]).
+    pub fn write_bulk(&self, ops: Vec<WriteOp>, durability: Durability) -> StoreResult<WriteAck> {
+        self.write_ops(ops, durability, false, true)
     }
 
     /// [`Engine::write`] for metadata that may use the space reserve.
@@ -366,7 +378,7 @@ impl Engine {
         ops: Vec<WriteOp>,
         durability: Durability,
     ) -> StoreResult<WriteAck> {
-        self.write_ops(ops, durability, true)
+        self.write_ops(ops, durability, true, false)
     }
 
     fn write_ops(
@@ -374,28 +386,30 @@ impl Engine {
         ops: Vec<WriteOp>,
         durability: Durability,
         may_use_reserve: bool,
+        bulk: bool,
     ) -> StoreResult<WriteAck> {
         let prepared = ops
             .into_iter()
             .map(Op::prepare)
             .collect::<StoreResult<Vec<Op>>>()?;
-        self.submit(prepared, durability, may_use_reserve, None)
+        self.submit(prepared, durability, may_use_reserve, bulk, None)
     }
 
     pub fn flush(&self) -> StoreResult<()> {
-        self.submit(Vec::new(), Durability::Sync, true, None)
+        self.submit(Vec::new(), Durability::Sync, true, false, None)
             .map(|_| ())
     }
 
-    /// Writes compaction copies; each is applied only if its key still maps to its seq.
+    /// Writes compaction copies; each is applied only if its key still maps to its seq. Bulk:
+    /// nothing asks for a copy because it was copied.
     pub(crate) fn relocate(&self, ops: Vec<Op>) -> StoreResult<()> {
-        self.submit(ops, Durability::Buffered, true, None)
+        self.submit(ops, Durability::Buffered, true, true, None)
             .map(|_| ())
     }
 
     /// Syncs the log and commits the index durably, forgetting `dropped` segments' counters.
     pub(crate) fn checkpoint(&self, dropped: Vec<u64>) -> StoreResult<()> {
-        self.submit(Vec::new(), Durability::Sync, true, Some(dropped))
+        self.submit(Vec::new(), Durability::Sync, true, false, Some(dropped))
             .map(|_| ())
     }
 
@@ -408,6 +422,7 @@ impl Engine {
         ops: Vec<Op>,
         durability: Durability,
         may_use_reserve: bool,
+        bulk: bool,
         checkpoint: Option<Vec<u64>>,
     ) -> StoreResult<WriteAck> {
         // Until a leader has written this request, or this thread leads.
@@ -422,6 +437,7 @@ impl Engine {
                 ops,
                 durability,
                 may_use_reserve,
+                bulk,
                 checkpoint,
                 slot: slot.clone(),
             });
@@ -636,13 +652,18 @@ impl Engine {
 
         // Size the batch, then roll to a new segment first if it would not fit.
         let mut total_len = 0u64;
+        let mut bulk_len = 0u64;
         for (pending, refused) in batch.iter().zip(&admitted) {
             if refused.is_none() {
-                total_len += pending
+                let len = pending
                     .ops
                     .iter()
                     .map(|op| op.record_len() as u64)
                     .sum::<u64>();
+                total_len += len;
+                if pending.bulk {
+                    bulk_len += len;
+                }
             }
         }
         let full = writer.offset + total_len > self.config.segment_size_max_bytes;
@@ -741,7 +762,10 @@ impl Engine {
         // Write.
         let pwrite = keel_ops::Phase::enter(keel_ops::phase::PWRITE);
         if !buffer.is_empty() {
-            if let Err(error) = writer.segment.write_all_at(&buffer, base) {
+            let min = self.config.direct_write_min_bytes as u64;
+            let writer = &mut *writer;
+            let direct = (min > 0 && bulk_len >= min).then_some(&mut writer.direct);
+            if let Err(error) = writer.segment.append(&buffer, base, direct) {
                 if let Err(undo) = writer.segment.truncate(base) {
                     self.poison("truncate after failed write", &undo);
                 }
@@ -1365,6 +1389,7 @@ fn recover(
             growing: true,
             since_checkpoint_bytes: 0,
             space_checked_at: None,
+            direct: DirectWrites::new(),
             space_available_bytes: 0,
             appended_since_space_check_bytes: 0,
         });
@@ -1535,6 +1560,7 @@ fn recover(
         growing,
         since_checkpoint_bytes: 0,
         space_checked_at: None,
+        direct: DirectWrites::new(),
         space_available_bytes: 0,
         appended_since_space_check_bytes: 0,
     })

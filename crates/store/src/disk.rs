@@ -11,10 +11,14 @@
 use std::fmt::Debug;
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+/// Offsets, lengths and buffer addresses of [`DiskFile::write_direct_at`] are multiples of this
+/// (the largest logical block size of the devices Keel runs on).
+pub const DIRECT_ALIGN: usize = 4096;
 
 /// How to open a file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,6 +39,13 @@ pub trait DiskFile: Send + Sync + Debug {
     /// Reads up to `buf.len()` bytes at `offset`; fewer only at the end of the file.
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize>;
     fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;
+    /// [`DiskFile::write_all_at`] around the page cache (`O_DIRECT`): the bytes go from `buf` to
+    /// the device, so a large write neither fills memory with pages nobody reads soon nor waits
+    /// behind their writeback. `buf`'s address, its length and `offset` are multiples of
+    /// [`DIRECT_ALIGN`] (`InvalidInput` otherwise). Durable only after `sync_data`, as any write
+    /// (the device may cache it). `Unsupported` when the filesystem refuses direct I/O: write
+    /// through the cache instead.
+    fn write_direct_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;
     /// fdatasync: everything written before is durable when it returns `Ok`.
     fn sync_data(&self) -> io::Result<()>;
     fn set_len(&self, len: u64) -> io::Result<()>;
@@ -85,34 +96,101 @@ pub fn read_up_to(file: &dyn DiskFile, buf: &mut [u8], offset: u64) -> io::Resul
 #[derive(Debug, Default, Clone, Copy)]
 pub struct RealDisk;
 
+/// Whether a direct write's buffer, length and offset meet [`DIRECT_ALIGN`].
+pub fn direct_aligned(buf: &[u8], offset: u64) -> bool {
+    let align = DIRECT_ALIGN as u64;
+    (buf.as_ptr() as usize).is_multiple_of(DIRECT_ALIGN)
+        && (buf.len() as u64).is_multiple_of(align)
+        && offset.is_multiple_of(align)
+}
+
 #[derive(Debug)]
-struct RealFile(File);
+struct RealFile {
+    file: File,
+    /// Where it was opened: a direct write opens it again with `O_DIRECT` (the store never
+    /// renames a file it writes to after opening it).
+    path: PathBuf,
+}
 
 impl DiskFile for RealFile {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-        self.0.read_at(buf, offset)
+        self.file.read_at(buf, offset)
     }
 
     fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        self.0.write_all_at(buf, offset)
+        self.file.write_all_at(buf, offset)
+    }
+
+    fn write_direct_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        if !direct_aligned(buf, offset) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "a direct write of {} bytes at {offset} is not aligned",
+                    buf.len()
+                ),
+            ));
+        }
+        // Opened per write (a large one: the open is noise beside it) rather than held: a store
+        // keeps a descriptor per segment already, and most segments are never written again.
+        let direct = OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&self.path)
+            .map_err(|error| match error.raw_os_error() {
+                Some(libc::EINVAL) => io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    format!("{}: the filesystem refuses O_DIRECT", self.path.display()),
+                ),
+                _ => error,
+            })?;
+        let mut done = 0usize;
+        while done < buf.len() {
+            match direct.write_at(&buf[done..], offset + done as u64) {
+                Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
+                // A short direct write (the device or the filesystem ran out of room part of the
+                // way) may end off the alignment; the rest goes through the cache, where the
+                // error that stopped it is reported.
+                Ok(written) if !written.is_multiple_of(DIRECT_ALIGN) => {
+                    let rest = done + written;
+                    return self.file.write_all_at(&buf[rest..], offset + rest as u64);
+                }
+                Ok(written) => done += written,
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+                // Opened with O_DIRECT but refused at the write (a device whose blocks are
+                // larger than DIRECT_ALIGN, a filesystem that only pretends): the caller writes
+                // the whole range again through the cache.
+                Err(error) if error.raw_os_error() == Some(libc::EINVAL) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::Unsupported,
+                        format!(
+                            "{}: a direct write was refused: {error}",
+                            self.path.display()
+                        ),
+                    ))
+                }
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(())
     }
 
     fn sync_data(&self) -> io::Result<()> {
-        self.0.sync_data()
+        self.file.sync_data()
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {
-        self.0.set_len(len)
+        self.file.set_len(len)
     }
 
     fn len(&self) -> io::Result<u64> {
-        self.0.metadata().map(|meta| meta.len())
+        self.file.metadata().map(|meta| meta.len())
     }
 
     fn drop_cache(&self) -> io::Result<()> {
         // SAFETY: posix_fadvise on a file descriptor this value owns; it only advises.
         let rc =
-            unsafe { libc::posix_fadvise(self.0.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+            unsafe { libc::posix_fadvise(self.file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
         if rc == 0 {
             Ok(())
         } else {
@@ -148,7 +226,10 @@ impl Disk for RealDisk {
                 options.create(true).truncate(true);
             }
         }
-        Ok(Arc::new(RealFile(options.open(path)?)))
+        Ok(Arc::new(RealFile {
+            file: options.open(path)?,
+            path: path.to_path_buf(),
+        }))
     }
 
     fn file_len(&self, path: &Path) -> io::Result<Option<u64>> {

@@ -156,6 +156,12 @@ pub struct StoreConfig {
     /// when it gets there): a thread finishing in real time would make what a power cut
     /// leaves depend on the machine's load, not on the seed.
     pub prepare_segments: bool,
+    /// A group commit carrying at least this many bytes of bulk writes ([`Store::write_bulk`],
+    /// compaction's copies) is written around the page cache (`O_DIRECT`; its first and last
+    /// partial 4 KiB blocks through it): a rebuild or a received stream then neither copies
+    /// every byte into pages nobody reads soon nor waits behind their writeback. 0 turns it
+    /// off. Default 256 KiB.
+    pub direct_write_min_bytes: usize,
 }
 
 impl StoreConfig {
@@ -169,6 +175,7 @@ impl StoreConfig {
             checkpoint_interval_bytes: 64 << 20,
             disk: Arc::new(disk::RealDisk),
             prepare_segments: true,
+            direct_write_min_bytes: 256 << 10,
         }
     }
 }
@@ -257,6 +264,15 @@ impl Store {
     /// `durability` says. Concurrent callers share one `pwrite` and one `fdatasync`.
     pub fn write(&self, ops: Vec<WriteOp>, durability: Durability) -> StoreResult<WriteAck> {
         self.engine.write(ops, durability)
+    }
+
+    /// [`Store::write`] of bytes this node does not read back soon: a replica's copy of a
+    /// volume, a received stream. Once a group commit carries
+    /// [`StoreConfig::direct_write_min_bytes`] of them, it goes to the disk around the page
+    /// cache, so they neither push out pages that are read nor cost a copy into the cache.
+    /// Durability is [`Store::write`]'s.
+    pub fn write_bulk(&self, ops: Vec<WriteOp>, durability: Durability) -> StoreResult<WriteAck> {
+        self.engine.write_bulk(ops, durability)
     }
 
     /// [`Store::write`] that may use the space reserve: for the cluster's metadata (the Raft

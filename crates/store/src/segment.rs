@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
-use crate::disk::{DirLock, Disk, DiskFile, OpenMode};
+use crate::disk::{DirLock, Disk, DiskFile, OpenMode, DIRECT_ALIGN};
 use crate::error::{StoreError, StoreResult};
 use crate::format;
 
@@ -32,7 +32,105 @@ pub(crate) struct Segment {
     pub paths: Vec<PathBuf>,
 }
 
+/// One block of [`DirectWrites`]' buffer: its alignment is what makes the buffer's address a
+/// multiple of [`DIRECT_ALIGN`].
+#[derive(Clone, Copy)]
+#[repr(C, align(4096))]
+struct AlignedBlock([u8; DIRECT_ALIGN]);
+
+/// The writer's state for appends around the page cache: an aligned buffer the middle of a
+/// batch is copied into (the batch itself is encoded into an ordinary `Vec`), and whether the
+/// filesystem refused direct I/O (then every append goes through the cache).
+pub(crate) struct DirectWrites {
+    blocks: Vec<AlignedBlock>,
+    refused: AtomicBool,
+}
+
+impl DirectWrites {
+    /// Bytes one direct write carries at most: large enough that the kernel splits it into
+    /// requests the device serves in parallel, small enough to keep the buffer cheap.
+    pub const CHUNK_BYTES: usize = 4 << 20;
+
+    pub fn new() -> DirectWrites {
+        DirectWrites {
+            blocks: Vec::new(),
+            refused: AtomicBool::new(false),
+        }
+    }
+
+    pub fn refused(&self) -> bool {
+        self.refused.load(Ordering::Relaxed)
+    }
+}
+
+/// Copies `bytes` into `blocks` (grown as needed) and returns the copy, whose address is a
+/// multiple of [`DIRECT_ALIGN`].
+fn aligned_copy<'a>(blocks: &'a mut Vec<AlignedBlock>, bytes: &[u8]) -> &'a [u8] {
+    let count = bytes.len().div_ceil(DIRECT_ALIGN);
+    if blocks.len() < count {
+        blocks.resize(count, AlignedBlock([0; DIRECT_ALIGN]));
+    }
+    for (block, source) in blocks.iter_mut().zip(bytes.chunks(DIRECT_ALIGN)) {
+        block.0[..source.len()].copy_from_slice(source);
+    }
+    let whole: &[AlignedBlock] = &blocks[..count];
+    // SAFETY: `AlignedBlock` is a `repr(C)` array of bytes with no padding between elements
+    // (its size is its alignment), so `count` blocks are that many times `DIRECT_ALIGN`
+    // initialised bytes, borrowed for as long as `whole` is.
+    let all: &[u8] =
+        unsafe { std::slice::from_raw_parts(whole.as_ptr().cast::<u8>(), count * DIRECT_ALIGN) };
+    &all[..bytes.len()]
+}
+
 impl Segment {
+    /// Appends `bytes` at `offset` on every device. With `direct`, the whole blocks inside the
+    /// range go to the devices around the page cache (`O_DIRECT`), the partial blocks at either
+    /// end through it: no byte already written is written again, and the file grows exactly
+    /// as with one ordinary write. A filesystem that refuses direct I/O gets ordinary writes
+    /// (and `direct` remembers it).
+    pub fn append(
+        &self,
+        bytes: &[u8],
+        offset: u64,
+        direct: Option<&mut DirectWrites>,
+    ) -> StoreResult<()> {
+        let align = DIRECT_ALIGN as u64;
+        let end = offset + bytes.len() as u64;
+        let first = offset.next_multiple_of(align);
+        let last = end / align * align;
+        let direct = match direct {
+            Some(direct) if !direct.refused() && first < last => direct,
+            _ => return self.write_all_at(bytes, offset),
+        };
+        let head = (first - offset) as usize;
+        let tail = (last - offset) as usize;
+        if head > 0 {
+            self.write_all_at(&bytes[..head], offset)?;
+        }
+        let mut at = first;
+        for chunk in bytes[head..tail].chunks(DirectWrites::CHUNK_BYTES) {
+            let aligned = aligned_copy(&mut direct.blocks, chunk);
+            let refused = &direct.refused;
+            self.on_every_device(|_, file, path| {
+                let written = match file.write_direct_at(aligned, at) {
+                    Err(error) if error.kind() == std::io::ErrorKind::Unsupported => {
+                        if !refused.swap(true, Ordering::Relaxed) {
+                            tracing::warn!(%error, "large appends go through the page cache");
+                        }
+                        file.write_all_at(aligned, at)
+                    }
+                    other => other,
+                };
+                written.map_err(|e| StoreError::io(path, e))
+            })?;
+            at += chunk.len() as u64;
+        }
+        if tail < bytes.len() {
+            self.write_all_at(&bytes[tail..], last)?;
+        }
+        Ok(())
+    }
+
     /// Writes `bytes` at `offset` on every device (in parallel when mirrored).
     pub fn write_all_at(&self, bytes: &[u8], offset: u64) -> StoreResult<()> {
         self.on_every_device(|_, file, path| {

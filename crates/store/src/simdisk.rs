@@ -89,6 +89,10 @@ struct State {
     reads: BTreeMap<PathBuf, u64>,
     /// Each write to paths containing this takes this long (a device slow for some files).
     slow: Option<(String, std::time::Duration)>,
+    /// Bytes written by direct writes (`DiskFile::write_direct_at`) so far.
+    direct_bytes: u64,
+    /// Direct writes fail with `Unsupported`, as on a filesystem without `O_DIRECT`.
+    refuse_direct: bool,
     rng: u64,
 }
 
@@ -205,6 +209,16 @@ impl SimDisk {
     /// Makes each write to a path containing `path_contains` take `delay` (`None`: none do).
     pub fn slow_writes(&self, path_contains: Option<&str>, delay: std::time::Duration) {
         self.lock().slow = path_contains.map(|path| (path.to_string(), delay));
+    }
+
+    /// Bytes written around the page cache so far (what `O_DIRECT` would have written).
+    pub fn direct_bytes(&self) -> u64 {
+        self.lock().direct_bytes
+    }
+
+    /// Refuse direct writes from now on, as a filesystem without `O_DIRECT` does.
+    pub fn refuse_direct(&self) {
+        self.lock().refuse_direct = true;
     }
 
     pub fn clear_faults(&self) {
@@ -363,6 +377,8 @@ fn successor(
             created: Vec::new(),
             reads: BTreeMap::new(),
             slow: None,
+            direct_bytes: 0,
+            refuse_direct: state.refuse_direct,
             rng,
         })),
     }
@@ -448,6 +464,31 @@ impl DiskFile for SimFile {
             data: buf.to_vec(),
         });
         Ok(())
+    }
+
+    /// The same queued, unsynced write as [`DiskFile::write_all_at`] (a direct write reaches the
+    /// device's volatile cache at best), after the checks the kernel makes.
+    fn write_direct_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        if !crate::disk::direct_aligned(buf, offset) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "a direct write of {} bytes at {offset} is not aligned",
+                    buf.len()
+                ),
+            ));
+        }
+        {
+            let mut state = self.disk.lock();
+            if state.refuse_direct {
+                return Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "the simulated filesystem refuses O_DIRECT",
+                ));
+            }
+            state.direct_bytes += buf.len() as u64;
+        }
+        self.write_all_at(buf, offset)
     }
 
     fn sync_data(&self) -> io::Result<()> {

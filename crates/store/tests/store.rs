@@ -616,3 +616,77 @@ fn a_growing_segment_is_left_once_a_prepared_one_is_ready() {
         );
     }
 }
+
+/// The share of `path`'s pages in the page cache (mincore on a mapping of it).
+fn cached_share(path: &std::path::Path) -> f64 {
+    use std::os::unix::io::AsRawFd;
+    let file = std::fs::File::open(path).unwrap();
+    let len = file.metadata().unwrap().len() as usize;
+    let page = 4096;
+    let pages = len.div_ceil(page);
+    let mut resident = vec![0u8; pages];
+    // SAFETY: a read-only shared mapping of a file this test opened, of its current length,
+    // only passed to mincore (never read through) and unmapped before the function returns.
+    let cached = unsafe {
+        let map = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        );
+        assert_ne!(map, libc::MAP_FAILED, "{}", std::io::Error::last_os_error());
+        let rc = libc::mincore(map, len, resident.as_mut_ptr());
+        let error = std::io::Error::last_os_error();
+        libc::munmap(map, len);
+        assert_eq!(rc, 0, "mincore: {error}");
+        resident.iter().filter(|page| *page & 1 == 1).count()
+    };
+    cached as f64 / pages as f64
+}
+
+/// A large bulk batch goes to the disk around the page cache (`O_DIRECT`): once it is written,
+/// its segment holds almost no cached page. With `direct_write_min_bytes` 0, for a batch below
+/// it, or for an ordinary write, every page written stays cached. All read back the same
+/// bytes, also after a reopen.
+#[test]
+fn a_large_bulk_batch_is_written_around_the_page_cache() {
+    let value = value_for(7, 1, 8 << 20);
+    for (min, bulk, expect_direct) in [
+        (256 << 10, true, true),
+        (0, true, false),
+        (16 << 20, true, false),
+        (256 << 10, false, false),
+    ] {
+        let dir = fresh_dir(&format!("direct-{min}-{bulk}"));
+        let mut config = StoreConfig::new(vec![dir.clone()]);
+        config.direct_write_min_bytes = min;
+        config.reserve_bytes = 0;
+        let store = Store::open(config.clone()).unwrap();
+        let ops = vec![put(&meta_key(b"big"), &value)];
+        if bulk {
+            store.write_bulk(ops, Durability::Sync).unwrap();
+        } else {
+            store.write(ops, Durability::Sync).unwrap();
+        }
+        let segment = &segment_files(&dir)[0];
+        let share = cached_share(segment);
+        if expect_direct {
+            assert!(
+                share < 0.05,
+                "{share:.3} of the segment is cached ({min}, {bulk})"
+            );
+        } else {
+            assert!(
+                share > 0.9,
+                "{share:.3} of the segment is cached ({min}, {bulk})"
+            );
+        }
+        assert_eq!(store.get(&meta_key(b"big")).unwrap().unwrap(), value);
+        drop(store);
+        let store = Store::open(config).unwrap();
+        assert_eq!(store.get(&meta_key(b"big")).unwrap().unwrap(), value);
+        assert_eq!(store.scrub(&mut |_| {}).unwrap().unrecoverable_extents, 0);
+    }
+}
