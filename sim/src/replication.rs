@@ -366,6 +366,10 @@ impl LocalVolumes for Copies {
         self.volumes.open_volume(name)
     }
 
+    fn open_replica(&self, name: &str) -> VolumeResult<Arc<dyn VolumeIo>> {
+        self.volumes.open_replica(name)
+    }
+
     fn open_local_snapshot(&self, volume: &str, snapshot: &str) -> VolumeResult<Arc<dyn VolumeIo>> {
         self.volumes.open_snapshot(volume, snapshot)
     }

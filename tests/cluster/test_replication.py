@@ -1568,6 +1568,51 @@ def test_a_resync_ships_no_faster_than_its_configured_rate(cluster, workdir):
     assert other.read(0, len(next_data)) == next_data
 
 
+def cached_share(node):
+    """The share of `node`'s segment files in the page cache (fincore, util-linux)."""
+    files = sorted(str(path) for path in (node.dir / "segments").glob("*.seg"))
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES,SIZE", *files],
+                         capture_output=True, text=True, check=True).stdout
+    cached = total = 0
+    for line in out.splitlines():
+        resident, size = (int(field) for field in line.split())
+        cached += resident
+        total += size
+    return cached / max(total, 1)
+
+
+def test_a_replica_writes_its_copy_around_the_page_cache(cluster, workdir):
+    """A replica serves no reads of its copy, so it writes it around the page cache (O_DIRECT):
+    48 MiB written to an R=1 volume through node 1 stay in node 1's cache (a client reads back
+    what it wrote), but the copy node 2 receives when R is raised to 2 leaves little of node
+    2's segments cached. Small segments (8 MiB) keep zero-filled segments prepared ahead of
+    the writer from counting. The copy then serves every byte once node 1 is gone."""
+    config = workdir / "small-segments.toml"
+    config.write_text("[store]\nsegment_size_max_bytes = 8388608\n")
+    first = cluster.add(extra_args=["--config", str(config)])
+    second = cluster.add(extra_args=["--config", str(config)])
+    cluster.add(witness=True)
+    wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
+    code, created = first.api("POST", "/api/v1/volumes", {"name": "around", "size_bytes": 64 << 20}, timeout=30)
+    assert code == 200, created
+    client = attach(first, "around")
+    data = write_random(client, 48 << 20)
+    client.close()
+    primary = cached_share(first)
+    assert primary > 0.8, f"only {primary:.2f} of the primary's segments are cached"
+    first.cli("volume", "set-replication", "around", "--replicas", "2")
+    wait_until("the new replica in sync",
+               lambda: sorted(replication(first, "around")["in_sync"]) == [1, 2], timeout=120)
+    replica = cached_share(second)
+    print(f"cached: primary {primary:.2f}, replica {replica:.2f}")
+    assert replica < 0.4, f"{replica:.2f} of the replica's segments are cached after the copy"
+    first.kill9()
+    other = attach(second, "around", timeout=60)
+    for offset in range(0, len(data), 1 << 20):
+        assert other.read(offset, 1 << 20) == data[offset:offset + (1 << 20)], f"MiB {offset >> 20} differs"
+    other.close()
+
+
 @pytest.mark.parametrize("clients_of", ["the volume", "another volume on its node",
                                         "another volume on the new replica's node"])
 def test_a_resync_yields_to_clients_on_either_node(cluster, workdir, clients_of):

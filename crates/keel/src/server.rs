@@ -645,6 +645,10 @@ impl keel_replication::LocalVolumes for LocalVolumes {
         self.volumes.open_volume(name)
     }
 
+    fn open_replica(&self, name: &str) -> keel_namespace::volume::VolumeResult<Arc<dyn VolumeIo>> {
+        self.volumes.open_replica(name)
+    }
+
     fn open_local_snapshot(
         &self,
         volume: &str,

@@ -647,6 +647,20 @@ impl VolumeManager {
         Ok(handle)
     }
 
+    /// [`VolumeManager::open_volume`] for this node's copy as a replica: its writes are kept
+    /// out of the page cache (this node serves no reads of it while it is a replica).
+    pub fn open_replica(&self, name: &str) -> VolumeResult<Arc<dyn VolumeIo>> {
+        let entry = self.entry(name)?;
+        self.hosted(&entry)?;
+        let handle =
+            self.engine
+                .open_replica(entry.record.id)
+                .ok_or_else(|| VolumeError::NotFound {
+                    name: name.to_string(),
+                })?;
+        Ok(handle)
+    }
+
     /// A read-only handle on a snapshot; the snapshot cannot be deleted while it is open.
     pub fn open_snapshot(&self, volume: &str, snapshot: &str) -> VolumeResult<Arc<dyn VolumeIo>> {
         let _local = lock(&self.local);

@@ -460,3 +460,33 @@ fn a_receive_whose_writes_fail_answers_the_store_error_and_leaves_nothing() {
         "received after the fault",
     );
 }
+
+/// A received stream is written around the page cache (nothing reads a volume while it
+/// arrives): on a simulated disk, its blocks go out as direct writes, and read back whole.
+#[test]
+fn a_received_stream_is_written_around_the_page_cache() {
+    use keel_store::simdisk::SimDisk;
+    let (bytes, sent) = stream_of_600_blocks("stream-direct-src");
+
+    let disk = SimDisk::new(12);
+    let mut config = keel_store::StoreConfig::new(vec![std::path::PathBuf::from("/sim/data")]);
+    config.disk = std::sync::Arc::new(disk.clone());
+    config.reserve_bytes = 0;
+    let store = keel_store::Store::open(config).unwrap();
+    let metadata: std::sync::Arc<dyn keel_catalog::Metadata> =
+        std::sync::Arc::new(keel_catalog::LocalCatalog::open(store.clone()).unwrap());
+    let target = VolumeManager::open(store, metadata).unwrap();
+    let before = disk.direct_bytes();
+    let report = target.receive(&mut bytes.as_slice(), "dst").unwrap();
+    assert_eq!(report.blocks, 600);
+    let direct = disk.direct_bytes() - before;
+    assert!(
+        direct >= 300 * BLOCK,
+        "only {direct} bytes of 600 blocks were written direct"
+    );
+    assert_same_blocks(
+        &read_all(&target.open_volume("dst").unwrap()),
+        &sent,
+        "received around the cache",
+    );
+}

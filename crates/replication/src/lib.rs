@@ -125,6 +125,10 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Opens this node's own copy of a volume (the local volume engine).
 pub trait LocalVolumes: Send + Sync + 'static {
     fn open_local(&self, name: &str) -> VolumeResult<Arc<dyn VolumeIo>>;
+    /// [`LocalVolumes::open_local`] for applying a primary's writes to this node's copy: this
+    /// node serves no reads of it while it is a replica, so its writes stay out of the page
+    /// cache.
+    fn open_replica(&self, name: &str) -> VolumeResult<Arc<dyn VolumeIo>>;
     /// A read-only handle on this node's copy of `volume@snapshot` (refused when the copy does
     /// not hold the snapshot whole).
     fn open_local_snapshot(&self, volume: &str, snapshot: &str) -> VolumeResult<Arc<dyn VolumeIo>>;

@@ -201,7 +201,7 @@ fn handle(
         _ => {
             let opened = shared
                 .local
-                .open_local(name)
+                .open_replica(name)
                 .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
             slot.replica.handle = Some((epoch, opened.clone()));
             Ok(opened)

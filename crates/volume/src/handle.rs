@@ -58,6 +58,9 @@ pub struct VolumeHandle {
     store: Store,
     shared: Arc<VolumeShared>,
     frozen: Option<FrozenView>,
+    /// A replica's handle: this node serves no reads of what it writes, so its writes are the
+    /// store's bulk writes (`Store::write_bulk`), kept out of the page cache.
+    bulk: bool,
 }
 
 /// Stripe guards held for the duration of one request.
@@ -301,11 +304,13 @@ impl VolumeHandle {
         store: Store,
         shared: Arc<VolumeShared>,
         frozen: Option<FrozenView>,
+        bulk: bool,
     ) -> VolumeHandle {
         VolumeHandle {
             store,
             shared,
             frozen,
+            bulk,
         }
     }
 
@@ -571,8 +576,12 @@ impl VolumeHandle {
                 Ok(())
             };
         }
-        self.store
-            .write(ops, durability)
+        let written = if self.bulk {
+            self.store.write_bulk(ops, durability)
+        } else {
+            self.store.write(ops, durability)
+        };
+        written
             .map(|_| ())
             .map_err(VolumeError::store(&self.shared.name, "writing blocks"))
     }

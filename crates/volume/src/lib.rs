@@ -591,6 +591,19 @@ impl Engine {
             self.store.clone(),
             shared,
             None,
+            false,
+        )))
+    }
+
+    /// [`Engine::open`] for a replica of the volume: this node serves no reads of it while it
+    /// is one, so what it writes is kept out of the page cache (`Store::write_bulk`).
+    pub fn open_replica(&self, volume_id: u64) -> Option<Arc<VolumeHandle>> {
+        let shared = self.get(volume_id)?;
+        Some(Arc::new(VolumeHandle::new(
+            self.store.clone(),
+            shared,
+            None,
+            true,
         )))
     }
 
@@ -625,6 +638,7 @@ impl Engine {
                 size_bytes: frozen.size_bytes,
                 _user: user,
             }),
+            false,
         ))))
     }
 
@@ -664,6 +678,7 @@ impl Engine {
                 size_bytes,
                 _user: user,
             }),
+            false,
         ))))
     }
 
@@ -720,8 +735,9 @@ impl Engine {
         if ops.is_empty() {
             return Ok(());
         }
+        // Bulk: a repair fills a replica's copy, which this node does not read soon.
         self.store
-            .write(ops, keel_store::Durability::Sync)
+            .write_bulk(ops, keel_store::Durability::Sync)
             .map(drop)
             .map_err(VolumeError::store(&shared.name, "repairing a snapshot"))
     }

@@ -691,8 +691,9 @@ fn apply(
             .name("keel-receive".to_string())
             .spawn_scoped(scope, || -> VolumeResult<()> {
                 for ops in batches {
+                    // Bulk: nothing reads a received volume while it arrives.
                     store
-                        .write(ops, Durability::Buffered)
+                        .write_bulk(ops, Durability::Buffered)
                         .map_err(VolumeError::store(&shared.name, "writing received blocks"))?;
                 }
                 Ok(())
