@@ -805,3 +805,40 @@ fn a_lost_index_is_restored_from_its_copy_on_the_mirror() {
     }
     assert_eq!(store.get(&key(7)).unwrap(), None);
 }
+
+/// A segment filled mostly around the page cache prepares no successor: zero-filling it
+/// through the cache would copy every byte the bulk writer then writes again. The same
+/// writes made as ordinary ones start preparations.
+#[test]
+fn a_segment_filled_around_the_page_cache_prepares_no_successor() {
+    for bulk in [true, false] {
+        let disk = SimDisk::new(47);
+        let mut config = config(&disk, &["/sim/a"]);
+        config.segment_size_max_bytes = 4 << 20;
+        let store = Store::open(config).unwrap();
+        // 12 MiB: three segments' worth, so the log rolls (joining any preparation) twice.
+        for n in 0..40 {
+            let ops = vec![put(n, 1, 300 << 10)];
+            if bulk {
+                store.write_bulk(ops, Durability::Buffered).unwrap();
+            } else {
+                store.write(ops, Durability::Buffered).unwrap();
+            }
+        }
+        store.flush().unwrap();
+        let prepared = disk
+            .created()
+            .iter()
+            .filter(|path| path.to_string_lossy().ends_with(".prepared"))
+            .count();
+        if bulk {
+            assert_eq!(prepared, 0, "bulk writes prepared {prepared} segments");
+            assert!(disk.direct_bytes() > 10 << 20, "{}", disk.direct_bytes());
+        } else {
+            assert!(prepared > 0, "ordinary writes prepared no segment");
+        }
+        for n in 0..40 {
+            assert_eq!(store.get(&key(n)).unwrap().unwrap(), value(n, 1, 300 << 10));
+        }
+    }
+}
