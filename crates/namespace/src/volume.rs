@@ -636,28 +636,27 @@ impl VolumeManager {
     /// A handle for block I/O on the volume's current contents (shared by any number of
     /// threads and connections).
     pub fn open_volume(&self, name: &str) -> VolumeResult<Arc<dyn VolumeIo>> {
-        let entry = self.entry(name)?;
-        self.hosted(&entry)?;
-        let handle = self
-            .engine
-            .open(entry.record.id)
-            .ok_or_else(|| VolumeError::NotFound {
-                name: name.to_string(),
-            })?;
-        Ok(handle)
+        self.open_current(name, false)
     }
 
     /// [`VolumeManager::open_volume`] for this node's copy as a replica: its writes are kept
     /// out of the page cache (this node serves no reads of it while it is a replica).
     pub fn open_replica(&self, name: &str) -> VolumeResult<Arc<dyn VolumeIo>> {
+        self.open_current(name, true)
+    }
+
+    fn open_current(&self, name: &str, replica: bool) -> VolumeResult<Arc<dyn VolumeIo>> {
         let entry = self.entry(name)?;
         self.hosted(&entry)?;
-        let handle =
-            self.engine
-                .open_replica(entry.record.id)
-                .ok_or_else(|| VolumeError::NotFound {
-                    name: name.to_string(),
-                })?;
+        let id = entry.record.id;
+        let handle = if replica {
+            self.engine.open_replica(id)
+        } else {
+            self.engine.open(id)
+        };
+        let handle = handle.ok_or_else(|| VolumeError::NotFound {
+            name: name.to_string(),
+        })?;
         Ok(handle)
     }
 

@@ -382,6 +382,18 @@ fn stream_of_600_blocks(dir: &str) -> (Vec<u8>, Vec<u8>) {
     (send_bytes(&manager, "big", None, "s"), read_all(&handle))
 }
 
+/// A volume manager on a store on a simulated disk seeded with `seed`, and the disk.
+fn on_simulated_disk(seed: u64) -> (keel_store::simdisk::SimDisk, VolumeManager) {
+    let disk = keel_store::simdisk::SimDisk::new(seed);
+    let mut config = keel_store::StoreConfig::new(vec![std::path::PathBuf::from("/sim/data")]);
+    config.disk = std::sync::Arc::new(disk.clone());
+    config.reserve_bytes = 0;
+    let store = keel_store::Store::open(config).unwrap();
+    let metadata: std::sync::Arc<dyn keel_catalog::Metadata> =
+        std::sync::Arc::new(keel_catalog::LocalCatalog::open(store.clone()).unwrap());
+    (disk, VolumeManager::open(store, metadata).unwrap())
+}
+
 #[test]
 fn a_stream_s_checksum_is_the_blake3_of_every_byte_before_its_trailer() {
     let (bytes, sent) = stream_of_600_blocks("stream-checksum-src");
@@ -422,17 +434,10 @@ fn a_stream_s_checksum_is_the_blake3_of_every_byte_before_its_trailer() {
 // `dst` is not there and its name is freed; the same stream is then received whole.
 #[test]
 fn a_receive_whose_writes_fail_answers_the_store_error_and_leaves_nothing() {
-    use keel_store::simdisk::{FaultOp, SimDisk};
+    use keel_store::simdisk::FaultOp;
     let (bytes, sent) = stream_of_600_blocks("stream-enospc-src");
 
-    let disk = SimDisk::new(11);
-    let mut config = keel_store::StoreConfig::new(vec![std::path::PathBuf::from("/sim/data")]);
-    config.disk = std::sync::Arc::new(disk.clone());
-    config.reserve_bytes = 0;
-    let store = keel_store::Store::open(config).unwrap();
-    let metadata: std::sync::Arc<dyn keel_catalog::Metadata> =
-        std::sync::Arc::new(keel_catalog::LocalCatalog::open(store.clone()).unwrap());
-    let target = VolumeManager::open(store, metadata).unwrap();
+    let (disk, target) = on_simulated_disk(11);
     const ENOSPC: i32 = 28;
     disk.inject(FaultOp::Write, "/sim/data", ENOSPC, 2, 1);
     let error = target.receive(&mut bytes.as_slice(), "dst").unwrap_err();
@@ -465,17 +470,9 @@ fn a_receive_whose_writes_fail_answers_the_store_error_and_leaves_nothing() {
 /// arrives): on a simulated disk, its blocks go out as direct writes, and read back whole.
 #[test]
 fn a_received_stream_is_written_around_the_page_cache() {
-    use keel_store::simdisk::SimDisk;
     let (bytes, sent) = stream_of_600_blocks("stream-direct-src");
 
-    let disk = SimDisk::new(12);
-    let mut config = keel_store::StoreConfig::new(vec![std::path::PathBuf::from("/sim/data")]);
-    config.disk = std::sync::Arc::new(disk.clone());
-    config.reserve_bytes = 0;
-    let store = keel_store::Store::open(config).unwrap();
-    let metadata: std::sync::Arc<dyn keel_catalog::Metadata> =
-        std::sync::Arc::new(keel_catalog::LocalCatalog::open(store.clone()).unwrap());
-    let target = VolumeManager::open(store, metadata).unwrap();
+    let (disk, target) = on_simulated_disk(12);
     let before = disk.direct_bytes();
     let report = target.receive(&mut bytes.as_slice(), "dst").unwrap();
     assert_eq!(report.blocks, 600);

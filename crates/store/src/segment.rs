@@ -112,6 +112,11 @@ impl Segment {
             let aligned = aligned_copy(&mut direct.blocks, chunk);
             let refused = &direct.refused;
             self.on_every_device(|_, file, path| {
+                if refused.load(Ordering::Relaxed) {
+                    return file
+                        .write_all_at(aligned, at)
+                        .map_err(|e| StoreError::io(path, e));
+                }
                 let written = match file.write_direct_at(aligned, at) {
                     Err(error) if error.kind() == std::io::ErrorKind::Unsupported => {
                         if !refused.swap(true, Ordering::Relaxed) {

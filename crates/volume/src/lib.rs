@@ -586,24 +586,22 @@ impl Engine {
 
     /// A handle for block I/O on a hosted volume's current contents.
     pub fn open(&self, volume_id: u64) -> Option<Arc<VolumeHandle>> {
-        let shared = self.get(volume_id)?;
-        Some(Arc::new(VolumeHandle::new(
-            self.store.clone(),
-            shared,
-            None,
-            false,
-        )))
+        self.open_current(volume_id, false)
     }
 
     /// [`Engine::open`] for a replica of the volume: this node serves no reads of it while it
     /// is one, so what it writes is kept out of the page cache (`Store::write_bulk`).
     pub fn open_replica(&self, volume_id: u64) -> Option<Arc<VolumeHandle>> {
+        self.open_current(volume_id, true)
+    }
+
+    fn open_current(&self, volume_id: u64, bulk: bool) -> Option<Arc<VolumeHandle>> {
         let shared = self.get(volume_id)?;
         Some(Arc::new(VolumeHandle::new(
             self.store.clone(),
             shared,
             None,
-            true,
+            bulk,
         )))
     }
 
