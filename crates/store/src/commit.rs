@@ -253,8 +253,6 @@ struct Writer {
     appended_since_space_check_bytes: u64,
     /// For batches carrying `StoreConfig::direct_write_min_bytes` of bulk writes.
     direct: DirectWrites,
-    /// Bytes of `segment` appended by batches written around the page cache.
-    direct_in_segment_bytes: u64,
 }
 
 pub(crate) struct Engine {
@@ -763,13 +761,11 @@ impl Engine {
 
         // Write.
         let pwrite = keel_ops::Phase::enter(keel_ops::phase::PWRITE);
+        let min = self.config.direct_write_min_bytes as u64;
+        let went_direct = !buffer.is_empty() && min > 0 && bulk_len >= min;
         if !buffer.is_empty() {
-            let min = self.config.direct_write_min_bytes as u64;
             let writer = &mut *writer;
-            let direct = (min > 0 && bulk_len >= min).then_some(&mut writer.direct);
-            if direct.is_some() {
-                writer.direct_in_segment_bytes += buffer.len() as u64;
-            }
+            let direct = went_direct.then_some(&mut writer.direct);
             if let Err(error) = writer.segment.append(&buffer, base, direct) {
                 if let Err(undo) = writer.segment.truncate(base) {
                     self.poison("truncate after failed write", &undo);
@@ -804,11 +800,13 @@ impl Engine {
         writer.next_seq = seq;
         self.appended.fetch_add(appended, Ordering::Relaxed);
         self.next_seq.store(seq, Ordering::SeqCst);
-        // A segment filled mostly around the page cache (a rebuild, a receive) prepares no
-        // successor: zeros written through the cache ahead of such a writer cost a copy of
-        // every byte, and it syncs too rarely to gain from overwriting allocated blocks.
-        let mostly_direct = writer.direct_in_segment_bytes * 2 > writer.offset;
-        if !mostly_direct
+        // Only a batch of ordinary writes starts a preparation. A bulk writer (a rebuild, a
+        // receive) gains nothing from it: zeros written through the cache ahead of it cost a
+        // copy of every byte, and it syncs too rarely to gain from overwriting allocated
+        // blocks. Small synced writes that follow it in the growing file it leaves do: they
+        // start one at once, and move into it as soon as it is ready.
+        if appended > 0
+            && !went_direct
             && (writer.offset > self.config.segment_size_max_bytes / 2
                 || (writer.growing && writer.offset >= GROWING_SEGMENT_PREPARE_AFTER_BYTES))
         {
@@ -902,7 +900,6 @@ impl Engine {
         writer.segment = next;
         writer.growing = growing;
         writer.offset = format::SEGMENT_HEADER_LEN as u64;
-        writer.direct_in_segment_bytes = 0;
         Ok(())
     }
 
@@ -1401,7 +1398,6 @@ fn recover(
             since_checkpoint_bytes: 0,
             space_checked_at: None,
             direct: DirectWrites::new(),
-            direct_in_segment_bytes: 0,
             space_available_bytes: 0,
             appended_since_space_check_bytes: 0,
         });
@@ -1573,7 +1569,6 @@ fn recover(
         since_checkpoint_bytes: 0,
         space_checked_at: None,
         direct: DirectWrites::new(),
-        direct_in_segment_bytes: 0,
         space_available_bytes: 0,
         appended_since_space_check_bytes: 0,
     })

@@ -842,3 +842,62 @@ fn a_segment_filled_around_the_page_cache_prepares_no_successor() {
         }
     }
 }
+
+/// Small synced writes after a bulk load (a client's writes on a node that just received a
+/// replica or a stream) do not stay in the growing file the bulk writer left, where every
+/// fdatasync also writes the file's allocation: the first starts preparing the next segment,
+/// and the log moves into it as soon as it is ready.
+#[test]
+fn small_synced_writes_after_a_bulk_load_move_into_a_prepared_segment() {
+    const SEGMENT: u64 = 4 << 20;
+    let disk = SimDisk::new(53);
+    let mut config = config(&disk, &["/sim/a"]);
+    config.segment_size_max_bytes = SEGMENT;
+    let store = Store::open(config).unwrap();
+    // 48 batches of 300 KiB, 13 to a segment: the fourth, growing, holds nine (2.6 MiB, past
+    // half of it) and has room for 1.4 MiB more.
+    for n in 0..48 {
+        store
+            .write_bulk(vec![put(n, 1, 300 << 10)], Durability::Buffered)
+            .unwrap();
+    }
+    let segments = Path::new("/sim/a/segments");
+    let prepared = |disk: &SimDisk| {
+        disk.created()
+            .iter()
+            .filter(|path| path.to_string_lossy().ends_with(".prepared"))
+            .count()
+    };
+    assert_eq!(prepared(&disk), 0);
+    let newest = |disk: &SimDisk| {
+        let name = disk
+            .list(segments)
+            .into_iter()
+            .filter(|name| name.ends_with(".seg"))
+            .max()
+            .unwrap();
+        disk.len_of(&segments.join(&name)).unwrap()
+    };
+    assert!(newest(&disk) < SEGMENT);
+    // At most 1 MiB of 4 KiB writes, which would not fill the growing segment: the log must
+    // move into a prepared (full-length) file before that.
+    let mut moved = None;
+    for n in 1000..1256 {
+        store
+            .write(vec![put(n, 1, 4096)], Durability::Sync)
+            .unwrap();
+        if newest(&disk) == SEGMENT {
+            moved = Some(n);
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let moved = moved.expect("small synced writes stayed in the growing segment");
+    assert!(prepared(&disk) > 0);
+    for n in 0..48 {
+        assert_eq!(store.get(&key(n)).unwrap().unwrap(), value(n, 1, 300 << 10));
+    }
+    for n in 1000..=moved {
+        assert_eq!(store.get(&key(n)).unwrap().unwrap(), value(n, 1, 4096));
+    }
+}
