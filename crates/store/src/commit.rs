@@ -762,7 +762,8 @@ impl Engine {
         // Write.
         let pwrite = keel_ops::Phase::enter(keel_ops::phase::PWRITE);
         let min = self.config.direct_write_min_bytes as u64;
-        let went_direct = !buffer.is_empty() && min > 0 && bulk_len >= min;
+        // (`bulk_len` is part of the buffer: a direct batch is never empty.)
+        let went_direct = min > 0 && bulk_len >= min;
         if !buffer.is_empty() {
             let writer = &mut *writer;
             let direct = went_direct.then_some(&mut writer.direct);
