@@ -745,6 +745,7 @@ impl Engine {
                             seq: op_seq,
                         },
                         relocated: op.relocated_seq.is_some(),
+                        bulk: pending.bulk,
                     });
                 }
                 if op.relocated_seq.is_none() {
@@ -1471,6 +1472,7 @@ fn recover(
                     key,
                     location,
                     relocated: header.flags & format::FLAG_RELOCATED != 0,
+                    bulk: false,
                 }
             });
             if header.flags & format::FLAG_RELOCATED == 0 {
@@ -1827,6 +1829,7 @@ pub(crate) fn rebuild_index(
                             seq: header.seq,
                         },
                         relocated: false,
+                        bulk: false,
                     }
                 };
                 index.apply(&[update], tail, Persist::Later, &[])?;

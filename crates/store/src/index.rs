@@ -200,6 +200,11 @@ pub(crate) enum IndexUpdate {
         location: Location,
         /// A compaction copy: applied only if the key still maps to `location.seq`.
         relocated: bool,
+        /// Bytes this node does not read back soon ([`crate::Store::write_bulk`], compaction):
+        /// the location cache is updated if it holds the key, and otherwise left alone, so a
+        /// rebuild's blocks neither push out the keys clients read nor cost a cache insert
+        /// each.
+        bulk: bool,
     },
     Delete {
         key: Vec<u8>,
@@ -387,7 +392,8 @@ impl Index {
                     IndexUpdate::Put { key, .. } | IndexUpdate::Delete { key } => key,
                     IndexUpdate::Nothing => continue,
                 };
-                let current = match shared.locations.get(key.as_slice()) {
+                let cached = shared.locations.get(key.as_slice());
+                let current = match cached {
                     Some(location) => Some(location),
                     None => match overlay.entry(key) {
                         Some(entry) => entry,
@@ -434,9 +440,15 @@ impl Index {
                 if let Some(old) = current {
                     active.stats.entry(old.segment).or_default().1.add(&old, 1);
                 }
-                // Once the entry is written to redb, the cache agrees with it.
+                // Once the entry is written to redb, the cache agrees with it. A key it does not
+                // hold needs nothing: a lookup finds the new location in the overlay, then in
+                // redb.
+                let bulk = matches!(update, IndexUpdate::Put { bulk: true, .. });
                 match new {
-                    Some(location) => shared.locations.insert(key.clone(), location),
+                    Some(location) if cached.is_some() || !bulk => {
+                        shared.locations.insert(key.clone(), location)
+                    }
+                    Some(_) => {}
                     None => {
                         shared.locations.remove(key.as_slice());
                     }
@@ -855,7 +867,12 @@ mod tests {
                     if put {
                         let location = location(segment, seq);
                         model.insert(key.clone(), location);
-                        updates.push(IndexUpdate::Put { key, location, relocated: false });
+                        updates.push(IndexUpdate::Put {
+                            key,
+                            location,
+                            relocated: false,
+                            bulk: false,
+                        });
                     } else {
                         model.remove(&key);
                         updates.push(IndexUpdate::Delete { key });

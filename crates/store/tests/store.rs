@@ -690,3 +690,43 @@ fn a_large_bulk_batch_is_written_around_the_page_cache() {
         assert_eq!(store.scrub(&mut |_| {}).unwrap().unrecoverable_extents, 0);
     }
 }
+
+/// A bulk write leaves a key the location cache does not hold out of it (a rebuild's blocks
+/// would push out the keys clients read), and updates one it holds: the cache never answers
+/// with an old location.
+#[test]
+fn bulk_writes_cache_no_new_location_and_update_a_cached_one() {
+    let dir = fresh_dir("bulk-cache");
+    let store = open(std::slice::from_ref(&dir));
+    // (hits, misses) of one lookup.
+    let lookup = |key: &[u8]| {
+        let before = store.stats().unwrap();
+        let value = store.get(key).unwrap();
+        let after = store.stats().unwrap();
+        let counted = (
+            after.location_cache_hits - before.location_cache_hits,
+            after.location_cache_misses - before.location_cache_misses,
+        );
+        (value, counted)
+    };
+    let hot = block_key(1, 0, 1);
+    let copied = block_key(1, 1, 1);
+    store
+        .write(vec![put(&hot, b"old")], Durability::Sync)
+        .unwrap();
+    assert_eq!(lookup(&hot), (Some(b"old".to_vec()), (1, 0)));
+
+    store
+        .write_bulk(vec![put(&copied, b"copy")], Durability::Sync)
+        .unwrap();
+    assert_eq!(lookup(&copied), (Some(b"copy".to_vec()), (0, 1)));
+
+    store
+        .write_bulk(vec![put(&hot, b"new")], Durability::Sync)
+        .unwrap();
+    assert_eq!(lookup(&hot), (Some(b"new".to_vec()), (1, 0)));
+    drop(store);
+    let store = open(std::slice::from_ref(&dir));
+    assert_eq!(store.get(&hot).unwrap(), Some(b"new".to_vec()));
+    assert_eq!(store.get(&copied).unwrap(), Some(b"copy".to_vec()));
+}
