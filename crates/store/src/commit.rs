@@ -21,7 +21,7 @@ use crate::error::{StoreError, StoreResult};
 use crate::format::{self, Compression, ExtentHeader};
 use crate::index::{Index, IndexUpdate, Location, Persist, Tail};
 use crate::latency::{BatchSizes, SyncTimes};
-use crate::segment::{hex, DirectWrites, Segment, Segments};
+use crate::segment::{hex, BatchBuffer, DirectWrites, Segment, Segments};
 use crate::{Durability, StoreConfig, StoreStats, WriteAck, WriteOp};
 
 const INDEX_FILE: &str = "index.redb";
@@ -253,6 +253,8 @@ struct Writer {
     appended_since_space_check_bytes: u64,
     /// For batches carrying `StoreConfig::direct_write_min_bytes` of bulk writes.
     direct: DirectWrites,
+    /// Where each batch is encoded.
+    buffer: BatchBuffer,
 }
 
 pub(crate) struct Engine {
@@ -685,7 +687,11 @@ impl Engine {
 
         // Encode.
         let base = writer.offset;
-        let mut buffer = Vec::with_capacity(total_len as usize);
+        // Given back once the batch is written, unless a value larger than a batch grew it
+        // (lost on a failure too: the next batch grows a new one).
+        let mut reused = std::mem::take(&mut writer.buffer);
+        let buffer = reused.for_append(base, total_len as usize);
+        let mut encoded = 0usize;
         let mut updates = Vec::new();
         let mut acks = Vec::with_capacity(batch.len());
         let mut seq = writer.next_seq;
@@ -710,14 +716,16 @@ impl Engine {
             let last = pending.ops.len().saturating_sub(1);
             for (i, op) in pending.ops.iter().enumerate() {
                 let group_end = if i == last { format::FLAG_GROUP_END } else { 0 };
-                let offset = base + buffer.len() as u64;
+                let offset = base + encoded as u64;
+                let record = &mut buffer[encoded..encoded + op.record_len()];
+                encoded += record.len();
                 let (op_seq, flags) = match op.relocated_seq {
                     Some(old_seq) => (old_seq, group_end | format::FLAG_RELOCATED),
                     None => (seq, group_end),
                 };
                 let flags = flags | std::mem::take(&mut after_sync);
                 format::encode_extent(
-                    &mut buffer,
+                    record,
                     op.kind,
                     op.compression,
                     flags,
@@ -739,7 +747,7 @@ impl Engine {
                         location: Location {
                             segment: writer.segment.id,
                             offset,
-                            record_len: (base + buffer.len() as u64 - offset) as u32,
+                            record_len: (base + encoded as u64 - offset) as u32,
                             raw_len: op.raw_len as u32,
                             stored_len: op.stored.len() as u32,
                             seq: op_seq,
@@ -755,8 +763,7 @@ impl Engine {
             acks.push(seq.saturating_sub(1));
         }
         assert_eq!(
-            buffer.len() as u64,
-            total_len,
+            encoded as u64, total_len,
             "batch size computed before encoding"
         );
 
@@ -767,8 +774,8 @@ impl Engine {
         let went_direct = min > 0 && bulk_len >= min;
         if !buffer.is_empty() {
             let writer = &mut *writer;
-            let direct = went_direct.then_some(&mut writer.direct);
-            if let Err(error) = writer.segment.append(&buffer, base, direct) {
+            let direct = went_direct.then_some(&writer.direct);
+            if let Err(error) = writer.segment.append(buffer, base, direct) {
                 if let Err(undo) = writer.segment.truncate(base) {
                     self.poison("truncate after failed write", &undo);
                 }
@@ -782,6 +789,9 @@ impl Engine {
             writer.synced = false;
         }
         let appended = buffer.len() as u64;
+        if reused.capacity_bytes() <= self.config.batch_size_max_bytes + crate::disk::DIRECT_ALIGN {
+            writer.buffer = reused;
+        }
         writer.since_checkpoint_bytes += appended;
         writer.appended_since_space_check_bytes += appended;
         let checkpoint_due = writer.since_checkpoint_bytes >= self.config.checkpoint_interval_bytes;
@@ -1400,6 +1410,7 @@ fn recover(
             since_checkpoint_bytes: 0,
             space_checked_at: None,
             direct: DirectWrites::new(),
+            buffer: BatchBuffer::default(),
             space_available_bytes: 0,
             appended_since_space_check_bytes: 0,
         });
@@ -1572,6 +1583,7 @@ fn recover(
         since_checkpoint_bytes: 0,
         space_checked_at: None,
         direct: DirectWrites::new(),
+        buffer: BatchBuffer::default(),
         space_available_bytes: 0,
         appended_since_space_check_bytes: 0,
     })

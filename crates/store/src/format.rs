@@ -147,10 +147,12 @@ pub fn record_len(key_len: usize, stored_len: usize) -> usize {
     (EXTENT_HEADER_LEN + key_len + stored_len).div_ceil(8) * 8
 }
 
-/// Appends one encoded extent to `out`. `stored` is the payload as it goes to disk.
+/// Encodes one extent into `out`, exactly [`record_len`] bytes (padding included). `stored` is
+/// the payload as it goes to disk. The caller lays a whole batch into one buffer this way,
+/// each record at its place.
 #[allow(clippy::too_many_arguments)]
 pub fn encode_extent(
-    out: &mut Vec<u8>,
+    out: &mut [u8],
     kind: u8,
     compression: Compression,
     flags: u8,
@@ -168,30 +170,37 @@ pub fn encode_extent(
         stored.len() <= VALUE_LEN_MAX_BYTES + 1024,
         "value length checked by the caller"
     );
-    let start = out.len();
+    assert_eq!(
+        out.len(),
+        record_len(key.len(), stored.len()),
+        "record length computed by the caller"
+    );
     let flags = if content_hash.is_some() {
         flags | FLAG_CONTENT_HASH
     } else {
         flags
     };
-    out.extend_from_slice(&EXTENT_MAGIC);
-    out.push(kind);
-    out.push(compression.code());
-    out.push(flags);
-    out.push(0);
-    out.extend_from_slice(&seq.to_le_bytes());
-    out.extend_from_slice(&(key.len() as u32).to_le_bytes());
-    out.extend_from_slice(&(stored.len() as u32).to_le_bytes());
-    out.extend_from_slice(&(raw_len as u32).to_le_bytes());
-    out.extend_from_slice(&crc32c::crc32c(stored).to_le_bytes());
-    out.extend_from_slice(content_hash.unwrap_or(&[0u8; 32]));
-    debug_assert_eq!(out.len() - start, 64);
-    let header_crc = crc32c::crc32c_append(crc32c::crc32c(&out[start..start + 64]), key);
-    out.extend_from_slice(&header_crc.to_le_bytes());
-    out.extend_from_slice(key);
-    out.extend_from_slice(stored);
-    let padded = start + record_len(key.len(), stored.len());
-    out.resize(padded, 0);
+    let mut at = 0;
+    let mut put = |bytes: &[u8]| {
+        out[at..at + bytes.len()].copy_from_slice(bytes);
+        at += bytes.len();
+    };
+    put(&EXTENT_MAGIC);
+    put(&[kind, compression.code(), flags, 0]);
+    put(&seq.to_le_bytes());
+    put(&(key.len() as u32).to_le_bytes());
+    put(&(stored.len() as u32).to_le_bytes());
+    put(&(raw_len as u32).to_le_bytes());
+    put(&crc32c::crc32c(stored).to_le_bytes());
+    put(content_hash.unwrap_or(&[0u8; 32]));
+    debug_assert_eq!(at, 64);
+    let header_crc = crc32c::crc32c_append(crc32c::crc32c(&out[..64]), key);
+    let mut at = 64;
+    for bytes in [&header_crc.to_le_bytes()[..], key, stored] {
+        out[at..at + bytes.len()].copy_from_slice(bytes);
+        at += bytes.len();
+    }
+    out[at..].fill(0);
 }
 
 fn le_u32(bytes: &[u8], at: usize) -> u32 {
@@ -355,7 +364,7 @@ mod tests {
     /// this golden vector together, on purpose.
     #[test]
     fn extent_golden_bytes() {
-        let mut out = Vec::new();
+        let mut out = vec![0; record_len(2, 5)];
         encode_extent(
             &mut out,
             KIND_PUT,
@@ -385,8 +394,8 @@ mod tests {
     /// Every single-bit flip of an encoded extent is detected (header CRC, payload CRC, bounds).
     #[test]
     fn every_bit_flip_is_detected() {
-        let mut out = Vec::new();
         let value = vec![0x5a; 300];
+        let mut out = vec![0; record_len(3, value.len())];
         let hash = *blake3::hash(&value).as_bytes();
         encode_extent(
             &mut out,

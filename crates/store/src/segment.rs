@@ -32,28 +32,59 @@ pub(crate) struct Segment {
     pub paths: Vec<PathBuf>,
 }
 
-/// One block of [`DirectWrites`]' buffer: its alignment is what makes the buffer's address a
-/// multiple of [`DIRECT_ALIGN`].
+/// One block of a [`BatchBuffer`]: its alignment is what makes the buffer's address a multiple
+/// of [`DIRECT_ALIGN`].
 #[derive(Clone, Copy)]
 #[repr(C, align(4096))]
 struct AlignedBlock([u8; DIRECT_ALIGN]);
 
-/// The writer's state for appends around the page cache: an aligned buffer the middle of a
-/// batch is copied into (the batch itself is encoded into an ordinary `Vec`), and whether the
-/// filesystem refused direct I/O (then every append goes through the cache).
-pub(crate) struct DirectWrites {
+/// The buffer a group commit lays its batch into, kept for the next (it grows to the largest
+/// batch, at most `batch_size_max_bytes` and a block). Each byte sits at the address its file
+/// offset has modulo [`DIRECT_ALIGN`], so the batch's whole blocks can go to the device
+/// around the page cache straight from it ([`Segment::append`]), without a copy.
+#[derive(Default)]
+pub(crate) struct BatchBuffer {
     blocks: Vec<AlignedBlock>,
+}
+
+impl BatchBuffer {
+    /// `len` bytes to be appended at file offset `offset`, to be overwritten whole: what an
+    /// earlier batch left in them is not cleared.
+    pub fn for_append(&mut self, offset: u64, len: usize) -> &mut [u8] {
+        let lead = (offset % DIRECT_ALIGN as u64) as usize;
+        let count = (lead + len).div_ceil(DIRECT_ALIGN);
+        if self.blocks.len() < count {
+            self.blocks.resize(count, AlignedBlock([0; DIRECT_ALIGN]));
+        }
+        let whole: &mut [AlignedBlock] = &mut self.blocks[..count];
+        // SAFETY: `AlignedBlock` is a `repr(C)` array of bytes with no padding between elements
+        // (its size is its alignment), so `count` blocks are that many times `DIRECT_ALIGN`
+        // initialised bytes, borrowed mutably for as long as `whole` is.
+        let all: &mut [u8] = unsafe {
+            std::slice::from_raw_parts_mut(whole.as_mut_ptr().cast::<u8>(), count * DIRECT_ALIGN)
+        };
+        &mut all[lead..lead + len]
+    }
+
+    /// The bytes it holds.
+    pub fn capacity_bytes(&self) -> usize {
+        self.blocks.len() * DIRECT_ALIGN
+    }
+}
+
+/// Appends around the page cache: whether the filesystem refused direct I/O (then every
+/// append goes through the cache).
+pub(crate) struct DirectWrites {
     refused: AtomicBool,
 }
 
 impl DirectWrites {
     /// Bytes one direct write carries at most: large enough that the kernel splits it into
-    /// requests the device serves in parallel, small enough to keep the buffer cheap.
+    /// requests the device serves in parallel.
     pub const CHUNK_BYTES: usize = 4 << 20;
 
     pub fn new() -> DirectWrites {
         DirectWrites {
-            blocks: Vec::new(),
             refused: AtomicBool::new(false),
         }
     }
@@ -63,66 +94,53 @@ impl DirectWrites {
     }
 }
 
-/// Copies `bytes` into `blocks` (grown as needed) and returns the copy, whose address is a
-/// multiple of [`DIRECT_ALIGN`].
-fn aligned_copy<'a>(blocks: &'a mut Vec<AlignedBlock>, bytes: &[u8]) -> &'a [u8] {
-    let count = bytes.len().div_ceil(DIRECT_ALIGN);
-    if blocks.len() < count {
-        blocks.resize(count, AlignedBlock([0; DIRECT_ALIGN]));
-    }
-    for (block, source) in blocks.iter_mut().zip(bytes.chunks(DIRECT_ALIGN)) {
-        block.0[..source.len()].copy_from_slice(source);
-    }
-    let whole: &[AlignedBlock] = &blocks[..count];
-    // SAFETY: `AlignedBlock` is a `repr(C)` array of bytes with no padding between elements
-    // (its size is its alignment), so `count` blocks are that many times `DIRECT_ALIGN`
-    // initialised bytes, borrowed for as long as `whole` is.
-    let all: &[u8] =
-        unsafe { std::slice::from_raw_parts(whole.as_ptr().cast::<u8>(), count * DIRECT_ALIGN) };
-    &all[..bytes.len()]
-}
-
 impl Segment {
     /// Appends `bytes` at `offset` on every device. With `direct`, the whole blocks inside the
     /// range go to the devices around the page cache (`O_DIRECT`), the partial blocks at either
     /// end through it: no byte already written is written again, and the file grows exactly
-    /// as with one ordinary write. A filesystem that refuses direct I/O gets ordinary writes
-    /// (and `direct` remembers it).
+    /// as with one ordinary write. Their address must be aligned as their offset is (a
+    /// [`BatchBuffer`]'s are); bytes that are not, and a filesystem that refuses direct I/O,
+    /// get ordinary writes (and `direct` remembers the refusal).
     pub fn append(
         &self,
         bytes: &[u8],
         offset: u64,
-        direct: Option<&mut DirectWrites>,
+        direct: Option<&DirectWrites>,
     ) -> StoreResult<()> {
         let align = DIRECT_ALIGN as u64;
         let end = offset + bytes.len() as u64;
         let first = offset.next_multiple_of(align);
         let last = end / align * align;
+        let head = first.saturating_sub(offset) as usize;
         let direct = match direct {
-            Some(direct) if !direct.refused() && first < last => direct,
+            Some(direct)
+                if !direct.refused()
+                    && first < last
+                    && (bytes[head..].as_ptr() as usize).is_multiple_of(DIRECT_ALIGN) =>
+            {
+                direct
+            }
             _ => return self.write_all_at(bytes, offset),
         };
-        let head = (first - offset) as usize;
         let tail = (last - offset) as usize;
         if head > 0 {
             self.write_all_at(&bytes[..head], offset)?;
         }
         let mut at = first;
         for chunk in bytes[head..tail].chunks(DirectWrites::CHUNK_BYTES) {
-            let aligned = aligned_copy(&mut direct.blocks, chunk);
             let refused = &direct.refused;
             self.on_every_device(|_, file, path| {
                 if refused.load(Ordering::Relaxed) {
                     return file
-                        .write_all_at(aligned, at)
+                        .write_all_at(chunk, at)
                         .map_err(|e| StoreError::io(path, e));
                 }
-                let written = match file.write_direct_at(aligned, at) {
+                let written = match file.write_direct_at(chunk, at) {
                     Err(error) if error.kind() == std::io::ErrorKind::Unsupported => {
                         if !refused.swap(true, Ordering::Relaxed) {
                             tracing::warn!(%error, "large appends go through the page cache");
                         }
-                        file.write_all_at(aligned, at)
+                        file.write_all_at(chunk, at)
                     }
                     other => other,
                 };

@@ -13,7 +13,7 @@ fn valid_extent(key: &[u8], value: &[u8], codec: u8) -> Vec<u8> {
     let codec = [Compression::None, Compression::Lz4, Compression::Zstd][codec as usize % 3];
     let (used, stored) = format::compress(value, codec);
     let hash = *blake3::hash(value).as_bytes();
-    let mut out = Vec::new();
+    let mut out = vec![0; format::record_len(key.len(), stored.len())];
     format::encode_extent(
         &mut out,
         format::KIND_PUT,
