@@ -6,6 +6,7 @@ mod volume_support;
 
 use std::sync::Arc;
 
+use bytes::Bytes;
 use keel_namespace::volume::{VolumeError, VolumeSpec, BLOCK_SIZE_BYTES};
 use keel_store::Compression;
 use volume_support::*;
@@ -33,7 +34,8 @@ fn thin_volume_reads_zeroes_and_uses_no_space() {
 }
 
 // Proves writes at arbitrary offsets and lengths (inside a block, across block edges, large
-// multi-block ones) read back exactly, against a byte-array model.
+// multi-block ones) read back exactly, against a byte-array model; also those whose bytes the
+// caller lends (`write_shared`, a replica's path, storing whole blocks as slices of them).
 #[test]
 fn unaligned_writes_match_model() {
     let dir = test_dir("unaligned");
@@ -59,7 +61,14 @@ fn unaligned_writes_match_model() {
     ];
     for (index, &(offset, length)) in cases.iter().enumerate() {
         let data = pattern(index as u64 + 10, length);
-        handle.write(offset, &data, index % 2 == 0).unwrap();
+        if index % 2 == 1 {
+            // A slice of a larger buffer, as a replica's batch lends each write's bytes.
+            let framed = Bytes::from([&[0xEE; 3][..], &data, &[0xEE; 5]].concat());
+            let lent = framed.slice(3..3 + length);
+            handle.write_shared(offset, &lent, index % 3 == 0).unwrap();
+        } else {
+            handle.write(offset, &data, index % 3 == 0).unwrap();
+        }
         model[offset as usize..offset as usize + length].copy_from_slice(&data);
         assert_same_blocks(&read_all(&handle), &model, &format!("after write {index}"));
     }

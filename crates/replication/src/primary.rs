@@ -760,8 +760,8 @@ impl Primary {
     }
 
     /// Orders one change of `length` bytes at `offset`: applies it locally and queues it to
-    /// every streaming replica, built once per replica by `op` (a write's data is copied only
-    /// for the replicas that get it); a resync reading an overlapping chunk reads it again.
+    /// every streaming replica, built once per replica by `op` (a write's op shares its data);
+    /// a resync reading an overlapping chunk reads it again.
     /// `apply` runs inline (client I/O: on the client's thread).
     async fn ordered(
         &self,
@@ -3248,17 +3248,16 @@ impl Primary {
     }
 
     pub async fn write_async(&self, offset: u64, data: &[u8], fua: bool) -> VolumeResult<()> {
-        // One copy of the data, whichever replicas stream (none, one or two).
-        let shared = std::cell::OnceCell::new();
+        // One copy of the data, for this node's store and whichever replicas stream (none,
+        // one or two).
+        let shared = bytes::Bytes::copy_from_slice(data);
         self.ordered(
             (offset, data.len() as u64),
             || Op::Write {
                 offset,
-                data: shared
-                    .get_or_init(|| bytes::Bytes::copy_from_slice(data))
-                    .clone(),
+                data: shared.clone(),
             },
-            || self.local.write(offset, data, false),
+            || self.local.write_shared(offset, &shared, false),
         )
         .await?;
         if fua {

@@ -218,7 +218,7 @@ pub fn apply_ops(volume: &dyn VolumeIo, ops: &[Op], flush: bool) -> keel_volume:
         match op {
             Op::Write { offset, data } => {
                 bytes += data.len() as u64;
-                volume.write(*offset, data, false)?;
+                volume.write_shared(*offset, data, false)?;
             }
             Op::Trim { offset, length } => volume.trim(*offset, *length)?,
             Op::Zeroes {

@@ -12,6 +12,7 @@
 //! undone by truncating the segment back to the batch's start, so bytes nobody was told are
 //! durable can never be replayed; if the truncate fails too, the engine is poisoned.
 
+use bytes::Bytes;
 use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -101,7 +102,7 @@ pub(crate) struct Op {
     kind: u8,
     key: Vec<u8>,
     /// The payload as it goes to disk.
-    stored: Vec<u8>,
+    stored: Bytes,
     compression: Compression,
     raw_len: usize,
     content_hash: Option<[u8; 32]>,
@@ -135,7 +136,7 @@ impl Op {
         Op {
             kind: format::KIND_DELETE,
             key,
-            stored: Vec::new(),
+            stored: Bytes::new(),
             compression: Compression::None,
             raw_len: 0,
             content_hash: None,
@@ -151,12 +152,12 @@ impl Op {
         content_hash: bool,
         seq: u64,
     ) -> Op {
-        Op::put(key, value, compression, content_hash, Some(seq))
+        Op::put(key, value.into(), compression, content_hash, Some(seq))
     }
 
     fn put(
         key: Vec<u8>,
-        value: Vec<u8>,
+        value: Bytes,
         compression: Compression,
         content_hash: bool,
         relocated_seq: Option<u64>,
@@ -167,7 +168,7 @@ impl Op {
             Compression::None => (Compression::None, value),
             codec => match format::compress(&value, codec) {
                 (Compression::None, _) => (Compression::None, value),
-                packed => packed,
+                (packed, bytes) => (packed, bytes.into()),
             },
         };
         Op {

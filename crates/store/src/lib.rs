@@ -28,6 +28,7 @@ mod scrub;
 mod segment;
 pub mod simdisk;
 
+use bytes::Bytes;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -94,7 +95,9 @@ pub enum Durability {
 pub enum WriteOp {
     Put {
         key: Vec<u8>,
-        value: Vec<u8>,
+        /// Shared: a caller that holds the bytes already (a replica's batch) lends them
+        /// without a copy.
+        value: Bytes,
         compression: Compression,
         /// Store a BLAKE3 hash of the (uncompressed) value in the header and verify it on read.
         content_hash: bool,
@@ -105,10 +108,10 @@ pub enum WriteOp {
 }
 
 impl WriteOp {
-    pub fn put(key: Vec<u8>, value: Vec<u8>, compression: Compression) -> WriteOp {
+    pub fn put(key: Vec<u8>, value: impl Into<Bytes>, compression: Compression) -> WriteOp {
         WriteOp::Put {
             key,
-            value,
+            value: value.into(),
             compression,
             content_hash: false,
         }

@@ -685,7 +685,7 @@ fn rebuild_index_from_the_whole_log_after_compaction() {
     let mut write = |store: &Store, op: WriteOp| {
         match &op {
             WriteOp::Put { key, value, .. } => {
-                model.insert(key.clone(), value.clone());
+                model.insert(key.clone(), value.to_vec());
             }
             WriteOp::Delete { key } => {
                 model.remove(key);

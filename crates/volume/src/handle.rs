@@ -23,6 +23,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLockReadGuard, RwLockWriteGuard};
 
+use bytes::Bytes;
 use keel_store::{block_key, Durability, Extent, Store, WriteOp};
 
 use keel_catalog::view::{self, Layer, LayerAnswer};
@@ -510,6 +511,23 @@ impl VolumeHandle {
     /// Writes `data` at `offset`. With `fua`, returns only once this write and every write
     /// acknowledged before it are durable.
     pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> VolumeResult<()> {
+        self.write_blocks(offset, data, None, fua)
+    }
+
+    /// [`VolumeHandle::write`] of bytes the caller shares (a replica's batch): whole blocks are
+    /// stored as slices of them, without a copy.
+    pub fn write_shared(&self, offset: u64, data: &Bytes, fua: bool) -> VolumeResult<()> {
+        self.write_blocks(offset, data, Some(data), fua)
+    }
+
+    /// `shared`, when given, holds the same bytes as `data`.
+    fn write_blocks(
+        &self,
+        offset: u64,
+        data: &[u8],
+        shared: Option<&Bytes>,
+        fua: bool,
+    ) -> VolumeResult<()> {
         self.check_writable()?;
         if data.is_empty() {
             return if fua { self.flush() } else { Ok(()) };
@@ -542,13 +560,16 @@ impl VolumeHandle {
                 let to = end.min(block_start + BLOCK_SIZE_BYTES);
                 merged[(from - block_start) as usize..(to - block_start) as usize]
                     .copy_from_slice(&data[(from - offset) as usize..(to - offset) as usize]);
-                merged
+                Bytes::from(merged)
             } else {
                 let at = (block_start - offset) as usize;
-                data[at..at + BLOCK_SIZE].to_vec()
+                match shared {
+                    Some(shared) => shared.slice(at..at + BLOCK_SIZE),
+                    None => Bytes::copy_from_slice(&data[at..at + BLOCK_SIZE]),
+                }
             };
             // All-zero blocks are stored as hole markers: thin, and compression-free.
-            let value = if is_zero(&value) { Vec::new() } else { value };
+            let value = if is_zero(&value) { Bytes::new() } else { value };
             ops.push(WriteOp::put(
                 block_key(self.shared.id, block, generation),
                 value,

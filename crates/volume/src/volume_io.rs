@@ -7,6 +7,8 @@
 //! write that returned before it is durable where the volume's durability says; a write with
 //! `fua` is durable, with everything before it, when it returns.
 
+use bytes::Bytes;
+
 use crate::VolumeResult;
 
 pub trait VolumeIo: Send + Sync {
@@ -18,6 +20,11 @@ pub trait VolumeIo: Send + Sync {
     /// Reads `buf.len()` bytes at `offset`; never-written blocks read as zeroes.
     fn read(&self, offset: u64, buf: &mut [u8]) -> VolumeResult<()>;
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> VolumeResult<()>;
+    /// [`VolumeIo::write`] of bytes the caller shares: an implementation may keep them
+    /// without a copy.
+    fn write_shared(&self, offset: u64, data: &Bytes, fua: bool) -> VolumeResult<()> {
+        self.write(offset, data, fua)
+    }
     fn flush(&self) -> VolumeResult<()>;
     /// Discards whole blocks in the range (a hint: partial blocks stay).
     fn trim(&self, offset: u64, length: u64) -> VolumeResult<()>;
@@ -57,6 +64,10 @@ impl VolumeIo for crate::VolumeHandle {
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> VolumeResult<()> {
         crate::VolumeHandle::write(self, offset, data, fua)
+    }
+
+    fn write_shared(&self, offset: u64, data: &Bytes, fua: bool) -> VolumeResult<()> {
+        crate::VolumeHandle::write_shared(self, offset, data, fua)
     }
 
     fn flush(&self) -> VolumeResult<()> {

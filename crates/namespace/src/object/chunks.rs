@@ -69,7 +69,7 @@ impl ChunkStore for LocalChunkStore {
     ) -> Result<(), ObjectError> {
         let op = WriteOp::Put {
             key: chunk_key(hash),
-            value: data,
+            value: data.into(),
             compression,
             content_hash: true,
         };
