@@ -560,13 +560,14 @@ pub fn status_report(
             "info",
             format!(
                 "{} whole-volume copies from this node wait for a turn (cluster.rebuilds_max = \
-                 {} run at once): {}; their replicas stay out of sync until then",
+                 {} run at once from a node, and to one): {}; their replicas stay out of sync \
+                 until then",
                 waiting.len(),
                 state.replication.rebuilds_max(),
                 named.join(", ")
             ),
             "nothing to do: each starts when a copy ends (keel volume info shows progress); \
-             raise cluster.rebuilds_max to run more at once"
+             raise cluster.rebuilds_max (on every node) to run more at once"
                 .to_string(),
         ));
     }

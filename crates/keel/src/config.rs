@@ -127,10 +127,10 @@ pub struct ClusterSettings {
     /// 25; 100: never yields.
     pub resync_busy_percent: u8,
     /// Most whole-volume catch-ups (a replica added, rebuilt elsewhere or copied off a
-    /// draining node) this node sends at once, as the primary of their volumes; the others
-    /// wait their turn in order (`keel volume info` shows them waiting), so a drain or a lost
-    /// node does not start a copy of every volume at once. A catch-up after a short absence
-    /// never waits. Default 2; at least 1.
+    /// draining node) this node sends at once, as the primary of their volumes, and,
+    /// separately, most it receives at once; the others wait their turn (`keel volume info`
+    /// shows them waiting), so a drain or a lost node does not start a copy of every volume
+    /// at once. A catch-up after a short absence never waits. Default 2; at least 1.
     pub rebuilds_max: usize,
     /// Whether a primary copies a snapshot's data to the in-sync replicas whose copy of it is
     /// incomplete (out of sync when it was taken, placed after it, or not the node that

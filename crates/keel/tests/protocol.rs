@@ -42,6 +42,7 @@ fn registry() -> Registry {
         wire::Op,
         wire::ForwardErrorKind,
         wire::ForwardOp,
+        wire::TurnAction,
         openraft::ErrorSubject<TypeConfig>,
         openraft::ErrorVerb,
         // Raft.
@@ -72,6 +73,8 @@ fn registry() -> Registry {
         wire::CopyAnswer,
         wire::ChangedRequest,
         wire::ChangedAnswer,
+        wire::CopyTurnRequest,
+        wire::CopyTurnAnswer,
         wire::SnapshotRange,
         wire::SnapshotRepairWrite,
         wire::ForwardOpen,

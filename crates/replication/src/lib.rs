@@ -22,6 +22,7 @@ mod forward;
 pub mod primary;
 pub mod protocol;
 pub mod replica;
+mod turns;
 pub mod wire;
 
 use std::collections::{BTreeMap, HashMap};
@@ -41,7 +42,7 @@ use crate::primary::{Failure, Primary, PrimaryStatus};
 use crate::replica::Replicas;
 use crate::wire::{
     ForwardClose, ForwardOpen, ForwardRequest, CODE_BAD_REQUEST, CODE_NOT_FOUND, CODE_REFUSED,
-    CODE_SESSION_GONE, METHOD_CHANGED, METHOD_FORWARD_CLOSE, METHOD_FORWARD_IO,
+    CODE_SESSION_GONE, METHOD_CHANGED, METHOD_COPY_TURN, METHOD_FORWARD_CLOSE, METHOD_FORWARD_IO,
     METHOD_FORWARD_OPEN, METHOD_HASHES, METHOD_READ_COPY, METHOD_REPLICATE, METHOD_SNAPSHOT_HASHES,
     METHOD_SNAPSHOT_READ, METHOD_SNAPSHOT_REPAIR, METHOD_UNWRITTEN,
 };
@@ -234,8 +235,8 @@ pub struct Settings {
     /// (paced as a resync); off, such copies stay incomplete and are served by the others.
     pub snapshot_repair: bool,
     /// Most whole-volume catch-ups (a replica added, moved or copied off a draining node, or
-    /// one with no common point) this node sends at once; the others wait their turn, in
-    /// order. At least 1.
+    /// one with no common point) this node sends at once, and, separately, most it receives
+    /// at once (`crate::turns`); the others wait their turn. At least 1.
     pub rebuilds_max: usize,
     /// How often a node keeps its common point with another for a volume, at most
     /// ([`POINT_EVERY`]).
@@ -257,6 +258,8 @@ pub(crate) struct Shared {
     pub snapshot_repair: bool,
     /// Turns for whole-volume catch-ups sent from this node ([`Settings::rebuilds_max`]).
     pub rebuilds: Arc<tokio::sync::Semaphore>,
+    /// Turns for those this node receives (the same limit).
+    pub receiving: turns::ReceiveTurns,
     pub point_every: Duration,
     /// Counts this node's client requests (every frontend): a resync yields while they come.
     pub activity: keel_ops::Ops,
@@ -539,6 +542,7 @@ impl Replication {
                 resync_busy_percent: settings.resync_busy_percent,
                 snapshot_repair: settings.snapshot_repair,
                 rebuilds: Arc::new(tokio::sync::Semaphore::new(settings.rebuilds_max.max(1))),
+                receiving: turns::ReceiveTurns::new(settings.rebuilds_max),
                 point_every: settings.point_every,
                 activity,
                 forwarding: Mutex::new(HashMap::new()),
@@ -1491,6 +1495,22 @@ impl Replication {
                     .await
                     .map_err(refused)?;
                 Ok(Vec::new())
+            }
+            METHOD_COPY_TURN => {
+                let request: wire::CopyTurnRequest = decode(&payload)?;
+                let (turns, now) = (&shared.receiving, shared.clock_now());
+                let granted = match request.action {
+                    wire::TurnAction::Ask => turns.ask(sender, request.volume_id, now),
+                    wire::TurnAction::Renew => {
+                        turns.renew(sender, request.volume_id, now);
+                        true
+                    }
+                    wire::TurnAction::GiveBack => {
+                        turns.give_back(sender, request.volume_id);
+                        true
+                    }
+                };
+                encode(postcard::to_allocvec(&wire::CopyTurnAnswer { granted }))
             }
             METHOD_READ_COPY => {
                 let request = decode(&payload)?;

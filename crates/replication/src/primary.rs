@@ -16,10 +16,12 @@ use keel_catalog::{Command, MetadataError, NodeId, VolumeEntry};
 use keel_volume::{VolumeError, VolumeIo, VolumeResult};
 
 use crate::dirty::{Chunks, Lacking, ShutdownNote};
+use crate::turns::{TURN_RENEW, TURN_RETRY};
 use crate::wire::{
-    self, Batch, BatchAck, ChangedAnswer, ChangedRequest, CopyAnswer, HashAnswer, HashRequest, Op,
-    UnwrittenAnswer, BLOCK_HASH_BYTES, CODE_BEHIND, CODE_FENCED, METHOD_CHANGED, METHOD_HASHES,
-    METHOD_READ_COPY, METHOD_REPLICATE, METHOD_UNWRITTEN,
+    self, Batch, BatchAck, ChangedAnswer, ChangedRequest, CopyAnswer, CopyTurnAnswer,
+    CopyTurnRequest, HashAnswer, HashRequest, Op, TurnAction, UnwrittenAnswer, BLOCK_HASH_BYTES,
+    CODE_BEHIND, CODE_FENCED, METHOD_CHANGED, METHOD_COPY_TURN, METHOD_HASHES, METHOD_READ_COPY,
+    METHOD_REPLICATE, METHOD_UNWRITTEN,
 };
 use crate::{lock, Point, Shared, RESYNC_CHUNK_BYTES, RESYNC_PROBE_BYTES};
 
@@ -35,6 +37,9 @@ const BATCHES_IN_FLIGHT: usize = 4;
 const BATCH_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often a replica outside the in-sync set is retried.
 const RESYNC_RETRY: Duration = Duration::from_secs(1);
+/// A call about a whole copy's turn on the replica's node not answered within this fails
+/// (the catch-up is retried).
+const TURN_CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Reads of a resync chunk without the order lock before the last one, under it throughout
 /// (a chunk clients keep writing to still makes progress).
 const RESYNC_READ_ATTEMPTS: u32 = 3;
@@ -2314,16 +2319,14 @@ impl Primary {
         });
     }
 
-    /// A turn of this node's for catching `node` up ([`Settings::rebuilds_max`]), if it lacks
-    /// the whole volume: waited for in order, the replica marked waiting meanwhile (`keel
-    /// volume info`). `None` for a catch-up of what changed during an absence, which never
-    /// waits behind whole copies. Fails once the replica's entry `id` is gone or this primary
-    /// stopped.
-    async fn rebuild_turn(
-        &self,
-        node: NodeId,
-        id: u64,
-    ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, String> {
+    /// Turns for catching `node` up ([`Settings::rebuilds_max`]), if it lacks the whole volume:
+    /// one of this node's, waited for in order, then one of the replica's node's
+    /// (`crate::turns`; refused, this node's is given back and both are asked again after
+    /// [`TURN_RETRY`]); the replica marked waiting meanwhile (`keel volume info`). `None` for
+    /// a catch-up of what changed during an absence, which never waits behind whole copies.
+    /// Fails once the replica's entry `id` is gone, this primary stopped, or the replica's
+    /// node does not answer.
+    async fn rebuild_turn(self: &Arc<Self>, node: NodeId, id: u64) -> Result<Option<Turn>, String> {
         let whole = |this: &Self| -> Result<bool, String> {
             let state = this.state();
             if state.closed.is_some() {
@@ -2337,35 +2340,42 @@ impl Primary {
         if !whole(self)? {
             return Ok(None);
         }
-        let rebuilds = self.shared.rebuilds.clone();
-        let clock = self.shared.clock();
-        let acquire = rebuilds.acquire_owned();
-        tokio::pin!(acquire);
-        let mut waited = false;
-        let turn = loop {
-            tokio::select! {
-                turn = &mut acquire => break turn.map_err(|error| error.to_string())?,
-                _ = clock.sleep(Duration::from_millis(500)) => {
-                    if !waited {
-                        waited = true;
-                        tracing::info!(volume = %self.name, node, "a whole copy to this replica waits for a turn (rebuilds_max)");
-                    }
-                    if let Some(peer) = self.state().peers.get_mut(&node).filter(|peer| peer.id == id) {
-                        peer.rebuild_waiting = true;
-                    }
-                    whole(self)?;
-                }
+        let mark_waiting = |waiting: bool| {
+            if let Some(peer) = (self.state().peers.get_mut(&node)).filter(|peer| peer.id == id) {
+                peer.rebuild_waiting = waiting;
             }
         };
-        if let Some(peer) = self
-            .state()
-            .peers
-            .get_mut(&node)
-            .filter(|peer| peer.id == id)
-        {
-            peer.rebuild_waiting = false;
+        let clock = self.shared.clock();
+        let (mut waited_here, mut waited_there) = (false, false);
+        loop {
+            let acquire = self.shared.rebuilds.clone().acquire_owned();
+            tokio::pin!(acquire);
+            let sending = loop {
+                tokio::select! {
+                    turn = &mut acquire => break turn.map_err(|error| error.to_string())?,
+                    _ = clock.sleep(Duration::from_millis(500)) => {
+                        if !waited_here {
+                            waited_here = true;
+                            tracing::info!(volume = %self.name, node, "a whole copy to this replica waits for a turn (rebuilds_max)");
+                        }
+                        mark_waiting(true);
+                        whole(self)?;
+                    }
+                }
+            };
+            if copy_turn(&self.shared, node, self.volume_id, TurnAction::Ask).await? {
+                mark_waiting(false);
+                return Ok(Some(Turn::new(sending, &self.shared, node, self.volume_id)));
+            }
+            drop(sending);
+            if !waited_there {
+                waited_there = true;
+                tracing::info!(volume = %self.name, node, "a whole copy to this replica waits for a turn on its node (rebuilds_max there)");
+            }
+            mark_waiting(true);
+            clock.sleep(TURN_RETRY).await;
+            whole(self)?;
         }
-        Ok(Some(turn))
     }
 
     /// Catches a replica up and puts it back in the in-sync set: a new stream carries every
@@ -3200,6 +3210,79 @@ struct BatchFlush {
     count: u64,
     index: u64,
     in_sync: bool,
+}
+
+/// A whole copy's turns ([`Primary::rebuild_turn`]): one of this node's, and one of the
+/// replica's node's, renewed every [`TURN_RENEW`] until dropped, then given back.
+struct Turn {
+    _sending: tokio::sync::OwnedSemaphorePermit,
+    renewal: tokio::task::JoinHandle<()>,
+    shared: Arc<Shared>,
+    node: NodeId,
+    volume_id: u64,
+}
+
+impl Turn {
+    fn new(
+        sending: tokio::sync::OwnedSemaphorePermit,
+        shared: &Arc<Shared>,
+        node: NodeId,
+        volume_id: u64,
+    ) -> Turn {
+        let renewing = Arc::downgrade(shared);
+        let renewal = shared.runtime.spawn(async move {
+            loop {
+                let Some(shared) = renewing.upgrade() else {
+                    return;
+                };
+                let clock = shared.clock();
+                drop(shared);
+                clock.sleep(TURN_RENEW).await;
+                let Some(shared) = renewing.upgrade() else {
+                    return;
+                };
+                // (Not answered: the copy fails on its own, or the turn lapses.)
+                let _ = copy_turn(&shared, node, volume_id, TurnAction::Renew).await;
+            }
+        });
+        Turn {
+            _sending: sending,
+            renewal,
+            shared: shared.clone(),
+            node,
+            volume_id,
+        }
+    }
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        self.renewal.abort();
+        let (shared, node, volume_id) = (self.shared.clone(), self.node, self.volume_id);
+        // (Not answered: the turn lapses.)
+        self.shared.runtime.spawn(async move {
+            let _ = copy_turn(&shared, node, volume_id, TurnAction::GiveBack).await;
+        });
+    }
+}
+
+/// Asks `node` for, renews or gives back its turn for a whole copy of volume `volume_id`;
+/// whether it was granted.
+async fn copy_turn(
+    shared: &Shared,
+    node: NodeId,
+    volume_id: u64,
+    action: TurnAction,
+) -> Result<bool, String> {
+    let request = CopyTurnRequest { volume_id, action };
+    let payload = postcard::to_allocvec(&request).map_err(|error| error.to_string())?;
+    let answer = shared
+        .call(node, METHOD_COPY_TURN, payload, TURN_CALL_TIMEOUT)
+        .await
+        .map_err(|failure| format!("asking node {node} for a turn: {}", failure.message))?;
+    let answer: CopyTurnAnswer =
+        postcard::from_bytes(&answer).map_err(|error| error.to_string())?;
+    Ok(answer.granted)
 }
 
 /// Ordering held back by a change under way ([`Primary::pause`]); released when dropped, also

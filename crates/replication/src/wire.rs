@@ -49,6 +49,11 @@ pub const METHOD_SNAPSHOT_READ: u16 = 0x0209;
 /// durably into the generation reserved for the repair ([`SnapshotRepairWrite`] → nothing).
 pub const METHOD_SNAPSHOT_REPAIR: u16 = 0x020a;
 
+/// Primary → the node of a replica it is about to copy whole: a turn to receive it, asked
+/// before the copy, renewed while it runs, given back at its end ([`CopyTurnRequest`] →
+/// [`CopyTurnAnswer`]; `crate::turns`).
+pub const METHOD_COPY_TURN: u16 = 0x020b;
+
 /// The sender is not the volume's primary in the replica's view (an older epoch or another
 /// node): it must stop acknowledging anything for the volume.
 pub const CODE_FENCED: u16 = 0x0201;
@@ -355,6 +360,28 @@ pub struct ChangedAnswer {
     /// it holds no point with the primary that still holds.
     #[serde(with = "serde_bytes")]
     pub chunks: Option<Vec<u8>>,
+}
+
+/// What a primary does with its turn on a replica's node ([`METHOD_COPY_TURN`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TurnAction {
+    /// Asks for one, or renews the one it holds: refused when every turn is held.
+    Ask,
+    /// Renews the turn of a copy under way, granted even past the limit.
+    Renew,
+    /// The copy ended.
+    GiveBack,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CopyTurnRequest {
+    pub volume_id: u64,
+    pub action: TurnAction,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CopyTurnAnswer {
+    pub granted: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -136,6 +136,18 @@ async fn start(
     join: Option<String>,
     settings: Settings,
 ) -> TestNode {
+    start_labeled(network, test, name, join, settings, &[]).await
+}
+
+/// [`start`] with failure-domain labels.
+async fn start_labeled(
+    network: &LocalNetwork,
+    test: &str,
+    name: &str,
+    join: Option<String>,
+    settings: Settings,
+    labels: &[(&str, &str)],
+) -> TestNode {
     let dir = node_dir(test, name);
     let address = format!("{name}.test:1");
     let store =
@@ -156,7 +168,10 @@ async fn start(
             cluster: address.clone(),
             ..NodeAddresses::default()
         },
-        labels: Default::default(),
+        labels: labels
+            .iter()
+            .map(|(key, value)| (key.to_string(), value.to_string()))
+            .collect(),
         devices: Vec::new(),
         join,
         cluster_id: None,
@@ -1064,6 +1079,105 @@ async fn whole_copies_sent_from_a_node_take_turns() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(!overlapped, "two whole copies went at once with one turn");
+    assert!(waited, "no copy was shown waiting for its turn");
+    stop(&nodes.iter().collect::<Vec<_>>(), None).await;
+}
+
+// Proves a node receives at most `rebuilds_max` whole-volume copies at once, from any number
+// of primaries: nodes a and b share a zone, c is alone in another; an R=1 volume on a and one
+// on b, raised to R=2 together, both get their new replica on c. Each primary has a turn of
+// its own to send with, and a rate that makes each copy last seconds: the second copy must
+// wait (shown as waiting for a turn) until the first replica is in sync, then go; without
+// the receiving node's limit both copy at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_copies_received_by_a_node_take_turns() {
+    let network = LocalNetwork::new();
+    let settings = Settings {
+        move_after: Duration::from_secs(3600),
+        resync_bytes_per_second: Some(2 << 20),
+        resync_busy_percent: 100,
+        rebuilds_max: 1,
+        snapshot_repair: true,
+        point_every: keel_replication::POINT_EVERY,
+    };
+    let test = "receive-turns";
+    let a = start_labeled(&network, test, "a", None, settings, &[("zone", "x")]).await;
+    let join = Some(a.address.clone());
+    let b = start_labeled(
+        &network,
+        test,
+        "b",
+        join.clone(),
+        settings,
+        &[("zone", "x")],
+    )
+    .await;
+    let c = start_labeled(&network, test, "c", join, settings, &[("zone", "y")]).await;
+    let nodes = [a, b, c];
+    wait_for("three voters on every node", || {
+        nodes.iter().all(|n| {
+            let metrics = n.cluster.metrics();
+            metrics.membership_config.voter_ids().count() == 3
+                && metrics.membership_config.get_joint_config().len() == 1
+        })
+    })
+    .await;
+    let receiver = nodes[2].cluster.node_id();
+    let copies = [(&nodes[0], "v"), (&nodes[1], "w")];
+    let mut ids = Vec::new();
+    for (node, name) in copies {
+        let (replication, volumes) = (node.replication.clone(), node.volumes.clone());
+        blocking(move || {
+            volumes.create(&VolumeSpec::new(name, 64 * 65536)).unwrap();
+            let io = volumes.open_volume(name).unwrap();
+            for unit in 0..64u8 {
+                io.write(u64::from(unit) * 65536, &pattern(unit), false)
+                    .unwrap();
+            }
+            io.flush().unwrap();
+            replication.set_replicas(name, Some(2), None).unwrap();
+        })
+        .await;
+        let placed = replica_set(node, name);
+        assert_eq!(placed, vec![node.cluster.node_id(), receiver], "{name}");
+        ids.push(
+            node.cluster
+                .catalog()
+                .read()
+                .volume(name)
+                .unwrap()
+                .record
+                .id,
+        );
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let (mut waited, mut overlapped) = (false, false);
+    while !copies
+        .iter()
+        .all(|(node, name)| in_sync(node, name).len() == 2)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the copies never ended"
+        );
+        let copying: Vec<_> = copies
+            .iter()
+            .zip(&ids)
+            .filter_map(|((node, _), id)| node.replication.primary_status(*id))
+            .flat_map(|status| status.catching_up)
+            .collect();
+        waited |= copying.iter().any(|catch_up| catch_up.waiting_for_turn);
+        overlapped |= copying
+            .iter()
+            .filter(|catch_up| catch_up.compared_bytes > 0)
+            .count()
+            > 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        !overlapped,
+        "node c received two whole copies at once with one turn"
+    );
     assert!(waited, "no copy was shown waiting for its turn");
     stop(&nodes.iter().collect::<Vec<_>>(), None).await;
 }

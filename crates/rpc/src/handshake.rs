@@ -49,8 +49,9 @@ const STATUS_OTHER_PROTOCOL: u8 = 2;
 /// copies a volume's one replica off a draining node (R stays 1 with two replicas). 8: a
 /// command records a node as nearly full, and the catalog's snapshot ends with those nodes.
 /// 9: the copy off a draining node is made for a replica of any R (R + 1 replicas while R
-/// stays), and refused while one is under way.
-pub const PROTOCOL: u16 = 9;
+/// stays), and refused while one is under way. 10: a primary asks a replica's node for a turn
+/// to receive a whole copy (a new method and its messages).
+pub const PROTOCOL: u16 = 10;
 
 fn protocol_of(hello: &[u8]) -> u16 {
     u16::from_le_bytes([hello[6], hello[7]])
