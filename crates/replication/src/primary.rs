@@ -3229,20 +3229,13 @@ impl Turn {
         node: NodeId,
         volume_id: u64,
     ) -> Turn {
-        let renewing = Arc::downgrade(shared);
+        let renewing = shared.clone();
         let renewal = shared.runtime.spawn(async move {
+            let clock = renewing.clock();
             loop {
-                let Some(shared) = renewing.upgrade() else {
-                    return;
-                };
-                let clock = shared.clock();
-                drop(shared);
                 clock.sleep(TURN_RENEW).await;
-                let Some(shared) = renewing.upgrade() else {
-                    return;
-                };
                 // (Not answered: the copy fails on its own, or the turn lapses.)
-                let _ = copy_turn(&shared, node, volume_id, TurnAction::Renew).await;
+                let _ = copy_turn(&renewing, node, volume_id, TurnAction::Renew).await;
             }
         });
         Turn {
