@@ -1086,15 +1086,17 @@ async fn whole_copies_sent_from_a_node_take_turns() {
 // Proves a node receives at most `rebuilds_max` whole-volume copies at once, from any number
 // of primaries: nodes a and b share a zone, c is alone in another; an R=1 volume on a and one
 // on b, raised to R=2 together, both get their new replica on c. Each primary has a turn of
-// its own to send with, and a rate that makes each copy last seconds: the second copy must
-// wait (shown as waiting for a turn) until the first replica is in sync, then go; without
-// the receiving node's limit both copy at once.
+// its own to send with, and a rate that makes each copy last longer than a turn's 10 s lease
+// (so it holds the turn only by renewing it): the second copy must wait (shown as waiting
+// for a turn) until the first replica is in sync, then go; without the receiving node's
+// limit, or with renewals lost, both copy at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn whole_copies_received_by_a_node_take_turns() {
     let network = LocalNetwork::new();
     let settings = Settings {
         move_after: Duration::from_secs(3600),
-        resync_bytes_per_second: Some(2 << 20),
+        // 64 MiB each: about 11 s, a 1 MiB chunk every 0.17 s.
+        resync_bytes_per_second: Some(6 << 20),
         resync_busy_percent: 100,
         rebuilds_max: 1,
         snapshot_repair: true,
@@ -1128,11 +1130,12 @@ async fn whole_copies_received_by_a_node_take_turns() {
     for (node, name) in copies {
         let (replication, volumes) = (node.replication.clone(), node.volumes.clone());
         blocking(move || {
-            volumes.create(&VolumeSpec::new(name, 64 * 65536)).unwrap();
+            volumes
+                .create(&VolumeSpec::new(name, 1024 * 65536))
+                .unwrap();
             let io = volumes.open_volume(name).unwrap();
-            for unit in 0..64u8 {
-                io.write(u64::from(unit) * 65536, &pattern(unit), false)
-                    .unwrap();
+            for unit in 0..1024u64 {
+                io.write(unit * 65536, &pattern(unit as u8), false).unwrap();
             }
             io.flush().unwrap();
             replication.set_replicas(name, Some(2), None).unwrap();
@@ -1150,7 +1153,7 @@ async fn whole_copies_received_by_a_node_take_turns() {
                 .id,
         );
     }
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
     let (mut waited, mut overlapped) = (false, false);
     while !copies
         .iter()
