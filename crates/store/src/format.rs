@@ -181,26 +181,31 @@ pub fn encode_extent(
         flags
     };
     let mut at = 0;
-    let mut put = |bytes: &[u8]| {
-        out[at..at + bytes.len()].copy_from_slice(bytes);
-        at += bytes.len();
-    };
-    put(&EXTENT_MAGIC);
-    put(&[kind, compression.code(), flags, 0]);
-    put(&seq.to_le_bytes());
-    put(&(key.len() as u32).to_le_bytes());
-    put(&(stored.len() as u32).to_le_bytes());
-    put(&(raw_len as u32).to_le_bytes());
-    put(&crc32c::crc32c(stored).to_le_bytes());
-    put(content_hash.unwrap_or(&[0u8; 32]));
+    let header: [&[u8]; 8] = [
+        &EXTENT_MAGIC,
+        &[kind, compression.code(), flags, 0],
+        &seq.to_le_bytes(),
+        &(key.len() as u32).to_le_bytes(),
+        &(stored.len() as u32).to_le_bytes(),
+        &(raw_len as u32).to_le_bytes(),
+        &crc32c::crc32c(stored).to_le_bytes(),
+        content_hash.unwrap_or(&[0u8; 32]),
+    ];
+    for bytes in header {
+        put(out, &mut at, bytes);
+    }
     debug_assert_eq!(at, 64);
     let header_crc = crc32c::crc32c_append(crc32c::crc32c(&out[..64]), key);
-    let mut at = 64;
     for bytes in [&header_crc.to_le_bytes()[..], key, stored] {
-        out[at..at + bytes.len()].copy_from_slice(bytes);
-        at += bytes.len();
+        put(out, &mut at, bytes);
     }
     out[at..].fill(0);
+}
+
+/// Copies `bytes` into `out` at `*at`, and moves `*at` past them.
+fn put(out: &mut [u8], at: &mut usize, bytes: &[u8]) {
+    out[*at..*at + bytes.len()].copy_from_slice(bytes);
+    *at += bytes.len();
 }
 
 fn le_u32(bytes: &[u8], at: usize) -> u32 {
