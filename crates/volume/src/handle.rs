@@ -508,26 +508,16 @@ impl VolumeHandle {
         Ok(())
     }
 
-    /// Writes `data` at `offset`. With `fua`, returns only once this write and every write
-    /// acknowledged before it are durable.
+    /// Writes `data` at `offset` (copied once: the store holds its whole blocks as slices of
+    /// the copy). With `fua`, returns only once this write and every write acknowledged before
+    /// it are durable.
     pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> VolumeResult<()> {
-        self.write_blocks(offset, data, None, fua)
+        self.write_shared(offset, &Bytes::copy_from_slice(data), fua)
     }
 
     /// [`VolumeHandle::write`] of bytes the caller shares (a replica's batch): whole blocks are
     /// stored as slices of them, without a copy.
     pub fn write_shared(&self, offset: u64, data: &Bytes, fua: bool) -> VolumeResult<()> {
-        self.write_blocks(offset, data, Some(data), fua)
-    }
-
-    /// `shared`, when given, holds the same bytes as `data`.
-    fn write_blocks(
-        &self,
-        offset: u64,
-        data: &[u8],
-        shared: Option<&Bytes>,
-        fua: bool,
-    ) -> VolumeResult<()> {
         self.check_writable()?;
         if data.is_empty() {
             return if fua { self.flush() } else { Ok(()) };
@@ -563,10 +553,7 @@ impl VolumeHandle {
                 Bytes::from(merged)
             } else {
                 let at = (block_start - offset) as usize;
-                match shared {
-                    Some(shared) => shared.slice(at..at + BLOCK_SIZE),
-                    None => Bytes::copy_from_slice(&data[at..at + BLOCK_SIZE]),
-                }
+                data.slice(at..at + BLOCK_SIZE)
             };
             // All-zero blocks are stored as hole markers: thin, and compression-free.
             let value = if is_zero(&value) { Bytes::new() } else { value };
