@@ -65,7 +65,6 @@ impl ReceiveTurns {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -129,18 +129,8 @@ struct TestNode {
     _dispatch: Arc<Dispatch>,
 }
 
+/// Starts node `name` with failure-domain `labels`, joining through `join`.
 async fn start(
-    network: &LocalNetwork,
-    test: &str,
-    name: &str,
-    join: Option<String>,
-    settings: Settings,
-) -> TestNode {
-    start_labeled(network, test, name, join, settings, &[]).await
-}
-
-/// [`start`] with failure-domain labels.
-async fn start_labeled(
     network: &LocalNetwork,
     test: &str,
     name: &str,
@@ -1009,20 +999,12 @@ async fn a_late_batch_of_a_replaced_stream_is_not_applied_over_a_newer_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn whole_copies_sent_from_a_node_take_turns() {
     let network = LocalNetwork::new();
-    let settings = Settings {
-        move_after: Duration::from_secs(3600),
-        resync_bytes_per_second: Some(2 << 20),
-        resync_busy_percent: 100,
-        rebuilds_max: 1,
-        snapshot_repair: true,
-        point_every: keel_replication::POINT_EVERY,
-    };
+    let settings = one_turn(2 << 20);
     let (nodes, primary, _) = replicated_volume_with(&network, "turns", 64, 1, settings).await;
     let primary_node = &nodes[primary];
     let volumes = primary_node.volumes.clone();
     blocking(move || volumes.create(&VolumeSpec::new("w", 64 * 65536)).unwrap()).await;
     let names = ["v", "w"];
-    let mut ids = Vec::new();
     for name in names {
         assert_eq!(
             replica_set(primary_node, name),
@@ -1042,42 +1024,9 @@ async fn whole_copies_sent_from_a_node_take_turns() {
             replication.set_replicas(name, Some(2), None).unwrap();
         })
         .await;
-        ids.push(
-            primary_node
-                .cluster
-                .catalog()
-                .read()
-                .volume(name)
-                .unwrap()
-                .record
-                .id,
-        );
     }
-    let in_sync_both = || {
-        names
-            .iter()
-            .all(|name| in_sync(primary_node, name).len() == 2)
-    };
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    let (mut waited, mut overlapped) = (false, false);
-    while !in_sync_both() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the copies never ended"
-        );
-        let copying: Vec<_> = ids
-            .iter()
-            .filter_map(|id| primary_node.replication.primary_status(*id))
-            .flat_map(|status| status.catching_up)
-            .collect();
-        waited |= copying.iter().any(|catch_up| catch_up.waiting_for_turn);
-        overlapped |= copying
-            .iter()
-            .filter(|catch_up| catch_up.compared_bytes > 0)
-            .count()
-            > 1;
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let copies = names.map(|name| (primary_node, name));
+    let (waited, overlapped) = watch_copies(&copies, Duration::from_secs(60)).await;
     assert!(!overlapped, "two whole copies went at once with one turn");
     assert!(waited, "no copy was shown waiting for its turn");
     stop(&nodes.iter().collect::<Vec<_>>(), None).await;
@@ -1093,40 +1042,12 @@ async fn whole_copies_sent_from_a_node_take_turns() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn whole_copies_received_by_a_node_take_turns() {
     let network = LocalNetwork::new();
-    let settings = Settings {
-        move_after: Duration::from_secs(3600),
-        // 64 MiB each: about 11 s, a 1 MiB chunk every 0.17 s.
-        resync_bytes_per_second: Some(6 << 20),
-        resync_busy_percent: 100,
-        rebuilds_max: 1,
-        snapshot_repair: true,
-        point_every: keel_replication::POINT_EVERY,
-    };
-    let test = "receive-turns";
-    let a = start_labeled(&network, test, "a", None, settings, &[("zone", "x")]).await;
-    let join = Some(a.address.clone());
-    let b = start_labeled(
-        &network,
-        test,
-        "b",
-        join.clone(),
-        settings,
-        &[("zone", "x")],
-    )
-    .await;
-    let c = start_labeled(&network, test, "c", join, settings, &[("zone", "y")]).await;
-    let nodes = [a, b, c];
-    wait_for("three voters on every node", || {
-        nodes.iter().all(|n| {
-            let metrics = n.cluster.metrics();
-            metrics.membership_config.voter_ids().count() == 3
-                && metrics.membership_config.get_joint_config().len() == 1
-        })
-    })
-    .await;
+    // 64 MiB each: about 11 s, a 1 MiB chunk every 0.17 s.
+    let settings = one_turn(6 << 20);
+    let (x, y) = ([("zone", "x")], [("zone", "y")]);
+    let nodes = start_three(&network, "receive-turns", settings, [&x, &x, &y]).await;
     let receiver = nodes[2].cluster.node_id();
     let copies = [(&nodes[0], "v"), (&nodes[1], "w")];
-    let mut ids = Vec::new();
     for (node, name) in copies {
         let (replication, volumes) = (node.replication.clone(), node.volumes.clone());
         blocking(move || {
@@ -1143,29 +1064,51 @@ async fn whole_copies_received_by_a_node_take_turns() {
         .await;
         let placed = replica_set(node, name);
         assert_eq!(placed, vec![node.cluster.node_id(), receiver], "{name}");
-        ids.push(
+    }
+    let (waited, overlapped) = watch_copies(&copies, Duration::from_secs(120)).await;
+    assert!(
+        !overlapped,
+        "node c received two whole copies at once with one turn"
+    );
+    assert!(waited, "no copy was shown waiting for its turn");
+    stop(&nodes.iter().collect::<Vec<_>>(), None).await;
+}
+
+/// Settings with one turn for whole copies, which a resync ships at `bytes_per_second`.
+fn one_turn(bytes_per_second: u64) -> Settings {
+    Settings {
+        move_after: Duration::from_secs(3600),
+        resync_bytes_per_second: Some(bytes_per_second),
+        resync_busy_percent: 100,
+        rebuilds_max: 1,
+        snapshot_repair: true,
+        point_every: keel_replication::POINT_EVERY,
+    }
+}
+
+/// Watches the whole copies of `volumes` (each: the node serving it as primary, its name)
+/// until each has two replicas in sync, failing after `within`: whether any copy was shown
+/// waiting for a turn, and whether two ever compared at once.
+async fn watch_copies(volumes: &[(&TestNode, &str)], within: Duration) -> (bool, bool) {
+    let ids: Vec<_> = (volumes.iter())
+        .map(|(node, name)| {
             node.cluster
                 .catalog()
                 .read()
                 .volume(name)
                 .unwrap()
                 .record
-                .id,
-        );
-    }
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+                .id
+        })
+        .collect();
+    let deadline = std::time::Instant::now() + within;
     let (mut waited, mut overlapped) = (false, false);
-    while !copies
-        .iter()
-        .all(|(node, name)| in_sync(node, name).len() == 2)
-    {
+    while !(volumes.iter()).all(|(node, name)| in_sync(node, name).len() == 2) {
         assert!(
             std::time::Instant::now() < deadline,
             "the copies never ended"
         );
-        let copying: Vec<_> = copies
-            .iter()
-            .zip(&ids)
+        let copying: Vec<_> = (volumes.iter().zip(&ids))
             .filter_map(|((node, _), id)| node.replication.primary_status(*id))
             .flat_map(|status| status.catching_up)
             .collect();
@@ -1177,12 +1120,31 @@ async fn whole_copies_received_by_a_node_take_turns() {
             > 1;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert!(
-        !overlapped,
-        "node c received two whole copies at once with one turn"
-    );
-    assert!(waited, "no copy was shown waiting for its turn");
-    stop(&nodes.iter().collect::<Vec<_>>(), None).await;
+    (waited, overlapped)
+}
+
+/// Starts nodes a, b and c (b and c joining through a) with failure-domain `labels`, and
+/// waits until every node sees three voters.
+async fn start_three(
+    network: &LocalNetwork,
+    test: &str,
+    settings: Settings,
+    labels: [&[(&str, &str)]; 3],
+) -> Vec<TestNode> {
+    let a = start(network, test, "a", None, settings, labels[0]).await;
+    let join = Some(a.address.clone());
+    let b = start(network, test, "b", join.clone(), settings, labels[1]).await;
+    let c = start(network, test, "c", join, settings, labels[2]).await;
+    let nodes = vec![a, b, c];
+    wait_for("three voters on every node", || {
+        nodes.iter().all(|n| {
+            let metrics = n.cluster.metrics();
+            metrics.membership_config.voter_ids().count() == 3
+                && metrics.membership_config.get_joint_config().len() == 1
+        })
+    })
+    .await;
+    nodes
 }
 
 /// Starts three nodes and a volume `v` of `units` 64 KiB units with `replicas` replicas;
@@ -1695,19 +1657,7 @@ async fn replicated_volume_with(
     replicas: u8,
     settings: Settings,
 ) -> (Vec<TestNode>, usize, usize) {
-    let a = start(network, test, "a", None, settings).await;
-    let join = Some(a.address.clone());
-    let b = start(network, test, "b", join.clone(), settings).await;
-    let c = start(network, test, "c", join, settings).await;
-    let nodes = vec![a, b, c];
-    wait_for("three voters on every node", || {
-        nodes.iter().all(|n| {
-            let metrics = n.cluster.metrics();
-            metrics.membership_config.voter_ids().count() == 3
-                && metrics.membership_config.get_joint_config().len() == 1
-        })
-    })
-    .await;
+    let nodes = start_three(network, test, settings, [&[], &[], &[]]).await;
     let volumes = nodes[0].volumes.clone();
     blocking(move || {
         let mut spec = VolumeSpec::new("v", units * 65536);
