@@ -48,8 +48,8 @@ pub use log_store::LogStore;
 pub use messages::NodeReport;
 pub use state_machine::{StateMachine, DEDUP_WINDOW_ENTRIES};
 pub use transport::{
-    BoxFuture, Caller, Handler, LocalNetwork, LocalTransport, Peer, RemoteFailure, Transport,
-    TransportError,
+    BoxFuture, Caller, Handler, LocalNetwork, LocalTransport, Payload, Peer, RemoteFailure,
+    Transport, TransportError,
 };
 pub use types::{CommandResult, Raft, RaftNode, TypeConfig};
 
@@ -648,7 +648,7 @@ impl Cluster {
                         address: seed.to_string(),
                     },
                     METHOD_JOIN,
-                    payload.clone(),
+                    payload.clone().into(),
                     config.timing.propose_timeout,
                 )
                 .await;
@@ -762,7 +762,12 @@ impl Cluster {
             });
         };
         self.transport
-            .call(Peer::Node { id: node, address }, method, payload, timeout)
+            .call(
+                Peer::Node { id: node, address },
+                method,
+                payload.into(),
+                timeout,
+            )
             .await
     }
 

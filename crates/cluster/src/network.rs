@@ -116,7 +116,7 @@ impl NetworkClient {
             id: self.target,
             address: self.address.clone(),
         };
-        match self.transport.call(peer, method, payload, ttl).await {
+        match self.transport.call(peer, method, payload.into(), ttl).await {
             Ok(bytes) => {
                 let answer: Result<Response, RaftError<TypeConfig>> =
                     decode("a raft answer", &bytes).map_err(|error| NetworkError::new(&error))?;

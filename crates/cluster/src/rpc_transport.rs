@@ -41,7 +41,7 @@ impl Transport for RpcTransport {
         &self,
         peer: Peer,
         method: u16,
-        payload: Vec<u8>,
+        payload: crate::Payload,
         timeout: Duration,
     ) -> BoxFuture<Result<Vec<u8>, TransportError>> {
         let peers = self.peers.clone();

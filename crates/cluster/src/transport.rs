@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::Duration;
 
 use keel_catalog::NodeId;
+pub use keel_rpc::Payload;
 
 pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
@@ -88,7 +89,7 @@ pub trait Transport: Send + Sync + 'static {
         &self,
         peer: Peer,
         method: u16,
-        payload: Vec<u8>,
+        payload: Payload,
         timeout: Duration,
     ) -> BoxFuture<Result<Vec<u8>, TransportError>>;
 }
@@ -360,7 +361,7 @@ impl Transport for LocalTransport {
         &self,
         peer: Peer,
         method: u16,
-        payload: Vec<u8>,
+        payload: Payload,
         timeout: Duration,
     ) -> BoxFuture<Result<Vec<u8>, TransportError>> {
         let network = self.network.clone();
@@ -446,7 +447,8 @@ impl Transport for LocalTransport {
                 tokio::time::sleep(delay.min(budget)).await;
             }
             let answer =
-                tokio::time::timeout(budget, handler.handle(caller, method, payload)).await;
+                tokio::time::timeout(budget, handler.handle(caller, method, payload.into_vec()))
+                    .await;
             // A node that crashed while it handled the call never answers (what it did
             // after the crash is not on its disk: a power cut ends all of it).
             if network.incarnation(&address) != Some(incarnation) {

@@ -441,9 +441,10 @@ impl Shared {
         &self,
         node: NodeId,
         method: u16,
-        payload: Vec<u8>,
+        payload: impl Into<keel_cluster::Payload>,
         timeout: Duration,
     ) -> Result<Vec<u8>, Failure> {
+        let payload = payload.into();
         let Some(address) = self.node_address(node, false) else {
             return Err(Failure {
                 code: None,

@@ -940,7 +940,7 @@ async fn a_late_batch_of_a_replaced_stream_is_not_applied_over_a_newer_one() {
             address: replica_node.address.clone(),
         },
         METHOD_REPLICATE,
-        postcard::to_allocvec(&late).unwrap(),
+        postcard::to_allocvec(&late).unwrap().into(),
         Duration::from_secs(5),
     )
     .await;

@@ -79,6 +79,8 @@ const OUTBOX_COMPACT_BYTES: usize = 1 << 20;
 /// it, rather than copied into the outbox first (a smaller one costs less to copy than a
 /// second write).
 const DIRECT_PAYLOAD_BYTES: usize = 64 << 10;
+/// Most buffers given to one vectored write (well under the system's `IOV_MAX`).
+const WRITE_SLICES_MAX: usize = 64;
 
 impl Outbox {
     fn new(socket: OwnedWriteHalf, key: [u8; 32], frames_max: usize) -> Arc<Outbox> {
@@ -94,12 +96,13 @@ impl Outbox {
 
     /// Sends one frame: written before this returns if the socket takes it, else left to the
     /// drain task. Waits for room until `deadline` (none: as long as it takes).
-    async fn send(
+    async fn send<P: AsRef<[u8]>>(
         &self,
         header: &Header,
-        payload: &[u8],
+        parts: &[P],
         deadline: Option<Instant>,
     ) -> Result<(), SendError> {
+        let length: usize = parts.iter().map(|part| part.as_ref().len()).sum();
         loop {
             let room = self.room.notified();
             tokio::pin!(room);
@@ -112,14 +115,14 @@ impl Outbox {
                 if state.ends.len() < self.frames_max {
                     let counter = state.counter;
                     state.counter += 1;
-                    if payload.len() >= DIRECT_PAYLOAD_BYTES
+                    if length >= DIRECT_PAYLOAD_BYTES
                         && !state.backlogged
                         && state.written == state.buffer.len()
                     {
-                        // Nothing waits before it: written from the caller's buffer, and only
+                        // Nothing waits before it: written from the caller's buffers, and only
                         // what the socket did not take is copied into the outbox.
-                        let head = frame::frame_head(&self.key, counter, header, payload);
-                        return match self.write_direct(&mut state, &head, payload) {
+                        let head = frame::frame_head(&self.key, counter, header, parts);
+                        return match self.write_direct(&mut state, &head, parts) {
                             Written::All => Ok(()),
                             Written::SocketFull => {
                                 state.backlogged = true;
@@ -131,7 +134,7 @@ impl Outbox {
                             }
                         };
                     }
-                    frame::encode_frame(&mut state.buffer, &self.key, counter, header, payload);
+                    frame::encode_frame_parts(&mut state.buffer, &self.key, counter, header, parts);
                     let end = state.buffer.len();
                     state.ends.push_back(end);
                     if !state.backlogged {
@@ -161,26 +164,44 @@ impl Outbox {
         }
     }
 
-    /// Writes one frame (its `head` and `payload`) to the socket while the buffer is empty; what
-    /// the socket does not take now goes into the buffer, for the drain task.
-    fn write_direct(&self, state: &mut OutboxState, head: &[u8], payload: &[u8]) -> Written {
-        let total = head.len() + payload.len();
-        let mut written = 0;
-        while written < total {
-            let parts = if written < head.len() {
-                [IoSlice::new(&head[written..]), IoSlice::new(payload)]
-            } else {
-                [
-                    IoSlice::new(&payload[written - head.len()..]),
-                    IoSlice::new(&[]),
-                ]
-            };
-            match self.socket.try_write_vectored(&parts) {
+    /// Writes one frame (its `head` and payload `parts`) to the socket while the buffer is
+    /// empty; what the socket does not take now goes into the buffer, for the drain task.
+    fn write_direct<P: AsRef<[u8]>>(
+        &self,
+        state: &mut OutboxState,
+        head: &[u8],
+        parts: &[P],
+    ) -> Written {
+        let pieces: Vec<&[u8]> = std::iter::once(head)
+            .chain(parts.iter().map(AsRef::as_ref))
+            .filter(|piece| !piece.is_empty())
+            .collect();
+        // The first piece not wholly written, and how much of it was.
+        let (mut piece, mut into) = (0usize, 0usize);
+        while piece < pieces.len() {
+            let slices: Vec<IoSlice<'_>> = std::iter::once(&pieces[piece][into..])
+                .chain(pieces[piece + 1..].iter().copied())
+                .take(WRITE_SLICES_MAX)
+                .map(IoSlice::new)
+                .collect();
+            match self.socket.try_write_vectored(&slices) {
                 Ok(0) => {
                     self.fail_locked(state, "the socket took no bytes".to_string());
                     return Written::Failed;
                 }
-                Ok(taken) => written += taken,
+                Ok(mut taken) => {
+                    while taken > 0 {
+                        let left = pieces[piece].len() - into;
+                        if taken < left {
+                            into += taken;
+                            taken = 0;
+                        } else {
+                            taken -= left;
+                            piece += 1;
+                            into = 0;
+                        }
+                    }
+                }
                 Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => break,
                 Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(error) => {
@@ -189,16 +210,12 @@ impl Outbox {
                 }
             }
         }
-        if written == total {
+        if piece == pieces.len() {
             return Written::All;
         }
-        if written < head.len() {
-            state.buffer.extend_from_slice(&head[written..]);
-            state.buffer.extend_from_slice(payload);
-        } else {
-            state
-                .buffer
-                .extend_from_slice(&payload[written - head.len()..]);
+        state.buffer.extend_from_slice(&pieces[piece][into..]);
+        for rest in &pieces[piece + 1..] {
+            state.buffer.extend_from_slice(rest);
         }
         let end = state.buffer.len();
         state.ends.push_back(end);
@@ -475,7 +492,7 @@ impl ClientConnection {
     pub(crate) async fn call(
         &self,
         method: u16,
-        payload: Vec<u8>,
+        payload: crate::Payload,
         deadline: Instant,
         timeout: Duration,
     ) -> Result<Vec<u8>, RpcError> {
@@ -500,7 +517,11 @@ impl ClientConnection {
             peer: self.address.clone(),
             timeout,
         };
-        match self.outbox.send(&header, &payload, Some(deadline)).await {
+        match self
+            .outbox
+            .send(&header, payload.parts(), Some(deadline))
+            .await
+        {
             Ok(()) => {}
             Err(SendError::Closed(reason)) => {
                 // Its frame did not wholly reach the socket: the peer never got it.
@@ -651,7 +672,7 @@ pub(crate) async fn serve_connection(
                 deadline_ms: 0,
                 length: payload.len() as u32,
             };
-            let _ = outbox.send(&header, &payload, None).await;
+            let _ = outbox.send(&header, &[payload], None).await;
         });
     }
     outbox.close("the connection closed");

@@ -134,10 +134,22 @@ pub fn mac(
     header: &[u8; HEADER_BYTES],
     payload: &[u8],
 ) -> [u8; MAC_BYTES] {
+    mac_of_parts(key, counter, header, &[payload])
+}
+
+/// [`mac`] of a payload held as parts, one after another.
+pub fn mac_of_parts<P: AsRef<[u8]>>(
+    key: &[u8; 32],
+    counter: u64,
+    header: &[u8; HEADER_BYTES],
+    parts: &[P],
+) -> [u8; MAC_BYTES] {
     let mut hasher = blake3::Hasher::new_keyed(key);
     hasher.update(&counter.to_le_bytes());
     hasher.update(header);
-    hasher.update(payload);
+    for part in parts {
+        hasher.update(part.as_ref());
+    }
     let hash = hasher.finalize();
     let mut out = [0u8; MAC_BYTES];
     out.copy_from_slice(&hash.as_bytes()[..MAC_BYTES]);
@@ -160,21 +172,34 @@ pub fn encode_frame(
     header: &Header,
     payload: &[u8],
 ) {
-    out.extend_from_slice(&frame_head(key, counter, header, payload));
-    out.extend_from_slice(payload);
+    encode_frame_parts(out, key, counter, header, &[payload]);
 }
 
-/// What precedes a frame's payload on the wire: its header and MAC.
-pub fn frame_head(
+/// [`encode_frame`] of a payload held as parts.
+pub fn encode_frame_parts<P: AsRef<[u8]>>(
+    out: &mut Vec<u8>,
     key: &[u8; 32],
     counter: u64,
     header: &Header,
-    payload: &[u8],
+    parts: &[P],
+) {
+    out.extend_from_slice(&frame_head(key, counter, header, parts));
+    for part in parts {
+        out.extend_from_slice(part.as_ref());
+    }
+}
+
+/// What precedes a frame's payload (held as parts) on the wire: its header and MAC.
+pub fn frame_head<P: AsRef<[u8]>>(
+    key: &[u8; 32],
+    counter: u64,
+    header: &Header,
+    parts: &[P],
 ) -> [u8; HEADER_BYTES + MAC_BYTES] {
     let encoded = header.encode();
     let mut head = [0u8; HEADER_BYTES + MAC_BYTES];
     head[..HEADER_BYTES].copy_from_slice(&encoded);
-    head[HEADER_BYTES..].copy_from_slice(&mac(key, counter, &encoded, payload));
+    head[HEADER_BYTES..].copy_from_slice(&mac_of_parts(key, counter, &encoded, parts));
     head
 }
 

@@ -40,6 +40,55 @@ use tokio::time::Instant;
 pub use frame::RemoteError;
 
 pub type NodeId = u64;
+
+/// A call's payload as parts sent one after another: a large buffer the caller holds (a
+/// write's data) goes out as it is, with the few bytes around it, rather than copied into one
+/// buffer first. The peer receives one contiguous payload either way.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Payload {
+    parts: Vec<bytes::Bytes>,
+}
+
+impl Payload {
+    pub fn from_parts(parts: Vec<bytes::Bytes>) -> Payload {
+        Payload { parts }
+    }
+
+    /// Bytes in all the parts.
+    pub fn len(&self) -> usize {
+        self.parts.iter().map(bytes::Bytes::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.parts.iter().all(bytes::Bytes::is_empty)
+    }
+
+    pub fn parts(&self) -> &[bytes::Bytes] {
+        &self.parts
+    }
+
+    /// The parts in one buffer (an in-process transport hands its handler one): a single
+    /// part the payload alone holds is taken over, not copied.
+    pub fn into_vec(mut self) -> Vec<u8> {
+        if self.parts.len() == 1 {
+            return self.parts.pop().map(Vec::from).unwrap_or_default();
+        }
+        let mut out = Vec::with_capacity(self.len());
+        for part in &self.parts {
+            out.extend_from_slice(part);
+        }
+        out
+    }
+}
+
+impl From<Vec<u8>> for Payload {
+    fn from(payload: Vec<u8>) -> Payload {
+        Payload {
+            parts: vec![payload.into()],
+        }
+    }
+}
+
 pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
 /// The cluster secret: 32 random bytes, shared out of band (the join token).
@@ -332,9 +381,10 @@ impl Peers {
         &self,
         target: Target,
         method: u16,
-        payload: Vec<u8>,
+        payload: impl Into<Payload>,
         timeout: Duration,
     ) -> Result<Vec<u8>, RpcError> {
+        let payload = payload.into();
         let deadline = Instant::now() + timeout;
         let address = target.address().to_string();
         if payload.len() > self.config.payload_max_bytes as usize {

@@ -194,6 +194,57 @@ async fn calls_multiplex_and_answer_out_of_order() {
     assert_eq!(String::from_utf8(caller).unwrap(), "Unassigned");
 }
 
+/// A payload of parts of these lengths, each byte telling its part and place.
+fn parts_of(lengths: &[usize]) -> Vec<bytes::Bytes> {
+    (lengths.iter().enumerate())
+        .map(|(part, length)| {
+            (0..*length)
+                .map(|at| ((at * 7 + part * 31) % 251) as u8)
+                .collect::<Vec<u8>>()
+                .into()
+        })
+        .collect()
+}
+
+// Proves a payload given as parts reaches the handler as one payload, in order: small ones
+// (copied into the outbox), large ones (written from the parts), empty parts, and more parts
+// than one vectored write takes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_in_parts_arrives_as_one_in_order() {
+    let server = server(3).await;
+    let peers = client(5);
+    let many = vec![10_000; 150];
+    for lengths in [
+        &[3, 0, 5][..],
+        &[100, 70_000, 1, 200_000, 7][..],
+        &[0, 65_536][..],
+        &many[..],
+    ] {
+        let parts = parts_of(lengths);
+        let whole: Vec<u8> = parts.iter().flat_map(|part| part.to_vec()).collect();
+        let payload = keel_rpc::Payload::from_parts(parts);
+        assert_eq!(payload.len(), whole.len());
+        let answer = peers
+            .call(node(3, &server), 1, payload, 5 * SECOND)
+            .await
+            .unwrap();
+        assert!(answer == whole, "parts of {lengths:?} arrived otherwise");
+    }
+    // Too large as a whole, though every part is under the limit: refused before sending.
+    let refused = peers
+        .call(
+            node(3, &server),
+            1,
+            keel_rpc::Payload::from_parts(parts_of(&[3 << 20, 2 << 20])),
+            SECOND,
+        )
+        .await;
+    assert!(
+        matches!(refused, Err(RpcError::FrameTooLarge { .. })),
+        "{refused:?}"
+    );
+}
+
 // Proves payloads up to the limit pass and larger ones are refused before sending.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn payload_limit() {
@@ -573,7 +624,8 @@ async fn a_stalled_peer_fills_the_bounded_queue() {
 
 // Proves frames a socket cannot take at once are not lost or reordered: a peer that reads
 // nothing for a while (the client's socket fills, its later frames wait in its outbox) then
-// gets every frame whole, MAC-checked in counter order, and the calls are answered.
+// gets every frame whole, MAC-checked in counter order, and the calls are answered. Each
+// payload is sent as parts, so a frame the socket took part of continues from the right part.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frames_a_full_socket_held_back_arrive_whole_and_in_order() {
     const CALLS: usize = 16;
@@ -588,9 +640,13 @@ async fn frames_a_full_socket_held_back_arrive_whole_and_in_order() {
         for counter in 0..CALLS as u64 {
             let (header, payload) =
                 read_verified(&mut stream, &session.client_to_server, counter).await;
-            assert_eq!(payload.len(), PAYLOAD);
-            assert!(payload.iter().all(|byte| *byte == payload[0]));
-            seen.push(payload[0]);
+            // Sent as three parts: the middle one's bytes differ, so parts out of order or
+            // repeated show.
+            let fill = payload[0];
+            let mut expected = vec![fill; PAYLOAD];
+            expected[PAYLOAD / 2..PAYLOAD / 2 + 10].fill(fill.wrapping_add(100));
+            assert!(payload == expected, "frame {counter} arrived damaged");
+            seen.push(fill);
             let mut answer = Vec::new();
             frame::encode_frame(
                 &mut answer,
@@ -619,8 +675,18 @@ async fn frames_a_full_socket_held_back_arrive_whole_and_in_order() {
         };
         calls.push(tokio::spawn(async move {
             let fill = index as u8 + 1;
+            let parts: Vec<bytes::Bytes> = vec![
+                vec![fill; PAYLOAD / 2].into(),
+                vec![fill.wrapping_add(100); 10].into(),
+                vec![fill; PAYLOAD / 2 - 10].into(),
+            ];
             let answer = peers
-                .call(target, 1, vec![fill; PAYLOAD], Duration::from_secs(20))
+                .call(
+                    target,
+                    1,
+                    keel_rpc::Payload::from_parts(parts),
+                    Duration::from_secs(20),
+                )
                 .await
                 .unwrap();
             assert_eq!(answer, vec![fill]);
