@@ -1386,7 +1386,7 @@ impl Primary {
         // anew then, so the common case sends the one encoding it made).
         let mut attempts = 0;
         loop {
-            let payload = postcard::to_allocvec(batch).map_err(|error| Failure {
+            let payload = batch.encode().map_err(|error| Failure {
                 code: None,
                 message: error.to_string(),
             })?;

@@ -239,6 +239,76 @@ impl Batch {
     }
 }
 
+impl Batch {
+    /// Encodes the batch as `postcard::to_allocvec` does, but as parts: each write's data of
+    /// at least [`SHARED_PART_BYTES`] is a part of its own, shared rather than copied, between
+    /// the bytes encoded around it. The transport writes the parts one after another; the
+    /// replica receives the one payload [`Batch::decode_shared`] reads.
+    pub fn encode(&self) -> Result<keel_cluster::Payload, postcard::Error> {
+        let shared = (self.ops.iter())
+            .filter_map(|op| match op {
+                Op::Write { data, .. } if data.len() >= SHARED_PART_BYTES => Some(data.clone()),
+                _ => None,
+            })
+            .collect();
+        postcard::serialize_with_flavor(
+            self,
+            Parts {
+                shared,
+                next: 0,
+                encoded: Vec::new(),
+                parts: Vec::new(),
+            },
+        )
+    }
+}
+
+/// A write's data at least this large travels as its own part of a batch's frame; a smaller
+/// one costs less to copy than a part of its own.
+const SHARED_PART_BYTES: usize = 16 << 10;
+
+/// The postcard output of [`Batch::encode`]: encoded bytes, with the large writes' data
+/// (`shared`, in the order they are encoded) taken as they are where the encoder reaches them.
+struct Parts {
+    shared: Vec<Bytes>,
+    /// The next of `shared` to come.
+    next: usize,
+    /// Encoded since the last part.
+    encoded: Vec<u8>,
+    parts: Vec<Bytes>,
+}
+
+impl postcard::ser_flavors::Flavor for Parts {
+    type Output = keel_cluster::Payload;
+
+    fn try_extend(&mut self, data: &[u8]) -> postcard::Result<()> {
+        // The encoder hands a write's data over as the very slice it holds.
+        match self.shared.get(self.next) {
+            Some(next) if next.as_ptr() == data.as_ptr() && next.len() == data.len() => {
+                if !self.encoded.is_empty() {
+                    self.parts.push(std::mem::take(&mut self.encoded).into());
+                }
+                self.parts.push(next.clone());
+                self.next += 1;
+            }
+            _ => self.encoded.extend_from_slice(data),
+        }
+        Ok(())
+    }
+
+    fn try_push(&mut self, byte: u8) -> postcard::Result<()> {
+        self.encoded.push(byte);
+        Ok(())
+    }
+
+    fn finalize(mut self) -> postcard::Result<keel_cluster::Payload> {
+        if !self.encoded.is_empty() {
+            self.parts.push(self.encoded.into());
+        }
+        Ok(keel_cluster::Payload::from_parts(self.parts))
+    }
+}
+
 /// [`Batch`] as it is decoded, its writes' data borrowed from the payload: the same fields in
 /// the same order (the round-trip test compares the two decodings).
 #[derive(Deserialize)]
@@ -428,6 +498,79 @@ pub fn block_hash(block: &[u8]) -> [u8; BLOCK_HASH_BYTES] {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    // Proves a batch encoded as parts is byte for byte what postcard encodes, with each large
+    // write's data sent from the write's own buffer and each small one copied.
+    #[test]
+    fn a_batch_encoded_as_parts_is_postcards_encoding_sharing_large_writes() {
+        let large = |fill: u8, len: usize| Bytes::from(vec![fill; len]);
+        let batch = Batch {
+            volume_id: 7,
+            epoch: 3,
+            stream: 99,
+            index: 2,
+            ops: vec![
+                Op::Write {
+                    offset: 0,
+                    data: large(1, SHARED_PART_BYTES),
+                },
+                Op::Write {
+                    offset: 1 << 20,
+                    data: large(2, SHARED_PART_BYTES),
+                },
+                Op::Write {
+                    offset: 4096,
+                    data: large(3, SHARED_PART_BYTES - 1),
+                },
+                Op::Trim {
+                    offset: 0,
+                    length: 8192,
+                },
+                // The same bytes as the first write's, sent from its own buffer.
+                Op::Write {
+                    offset: 8192,
+                    data: large(1, SHARED_PART_BYTES),
+                },
+            ],
+            flush: true,
+            catalog_index: 300,
+            generation: 3,
+            common_index: Some(1),
+            common_with: vec![3],
+        };
+        let payload = batch.encode().unwrap();
+        assert_eq!(
+            payload.clone().into_vec(),
+            postcard::to_allocvec(&batch).unwrap()
+        );
+        let sent_from = |part: &Bytes| part.as_ptr();
+        let data_at = |index: usize| match &batch.ops[index] {
+            Op::Write { data, .. } => data.as_ptr(),
+            _ => unreachable!("a write"),
+        };
+        let parts: Vec<_> = payload.parts().iter().map(sent_from).collect();
+        // Encoded bytes before each large write's data, that data, and the bytes after the last.
+        assert_eq!(parts.len(), 7);
+        assert_eq!(
+            (parts[1], parts[3], parts[5]),
+            (data_at(0), data_at(1), data_at(4))
+        );
+        assert!(!parts.contains(&data_at(2)));
+        // A batch with nothing large is one part, and an empty one encodes as postcard's too.
+        let small = Batch {
+            ops: vec![batch.ops[2].clone()],
+            ..batch.clone()
+        };
+        assert_eq!(small.encode().unwrap().parts().len(), 1);
+        let empty = Batch {
+            ops: Vec::new(),
+            ..batch
+        };
+        assert_eq!(
+            empty.encode().unwrap().into_vec(),
+            postcard::to_allocvec(&empty).unwrap()
+        );
+    }
 
     // Proves the messages round-trip through postcard and truncated input is refused.
     #[test]
