@@ -11,7 +11,8 @@ use keel_namespace::volume::{VolumeError, VolumeSpec, BLOCK_SIZE_BYTES};
 use keel_store::Compression;
 use volume_support::*;
 
-// Proves a new volume reads as zeroes everywhere and stores nothing until written.
+// Proves a new volume reads as zeroes everywhere and stores nothing until written, and a read
+// over written and unwritten blocks overwrites every byte of the buffer it is given.
 #[test]
 fn thin_volume_reads_zeroes_and_uses_no_space() {
     let dir = test_dir("thin");
@@ -31,6 +32,13 @@ fn thin_volume_reads_zeroes_and_uses_no_space() {
         .unwrap();
     let info = manager.info("thin").unwrap();
     assert_eq!(info.used_bytes, BLOCK);
+    // A read over written and never-written blocks sets every byte of the buffer (a whole
+    // copy reads into buffers it used before).
+    let mut buf = vec![0xAAu8; 4 * BLOCK as usize];
+    handle.read(4 * BLOCK, &mut buf).unwrap();
+    let mut expected = vec![0u8; 4 * BLOCK as usize];
+    expected[BLOCK as usize..2 * BLOCK as usize].copy_from_slice(&pattern(1, BLOCK as usize));
+    assert!(buf == expected, "stale bytes left in the buffer");
 }
 
 // Proves writes at arbitrary offsets and lengths (inside a block, across block edges, large

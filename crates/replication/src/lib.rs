@@ -17,6 +17,7 @@
 //!   its local volume. Nothing below this crate knows about other nodes.
 
 mod attached;
+mod buffers;
 mod dirty;
 mod forward;
 pub mod primary;
@@ -267,6 +268,8 @@ pub(crate) struct Shared {
     pub forwarding: Mutex<HashMap<String, Weak<forward::Unflushed>>>,
     /// Streams begun here (the simulation derives their ids from it).
     pub streams_begun: AtomicU64,
+    /// What whole copies from this node read their chunks into.
+    pub chunk_buffers: Arc<buffers::ChunkBuffers>,
 }
 
 impl Shared {
@@ -548,6 +551,7 @@ impl Replication {
                 activity,
                 forwarding: Mutex::new(HashMap::new()),
                 streams_begun: AtomicU64::new(0),
+                chunk_buffers: Arc::default(),
             }),
             primaries: Mutex::new(BTreeMap::new()),
             singles: Mutex::new(HashMap::new()),

@@ -3109,11 +3109,9 @@ impl Primary {
             .take()
             .is_none_or(|(_, _, touched)| touched);
         let (ours, runs) = compared?;
-        if paused {
-            return Ok(Step::Paused);
-        }
-        if touched && !last {
-            return Ok(Step::Again);
+        if paused || (touched && !last) {
+            self.shared.chunk_buffers.give_back(ours);
+            return Ok(if paused { Step::Paused } else { Step::Again });
         }
         let mut queued = 0u64;
         if runs == [(0, blocks)] {
@@ -3121,7 +3119,7 @@ impl Primary {
             queued = length;
             peer.push(Item::Op(Op::Write {
                 offset,
-                data: ours.into(),
+                data: self.shared.chunk_buffers.share(ours),
             }));
         } else {
             // Copies, so that a queue of a few blocks from each chunk does not keep whole
@@ -3134,6 +3132,7 @@ impl Primary {
                 }));
                 queued += (stop - start) as u64;
             }
+            self.shared.chunk_buffers.give_back(ours);
         }
         // A scrub's repair of a replica in sync: data without a history position, which a
         // FLUSH queued after the next write confirms. (A catch-up's copies need no note:
@@ -3155,10 +3154,11 @@ impl Primary {
         block: usize,
         theirs: &[u8],
     ) -> Result<(Vec<u8>, Vec<BlockRun>), String> {
-        let mut ours = vec![0u8; length as usize];
-        self.local
-            .read(offset, &mut ours)
-            .map_err(|error| error.to_string())?;
+        let mut ours = self.shared.chunk_buffers.take(length as usize);
+        if let Err(error) = self.local.read(offset, &mut ours) {
+            self.shared.chunk_buffers.give_back(ours);
+            return Err(error.to_string());
+        }
         let mut runs: Vec<BlockRun> = Vec::new();
         for (index, mine) in ours.chunks(block).enumerate() {
             let differs = if theirs.is_empty() {
