@@ -184,7 +184,7 @@ pub fn encode_record(run_id: u64, sequence: u64, offset: u64, block: &mut [u8]) 
         sequence,
         &mut block[RECORD_HEADER_BYTES..length - 4],
     );
-    let checksum = crc32c::crc32c(&block[..length - 4]);
+    let checksum = crc_fast::crc32_iscsi(&block[..length - 4]);
     block[length - 4..].copy_from_slice(&checksum.to_be_bytes());
 }
 
@@ -217,7 +217,7 @@ pub fn decode_record(run_id: u64, offset: u64, block: &[u8]) -> Decoded {
     }
     let mut stored = [0u8; 4];
     stored.copy_from_slice(&block[length - 4..]);
-    if crc32c::crc32c(&block[..length - 4]) != u32::from_be_bytes(stored) {
+    if crc_fast::crc32_iscsi(&block[..length - 4]) != u32::from_be_bytes(stored) {
         return Decoded::Corrupt("record fails its CRC32C (torn or corrupted block)".to_string());
     }
     let record_run = read_u64(8);

@@ -188,14 +188,14 @@ pub fn encode_extent(
         &(key.len() as u32).to_le_bytes(),
         &(stored.len() as u32).to_le_bytes(),
         &(raw_len as u32).to_le_bytes(),
-        &crc32c::crc32c(stored).to_le_bytes(),
+        &crc32c(stored).to_le_bytes(),
         content_hash.unwrap_or(&[0u8; 32]),
     ];
     for bytes in header {
         put(out, &mut at, bytes);
     }
     debug_assert_eq!(at, 64);
-    let header_crc = crc32c::crc32c_append(crc32c::crc32c(&out[..64]), key);
+    let header_crc = crc32c_of(&[&out[..64], key]);
     for bytes in [&header_crc.to_le_bytes()[..], key, stored] {
         put(out, &mut at, bytes);
     }
@@ -261,10 +261,26 @@ pub fn decode_header(bytes: &[u8]) -> Result<ExtentHeader, String> {
     })
 }
 
+/// CRC-32C (Castagnoli), computed by `crc-fast`: its carry-less-multiply code checks a 4 KiB
+/// block 3-4× as fast as the `crc32c` crate's CRC instructions on this machine's CPU (the same
+/// checksum; every block read and written pays it).
+fn crc32c(bytes: &[u8]) -> u32 {
+    crc_fast::crc32_iscsi(bytes)
+}
+
+/// [`crc32c`] of `parts` one after another.
+fn crc32c_of(parts: &[&[u8]]) -> u32 {
+    let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+    for part in parts {
+        digest.update(part);
+    }
+    digest.finalize() as u32
+}
+
 /// Checks the header CRC (header bytes 0..64 and the key).
 pub fn verify_header(header_bytes: &[u8], key: &[u8]) -> Result<(), String> {
     let expected = le_u32(header_bytes, 64);
-    let actual = crc32c::crc32c_append(crc32c::crc32c(&header_bytes[0..64]), key);
+    let actual = crc32c_of(&[&header_bytes[0..64], key]);
     if expected != actual {
         return Err(format!(
             "header checksum mismatch (stored {expected:08x}, computed {actual:08x})"
@@ -306,7 +322,7 @@ pub fn decode_extent_ref(record: &[u8]) -> Result<ExtentRef<'_>, String> {
     let key = &record[EXTENT_HEADER_LEN..key_end];
     verify_header(record, key)?;
     let stored = &record[key_end..key_end + header.stored_len];
-    let crc = crc32c::crc32c(stored);
+    let crc = crc32c(stored);
     if crc != header.payload_crc {
         return Err(format!(
             "payload checksum mismatch (stored {:08x}, computed {crc:08x})",
@@ -332,7 +348,7 @@ pub fn encode_segment_header(segment_id: u64, store_id: &[u8; 16]) -> [u8; SEGME
     out[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
     out[16..24].copy_from_slice(&segment_id.to_le_bytes());
     out[24..40].copy_from_slice(store_id);
-    let crc = crc32c::crc32c(&out[0..60]);
+    let crc = crc32c(&out[0..60]);
     out[60..64].copy_from_slice(&crc.to_le_bytes());
     out
 }
@@ -346,7 +362,7 @@ pub fn decode_segment_header(bytes: &[u8]) -> StoreResult<(u64, [u8; 16])> {
     if bytes[0..8] != SEGMENT_MAGIC {
         return Err(bad("bad magic"));
     }
-    if le_u32(bytes, 60) != crc32c::crc32c(&bytes[0..60]) {
+    if le_u32(bytes, 60) != crc32c(&bytes[0..60]) {
         return Err(bad("checksum mismatch"));
     }
     let version = le_u32(bytes, 8);

@@ -103,7 +103,7 @@ fn push_record(out: &mut Vec<u8>, tag: u8, payload: &[&[u8]]) {
     for part in payload {
         out.extend_from_slice(part);
     }
-    let crc = crc32c::crc32c(&out[start..]);
+    let crc = crc_fast::crc32_iscsi(&out[start..]);
     out.extend_from_slice(&crc.to_le_bytes());
 }
 
@@ -449,7 +449,10 @@ impl StreamReader<'_> {
         self.read_exact(payload)?;
         let mut crc_bytes = [0u8; 4];
         self.read_exact(&mut crc_bytes)?;
-        let crc = crc32c::crc32c_append(crc32c::crc32c(&head), payload);
+        let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+        digest.update(&head);
+        digest.update(payload);
+        let crc = digest.finalize() as u32;
         if crc != u32::from_le_bytes(crc_bytes) {
             return Err(self.error(format!("record at byte {record_offset} fails its CRC32C")));
         }
