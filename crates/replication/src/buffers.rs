@@ -1,6 +1,6 @@
-//! Buffers a whole copy reads its chunks into, used again once a chunk is sent: a fresh
-//! multi-MiB buffer is zero-filled and faulted in page by page before the read overwrites it,
-//! which cost a rebuilding primary more CPU than the read's own copy.
+//! Buffers a whole copy reads its chunks into, used again once a chunk is sent: a fresh 1 MiB
+//! buffer is zero-filled and faulted in page by page before the read overwrites it, which
+//! took about 7 % of a rebuilding primary's CPU.
 
 use std::sync::{Arc, Mutex};
 

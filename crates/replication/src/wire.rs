@@ -237,9 +237,7 @@ impl Batch {
             common_with: view.common_with,
         })
     }
-}
 
-impl Batch {
     /// Encodes the batch as `postcard::to_allocvec` does, but as parts: each write's data of
     /// at least [`SHARED_PART_BYTES`] is a part of its own, shared rather than copied, between
     /// the bytes encoded around it. The transport writes the parts one after another; the
