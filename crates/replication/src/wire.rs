@@ -497,45 +497,51 @@ pub fn block_hash(block: &[u8]) -> [u8; BLOCK_HASH_BYTES] {
 mod tests {
     use super::*;
 
-    // Proves a batch encoded as parts is byte for byte what postcard encodes, with each large
-    // write's data sent from the write's own buffer and each small one copied.
-    #[test]
-    fn a_batch_encoded_as_parts_is_postcards_encoding_sharing_large_writes() {
-        let large = |fill: u8, len: usize| Bytes::from(vec![fill; len]);
-        let batch = Batch {
+    /// A batch of `ops` ending in a FLUSH, its other fields set (a catalog index of two varint
+    /// bytes).
+    fn batch_of(ops: Vec<Op>) -> Batch {
+        Batch {
             volume_id: 7,
             epoch: 3,
             stream: 99,
             index: 2,
-            ops: vec![
-                Op::Write {
-                    offset: 0,
-                    data: large(1, SHARED_PART_BYTES),
-                },
-                Op::Write {
-                    offset: 1 << 20,
-                    data: large(2, SHARED_PART_BYTES),
-                },
-                Op::Write {
-                    offset: 4096,
-                    data: large(3, SHARED_PART_BYTES - 1),
-                },
-                Op::Trim {
-                    offset: 0,
-                    length: 8192,
-                },
-                // The same bytes as the first write's, sent from its own buffer.
-                Op::Write {
-                    offset: 8192,
-                    data: large(1, SHARED_PART_BYTES),
-                },
-            ],
+            ops,
             flush: true,
             catalog_index: 300,
             generation: 3,
             common_index: Some(1),
             common_with: vec![3],
-        };
+        }
+    }
+
+    // Proves a batch encoded as parts is byte for byte what postcard encodes, with each large
+    // write's data sent from the write's own buffer and each small one copied.
+    #[test]
+    fn a_batch_encoded_as_parts_is_postcards_encoding_sharing_large_writes() {
+        let large = |fill: u8, len: usize| Bytes::from(vec![fill; len]);
+        let batch = batch_of(vec![
+            Op::Write {
+                offset: 0,
+                data: large(1, SHARED_PART_BYTES),
+            },
+            Op::Write {
+                offset: 1 << 20,
+                data: large(2, SHARED_PART_BYTES),
+            },
+            Op::Write {
+                offset: 4096,
+                data: large(3, SHARED_PART_BYTES - 1),
+            },
+            Op::Trim {
+                offset: 0,
+                length: 8192,
+            },
+            // The same bytes as the first write's, sent from its own buffer.
+            Op::Write {
+                offset: 8192,
+                data: large(1, SHARED_PART_BYTES),
+            },
+        ]);
         let payload = batch.encode().unwrap();
         assert_eq!(
             payload.clone().into_vec(),
@@ -573,36 +579,25 @@ mod tests {
     // Proves the messages round-trip through postcard and truncated input is refused.
     #[test]
     fn batches_round_trip_and_truncation_is_refused() {
-        let batch = Batch {
-            volume_id: 7,
-            epoch: 3,
-            stream: 99,
-            index: 2,
-            ops: vec![
-                Op::Write {
-                    offset: 4096,
-                    data: Bytes::from(vec![5; 4096]),
-                },
-                Op::Write {
-                    offset: 0,
-                    data: Bytes::new(),
-                },
-                Op::Trim {
-                    offset: 0,
-                    length: 8192,
-                },
-                Op::Zeroes {
-                    offset: 8192,
-                    length: 4096,
-                    may_trim: true,
-                },
-            ],
-            flush: true,
-            catalog_index: 12,
-            generation: 3,
-            common_index: Some(1),
-            common_with: vec![3],
-        };
+        let batch = batch_of(vec![
+            Op::Write {
+                offset: 4096,
+                data: Bytes::from(vec![5; 4096]),
+            },
+            Op::Write {
+                offset: 0,
+                data: Bytes::new(),
+            },
+            Op::Trim {
+                offset: 0,
+                length: 8192,
+            },
+            Op::Zeroes {
+                offset: 8192,
+                length: 4096,
+                may_trim: true,
+            },
+        ]);
         let bytes = postcard::to_allocvec(&batch).unwrap();
         assert_eq!(postcard::from_bytes::<Batch>(&bytes).unwrap(), batch);
         // The replica's decoding, which shares the payload, gives the same batch...
