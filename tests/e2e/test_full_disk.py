@@ -68,6 +68,10 @@ def test_full_disk_refuses_new_data_and_still_frees_space(make_server, workdir, 
         assert refused is not None, f"the 160 MiB disk never filled with {size}-byte objects"
         assert refused.response["ResponseMetadata"]["HTTPStatusCode"] == 507, refused.response
         assert refused.response["Error"]["Code"] == "InsufficientStorage"
+    # Health says so, naming the directory: the store refuses writes at its reserve.
+    status = srv.cli("status", check=False).stdout
+    assert "KEEL_FULL" in status and f"{small_disk / 'data'} has" in status, status
+    assert "writes that add data are refused" in status, status
 
     # A volume write is refused too (ENOSPC through NBD), and the volume can still be deleted.
     require("qemu-io", "qemu-utils")
@@ -85,6 +89,7 @@ def test_full_disk_refuses_new_data_and_still_frees_space(make_server, workdir, 
         del stored[key]
 
     srv.cli("store", "compact")
+    assert "KEEL_FULL" not in srv.cli("status", check=False).stdout
     s3.put_object(Bucket="fill", Key="after", Body=b"space is back")
     assert s3.get_object(Bucket="fill", Key="after")["Body"].read() == b"space is back"
     for key, md5 in stored.items():

@@ -385,9 +385,9 @@ fn nearfull_nodes(state: &AppState) -> Vec<keel_cluster::HealthCheck> {
                 "KEEL_NODE_NEARFULL",
                 "warn",
                 format!(
-                    "node {} is nearly full (a data directory over its nearfull_percent): it \
-                     takes no new replica, so rebuilds, moves and drains place replicas on \
-                     other nodes",
+                    "node {} is nearly full (a data directory over its nearfull_percent used, \
+                     or with less than twice the store's reserve free): it takes no new \
+                     replica, so rebuilds, moves and drains place replicas on other nodes",
                     record.name
                 ),
                 format!(
@@ -651,20 +651,48 @@ pub fn status_report(
         };
         available = available.min(info.available_bytes);
         let limit = state.config.nearfull_percent;
-        let (used, counted) = info.used_of();
-        if crate::nearfull::nearly_full(&[(used, counted)], limit, false) {
-            let days = fill
-                .as_ref()
-                .and_then(|fill| fill.days_to_full)
-                .map(|days| format!(", full in about {days:.1} days at the recent rate"))
-                .unwrap_or_default();
+        let usage = crate::nearfull::Usage::of(&info);
+        let reserve = stats.reserve_bytes;
+        let days = fill
+            .as_ref()
+            .and_then(|fill| fill.days_to_full)
+            .map(|days| format!(", full in about {days:.1} days at the recent rate"))
+            .unwrap_or_default();
+        let free = crate::cli::human_bytes(usage.available);
+        if usage.full(reserve) {
+            checks.push(check(
+                "KEEL_FULL",
+                "error",
+                format!(
+                    "{} has {free} free, at the {} the store keeps in reserve: writes that add \
+                     data are refused (volume writes, object uploads, the copies of replicas \
+                     this node holds)",
+                    dir.display(),
+                    crate::cli::human_bytes(reserve)
+                ),
+                "free space (delete volumes, snapshots or objects, then keel store compact) or \
+                 add a device; a replica here catches up on its own once there is room",
+            ));
+        } else if crate::nearfull::over_percent(&usage, limit, false) {
             checks.push(check(
                 "KEEL_NEARFULL",
                 "warn",
                 format!(
                     "{} is {}% used, over the {limit}% warning level{days}",
                     dir.display(),
-                    u128::from(used) * 100 / u128::from(counted)
+                    usage.percent_used()
+                ),
+                "free space or add a device; keel store compact returns what deleted data held",
+            ));
+        } else if crate::nearfull::nearly_full(&[usage], limit, reserve, false) {
+            checks.push(check(
+                "KEEL_NEARFULL",
+                "warn",
+                format!(
+                    "{} has {free} free, under twice the {} the store keeps in reserve (it \
+                     refuses writes at the reserve){days}",
+                    dir.display(),
+                    crate::cli::human_bytes(reserve)
                 ),
                 "free space or add a device; keel store compact returns what deleted data held",
             ));

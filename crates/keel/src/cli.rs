@@ -198,7 +198,7 @@ fn print_json(value: &Value) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn human_bytes(bytes: u64) -> String {
+pub(crate) fn human_bytes(bytes: u64) -> String {
     let units = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut value = bytes as f64;
     let mut unit = 0;

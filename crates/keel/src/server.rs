@@ -394,6 +394,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             cluster.clone(),
             config.data.clone(),
             config.nearfull_percent,
+            store.reserve_bytes(),
             Arc::new(keel_clock::SystemClock),
             stopped.clone(),
         ));

@@ -366,6 +366,12 @@ impl Engine {
         &self.config
     }
 
+    /// Free space writes that add data never use: the configured reserve, at least the
+    /// index's headroom.
+    pub fn reserve_bytes(&self) -> u64 {
+        self.config.reserve_bytes.max(INDEX_HEADROOM_BYTES)
+    }
+
     pub fn write(&self, ops: Vec<WriteOp>, durability: Durability) -> StoreResult<WriteAck> {
         self.write_ops(ops, durability, false, false)
     }
@@ -525,7 +531,7 @@ impl Engine {
     /// Refuses `needed` more bytes below the reserve. Reads free space with statfs only when the
     /// last reading is old or close to the limit.
     fn space_check_cached(&self, writer: &mut Writer, needed: u64) -> StoreResult<()> {
-        let reserve_bytes = self.config.reserve_bytes.max(INDEX_HEADROOM_BYTES);
+        let reserve_bytes = self.reserve_bytes();
         if let Some(at) = writer.space_checked_at {
             let estimate = writer
                 .space_available_bytes
@@ -576,7 +582,7 @@ impl Engine {
     }
 
     fn space_check(&self, needed: u64) -> StoreResult<()> {
-        let reserve_bytes = self.config.reserve_bytes.max(INDEX_HEADROOM_BYTES);
+        let reserve_bytes = self.reserve_bytes();
         for device in &self.segments.devices {
             let available = self
                 .segments
@@ -952,7 +958,7 @@ impl Engine {
         {
             return;
         }
-        let reserve_bytes = self.config.reserve_bytes.max(INDEX_HEADROOM_BYTES);
+        let reserve_bytes = self.reserve_bytes();
         let cancel = Arc::new(AtomicBool::new(false));
         let preparation = self.segments.preparation(
             id,
@@ -1272,7 +1278,7 @@ impl Engine {
                 }
             }
         }
-        stats.reserve_bytes = self.config.reserve_bytes.max(INDEX_HEADROOM_BYTES);
+        stats.reserve_bytes = self.reserve_bytes();
         stats.last_seq = lock(&self.writer).next_seq.saturating_sub(1);
         stats.corrupt_reads = self.corrupt_reads.load(Ordering::Relaxed);
         stats.repaired_extents = self.repaired_extents.load(Ordering::Relaxed);

@@ -429,6 +429,12 @@ impl Store {
         self.engine.config()
     }
 
+    /// Free space (per data directory) that writes adding data never use: such a write is
+    /// refused when it would leave less ([`StoreError::NoSpace`]).
+    pub fn reserve_bytes(&self) -> u64 {
+        self.engine.reserve_bytes()
+    }
+
     /// Builds a new index for the (closed) store from its whole log, when `index.redb` is lost
     /// or damaged; the old file, if any, is kept as `index.redb.replaced`. Reads every segment.
     pub fn rebuild_index(
