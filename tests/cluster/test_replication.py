@@ -861,6 +861,89 @@ def test_a_nearly_full_node_takes_no_new_replica(cluster, workdir):
     assert replication(first, "spared")["replicas"] == [1, 3, 2]
 
 
+def test_a_replica_whose_disk_fills_stays_out_of_sync_says_why_and_catches_up_once_there_is_room(cluster, workdir):
+    """Node 2's data directory is a 192 MiB ext4 of its own (loop-mounted), node 1's the big
+    disk; the store keeps 16 MiB in reserve on both. Node 2 holds 96 MiB of an R=1 volume,
+    and 96 MiB written through node 1 to an R=2 volume then fill it: its store refuses the
+    replica's writes (no space), while the client's writes and FLUSHes all succeed (the
+    minimum in sync is 1). Then:
+    - node 2's own health is KEEL_FULL, and node 1's names node 2 nearly full
+      (KEEL_NODE_NEARFULL) and says why its replica is behind: KEEL_VOLUME_DEGRADED carries
+      the replica's own "no space left" answer, as does `volume info`'s catch-up entry;
+    - the catch-up keeps trying, further and further apart (at most 3 more tries in 10 s,
+      where a try a second would make about 10);
+    - once the R=1 volume is deleted and node 2's store compacted (what KEEL_FULL tells the
+      user to do), node 2's mark clears, the replica catches up and joins the in-sync set,
+      and with node 1 killed it serves every byte."""
+    if shutil.which("mkfs.ext4") is None:
+        pytest.fail("mkfs.ext4 is not installed (Debian package e2fsprogs); scripts/test.sh installs it")
+    image, mount = workdir / "n2.img", workdir / "n2"
+    mount.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(192 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
+    subprocess.run(["mount", "-o", "loop", str(image), str(mount)], check=True)
+    try:
+        config = workdir / "small.toml"
+        config.write_text("[store]\nsegment_size_max_bytes = 8388608\nreserve_bytes = 16777216\n")
+        first, second = two_nodes_and_witness(cluster, extra_args=["--config", str(config)])
+        for node, name, replicas in ((second, "ballast", 1), (first, "fills", 2)):
+            code, created = node.api("POST", "/api/v1/volumes",
+                                     {"name": name, "size_bytes": 96 << 20, "replicas": replicas}, timeout=30)
+            assert code == 200, created
+        write_random(attach(second, "ballast"), 96 << 20)
+        client = attach(first, "fills")
+        data = os.urandom(96 << 20)
+        for offset in range(0, len(data), 1 << 20):
+            client.write(offset, data[offset:offset + (1 << 20)])
+            if offset % (8 << 20) == 0:
+                client.flush()
+        client.flush()
+        client.close()
+
+        assert "KEEL_FULL" in second.cli("status", check=False).stdout
+        def behind():
+            status = first.cli("status", check=False).stdout
+            if "node n2 is nearly full" not in status:
+                return None
+            degraded = [line for line in status.splitlines() if "KEEL_VOLUME_DEGRADED" in line]
+            if not degraded or "no space left on" not in degraded[0]:
+                return None
+            return degraded[0]
+        line = wait_until("node 1's health naming node 2 full", behind, timeout=30)
+        assert "behind: node 2 (n2; nearly full; its catch-up failed" in line, line
+        assert "free space on the nearly full node" in line, line
+
+        def catch_up():
+            entries = replication(first, "fills")["served_here"]["catching_up"]
+            assert [entry["node"] for entry in entries] == [2], entries
+            return entries[0]
+        entry = catch_up()
+        assert entry["failures"] >= 1 and "no space left on" in entry["last_failure"], entry
+        before = entry["failures"]
+        time.sleep(10)
+        after = catch_up()["failures"]
+        assert after - before <= 3, f"{after - before} catch-up tries in 10 s on a full replica"
+        assert sorted(replication(first, "fills")["in_sync"]) == [1]
+
+        second.cli("volume", "delete", "ballast")
+        second.cli("store", "compact")
+        wait_until("the replica caught up once there is room",
+                   lambda: sorted(replication(first, "fills")["in_sync"]) == [1, 2], timeout=120)
+        assert "KEEL_FULL" not in second.cli("status", check=False).stdout
+        wait_until("node 2's mark cleared",
+                   lambda: "KEEL_NODE_NEARFULL" not in first.cli("status", check=False).stdout, timeout=30)
+
+        first.kill9()
+        other = attach(second, "fills", timeout=60)
+        for offset in range(0, len(data), 1 << 20):
+            assert other.read(offset, 1 << 20) == data[offset:offset + (1 << 20)], f"MiB {offset >> 20} differs"
+        other.close()
+    finally:
+        cluster.stop()
+        subprocess.run(["umount", str(mount)], check=False)
+
+
 def test_a_drain_hands_primaries_off_and_forwards_the_clients_attached_there(cluster, workdir):
     """Three storage nodes; node 1 the primary of an R=2 volume attached there through NBD, of
     an R=3 volume nobody attached, and the only replica of an R=1 volume attached there too.

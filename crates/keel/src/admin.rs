@@ -445,52 +445,115 @@ fn drains(state: &AppState) -> Vec<keel_cluster::HealthCheck> {
 }
 
 /// Replicated volumes with fewer replicas in sync than wanted: (code, severity, message,
-/// action) per volume.
+/// action) per volume. Each replica behind is named with what holds it back, as far as this
+/// node knows: its node down or nearly full (the catalog), and, where this node is the
+/// volume's primary, why its catch-up last failed.
 fn volume_redundancy(state: &AppState) -> Vec<(&'static str, &'static str, String, String)> {
-    let catalog = state.cluster.catalog().read();
+    struct Behind {
+        node: keel_catalog::NodeId,
+        name: String,
+        /// Why its node cannot take anything now: removed, down, not answering.
+        gone: Option<&'static str>,
+        nearfull: bool,
+    }
+    let degraded: Vec<(u64, keel_catalog::VolumeRecord, Vec<Behind>)> = {
+        let catalog = state.cluster.catalog().read();
+        (catalog.volumes.iter())
+            .filter(|(_, entry)| {
+                let replication = &entry.record.replication;
+                entry.record.status == keel_catalog::VolumeStatus::Ready
+                    && replication.in_sync.len() < usize::from(replication.factor)
+            })
+            .map(|(id, entry)| {
+                let replication = &entry.record.replication;
+                let behind = (replication.replicas.iter())
+                    .filter(|node| !replication.in_sync.contains(node))
+                    .map(|node| {
+                        let record = catalog.nodes.get(node);
+                        Behind {
+                            node: *node,
+                            name: record.map(|r| r.name.clone()).unwrap_or_default(),
+                            gone: match record {
+                                None => Some("unknown"),
+                                Some(r) if r.removed => Some("removed"),
+                                Some(r) => match r.state {
+                                    keel_catalog::NodeState::Up => None,
+                                    keel_catalog::NodeState::Suspect => Some("not answering"),
+                                    keel_catalog::NodeState::Down => Some("down"),
+                                },
+                            },
+                            nearfull: catalog.nearfull.contains(node),
+                        }
+                    })
+                    .collect();
+                (*id, entry.record.clone(), behind)
+            })
+            .collect()
+    };
     let mut findings = Vec::new();
-    for entry in catalog.volumes.values() {
-        let record = &entry.record;
+    for (volume_id, record, behind) in degraded {
         let replication = &record.replication;
         let in_sync = replication.in_sync.len();
-        if record.status != keel_catalog::VolumeStatus::Ready
-            || in_sync >= usize::from(replication.factor)
-        {
-            continue;
-        }
         let (code, severity) = if in_sync < usize::from(replication.in_sync_min) {
             ("KEEL_VOLUME_BELOW_MIN_IN_SYNC", "error")
         } else {
             ("KEEL_VOLUME_DEGRADED", "warn")
         };
-        let behind: Vec<String> = replication
-            .replicas
-            .iter()
-            .filter(|node| !replication.in_sync.contains(node))
-            .map(|node| node.to_string())
+        let served = state.replication.primary_status(volume_id);
+        let described: Vec<String> = (behind.iter())
+            .map(|replica| {
+                let mut why = Vec::new();
+                if !replica.name.is_empty() {
+                    why.push(replica.name.clone());
+                }
+                why.extend(replica.gone.map(str::to_string));
+                if replica.nearfull {
+                    why.push("nearly full".to_string());
+                }
+                let failed = (served.iter())
+                    .flat_map(|status| &status.catching_up)
+                    .find(|catch_up| catch_up.node == replica.node)
+                    .and_then(|catch_up| {
+                        let last = catch_up.last_failure.as_ref()?;
+                        Some(format!(
+                            "its catch-up failed {} time(s) in a row, the last {} s ago: {last}",
+                            catch_up.failures,
+                            catch_up.last_failure_seconds_ago.unwrap_or(0)
+                        ))
+                    });
+                why.extend(failed);
+                format!("node {} ({})", replica.node, why.join("; "))
+            })
             .collect();
+        let remedy = if behind.iter().any(|replica| replica.nearfull) {
+            "free space on the nearly full node (its replica catches up on its own once there \
+             is room), or move the replica: lower R and raise it again (keel volume \
+             set-replication), which places the new replica on another node"
+        } else if behind.iter().any(|replica| replica.gone.is_some()) {
+            "bring the node back: its replica catches up on its own"
+        } else {
+            "its replica is being caught up (keel volume info shows progress and, on the \
+             primary, why a catch-up failed)"
+        };
         findings.push((
             code,
             severity,
             format!(
-                "volume {:?} has {in_sync} of {} replicas in sync (minimum {}); behind: node {}",
+                "volume {:?} has {in_sync} of {} replicas in sync (minimum {}); behind: {}",
                 record.name,
                 replication.factor,
                 replication.in_sync_min,
-                behind.join(", node ")
+                described.join(", ")
             ),
             if code == "KEEL_VOLUME_BELOW_MIN_IN_SYNC" {
                 format!(
-                    "writes are refused: bring the node back (its replica catches up on its own; \
-                     keel volume info shows progress), or accept less redundancy with keel \
-                     volume set-replication {} --min-in-sync {}",
+                    "writes are refused: {remedy}; or accept less redundancy with keel volume \
+                     set-replication {} --min-in-sync {}",
                     record.name,
                     in_sync.max(1)
                 )
             } else {
-                "bring the node back: its replica catches up on its own (keel volume info shows \
-                 progress)"
-                    .to_string()
+                remedy.to_string()
             },
         ));
     }

@@ -20,8 +20,8 @@ use crate::turns::{TURN_RENEW, TURN_RETRY};
 use crate::wire::{
     self, Batch, BatchAck, ChangedAnswer, ChangedRequest, CopyAnswer, CopyTurnAnswer,
     CopyTurnRequest, HashAnswer, HashRequest, Op, TurnAction, UnwrittenAnswer, BLOCK_HASH_BYTES,
-    CODE_BEHIND, CODE_FENCED, METHOD_CHANGED, METHOD_COPY_TURN, METHOD_HASHES, METHOD_READ_COPY,
-    METHOD_REPLICATE, METHOD_UNWRITTEN,
+    CODE_BEHIND, CODE_FAILED, CODE_FENCED, METHOD_CHANGED, METHOD_COPY_TURN, METHOD_HASHES,
+    METHOD_READ_COPY, METHOD_REPLICATE, METHOD_UNWRITTEN,
 };
 use crate::{lock, Point, Shared, RESYNC_CHUNK_BYTES, RESYNC_PROBE_BYTES};
 
@@ -37,6 +37,24 @@ const BATCHES_IN_FLIGHT: usize = 4;
 const BATCH_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often a replica outside the in-sync set is retried.
 const RESYNC_RETRY: Duration = Duration::from_secs(1);
+/// The longest wait between catch-ups of a replica that keeps refusing what it is sent
+/// ([`retry_after`]).
+const RESYNC_RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// How long a catch-up that failed waits before the next try, after `failures` failed tries
+/// in a row: [`RESYNC_RETRY`], doubled for each try in a row that the replica itself refused
+/// (`refused`: it answered that applying failed, say its disk is full, which the next second
+/// rarely changes), up to [`RESYNC_RETRY_MAX`]. A node that does not answer is tried every
+/// second: it may be back at any moment, and its catch-up should start then.
+fn retry_after(failures: u32, refused: bool) -> Duration {
+    if !refused {
+        return RESYNC_RETRY;
+    }
+    let doublings = failures.saturating_sub(1).min(5);
+    RESYNC_RETRY
+        .saturating_mul(1 << doublings)
+        .min(RESYNC_RETRY_MAX)
+}
 /// A call about a whole copy's turn on the replica's node not answered within this fails
 /// (the catch-up is retried).
 const TURN_CALL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -178,6 +196,20 @@ struct Peer {
     /// new entry, and the catch-up task of the old one must not work on it
     /// ([`Primary::spawn_resync`]).
     id: u64,
+    /// Catch-ups of it that failed in a row since it was last in sync.
+    failures: u32,
+    /// Why it last failed: `keel volume info` and health show it.
+    last_failure: Option<PeerFailure>,
+}
+
+/// Why a replica's stream or catch-up last failed.
+struct PeerFailure {
+    /// The replica's own answer when it refused a batch; the catch-up's error otherwise.
+    message: String,
+    at: Instant,
+    /// The replica answered that applying failed ([`CODE_FAILED`]): it is up, but cannot
+    /// take what it is sent.
+    refused: bool,
 }
 
 /// Identities of [`Peer`] entries, never reused.
@@ -219,6 +251,8 @@ impl Peer {
             common_told: None,
             added: false,
             wake: Arc::new(tokio::sync::Notify::new()),
+            failures: 0,
+            last_failure: None,
         }
     }
 
@@ -373,6 +407,11 @@ pub struct CatchUp {
     pub compared_bytes: u64,
     pub total_bytes: u64,
     pub eta_seconds: Option<u64>,
+    /// Tries that failed in a row (each retried, sooner or later: [`retry_after`]).
+    pub failures: u32,
+    /// Why the last one failed, and how long ago.
+    pub last_failure: Option<String>,
+    pub last_failure_seconds_ago: Option<u64>,
 }
 
 /// What a scrub of a replicated volume found and repaired.
@@ -528,6 +567,11 @@ impl Primary {
                         compared_bytes: peer.resync_compared,
                         total_bytes: peer.resync_total,
                         eta_seconds,
+                        failures: peer.failures,
+                        last_failure: (peer.last_failure.as_ref())
+                            .map(|failure| failure.message.clone()),
+                        last_failure_seconds_ago: (peer.last_failure.as_ref())
+                            .map(|failure| now.saturating_duration_since(failure.at).as_secs()),
                     }
                 })
                 .collect(),
@@ -1072,6 +1116,7 @@ impl Primary {
     fn settle(self: &Arc<Self>, node: NodeId, sent: Sent) -> bool {
         let mut state = self.state();
         let epoch = state.epoch;
+        let in_sync = state.in_sync.contains(&node);
         let Some(peer) = state.peers.get_mut(&node) else {
             return false;
         };
@@ -1113,7 +1158,20 @@ impl Primary {
             // the new stream began): the new stream is not at fault.
             Err(_) if peer.stream != sent.stream => true,
             Err(failure) => {
-                tracing::warn!(volume = %self.name, node, epoch, error = %failure.message, "a replica failed; taking it out of the in-sync set");
+                // Warned once per run of failures: a replica that cannot take what it is
+                // sent (its disk is full) fails every catch-up until that changes.
+                if in_sync {
+                    tracing::warn!(volume = %self.name, node, epoch, error = %failure.message, "a replica failed; taking it out of the in-sync set");
+                } else if peer.last_failure.is_none() {
+                    tracing::warn!(volume = %self.name, node, epoch, error = %failure.message, "a replica being caught up failed");
+                } else {
+                    tracing::debug!(volume = %self.name, node, epoch, error = %failure.message, "a replica being caught up failed again");
+                }
+                peer.last_failure = Some(PeerFailure {
+                    refused: failure.code == Some(CODE_FAILED),
+                    message: failure.message,
+                    at: self.shared.clock_now(),
+                });
                 peer.failed = true;
                 peer.sender_running = false;
                 peer.end_stream();
@@ -2268,7 +2326,6 @@ impl Primary {
         };
         let this = self.clone();
         self.shared.runtime.spawn(async move {
-            let mut failures = 0u64;
             loop {
                 // The replica's entry, if it is still the one this task catches up: one removed
                 // and added back while this task slept has a task of its own, and two catch-ups
@@ -2278,38 +2335,52 @@ impl Primary {
                 if this.state().peers.get(&node).is_none_or(|peer| peer.id != id) {
                     return;
                 }
-                match this.resync(node, id).await {
-                    // Done, unless the replica's stream failed meanwhile (as it joined the set,
-                    // or while the FLUSH after it waited): the drop_replica that followed found
-                    // this catch-up running and left the next one to it. Looked at under the
-                    // same lock that ends it, so no failure falls in between.
-                    Ok(()) => {
-                        let again = match this.state().peers.get_mut(&node) {
-                            Some(peer) if peer.id != id => false,
-                            Some(peer) if peer.failed || !peer.streaming => true,
-                            Some(peer) => {
-                                peer.resync_running = false;
-                                false
-                            }
-                            None => false,
-                        };
-                        if !again {
+                let attempt = this.shared.clock_now();
+                let outcome = this.resync(node, id).await;
+                if outcome.is_err() && this.is_closed() {
+                    break;
+                }
+                // Done, unless the replica's stream failed meanwhile (as it joined the set, or
+                // while the FLUSH after it waited): the drop_replica that followed found this
+                // catch-up running and left the next one to it. Looked at under the same lock
+                // that ends it, so no failure falls in between.
+                let retry = {
+                    let mut state = this.state();
+                    let Some(peer) = state.peers.get_mut(&node).filter(|peer| peer.id == id)
+                    else {
+                        return;
+                    };
+                    match &outcome {
+                        Ok(()) if !peer.failed && peer.streaming => {
+                            peer.resync_running = false;
+                            peer.failures = 0;
+                            peer.last_failure = None;
                             return;
                         }
-                        this.shared.clock().sleep(RESYNC_RETRY).await;
+                        Ok(()) => {}
+                        // The stream's failure, if one came during this try, says more (the
+                        // replica's own answer) than what the catch-up saw of it.
+                        Err(error) => {
+                            if peer.last_failure.as_ref().is_none_or(|last| last.at < attempt) {
+                                peer.last_failure = Some(PeerFailure {
+                                    message: error.clone(),
+                                    at: this.shared.clock_now(),
+                                    refused: false,
+                                });
+                            }
+                        }
                     }
-                    Err(error) => {
-                        if this.is_closed() {
-                            break;
-                        }
-                        // Said once, then every minute: a node that is down fails every try.
-                        if failures.is_multiple_of(60) {
-                            tracing::info!(volume = %this.name, node, %error, failures, "catching a replica up failed; retrying every second");
-                        }
-                        failures += 1;
-                        this.shared.clock().sleep(RESYNC_RETRY).await;
+                    peer.failures = peer.failures.saturating_add(1);
+                    let refused = peer.last_failure.as_ref().is_some_and(|last| last.refused);
+                    (peer.failures, retry_after(peer.failures, refused))
+                };
+                if let (Err(error), (failures, after)) = (&outcome, retry) {
+                    // Said once, then every 60th try: a node that is down fails every try.
+                    if failures % 60 == 1 {
+                        tracing::info!(volume = %this.name, node, %error, failures, ?after, "catching a replica up failed; retrying");
                     }
                 }
+                this.shared.clock().sleep(retry.1).await;
             }
             if let Some(peer) = this.state().peers.get_mut(&node) {
                 if peer.id == id {
@@ -3431,5 +3502,24 @@ impl VolumeIo for Primary {
         self.shared
             .runtime
             .block_on(self.write_zeroes_async(offset, length, fua, may_trim))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{retry_after, RESYNC_RETRY, RESYNC_RETRY_MAX};
+    use std::time::Duration;
+
+    // Proves a replica that keeps refusing is tried further and further apart, never more
+    // than RESYNC_RETRY_MAX apart, and that one that does not answer is tried every second.
+    #[test]
+    fn a_refusing_replica_is_retried_further_apart_and_a_silent_one_every_second() {
+        let waits: Vec<u64> = (1..=8).map(|n| retry_after(n, true).as_secs()).collect();
+        assert_eq!(waits, [1, 2, 4, 8, 16, 30, 30, 30]);
+        assert_eq!(retry_after(u32::MAX, true), RESYNC_RETRY_MAX);
+        for failures in [0, 1, 5, 100] {
+            assert_eq!(retry_after(failures, false), RESYNC_RETRY);
+        }
+        assert_eq!(RESYNC_RETRY, Duration::from_secs(1));
     }
 }
