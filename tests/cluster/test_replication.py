@@ -911,7 +911,7 @@ def test_a_replica_whose_disk_fills_stays_out_of_sync_says_why_and_catches_up_on
                 return None
             return degraded[0]
         line = wait_until("node 1's health naming node 2 full", behind, timeout=30)
-        assert "behind: node 2 (n2; nearly full; its catch-up failed" in line, line
+        assert "behind: node 2 (n2; nearly full; " in line and "its catch-up failed" in line, line
         assert "free space on the nearly full node" in line, line
 
         def catch_up():
@@ -1632,6 +1632,10 @@ def test_a_resync_ships_no_faster_than_its_configured_rate(cluster, workdir):
     assert waiting[0]["compared_bytes"] == 0, waiting
     status = first.cli("status").stdout
     assert "KEEL_REBUILDS_WAITING" in status and '"next" to node 2' in status, status
+    # The primary's health names how far each catch-up got, or that it waits its turn.
+    degraded = {line.split('"')[1]: line for line in status.splitlines() if "KEEL_VOLUME_DEGRADED" in line}
+    assert "behind: node 2 (n2; catching up: " in degraded["paced"] and "of 64.0 MiB compared (" in degraded["paced"], degraded
+    assert "behind: node 2 (n2; waiting for a turn to copy the whole volume)" in degraded["next"], degraded
     assert sorted(replication(first, "paced")["in_sync"]) == [1], "the first copy ended before the check"
     wait_until("the new replica in sync",
                lambda: sorted(replication(first, "paced")["in_sync"]) == [1, 2], timeout=60)

@@ -510,18 +510,10 @@ fn volume_redundancy(state: &AppState) -> Vec<(&'static str, &'static str, Strin
                 if replica.nearfull {
                     why.push("nearly full".to_string());
                 }
-                let failed = (served.iter())
+                let catch_up = (served.iter())
                     .flat_map(|status| &status.catching_up)
-                    .find(|catch_up| catch_up.node == replica.node)
-                    .and_then(|catch_up| {
-                        let last = catch_up.last_failure.as_ref()?;
-                        Some(format!(
-                            "its catch-up failed {} time(s) in a row, the last {} s ago: {last}",
-                            catch_up.failures,
-                            catch_up.last_failure_seconds_ago.unwrap_or(0)
-                        ))
-                    });
-                why.extend(failed);
+                    .find(|catch_up| catch_up.node == replica.node);
+                why.extend(catch_up.into_iter().flat_map(catch_up_words));
                 format!("node {} ({})", replica.node, why.join("; "))
             })
             .collect();
@@ -532,8 +524,8 @@ fn volume_redundancy(state: &AppState) -> Vec<(&'static str, &'static str, Strin
         } else if behind.iter().any(|replica| replica.gone.is_some()) {
             "bring the node back: its replica catches up on its own"
         } else {
-            "its replica is being caught up (keel volume info shows progress and, on the \
-             primary, why a catch-up failed)"
+            "nothing, if its catch-up progresses (the primary's keel status and keel volume \
+             info show how far it got, and why a try failed)"
         };
         findings.push((
             code,
@@ -558,6 +550,37 @@ fn volume_redundancy(state: &AppState) -> Vec<(&'static str, &'static str, Strin
         ));
     }
     findings
+}
+
+/// What a primary's status says of one replica it catches up: how far the comparison got
+/// (or that it waits for a turn to copy the whole volume; nothing of a try that failed while
+/// the next has not begun), and why the last try failed.
+fn catch_up_words(catch_up: &keel_replication::primary::CatchUp) -> Vec<String> {
+    let mut words = Vec::new();
+    if catch_up.waiting_for_turn {
+        words.push("waiting for a turn to copy the whole volume".to_string());
+    } else if catch_up.total_bytes > 0
+        && (catch_up.last_failure.is_none() || catch_up.eta_seconds.is_some())
+    {
+        let left = catch_up
+            .eta_seconds
+            .map(|seconds| format!(", about {seconds} s left"))
+            .unwrap_or_default();
+        words.push(format!(
+            "catching up: {} of {} compared ({}%){left}",
+            crate::cli::human_bytes(catch_up.compared_bytes),
+            crate::cli::human_bytes(catch_up.total_bytes),
+            u128::from(catch_up.compared_bytes) * 100 / u128::from(catch_up.total_bytes)
+        ));
+    }
+    if let Some(last) = &catch_up.last_failure {
+        words.push(format!(
+            "its catch-up failed {} time(s) in a row, the last {} s ago: {last}",
+            catch_up.failures,
+            catch_up.last_failure_seconds_ago.unwrap_or(0)
+        ));
+    }
+    words
 }
 
 /// Ready volumes with one replica, on this node: how many, and the first few names.

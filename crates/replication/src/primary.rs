@@ -407,7 +407,8 @@ pub struct CatchUp {
     pub compared_bytes: u64,
     pub total_bytes: u64,
     pub eta_seconds: Option<u64>,
-    /// Tries that failed in a row (each retried, sooner or later: [`retry_after`]).
+    /// Tries that failed in a row (each retried, sooner or later: [`retry_after`]). While
+    /// the next try has not begun, `eta_seconds` is `None`.
     pub failures: u32,
     /// Why the last one failed, and how long ago.
     pub last_failure: Option<String>,
@@ -553,8 +554,10 @@ impl Primary {
                     let elapsed = peer
                         .resync_started
                         .map(|started| now.saturating_duration_since(started).as_secs_f64());
+                    // None while its last try failed and the next has not begun: the rate
+                    // of a try that ended says nothing.
                     let eta_seconds = match elapsed {
-                        Some(elapsed) if peer.resync_compared > 0 => {
+                        Some(elapsed) if peer.resync_compared > 0 && !peer.failed => {
                             let rate = peer.resync_compared as f64 / elapsed.max(0.001);
                             let left = peer.resync_total.saturating_sub(peer.resync_compared);
                             Some((left as f64 / rate).ceil() as u64)
