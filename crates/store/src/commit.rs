@@ -536,14 +536,14 @@ impl Engine {
             let estimate = writer
                 .space_available_bytes
                 .saturating_sub(writer.appended_since_space_check_bytes);
-            if at.elapsed() < SPACE_RECHECK_INTERVAL
+            if self.config.clock.now().saturating_duration_since(at) < SPACE_RECHECK_INTERVAL
                 && estimate > needed + reserve_bytes + SPACE_RECHECK_MARGIN_BYTES
             {
                 return Ok(());
             }
         }
         let result = self.space_check(needed);
-        writer.space_checked_at = Some(std::time::Instant::now());
+        writer.space_checked_at = Some(self.config.clock.now());
         writer.appended_since_space_check_bytes = 0;
         writer.space_available_bytes = match &result {
             Ok(()) => self

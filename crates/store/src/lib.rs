@@ -165,6 +165,9 @@ pub struct StoreConfig {
     /// every byte into pages nobody reads soon nor waits behind their writeback. 0 turns it
     /// off. Default 256 KiB.
     pub direct_write_min_bytes: usize,
+    /// What decides when the free space read last is old enough to read again (a second):
+    /// the system's clock, or a simulation's.
+    pub clock: Arc<dyn keel_clock::Clock>,
 }
 
 impl StoreConfig {
@@ -179,6 +182,7 @@ impl StoreConfig {
             disk: Arc::new(disk::RealDisk),
             prepare_segments: true,
             direct_write_min_bytes: 256 << 10,
+            clock: Arc::new(keel_clock::SystemClock),
         }
     }
 }
