@@ -14,7 +14,8 @@
 //! served — the same node, or another replica taking the volume over once the primary's lease
 //! ran out. Meanwhile, for a number of
 //! steps, the seed picks among: a node's power cut (its unsynced writes lost, dropped, kept or
-//! torn) and restart, partitions and healing, message loss and delay, idle time. Then every
+//! torn) and restart, partitions and healing, message loss and delay, a node's disk filling
+//! until room comes back, idle time. Then every
 //! link heals, every node comes back, and the volume is served until every replica is in sync.
 //! With [`Mode::Moves`] the engine also acts on outages of its own: a node down for seconds
 //! has its replicas moved and a volume it was primary of taken over in the background; with
@@ -58,6 +59,9 @@ use keel_namespace::volume::{BackgroundWork, VolumeError, VolumeIo, VolumeManage
 use keel_replication::primary::Primary;
 use keel_replication::{LocalVolumes, Replication, Settings};
 use keel_store::simdisk::SimDisk;
+
+/// The space each node's store keeps free: writes that add data are refused below it.
+const STORE_RESERVE_BYTES: u64 = 16 << 20;
 use keel_store::{Store, StoreConfig};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -86,6 +90,9 @@ pub struct Report {
     pub replica_changes: u64,
     pub power_cuts: u64,
     pub partitions: u64,
+    /// Times a node's disk filled (its store refusing writes that add data) until room came
+    /// back.
+    pub disks_filled: u64,
     /// With [`Mode::Moves`]: how long a node must be down before its replicas move and a
     /// volume whose primary it was is taken over in the background (`move_after`).
     pub move_after_ms: Option<u64>,
@@ -328,6 +335,8 @@ struct World {
     restarts: Vec<(tokio::time::Instant, usize)>,
     /// When the cut in place heals.
     heal_at: Option<tokio::time::Instant>,
+    /// The node whose disk is full, and when it has room again.
+    room_at: Option<(tokio::time::Instant, usize)>,
     /// A fault the next client to get a FLUSH acknowledged makes to its primary's node.
     armed: Option<Fault>,
     /// Print every event as it is recorded, with the simulated time (`KEEL_SIM_TRACE=1`).
@@ -554,7 +563,8 @@ impl StartNode {
         config.disk = Arc::new(self.disk);
         // Small segments: a simulated disk holds them in memory.
         config.segment_size_max_bytes = 8 << 20;
-        config.reserve_bytes = 0;
+        config.reserve_bytes = STORE_RESERVE_BYTES;
+        config.clock = self.clock.clone();
         // No thread racing the seed's schedule.
         config.prepare_segments = false;
         let store =
@@ -1387,6 +1397,7 @@ pub fn run_in(seed: u64, steps: u32, mode: Mode) -> Report {
         rollbacks: 0,
         replica_changes: 0,
         power_cuts: 0,
+        disks_filled: 0,
         partitions: 0,
         move_after_ms: match mode {
             Mode::Standard => None,
@@ -1470,6 +1481,7 @@ async fn simulate(mut report: Report) -> Report {
         replica_changes_tried: 0,
         restarts: Vec::new(),
         heal_at: None,
+        room_at: None,
         armed: None,
         print_trace: std::env::var_os("KEEL_SIM_TRACE").is_some(),
         started: tokio::time::Instant::now(),
@@ -1575,13 +1587,19 @@ async fn simulate(mut report: Report) -> Report {
                 world.network.heal();
                 world.heal_at = None;
             }
+            if let Some((_, index)) = world.room_at.filter(|(at, _)| *at <= now) {
+                world.record(&format!("{step} room on n{}", index + 1));
+                world.nodes[index].disk.set_capacity(None);
+                world.room_at = None;
+            }
         }
-        let (down, cut, armed) = {
+        let (down, cut, armed, full) = {
             let world = world.borrow();
             (
                 world.restarts.len(),
                 world.heal_at.is_some(),
                 world.armed.is_some(),
+                world.room_at.is_some(),
             )
         };
         // At most one node down at a time, and one cut at a time: the cluster keeps a Raft
@@ -1623,6 +1641,26 @@ async fn simulate(mut report: Report) -> Report {
                 world.record(&format!("{step} armed: {fault:?} after the next FLUSH"));
                 world.armed = Some(fault);
             }
+            // A node's disk fills: its store keeps the reserve it always keeps (16 MiB, for
+            // metadata and the index) and room for a few more blocks, then refuses writes
+            // that add data, whether it is the primary (client writes fail) or a replica
+            // (its catch-ups are refused until there is room again).
+            20..=23 if !full => {
+                let index = rng.gen_range(0..3);
+                let room = rng.gen_range(0..128 * 1024);
+                let mut world = world.borrow_mut();
+                world.record(&format!(
+                    "{step} disk full on n{} ({room} bytes over the reserve)",
+                    index + 1
+                ));
+                world.report.disks_filled += 1;
+                let disk = &world.nodes[index].disk;
+                disk.set_capacity(Some(disk.used_bytes() + STORE_RESERVE_BYTES + room));
+                world.room_at = Some((
+                    now + Duration::from_millis(rng.gen_range(500..8_000)),
+                    index,
+                ));
+            }
             _ => {}
         }
         tokio::time::sleep(Duration::from_millis(rng.gen_range(10..250))).await;
@@ -1630,12 +1668,15 @@ async fn simulate(mut report: Report) -> Report {
         run_background_work(&world);
     }
 
-    // Heal everything, bring every node back, and stop the clients.
+    // Heal everything, give every disk room, bring every node back, and stop the clients.
     {
         let mut world = world.borrow_mut();
         world.record("converge");
         world.network.heal();
         world.network.calm();
+        if let Some((_, index)) = world.room_at.take() {
+            world.nodes[index].disk.set_capacity(None);
+        }
     }
     let down = {
         let mut world = world.borrow_mut();

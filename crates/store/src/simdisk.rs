@@ -189,6 +189,11 @@ impl SimDisk {
         self.lock().capacity_bytes = bytes;
     }
 
+    /// Bytes all files hold now (what [`SimDisk::set_capacity`] counts).
+    pub fn used_bytes(&self) -> u64 {
+        self.lock().used_bytes()
+    }
+
     /// Fails `count` operations of kind `op` on paths containing `path_contains`, after letting
     /// `skip` of them through, with `errno` (e.g. `libc::EIO`, `libc::ENOSPC`).
     pub fn inject(&self, op: FaultOp, path_contains: &str, errno: i32, skip: u32, count: u32) {

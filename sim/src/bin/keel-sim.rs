@@ -108,6 +108,7 @@ fn replication(args: &[String]) -> ! {
     let started = Instant::now();
     let (mut runs, mut failures) = (0u64, 0u64);
     let (mut writes, mut flushes, mut attaches, mut cuts, mut partitions) = (0, 0, 0, 0, 0);
+    let mut filled = 0;
     let (mut rollbacks, mut replica_changes, mut moved, mut deleted) = (0, 0, 0, 0);
     let mut drains = 0;
     let mut handed = 0;
@@ -128,6 +129,7 @@ fn replication(args: &[String]) -> ! {
         flushes += report.flushes;
         attaches += report.attaches;
         cuts += report.power_cuts;
+        filled += report.disks_filled;
         partitions += report.partitions;
         rollbacks += report.rollbacks;
         replica_changes += report.replica_changes;
@@ -149,7 +151,7 @@ fn replication(args: &[String]) -> ! {
         seed += 1;
     }
     println!(
-        "{runs} seeds ({first}..{}), {steps} steps each, {:.0} s: {writes} writes, {flushes} FLUSHes acknowledged, {attaches} attaches, {cuts} power cuts, {partitions} partitions, {rollbacks} rollbacks, {replica_changes} changes of R, {moved} replicas moved, {deleted} snapshots deleted, {drains} drains begun or ended, {handed} primaries handed off, {copied} copies off draining nodes; {failures} failing seed(s)",
+        "{runs} seeds ({first}..{}), {steps} steps each, {:.0} s: {writes} writes, {flushes} FLUSHes acknowledged, {attaches} attaches, {cuts} power cuts, {partitions} partitions, {filled} disks filled, {rollbacks} rollbacks, {replica_changes} changes of R, {moved} replicas moved, {deleted} snapshots deleted, {drains} drains begun or ended, {handed} primaries handed off, {copied} copies off draining nodes; {failures} failing seed(s)",
         seed.saturating_sub(1),
         started.elapsed().as_secs_f64()
     );
