@@ -944,6 +944,61 @@ def test_a_replica_whose_disk_fills_stays_out_of_sync_says_why_and_catches_up_on
         subprocess.run(["umount", str(mount)], check=False)
 
 
+def test_a_replica_refusing_its_catch_ups_that_long_moves_to_a_node_with_room(cluster, workdir):
+    """As above, node 2's small disk fills with an R=1 volume of its own and the replica of an
+    R=2 volume written through node 1, and node 2 refuses the replica's catch-ups. Node 4, a
+    storage node with room, joins; once node 2 has refused for `replica_move_after_ms` (4 s
+    here), the primary moves the replica to node 4 (node 2 is up, so only its refusals make
+    it move), which catches up and joins the in-sync set, and serves every byte with node 1
+    killed. Node 2's copy is erased."""
+    if shutil.which("mkfs.ext4") is None:
+        pytest.fail("mkfs.ext4 is not installed (Debian package e2fsprogs); scripts/test.sh installs it")
+    image, mount = workdir / "n2.img", workdir / "n2"
+    mount.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(192 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
+    subprocess.run(["mount", "-o", "loop", str(image), str(mount)], check=True)
+    try:
+        config = workdir / "small.toml"
+        config.write_text("[store]\nsegment_size_max_bytes = 8388608\nreserve_bytes = 16777216\n"
+                          "[cluster]\nreplica_move_after_ms = 4000\n")
+        first, second = two_nodes_and_witness(cluster, extra_args=["--config", str(config)])
+        for node, name, replicas in ((second, "ballast", 1), (first, "fills", 2)):
+            code, created = node.api("POST", "/api/v1/volumes",
+                                     {"name": name, "size_bytes": 96 << 20, "replicas": replicas}, timeout=30)
+            assert code == 200, created
+        write_random(attach(second, "ballast"), 96 << 20)
+        client = attach(first, "fills")
+        data = write_random(client, 96 << 20)
+        client.close()
+        wait_until("node 2 refusing the replica's catch-ups", lambda: any(
+            "no space left on" in (entry["last_failure"] or "")
+            for entry in replication(first, "fills")["served_here"]["catching_up"]), timeout=30)
+        assert replication(first, "fills")["replicas"] == [1, 2]
+
+        fourth = cluster.add(extra_args=["--config", str(config)])
+        wait_until("the replica moved to node 4 and in sync", lambda: (
+            (lambda info: info["replicas"] == [1, 4] and sorted(info["in_sync"]) == [1, 4])(
+                replication(first, "fills"))), timeout=90)
+        assert "replica moved off a node that refused its catch-ups that long" in first.log()
+        # What node 2 holds comes back to its own volume's 96 MiB once its copy is erased.
+        def live_on_second():
+            code, status = second.api("GET", "/api/v1/status")
+            assert code == 200, status
+            return status["store"]["live_raw_bytes"]
+        wait_until("node 2's copy erased", lambda: live_on_second() <= (96 << 20) + (1 << 20), timeout=60)
+
+        first.kill9()
+        other = attach(fourth, "fills", timeout=60)
+        for offset in range(0, len(data), 1 << 20):
+            assert other.read(offset, 1 << 20) == data[offset:offset + (1 << 20)], f"MiB {offset >> 20} differs"
+        other.close()
+    finally:
+        cluster.stop()
+        subprocess.run(["umount", str(mount)], check=False)
+
+
 def test_a_drain_hands_primaries_off_and_forwards_the_clients_attached_there(cluster, workdir):
     """Three storage nodes; node 1 the primary of an R=2 volume attached there through NBD, of
     an R=3 volume nobody attached, and the only replica of an R=1 volume attached there too.

@@ -519,8 +519,8 @@ fn volume_redundancy(state: &AppState) -> Vec<(&'static str, &'static str, Strin
             .collect();
         let remedy = if behind.iter().any(|replica| replica.nearfull) {
             "free space on the nearly full node (its replica catches up on its own once there \
-             is room), or move the replica: lower R and raise it again (keel volume \
-             set-replication), which places the new replica on another node"
+             is room); a replica refusing its catch-ups for cluster.replica_move_after_ms \
+             moves on its own to another storage node with room, if there is one (add one)"
         } else if behind.iter().any(|replica| replica.gone.is_some()) {
             "bring the node back: its replica catches up on its own"
         } else {

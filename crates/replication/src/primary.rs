@@ -200,6 +200,10 @@ struct Peer {
     failures: u32,
     /// Why it last failed: `keel volume info` and health show it.
     last_failure: Option<PeerFailure>,
+    /// Since when every failure of it was its own refusal (it answered that applying failed:
+    /// its disk is full, or its store stopped): once that lasts [`Settings::move_after`] it
+    /// moves to another node ([`Primary::move_replicas`]).
+    refusing_since: Option<Instant>,
 }
 
 /// Why a replica's stream or catch-up last failed.
@@ -253,6 +257,7 @@ impl Peer {
             wake: Arc::new(tokio::sync::Notify::new()),
             failures: 0,
             last_failure: None,
+            refusing_since: None,
         }
     }
 
@@ -306,10 +311,34 @@ struct State {
     paused: usize,
 }
 
+/// The move [`Primary::move_replicas`] makes of a replica `refusing` its catch-ups that
+/// long, when no replica's node is gone: to a storage node holding none (placement skips
+/// nearly full nodes). None while the replica alone holds some snapshot whole, or while a
+/// copy off a draining node is under way (`extra`: that copy ends first).
+fn plan_refusing_move(
+    catalog: &keel_catalog::CatalogState,
+    entry: &keel_catalog::VolumeEntry,
+    refusing: &BTreeMap<NodeId, String>,
+    extra: bool,
+) -> Option<Planned> {
+    if extra {
+        return None;
+    }
+    let replication = &entry.record.replication;
+    let from = (refusing.keys().copied()).find(|node| {
+        *node != replication.primary
+            && crate::only_whole_on(entry, &replication.replicas, *node).is_empty()
+    })?;
+    let to = (catalog.choose_replica_nodes(&replication.replicas, 1))
+        .first()
+        .copied()?;
+    Some(Planned::Move { from, to })
+}
+
 /// The next change [`Primary::move_replicas`] makes to the replica set.
 enum Planned {
-    /// A replica off a node that is lost (down for the move time, or removed), to another
-    /// (`VolumeMoveReplica`).
+    /// A replica off a node that is lost (down for the move time, or removed), or that has
+    /// refused its catch-ups that long, to another (`VolumeMoveReplica`).
     Move { from: NodeId, to: NodeId },
     /// A replica on a draining node copied to `to` first (`VolumeCopyOffDraining`): the
     /// draining node's copy goes once `to` is in sync ([`Planned::Remove`]).
@@ -1170,10 +1199,13 @@ impl Primary {
                 } else {
                     tracing::debug!(volume = %self.name, node, epoch, error = %failure.message, "a replica being caught up failed again");
                 }
+                let now = self.shared.clock_now();
+                let refused = failure.code == Some(CODE_FAILED);
+                peer.refusing_since = refused.then(|| peer.refusing_since.unwrap_or(now));
                 peer.last_failure = Some(PeerFailure {
-                    refused: failure.code == Some(CODE_FAILED),
+                    refused,
                     message: failure.message,
-                    at: self.shared.clock_now(),
+                    at: now,
                 });
                 peer.failed = true;
                 peer.sender_running = false;
@@ -1717,6 +1749,24 @@ impl Primary {
                 })
                 .collect()
         };
+        // The replicas out of sync that have refused their catch-ups for `after`, with why.
+        let refusing: BTreeMap<NodeId, String> = {
+            let now = self.shared.clock_now();
+            let state = self.state();
+            (state.peers.iter())
+                .filter(|(node, peer)| {
+                    !state.in_sync.contains(node)
+                        && (peer.refusing_since)
+                            .is_some_and(|since| now.saturating_duration_since(since) >= after)
+                })
+                .map(|(node, peer)| {
+                    let why = (peer.last_failure.as_ref())
+                        .map(|failure| failure.message.clone())
+                        .unwrap_or_default();
+                    (*node, why)
+                })
+                .collect()
+        };
         let planned = {
             let catalog = self.shared.metadata.catalog().read();
             let Some(entry) = catalog.volumes.get(&self.volume_id) else {
@@ -1738,7 +1788,9 @@ impl Primary {
                 .flatten();
             match removal {
                 Some(removal) => Some(removal),
-                None => self.plan_move(&catalog, entry, &answering, extra, now_ms, after_ms),
+                None => self
+                    .plan_move(&catalog, entry, &answering, extra, now_ms, after_ms)
+                    .or_else(|| plan_refusing_move(&catalog, entry, &refusing, extra)),
             }
         };
         let (from, to) = match planned {
@@ -1817,7 +1869,14 @@ impl Primary {
                 state.peers.insert(to, Peer::new());
                 drop(state);
                 self.changed.notify_waiters();
-                tracing::warn!(volume = %self.name, from, to, "replica moved off a node that is gone; catching the new one up");
+                match refusing.get(&from) {
+                    Some(why) => {
+                        tracing::warn!(volume = %self.name, from, to, after = ?after, error = %why, "replica moved off a node that refused its catch-ups that long; catching the new one up")
+                    }
+                    None => {
+                        tracing::warn!(volume = %self.name, from, to, "replica moved off a node that is gone; catching the new one up")
+                    }
+                }
                 self.spawn_resync(to);
             }
             Err(error) => {
@@ -2358,6 +2417,7 @@ impl Primary {
                             peer.resync_running = false;
                             peer.failures = 0;
                             peer.last_failure = None;
+                            peer.refusing_since = None;
                             return;
                         }
                         Ok(()) => {}
@@ -2370,6 +2430,7 @@ impl Primary {
                                     at: this.shared.clock_now(),
                                     refused: false,
                                 });
+                                peer.refusing_since = None;
                             }
                         }
                     }
