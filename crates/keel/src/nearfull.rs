@@ -1,9 +1,9 @@
 //! This node's "nearly full" mark in the catalog (`NodeSetNearfull`): set once a data
 //! directory's filesystem is over `nearfull_percent` used or has less than twice the store's
 //! reserve free, cleared once every one is back a point under the percentage and a hundredth
-//! of its size above twice the reserve. Placement gives a nearly full node no new replica, and Raft refuses a move,
-//! copy or new replica onto it, so a rebuild or a drain does not fill a disk that is already
-//! nearly full (`docs/volumes.md`, "Placement").
+//! of its size above twice the reserve. Placement gives a nearly full node no new replica,
+//! and Raft refuses a move, copy or new replica onto it, so a rebuild or a drain does not
+//! fill a disk that is already nearly full (`docs/volumes.md`, "Placement").
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -36,8 +36,9 @@ impl Usage {
 
     /// Whether the store is about to refuse writes here: it refuses one that would leave less
     /// than `reserve` free, and a group commit writes up to [`FULL_MARGIN_BYTES`] at once.
+    /// An unknown size (nothing counted) is never full.
     pub fn full(&self, reserve: u64) -> bool {
-        self.available < reserve.saturating_add(FULL_MARGIN_BYTES)
+        self.counted > 0 && self.available < reserve.saturating_add(FULL_MARGIN_BYTES)
     }
 
     /// Whether so little is free that a whole copy could fill it: under twice the store's
