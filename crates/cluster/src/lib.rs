@@ -349,9 +349,8 @@ pub struct Cluster {
     /// Client-facing addresses, known once the server bound its listeners (after start).
     addresses: Mutex<NodeAddresses>,
     reporter: OnceLock<Reporter>,
-    /// When this node last sent a report that the leader acknowledged (the leader itself: its
-    /// last round with a quorum). Its lease runs from there ([`Cluster::holds_lease`]).
-    lease_from: Mutex<Option<std::time::Instant>>,
+    /// This node's lease ([`Cluster::holds_lease`]).
+    lease: Mutex<Lease>,
     /// When this node last heard from a leader (a Raft append or snapshot; its start before
     /// any): it acknowledged no leader after that. Told to the candidates it votes for.
     heard_leader_at: Mutex<std::time::Instant>,
@@ -500,7 +499,7 @@ impl Cluster {
             transport,
             runtime: tokio::runtime::Handle::current(),
             liveness: Mutex::new(Liveness::default()),
-            lease_from: Mutex::new(None),
+            lease: Mutex::new(Lease::default()),
             heard_leader_at: Mutex::new(started),
             grants,
             addresses: Mutex::new(addresses),
@@ -1142,11 +1141,15 @@ impl Cluster {
                 self.record_report(report);
                 // The reporter's lease runs from this leader's last quorum acknowledgement at
                 // the latest: a leader cut off from its quorum renews nobody's lease.
+                // The index it had committed too: the reporter's lease waits until it applied
+                // that far ([`Cluster::holds_lease`]).
                 let now = self.config.clock.now();
-                let acked_ms_ago: Option<u64> = self
-                    .quorum_acked_at()
-                    .map(|acked| now.saturating_duration_since(acked).as_millis() as u64);
-                encode_answer(&acked_ms_ago)
+                let committed = self.committed_index();
+                let answer: Option<(u64, u64)> = self.quorum_acked_at().map(|acked| {
+                    let acked_ms_ago = now.saturating_duration_since(acked).as_millis() as u64;
+                    (acked_ms_ago, committed)
+                });
+                encode_answer(&answer)
             }
             METHOD_STATUS => encode_answer(&self.liveness_view()),
             METHOD_TRANSFER_LEADERSHIP => {
@@ -1197,9 +1200,36 @@ impl Cluster {
     /// Whether this node heard from the leader (or, as leader, from a quorum) within `lease`:
     /// a node that holds a lease may serve as a volume's primary; the leader gives a primary's
     /// volume to another node only after it has been silent for longer ([`Cluster::silent_for`]).
+    /// A lease also needs this node to have applied what the leader had committed when it
+    /// gave it: a node back from a partition is given a lease at once, and until its catalog
+    /// caught up it would still believe what it believed before (a primary taken over
+    /// meanwhile would serve a read from its old copy: simulation seed 94381).
     pub fn holds_lease(&self, lease: Duration) -> bool {
         let now = self.config.clock.now();
-        lock(&self.lease_from).is_some_and(|from| now.saturating_duration_since(from) < lease)
+        let applied = self.applied_index();
+        let mut held = lock(&self.lease);
+        if let Some((from, committed)) = held.given {
+            if applied >= committed {
+                held.from = held.from.max(Some(from));
+                held.given = None;
+            }
+        }
+        held.from
+            .is_some_and(|from| now.saturating_duration_since(from) < lease)
+    }
+
+    /// The leader gave this node a lease running `from` then, when it had committed the log
+    /// through `committed`.
+    fn lease_given(&self, from: std::time::Instant, committed: u64) {
+        let mut held = lock(&self.lease);
+        if held.given.is_none_or(|(given, _)| given <= from) {
+            held.given = Some((from, committed));
+        }
+    }
+
+    /// The index of the last log entry this node knows committed (0: none).
+    fn committed_index(&self) -> u64 {
+        self.metrics().cluster_committed.map_or(0, |id| id.index())
     }
 
     /// As leader with a quorum: how long no report came from `node`, at most how long since an
@@ -1541,6 +1571,18 @@ impl Cluster {
     }
 }
 
+/// A node's lease: the leader's acknowledgement of its reports, counted only once the node
+/// applied what the leader had committed then.
+#[derive(Debug, Default)]
+struct Lease {
+    /// The lease this node holds runs from here.
+    from: Option<std::time::Instant>,
+    /// The latest lease given, and the index the leader had committed then: it replaces
+    /// `from` once this node applied that far. Until then an earlier lease still counts
+    /// (no take-over happens while it runs: the leader waits it out).
+    given: Option<(std::time::Instant, u64)>,
+}
+
 /// A node's liveness as the leader sees it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct NodeLiveness {
@@ -1661,7 +1703,7 @@ async fn report_loop(cluster: Weak<Cluster>) {
             lock(&strong.liveness).leading_since.get_or_insert(sent);
             strong.record_report(report);
             if let Some(acked) = strong.quorum_acked_at() {
-                *lock(&strong.lease_from) = Some(acked);
+                strong.lease_given(acked, strong.committed_index());
             }
         } else if let Some(leader) = strong.leader() {
             match postcard::to_allocvec(&report) {
@@ -1670,13 +1712,13 @@ async fn report_loop(cluster: Weak<Cluster>) {
                         .call_node(leader, METHOD_HEARTBEAT, payload, interval * 2)
                         .await
                     {
-                        Ok(answer) => match postcard::from_bytes::<Option<u64>>(&answer) {
-                            Ok(Some(acked_ms_ago)) => {
+                        Ok(answer) => match postcard::from_bytes::<Option<(u64, u64)>>(&answer) {
+                            Ok(Some((acked_ms_ago, committed))) => {
                                 let acked = strong_clock
                                     .now()
                                     .checked_sub(Duration::from_millis(acked_ms_ago));
                                 if let Some(acked) = acked {
-                                    *lock(&strong.lease_from) = Some(sent.min(acked));
+                                    strong.lease_given(sent.min(acked), committed);
                                 }
                             }
                             Ok(None) => tracing::debug!("the leader has no quorum: no lease"),

@@ -50,8 +50,10 @@ const STATUS_OTHER_PROTOCOL: u8 = 2;
 /// command records a node as nearly full, and the catalog's snapshot ends with those nodes.
 /// 9: the copy off a draining node is made for a replica of any R (R + 1 replicas while R
 /// stays), and refused while one is under way. 10: a primary asks a replica's node for a turn
-/// to receive a whole copy (a new method and its messages).
-pub const PROTOCOL: u16 = 10;
+/// to receive a whole copy (a new method and its messages). 11: the leader's answer to a
+/// node's report carries the log index it had committed (the node's lease waits until it
+/// applied that far).
+pub const PROTOCOL: u16 = 11;
 
 fn protocol_of(hello: &[u8]) -> u16 {
     u16::from_le_bytes([hello[6], hello[7]])
