@@ -861,7 +861,58 @@ def test_a_nearly_full_node_takes_no_new_replica(cluster, workdir):
     assert replication(first, "spared")["replicas"] == [1, 3, 2]
 
 
-def test_a_replica_whose_disk_fills_stays_out_of_sync_says_why_and_catches_up_once_there_is_room(cluster, workdir):
+@pytest.fixture
+def small_second_disk(cluster, workdir):
+    """Node 2's data directory as a 192 MiB ext4 of its own (loop-mounted); unmounted after
+    the cluster stops."""
+    if shutil.which("mkfs.ext4") is None:
+        pytest.fail("mkfs.ext4 is not installed (Debian package e2fsprogs); scripts/test.sh installs it")
+    image, mount = workdir / "n2.img", workdir / "n2"
+    mount.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(192 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
+    subprocess.run(["mount", "-o", "loop", str(image), str(mount)], check=True)
+    yield mount
+    cluster.stop()
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def fill_second_node(cluster, workdir, settings=""):
+    """Two storage nodes (16 MiB store reserve, 8 MiB segments, `settings` for [cluster]) and a
+    witness; node 2 (on `small_second_disk`) holds 96 MiB of an R=1 volume `ballast`, then
+    96 MiB written through node 1 to the R=2 volume `fills`, flushed every 8 MiB, fill it.
+    Returns (node 1, node 2, the config file, the data written to `fills`)."""
+    config = workdir / "small.toml"
+    config.write_text("[store]\nsegment_size_max_bytes = 8388608\nreserve_bytes = 16777216\n"
+                      f"[cluster]\n{settings}\n")
+    first, second = two_nodes_and_witness(cluster, extra_args=["--config", str(config)])
+    for node, name, replicas in ((second, "ballast", 1), (first, "fills", 2)):
+        code, created = node.api("POST", "/api/v1/volumes",
+                                 {"name": name, "size_bytes": 96 << 20, "replicas": replicas}, timeout=30)
+        assert code == 200, created
+    write_random(attach(second, "ballast"), 96 << 20)
+    client = attach(first, "fills")
+    data = os.urandom(96 << 20)
+    for offset in range(0, len(data), 1 << 20):
+        client.write(offset, data[offset:offset + (1 << 20)])
+        if offset % (8 << 20) == 0:
+            client.flush()
+    client.flush()
+    client.close()
+    return first, second, config, data
+
+
+def assert_serves(node, name, data):
+    """Attaches `name` through `node` and reads `data` back, 1 MiB at a time."""
+    client = attach(node, name, timeout=60)
+    for offset in range(0, len(data), 1 << 20):
+        assert client.read(offset, 1 << 20) == data[offset:offset + (1 << 20)], f"MiB {offset >> 20} differs"
+    client.close()
+
+
+def test_a_replica_whose_disk_fills_stays_out_of_sync_says_why_and_catches_up_once_there_is_room(
+        cluster, workdir, small_second_disk):
     """Node 2's data directory is a 192 MiB ext4 of its own (loop-mounted), node 1's the big
     disk; the store keeps 16 MiB in reserve on both. Node 2 holds 96 MiB of an R=1 volume,
     and 96 MiB written through node 1 to an R=2 volume then fill it: its store refuses the
@@ -875,128 +926,71 @@ def test_a_replica_whose_disk_fills_stays_out_of_sync_says_why_and_catches_up_on
     - once the R=1 volume is deleted and node 2's store compacted (what KEEL_FULL tells the
       user to do), node 2's mark clears, the replica catches up and joins the in-sync set,
       and with node 1 killed it serves every byte."""
-    if shutil.which("mkfs.ext4") is None:
-        pytest.fail("mkfs.ext4 is not installed (Debian package e2fsprogs); scripts/test.sh installs it")
-    image, mount = workdir / "n2.img", workdir / "n2"
-    mount.mkdir()
-    with open(image, "wb") as f:
-        f.truncate(192 << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
-    subprocess.run(["mount", "-o", "loop", str(image), str(mount)], check=True)
-    try:
-        config = workdir / "small.toml"
-        config.write_text("[store]\nsegment_size_max_bytes = 8388608\nreserve_bytes = 16777216\n")
-        first, second = two_nodes_and_witness(cluster, extra_args=["--config", str(config)])
-        for node, name, replicas in ((second, "ballast", 1), (first, "fills", 2)):
-            code, created = node.api("POST", "/api/v1/volumes",
-                                     {"name": name, "size_bytes": 96 << 20, "replicas": replicas}, timeout=30)
-            assert code == 200, created
-        write_random(attach(second, "ballast"), 96 << 20)
-        client = attach(first, "fills")
-        data = os.urandom(96 << 20)
-        for offset in range(0, len(data), 1 << 20):
-            client.write(offset, data[offset:offset + (1 << 20)])
-            if offset % (8 << 20) == 0:
-                client.flush()
-        client.flush()
-        client.close()
+    first, second, _, data = fill_second_node(cluster, workdir)
+    assert "KEEL_FULL" in second.cli("status", check=False).stdout
+    def behind():
+        status = first.cli("status", check=False).stdout
+        if "node n2 is nearly full" not in status:
+            return None
+        degraded = [line for line in status.splitlines() if "KEEL_VOLUME_DEGRADED" in line]
+        if not degraded or "no space left on" not in degraded[0]:
+            return None
+        return degraded[0]
+    line = wait_until("node 1's health naming node 2 full", behind, timeout=30)
+    assert "behind: node 2 (n2; nearly full; " in line and "its catch-up failed" in line, line
+    assert "free space on the nearly full node" in line, line
 
-        assert "KEEL_FULL" in second.cli("status", check=False).stdout
-        def behind():
-            status = first.cli("status", check=False).stdout
-            if "node n2 is nearly full" not in status:
-                return None
-            degraded = [line for line in status.splitlines() if "KEEL_VOLUME_DEGRADED" in line]
-            if not degraded or "no space left on" not in degraded[0]:
-                return None
-            return degraded[0]
-        line = wait_until("node 1's health naming node 2 full", behind, timeout=30)
-        assert "behind: node 2 (n2; nearly full; " in line and "its catch-up failed" in line, line
-        assert "free space on the nearly full node" in line, line
+    def catch_up():
+        entries = replication(first, "fills")["served_here"]["catching_up"]
+        assert [entry["node"] for entry in entries] == [2], entries
+        return entries[0]
+    entry = catch_up()
+    assert entry["failures"] >= 1 and "no space left on" in entry["last_failure"], entry
+    before = entry["failures"]
+    time.sleep(10)
+    after = catch_up()["failures"]
+    assert after - before <= 3, f"{after - before} catch-up tries in 10 s on a full replica"
+    assert sorted(replication(first, "fills")["in_sync"]) == [1]
 
-        def catch_up():
-            entries = replication(first, "fills")["served_here"]["catching_up"]
-            assert [entry["node"] for entry in entries] == [2], entries
-            return entries[0]
-        entry = catch_up()
-        assert entry["failures"] >= 1 and "no space left on" in entry["last_failure"], entry
-        before = entry["failures"]
-        time.sleep(10)
-        after = catch_up()["failures"]
-        assert after - before <= 3, f"{after - before} catch-up tries in 10 s on a full replica"
-        assert sorted(replication(first, "fills")["in_sync"]) == [1]
+    second.cli("volume", "delete", "ballast")
+    second.cli("store", "compact")
+    wait_until("the replica caught up once there is room",
+               lambda: sorted(replication(first, "fills")["in_sync"]) == [1, 2], timeout=120)
+    assert "KEEL_FULL" not in second.cli("status", check=False).stdout
+    wait_until("node 2's mark cleared",
+               lambda: "KEEL_NODE_NEARFULL" not in first.cli("status", check=False).stdout, timeout=30)
 
-        second.cli("volume", "delete", "ballast")
-        second.cli("store", "compact")
-        wait_until("the replica caught up once there is room",
-                   lambda: sorted(replication(first, "fills")["in_sync"]) == [1, 2], timeout=120)
-        assert "KEEL_FULL" not in second.cli("status", check=False).stdout
-        wait_until("node 2's mark cleared",
-                   lambda: "KEEL_NODE_NEARFULL" not in first.cli("status", check=False).stdout, timeout=30)
-
-        first.kill9()
-        other = attach(second, "fills", timeout=60)
-        for offset in range(0, len(data), 1 << 20):
-            assert other.read(offset, 1 << 20) == data[offset:offset + (1 << 20)], f"MiB {offset >> 20} differs"
-        other.close()
-    finally:
-        cluster.stop()
-        subprocess.run(["umount", str(mount)], check=False)
+    first.kill9()
+    assert_serves(second, "fills", data)
 
 
-def test_a_replica_refusing_its_catch_ups_that_long_moves_to_a_node_with_room(cluster, workdir):
+def test_a_replica_refusing_its_catch_ups_that_long_moves_to_a_node_with_room(cluster, workdir, small_second_disk):
     """As above, node 2's small disk fills with an R=1 volume of its own and the replica of an
     R=2 volume written through node 1, and node 2 refuses the replica's catch-ups. Node 4, a
     storage node with room, joins; once node 2 has refused for `replica_move_after_ms` (4 s
     here), the primary moves the replica to node 4 (node 2 is up, so only its refusals make
     it move), which catches up and joins the in-sync set, and serves every byte with node 1
     killed. Node 2's copy is erased."""
-    if shutil.which("mkfs.ext4") is None:
-        pytest.fail("mkfs.ext4 is not installed (Debian package e2fsprogs); scripts/test.sh installs it")
-    image, mount = workdir / "n2.img", workdir / "n2"
-    mount.mkdir()
-    with open(image, "wb") as f:
-        f.truncate(192 << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
-    subprocess.run(["mount", "-o", "loop", str(image), str(mount)], check=True)
-    try:
-        config = workdir / "small.toml"
-        config.write_text("[store]\nsegment_size_max_bytes = 8388608\nreserve_bytes = 16777216\n"
-                          "[cluster]\nreplica_move_after_ms = 4000\n")
-        first, second = two_nodes_and_witness(cluster, extra_args=["--config", str(config)])
-        for node, name, replicas in ((second, "ballast", 1), (first, "fills", 2)):
-            code, created = node.api("POST", "/api/v1/volumes",
-                                     {"name": name, "size_bytes": 96 << 20, "replicas": replicas}, timeout=30)
-            assert code == 200, created
-        write_random(attach(second, "ballast"), 96 << 20)
-        client = attach(first, "fills")
-        data = write_random(client, 96 << 20)
-        client.close()
-        wait_until("node 2 refusing the replica's catch-ups", lambda: any(
-            "no space left on" in (entry["last_failure"] or "")
-            for entry in replication(first, "fills")["served_here"]["catching_up"]), timeout=30)
-        assert replication(first, "fills")["replicas"] == [1, 2]
+    first, second, config, data = fill_second_node(cluster, workdir, "replica_move_after_ms = 4000")
+    wait_until("node 2 refusing the replica's catch-ups", lambda: any(
+        "no space left on" in (entry["last_failure"] or "")
+        for entry in replication(first, "fills")["served_here"]["catching_up"]), timeout=30)
+    assert replication(first, "fills")["replicas"] == [1, 2]
 
-        fourth = cluster.add(extra_args=["--config", str(config)])
-        wait_until("the replica moved to node 4 and in sync", lambda: (
-            (lambda info: info["replicas"] == [1, 4] and sorted(info["in_sync"]) == [1, 4])(
-                replication(first, "fills"))), timeout=90)
-        assert "replica moved off a node that refused its catch-ups that long" in first.log()
-        # What node 2 holds comes back to its own volume's 96 MiB once its copy is erased.
-        def live_on_second():
-            code, status = second.api("GET", "/api/v1/status")
-            assert code == 200, status
-            return status["store"]["live_raw_bytes"]
-        wait_until("node 2's copy erased", lambda: live_on_second() <= (96 << 20) + (1 << 20), timeout=60)
+    fourth = cluster.add(extra_args=["--config", str(config)])
+    wait_until("the replica moved to node 4 and in sync", lambda: (
+        (lambda info: info["replicas"] == [1, 4] and sorted(info["in_sync"]) == [1, 4])(
+            replication(first, "fills"))), timeout=90)
+    assert "replica moved off a node that refused its catch-ups that long" in first.log()
+    # What node 2 holds comes back to its own volume's 96 MiB once its copy is erased.
+    def live_on_second():
+        code, status = second.api("GET", "/api/v1/status")
+        assert code == 200, status
+        return status["store"]["live_raw_bytes"]
+    wait_until("node 2's copy erased", lambda: live_on_second() <= (96 << 20) + (1 << 20), timeout=60)
 
-        first.kill9()
-        other = attach(fourth, "fills", timeout=60)
-        for offset in range(0, len(data), 1 << 20):
-            assert other.read(offset, 1 << 20) == data[offset:offset + (1 << 20)], f"MiB {offset >> 20} differs"
-        other.close()
-    finally:
-        cluster.stop()
-        subprocess.run(["umount", str(mount)], check=False)
+    first.kill9()
+    assert_serves(fourth, "fills", data)
 
 
 def test_a_drain_hands_primaries_off_and_forwards_the_clients_attached_there(cluster, workdir):
