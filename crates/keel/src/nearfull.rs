@@ -45,7 +45,7 @@ impl Usage {
     /// reserve (or, `marked` already, under that plus a hundredth of the filesystem, so a
     /// node at the edge does not flap), whatever the percentage.
     fn low(&self, reserve: u64, marked: bool) -> bool {
-        let limit = reserve.saturating_mul(2);
+        let limit = reserve.saturating_mul(keel_store::LOW_SPACE_RESERVES);
         let limit = if marked {
             limit.saturating_add(self.counted / 100)
         } else {

@@ -372,6 +372,17 @@ impl Engine {
         self.config.reserve_bytes.max(INDEX_HEADROOM_BYTES)
     }
 
+    /// The least free space of any data directory, read now.
+    pub fn available_bytes(&self) -> StoreResult<u64> {
+        let mut least = u64::MAX;
+        for device in &self.segments.devices {
+            let available = (self.segments.disk.available_bytes(&device.dir))
+                .map_err(|e| StoreError::io(&device.dir, e))?;
+            least = least.min(available);
+        }
+        Ok(least)
+    }
+
     pub fn write(&self, ops: Vec<WriteOp>, durability: Durability) -> StoreResult<WriteAck> {
         self.write_ops(ops, durability, false, false)
     }

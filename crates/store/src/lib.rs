@@ -39,6 +39,11 @@ pub use format::Compression;
 pub use latency::{CommitBatches, SyncLatency};
 pub use scrub::ScrubReport;
 
+/// A data directory with less than this many times the store's reserve free is low on space
+/// ([`Store::space_low`]): a node hands its replicated volumes to replicas with room, and
+/// counts as nearly full (placement gives it no new replica).
+pub const LOW_SPACE_RESERVES: u64 = 2;
+
 /// First byte of every key: which part of Keel the key belongs to. Keys sort by keyspace first,
 /// so each keyspace is one contiguous range of the index.
 #[repr(u8)]
@@ -437,6 +442,13 @@ impl Store {
     /// refused when it would leave less ([`StoreError::NoSpace`]).
     pub fn reserve_bytes(&self) -> u64 {
         self.engine.reserve_bytes()
+    }
+
+    /// Whether a data directory has less than [`LOW_SPACE_RESERVES`] times the reserve free
+    /// (read now): writes adding data are about to be refused there.
+    pub fn space_low(&self) -> StoreResult<bool> {
+        let low = self.reserve_bytes().saturating_mul(LOW_SPACE_RESERVES);
+        Ok(self.engine.available_bytes()? < low)
     }
 
     /// Builds a new index for the (closed) store from its whole log, when `index.redb` is lost
