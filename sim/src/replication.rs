@@ -426,6 +426,10 @@ impl LocalVolumes for Copies {
         self.volumes.store().committed_sequence()
     }
 
+    fn space_low(&self) -> bool {
+        self.volumes.store().space_low().unwrap_or(false)
+    }
+
     fn changed_since(
         &self,
         name: &str,

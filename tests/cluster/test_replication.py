@@ -993,6 +993,46 @@ def test_a_replica_refusing_its_catch_ups_that_long_moves_to_a_node_with_room(cl
     assert_serves(fourth, "fills", data)
 
 
+def test_a_primary_whose_disk_runs_low_hands_the_volume_to_a_replica_with_room(cluster, workdir, small_second_disk):
+    """Node 2, on its small disk with 32 MiB of store reserve, holds 96 MiB of an R=1 volume and
+    is the primary of an R=2 volume attached there, through which 96 MiB more are written at
+    full speed, flushed every 8 MiB: more than the room left. Once its store has less than
+    twice its reserve free, node 2 hands the volume to node 1, its replica in sync, which has
+    room, and its client goes on through node 1 (forwarded) without noticing: every write and
+    FLUSH succeeds, where without the hand-off the store refuses them (no space). Node 2's own
+    replica then refuses the stream and falls out of sync; a client attaching to node 2 later
+    is forwarded too; both read back every byte, as does one through node 1 with node 2
+    killed."""
+    config = workdir / "low.toml"
+    config.write_text("[store]\nsegment_size_max_bytes = 8388608\nreserve_bytes = 33554432\n")
+    first, second = two_nodes_and_witness(cluster, extra_args=["--config", str(config)])
+    for name in ("ballast", "fills"):
+        code, created = second.api("POST", "/api/v1/volumes", {
+            "name": name, "size_bytes": 96 << 20, "replicas": 1 if name == "ballast" else 2}, timeout=30)
+        assert code == 200, created
+    write_random(attach(second, "ballast"), 96 << 20)
+    assert replication(second, "fills")["primary"] == 2
+
+    client = attach(second, "fills")
+    data = os.urandom(96 << 20)
+    for offset in range(0, len(data), 1 << 20):
+        client.write(offset, data[offset:offset + (1 << 20)])
+        if offset % (8 << 20) == 0:
+            client.flush()
+    client.flush()
+    info = replication(first, "fills")
+    assert info["primary"] == 1, info
+    assert "this node's store is nearly out of space: handed the volume to another replica" in second.log()
+    wait_until("node 2's replica out of sync", lambda: replication(first, "fills")["in_sync"] == [1], timeout=30)
+    for offset in range(0, len(data), 1 << 20):
+        assert client.read(offset, 1 << 20) == data[offset:offset + (1 << 20)], f"MiB {offset >> 20} differs"
+    client.close()
+    assert_serves(second, "fills", data)
+
+    second.kill9()
+    assert_serves(first, "fills", data)
+
+
 def test_a_drain_hands_primaries_off_and_forwards_the_clients_attached_there(cluster, workdir):
     """Three storage nodes; node 1 the primary of an R=2 volume attached there through NBD, of
     an R=3 volume nobody attached, and the only replica of an R=1 volume attached there too.

@@ -1619,9 +1619,9 @@ impl CatalogState {
         })
     }
 
-    /// The replica a draining node hands a volume's primary to: the lowest in the in-sync set
-    /// other than `from` whose node is up and neither draining nor removed (`None`: the primary
-    /// stays until one is).
+    /// The replica a node that is draining (or low on space) hands a volume's primary to:
+    /// the lowest in the in-sync set other than `from` whose node is up and neither draining
+    /// nor removed, one not nearly full first (`None`: the primary stays until one is).
     pub fn hand_off_target(&self, replication: &Replication, from: NodeId) -> Option<NodeId> {
         (replication.in_sync.iter().copied())
             .filter(|node| *node != from)
@@ -1630,7 +1630,7 @@ impl CatalogState {
                     record.state == NodeState::Up && !record.draining && !record.removed
                 })
             })
-            .min()
+            .min_by_key(|node| (self.nearfull.contains(node), *node))
     }
 
     /// The ready volumes whose replica on `node` (draining) cannot leave it as things are,

@@ -1302,6 +1302,44 @@ fn a_nearly_full_node_takes_no_new_replica() {
     assert!(catalog.catalog().read().nearfull.is_empty());
 }
 
+// Proves a primary is handed to a replica in sync on a node not nearly full first: the
+// lowest such, else the lowest of the rest.
+#[test]
+fn a_hand_off_goes_to_a_replica_with_room_first() {
+    let dir = store_dir("hand-off-room");
+    let catalog = LocalCatalog::open(open(&dir)).unwrap();
+    catalog.propose(second_node()).unwrap();
+    catalog.propose(third_node()).unwrap();
+    for id in [2, 3] {
+        catalog
+            .propose(Command::NodeSetState {
+                id,
+                state: keel_catalog::NodeState::Up,
+                at_unix_ms: 9,
+            })
+            .unwrap();
+    }
+    create_volume(&catalog, "wide", 1 << 20, 1, vec![1, 2, 3]);
+    let target = || {
+        let state = catalog.catalog().read();
+        let replication = &state.volume("wide").unwrap().record.replication;
+        assert_eq!(replication.in_sync, vec![1, 2, 3]);
+        state.hand_off_target(replication, 1)
+    };
+    let mark = |id, nearfull| {
+        catalog
+            .propose(Command::NodeSetNearfull { id, nearfull })
+            .unwrap();
+    };
+    assert_eq!(target(), Some(2));
+    mark(2, true);
+    assert_eq!(target(), Some(3));
+    mark(3, true);
+    assert_eq!(target(), Some(2));
+    mark(2, false);
+    assert_eq!(target(), Some(2));
+}
+
 /// Some unrelated catalog records the restore must remove.
 fn second_node_ops() -> Vec<keel_store::WriteOp> {
     let mut stray = CatalogState {

@@ -683,6 +683,10 @@ impl keel_replication::LocalVolumes for LocalVolumes {
         self.volumes.store().committed_sequence()
     }
 
+    fn space_low(&self) -> bool {
+        self.volumes.store().space_low().unwrap_or(false)
+    }
+
     fn changed_since(
         &self,
         name: &str,

@@ -170,6 +170,10 @@ pub trait LocalVolumes: Send + Sync + 'static {
     /// The store sequence of this node's last committed write: every write committed later
     /// gets a greater one.
     fn committed_sequence(&self) -> u64;
+    /// Whether this node's store is about to refuse writes for want of space
+    /// (`keel_store::Store::space_low`). Free space that cannot be read is not low here: the
+    /// store's own writes report that error.
+    fn space_low(&self) -> bool;
     /// Calls `changed(offset, length)` for each block of volume `volume_id` (named `name`)
     /// written, or trimmed, after store sequence `since`.
     fn changed_since(
@@ -270,7 +274,22 @@ pub(crate) struct Shared {
     pub streams_begun: AtomicU64,
     /// What whole copies from this node read their chunks into.
     pub chunk_buffers: Arc<buffers::ChunkBuffers>,
+    /// Clients' writes look at free space now and then ([`Shared::wrote`]).
+    pub space: SpaceWatch,
 }
+
+/// How clients' writes notice the store running out of space between the move loop's looks.
+pub(crate) struct SpaceWatch {
+    /// When the clock started, for `looked_ms`.
+    since: Instant,
+    /// When a write last read free space, in ms after `since`.
+    looked_ms: AtomicU64,
+    /// Wakes the move loop to hand the primaries off ([`Replication::hand_off_primaries`]).
+    low: tokio::sync::Notify,
+}
+
+/// How often clients' writes read free space (a statfs), at most.
+const SPACE_LOOK_EVERY: Duration = Duration::from_millis(100);
 
 impl Shared {
     pub(crate) fn clock(&self) -> Arc<dyn keel_clock::Clock> {
@@ -279,6 +298,26 @@ impl Shared {
 
     pub(crate) fn clock_now(&self) -> Instant {
         self.cluster.config().clock.now()
+    }
+
+    /// After a client's write here: at most every [`SPACE_LOOK_EVERY`], reads whether the
+    /// store is low on space and if so wakes the move loop, which hands the primaries off
+    /// before the store refuses writes (a writer fast enough to use the space left within
+    /// the move loop's own period would otherwise get there first).
+    pub(crate) fn wrote(&self) {
+        let now = self.clock_now().saturating_duration_since(self.space.since);
+        let now = u64::try_from(now.as_millis()).unwrap_or(u64::MAX);
+        let looked = self.space.looked_ms.load(Ordering::Relaxed);
+        if now.saturating_sub(looked) < SPACE_LOOK_EVERY.as_millis() as u64
+            || (self.space.looked_ms)
+                .compare_exchange(looked, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_err()
+        {
+            return;
+        }
+        if self.local.space_low() {
+            self.space.low.notify_one();
+        }
     }
 
     pub(crate) fn holds_lease(&self) -> bool {
@@ -532,6 +571,7 @@ impl Replication {
     ) -> Arc<Replication> {
         let metadata: Arc<dyn Metadata> = cluster.clone();
         let local_node = metadata.local_node();
+        let started = cluster.config().clock.now();
         let replication = Arc::new_cyclic(|this| Replication {
             shared: Arc::new(Shared {
                 metadata,
@@ -552,6 +592,11 @@ impl Replication {
                 forwarding: Mutex::new(HashMap::new()),
                 streams_begun: AtomicU64::new(0),
                 chunk_buffers: Arc::default(),
+                space: SpaceWatch {
+                    since: started,
+                    looked_ms: AtomicU64::new(0),
+                    low: tokio::sync::Notify::new(),
+                },
             }),
             primaries: Mutex::new(BTreeMap::new()),
             singles: Mutex::new(HashMap::new()),
@@ -872,11 +917,11 @@ impl Replication {
     /// lease ([`TAKE_OVER_SILENCE`]). Taking over bumps the epoch with this node alone in
     /// sync (fencing every older stream); the other replicas catch up and rejoin.
     ///
-    /// On a draining node, a replicated volume whose primary is another node that is up is
-    /// forwarded there like on a node without a replica: the drain moves this node's replica
-    /// off, and a client attached here must not take the volume back.
+    /// On a node handing its volumes off (draining, or low on space: [`Leaving`]), a
+    /// replicated volume whose primary is another node that is up is forwarded there like on
+    /// a node without a replica: a client attached here must not take the volume back.
     pub fn open(&self, name: &str) -> VolumeResult<Arc<dyn VolumeIo>> {
-        if !self.hosted_here(name)? || self.forwarded_while_draining(name)? {
+        if !self.hosted_here(name)? || self.forwarded_while_leaving(name)? {
             return Ok(Forwarded::open(self.shared.clone(), name)?);
         }
         self.shared.runtime.block_on(self.open_hosted(name))
@@ -906,10 +951,10 @@ impl Replication {
         )?)
     }
 
-    /// Whether this node is draining and `name` a replicated volume served by another node
-    /// that is up ([`Self::open`]).
-    fn forwarded_while_draining(&self, name: &str) -> VolumeResult<bool> {
-        if !self.draining_here() {
+    /// Whether this node is handing its volumes off ([`Leaving`]) and `name` is a replicated
+    /// volume served by another node that is up ([`Self::open`]).
+    fn forwarded_while_leaving(&self, name: &str) -> VolumeResult<bool> {
+        if self.leaving().is_none() {
             return Ok(false);
         }
         let record = self.shared.volume_record(name)?;
@@ -1834,6 +1879,27 @@ impl Replication {
     }
 }
 
+/// Why a node hands the replicated volumes it serves as primary to other replicas
+/// ([`Replication::hand_off_primaries`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Leaving {
+    /// The node is draining: its replicas are moved off, a primary's last.
+    Draining,
+    /// Its store is about to refuse writes for want of space (`LocalVolumes::space_low`): a
+    /// replica with room keeps the volume writable. Only to a node not nearly full.
+    SpaceLow,
+}
+
+impl Leaving {
+    /// How the node's logs and a closed primary say why.
+    fn why(self) -> &'static str {
+        match self {
+            Leaving::Draining => "this node is draining",
+            Leaving::SpaceLow => "this node's store is nearly out of space",
+        }
+    }
+}
+
 impl Replication {
     /// Whether this node is draining (as its catalog shows).
     fn draining_here(&self) -> bool {
@@ -1841,16 +1907,30 @@ impl Replication {
         (catalog.nodes.get(&self.shared.local_node)).is_some_and(|record| record.draining)
     }
 
-    /// On a draining node, hands each replicated volume served here as primary to another
-    /// replica in sync ([`keel_catalog::CatalogState::hand_off_target`], [`Primary::hand_off`]), so that the drain can
-    /// move this node's replica off like any other. Clients attached here go on through the
-    /// new primary, forwarded ([`Forwarded`]), without noticing: their I/O waits while the
-    /// volume changes hands. Attaches wait too (the attach lock): none can reach the primary
-    /// once it is being handed off.
-    async fn hand_off_primaries(&self) {
-        if !self.draining_here() {
-            return;
+    /// Why this node hands its primaries off, if it does.
+    fn leaving(&self) -> Option<Leaving> {
+        if self.draining_here() {
+            Some(Leaving::Draining)
+        } else if self.shared.local.space_low() {
+            Some(Leaving::SpaceLow)
+        } else {
+            None
         }
+    }
+
+    /// On a node that is draining or low on space ([`Leaving`]), hands each replicated volume
+    /// served here as primary to another replica in sync
+    /// ([`keel_catalog::CatalogState::hand_off_target`], [`Primary::hand_off`]): the drain
+    /// then moves this node's replica off like any other; a node low on space stops taking
+    /// its clients' writes first (its replica then refuses the new primary's stream, falls
+    /// out of sync and moves to a node with room like any replica refusing its catch-ups).
+    /// Clients attached here go on through the new primary, forwarded ([`Forwarded`]),
+    /// without noticing: their I/O waits while the volume changes hands. Attaches wait too
+    /// (the attach lock): none can reach the primary once it is being handed off.
+    async fn hand_off_primaries(&self) {
+        let Some(leaving) = self.leaving() else {
+            return;
+        };
         let local = self.shared.local_node;
         let planned: Vec<(Arc<Primary>, NodeId)> = {
             let served: Vec<Arc<Primary>> = lock(&self.primaries)
@@ -1870,9 +1950,9 @@ impl Replication {
                     if replication.primary != local {
                         return None;
                     }
-                    catalog
-                        .hand_off_target(replication, local)
-                        .map(|to| (primary, to))
+                    let to = catalog.hand_off_target(replication, local)?;
+                    let room = !catalog.nearfull.contains(&to);
+                    (leaving == Leaving::Draining || room).then_some((primary, to))
                 })
                 .collect()
         };
@@ -1880,13 +1960,15 @@ impl Replication {
             let _attaching = self.attaching.lock().await;
             let name = primary.name().to_string();
             let handed = match self.attached_to(&primary) {
-                None => primary.hand_off(to).await,
+                None => primary.hand_off(to, leaving.why()).await,
                 Some(attached) => {
                     let shared = self.shared.clone();
                     let forwarded = name.clone();
                     blocking(move || {
                         attached.switch(|| {
-                            shared.runtime.block_on(primary.hand_off(to))?;
+                            shared
+                                .runtime
+                                .block_on(primary.hand_off(to, leaving.why()))?;
                             Ok::<Arc<dyn VolumeIo>, VolumeError>(Forwarded::open(
                                 shared.clone(),
                                 &forwarded,
@@ -1906,7 +1988,8 @@ impl Replication {
                     tracing::warn!(
                         volume = name,
                         node = to,
-                        "this node is draining: handed the volume to another replica"
+                        "{}: handed the volume to another replica",
+                        leaving.why()
                     )
                 }
                 Err(error) => tracing::info!(
@@ -2092,12 +2175,16 @@ async fn move_loop(replication: std::sync::Weak<Replication>, after: Duration) {
         strong.hand_off_primaries().await;
         strong.copy_single_copies_off().await;
         let primaries: Vec<Arc<Primary>> = lock(&strong.primaries).values().cloned().collect();
+        let shared = strong.shared.clone();
         drop(strong);
         for primary in primaries {
             primary.move_replicas(after).await;
             primary.spawn_snapshot_repair();
         }
-        clock.sleep(MOVE_CHECK_EVERY).await;
+        tokio::select! {
+            _ = clock.sleep(MOVE_CHECK_EVERY) => {}
+            _ = shared.space.low.notified() => {}
+        }
     }
 }
 

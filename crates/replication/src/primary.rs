@@ -1976,14 +1976,15 @@ impl Primary {
         }
     }
 
-    /// Hands the volume to `to`, a replica in sync, because this node is draining. At one
-    /// point of the write stream ([`Self::quiesce_async`]: every replica in sync holds every
-    /// earlier write durable), with this copy flushed too, Raft records `to` as the primary of
-    /// the next epoch with the same in-sync set; this primary then stops serving (a refused
-    /// or unanswered proposal is settled by the quiesce's barrier, which closes it if the
+    /// Hands the volume to `to`, a replica in sync, because of `why` (this node is draining,
+    /// or low on space; a client still reaching this primary is told). At one point of the
+    /// write stream ([`Self::quiesce_async`]: every replica in sync holds every earlier write
+    /// durable), with this copy flushed too, Raft records `to` as the primary of the next
+    /// epoch with the same in-sync set; this primary then stops serving (a refused or
+    /// unanswered proposal is settled by the quiesce's barrier, which closes it if the
     /// hand-off was made after all). `to` serves the volume as after any take-over: its
     /// background loop does, or the first client forwarded to it.
-    pub(crate) async fn hand_off(&self, to: NodeId) -> VolumeResult<()> {
+    pub(crate) async fn hand_off(&self, to: NodeId, why: &str) -> VolumeResult<()> {
         let unmarked = || ();
         self.quiesce_marked(
             async {
@@ -2011,7 +2012,7 @@ impl Primary {
                     .await
                     .map_err(|error| unavailable(&self.name, error.to_string()))?;
                 self.close(format!(
-                    "this node is draining: node {to} serves the volume from epoch {}",
+                    "{why}: node {to} serves the volume from epoch {}",
                     epoch + 1
                 ));
                 Ok(())
@@ -3462,15 +3463,18 @@ impl Primary {
         // One copy of the data, for this node's store and whichever replicas stream (none,
         // one or two).
         let shared = bytes::Bytes::copy_from_slice(data);
-        self.ordered(
-            (offset, data.len() as u64),
-            || Op::Write {
-                offset,
-                data: shared.clone(),
-            },
-            || self.local.write_shared(offset, &shared, false),
-        )
-        .await?;
+        let written = self
+            .ordered(
+                (offset, data.len() as u64),
+                || Op::Write {
+                    offset,
+                    data: shared.clone(),
+                },
+                || self.local.write_shared(offset, &shared, false),
+            )
+            .await;
+        self.shared.wrote();
+        written?;
         if fua {
             self.flush_async().await?;
         }
@@ -3500,16 +3504,19 @@ impl Primary {
         fua: bool,
         may_trim: bool,
     ) -> VolumeResult<()> {
-        self.ordered(
-            (offset, length),
-            || Op::Zeroes {
-                offset,
-                length,
-                may_trim,
-            },
-            || self.local.write_zeroes(offset, length, false, may_trim),
-        )
-        .await?;
+        let written = self
+            .ordered(
+                (offset, length),
+                || Op::Zeroes {
+                    offset,
+                    length,
+                    may_trim,
+                },
+                || self.local.write_zeroes(offset, length, false, may_trim),
+            )
+            .await;
+        self.shared.wrote();
+        written?;
         if fua {
             self.flush_async().await?;
         }
