@@ -132,8 +132,9 @@ def test_r2_volume_survives_losing_a_replica_and_resyncs_what_changed(cluster):
     Raft; when it returns it catches up by comparing only the 256 KiB written meanwhile (the
     primary kept track of it; the whole written stretch is 64 MiB) and shipping only
     the blocks that changed (bytes shipped ≤ 1.1× the bytes written meanwhile), and rejoins.
-    Then the primary is killed and the volume attached through the other node holds every
-    flushed write."""
+    A client attaching through the other node meanwhile is forwarded to the primary, whose
+    client is attached. Then the primary is killed and the volume attached through the other
+    node holds every flushed write."""
     first, second = two_nodes_and_witness(cluster)
     create_r2(first, "r2")
     info = replication(first, "r2")
@@ -186,12 +187,11 @@ def test_r2_volume_survives_losing_a_replica_and_resyncs_what_changed(cluster):
         client.write(index * BLOCK, expected[index])
     client.flush()
 
-    # While the primary is alive, the other node refuses to take the volume over.
-    try:
-        Client(second.host, second.nbd_port, "r2", timeout=30)
-        raise AssertionError("a replica node took the volume over from a live primary")
-    except NbdError as refused:
-        assert "OPT_GO refused" in str(refused), refused
+    # While the primary is alive and its client attached, the other node does not take the
+    # volume over: a client attaching there is forwarded to it.
+    forwarded = Client(second.host, second.nbd_port, "r2", timeout=30)
+    assert forwarded.read(320 * BLOCK, BLOCK) == expected[320]
+    forwarded.close()
     assert replication(first, "r2")["primary"] == 1
 
     first.kill9()
@@ -1031,6 +1031,57 @@ def test_a_primary_whose_disk_runs_low_hands_the_volume_to_a_replica_with_room(c
 
     second.kill9()
     assert_serves(first, "fills", data)
+
+
+def test_a_client_attaching_to_a_replica_gets_the_volume_handed_over_unless_it_is_in_use(cluster, workdir):
+    """An R=2 volume on nodes 1 and 2, its primary node 1 (as when a pod moves to another node
+    holding a replica, both nodes up):
+    - while a client is attached to node 1, one attaching to node 2 is forwarded to node 1
+      (node 1 keeps the volume); both read what the other wrote;
+    - with both gone, a client attaching to node 2 gets the volume handed over: node 2 serves
+      it as primary (node 1 quiesces it and Raft names node 2), reading every byte and
+      writing on, and node 1's replica catches up;
+    - node 2 restarted (serving nothing), a client attaching to node 1 gets the volume back
+      the same way, from a node that does not serve it (Raft names node 1 at once), and
+      reads every byte, the last write through node 2 included."""
+    first, second = two_nodes_and_witness(cluster)
+    create_r2(first, "moving")
+    assert replication(first, "moving")["primary"] == 1
+    on_first = attach(first, "moving")
+    data = bytearray(write_random(on_first, 4 << 20))
+
+    on_second = attach(second, "moving")
+    assert "node 1 keeps the volume: a client is attached to it there" in second.log()
+    assert replication(first, "moving")["primary"] == 1
+    later = os.urandom(1 << 20)
+    on_second.write(4 << 20, later)
+    on_second.flush()
+    data += later
+    assert on_first.read(4 << 20, 1 << 20) == later
+    assert on_second.read(0, 4 << 20) == bytes(data[:4 << 20])
+    on_first.close()
+    on_second.close()
+
+    moved = attach(second, "moving")
+    info = replication(second, "moving")
+    assert info["primary"] == 2 and info["served_here"] is not None, info
+    assert "handed the volume to the node a client attached to" in first.log()
+    assert moved.read(0, len(data)) == bytes(data)
+    last = os.urandom(1 << 20)
+    moved.write(5 << 20, last)
+    moved.flush()
+    data += last
+    moved.close()
+    wait_until("node 1 caught up", lambda: sorted(replication(second, "moving")["in_sync"]) == [1, 2], timeout=60)
+
+    second.kill9()
+    second.start()
+    wait_until("node 2 back", lambda: second.api("GET", "/api/v1/status")[0] == 200, timeout=30)
+    back = attach(first, "moving")
+    assert replication(first, "moving")["primary"] == 1
+    assert second.log().count("handed the volume to the node a client attached to") == 1
+    assert back.read(0, len(data)) == bytes(data)
+    back.close()
 
 
 def test_a_drain_hands_primaries_off_and_forwards_the_clients_attached_there(cluster, workdir):

@@ -75,6 +75,8 @@ fn registry() -> Registry {
         wire::ChangedAnswer,
         wire::CopyTurnRequest,
         wire::CopyTurnAnswer,
+        wire::HandOverRequest,
+        wire::HandOverAnswer,
         wire::SnapshotRange,
         wire::SnapshotRepairWrite,
         wire::ForwardOpen,

@@ -519,6 +519,17 @@ impl Sessions {
         })
     }
 
+    /// Whether a session of volume `volume_id` that follows its primary is served here and
+    /// not expired: a client attached elsewhere uses the primary here.
+    pub(crate) fn serve_volume(&self, shared: &Shared, volume_id: u64) -> bool {
+        let now = shared.clock_now();
+        lock(&self.sessions).values().any(|session| {
+            session.volume_id == volume_id
+                && session.follows_primary
+                && now.duration_since(session.used) < SESSION_IDLE_MAX
+        })
+    }
+
     pub(crate) fn close(&self, caller: NodeId, session: u64) {
         let mut sessions = lock(&self.sessions);
         if sessions

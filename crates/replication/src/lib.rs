@@ -44,8 +44,8 @@ use crate::replica::Replicas;
 use crate::wire::{
     ForwardClose, ForwardOpen, ForwardRequest, CODE_BAD_REQUEST, CODE_NOT_FOUND, CODE_REFUSED,
     CODE_SESSION_GONE, METHOD_CHANGED, METHOD_COPY_TURN, METHOD_FORWARD_CLOSE, METHOD_FORWARD_IO,
-    METHOD_FORWARD_OPEN, METHOD_HASHES, METHOD_READ_COPY, METHOD_REPLICATE, METHOD_SNAPSHOT_HASHES,
-    METHOD_SNAPSHOT_READ, METHOD_SNAPSHOT_REPAIR, METHOD_UNWRITTEN,
+    METHOD_FORWARD_OPEN, METHOD_HAND_OVER, METHOD_HASHES, METHOD_READ_COPY, METHOD_REPLICATE,
+    METHOD_SNAPSHOT_HASHES, METHOD_SNAPSHOT_READ, METHOD_SNAPSHOT_REPAIR, METHOD_UNWRITTEN,
 };
 
 /// A primary serves only while it heard from the Raft leader within this.
@@ -70,6 +70,10 @@ const ATTACH_WAIT_FOR_IN_SYNC: Duration = Duration::from_secs(10);
 /// waited for the attach lock (each change of R takes a Raft round trip: more in a row means
 /// someone keeps changing it).
 const ATTACH_TRIES: usize = 3;
+/// How long a node where a client attaches waits for the primary to hand it the volume
+/// ([`wire::METHOD_HAND_OVER`]: a quiesce of a volume no client uses and a Raft round), and
+/// then for its own catalog to name it the primary.
+const HAND_OVER_WAIT: Duration = Duration::from_secs(5);
 
 /// Runs blocking work (store I/O) off the async runtime's workers, from engine tasks. (Client
 /// I/O runs its store work inline on the client's own thread.)
@@ -920,11 +924,164 @@ impl Replication {
     /// On a node handing its volumes off (draining, or low on space: [`Leaving`]), a
     /// replicated volume whose primary is another node that is up is forwarded there like on
     /// a node without a replica: a client attached here must not take the volume back.
+    /// Elsewhere, when another node serves the volume and is alive, this node asks it for the
+    /// volume first ([`Self::ask_for_volume`]: a pod moved here, say), and forwards the
+    /// client there if it keeps it.
     pub fn open(&self, name: &str) -> VolumeResult<Arc<dyn VolumeIo>> {
         if !self.hosted_here(name)? || self.forwarded_while_leaving(name)? {
             return Ok(Forwarded::open(self.shared.clone(), name)?);
         }
+        if let Some(why) = self.shared.runtime.block_on(self.ask_for_volume(name))? {
+            tracing::info!(
+                volume = name,
+                "forwarding a client attached here to the volume's primary: {why}"
+            );
+            return Ok(Forwarded::open(self.shared.clone(), name)?);
+        }
         self.shared.runtime.block_on(self.open_hosted(name))
+    }
+
+    /// For a client attaching here to a replicated volume whose primary is another node that
+    /// is alive (heard from within [`TAKE_OVER_SILENCE`]): asks that node to hand the volume
+    /// over ([`wire::METHOD_HAND_OVER`], answered by [`Self::hand_over`]), so that the client
+    /// reads locally. `None` once Raft names this node the primary and its catalog applied
+    /// it, or when no other live node serves the volume or the primary cannot be asked (the
+    /// attach goes on: this node serves it, takes it over or is refused as before); else why
+    /// the client is forwarded to the primary instead: this node's replica is not in sync, or
+    /// the primary kept the volume (a client uses it there).
+    async fn ask_for_volume(&self, name: &str) -> VolumeResult<Option<String>> {
+        let local = self.shared.local_node;
+        let record = self.shared.volume_record(name)?;
+        let replication = &record.replication;
+        let primary = replication.primary;
+        let primary_up = {
+            let catalog = self.shared.metadata.catalog().read();
+            (catalog.nodes.get(&primary))
+                .is_some_and(|node| node.state == keel_catalog::NodeState::Up)
+        };
+        if replication.replicas.len() <= 1 || primary == local || !primary_up {
+            return Ok(None);
+        }
+        let silence = (self.shared.cluster.silent_for(primary).await)
+            .map_err(|error| unavailable(name, error.to_string()))?;
+        if silence >= TAKE_OVER_SILENCE {
+            return Ok(None);
+        }
+        if !replication.in_sync.contains(&local) {
+            return Ok(Some(format!(
+                "this node's replica is not in sync (node {primary} serves the volume)"
+            )));
+        }
+        let request = wire::HandOverRequest {
+            volume_id: record.id,
+        };
+        let request = postcard::to_allocvec(&request)
+            .map_err(|error| unavailable(name, error.to_string()))?;
+        let answer = match (self.shared)
+            .call(primary, METHOD_HAND_OVER, request, HAND_OVER_WAIT)
+            .await
+        {
+            Ok(bytes) => postcard::from_bytes::<wire::HandOverAnswer>(&bytes)
+                .map_err(|error| error.to_string()),
+            Err(failure) => Err(failure.message),
+        };
+        match answer {
+            Ok(wire::HandOverAnswer { kept: None }) => {}
+            Ok(wire::HandOverAnswer { kept: Some(why) }) => {
+                return Ok(Some(format!("node {primary} keeps the volume: {why}")))
+            }
+            Err(why) => {
+                // Cut off, say: the attach goes on as before it asked (a take-over once the
+                // primary has been silent long enough, else refused with its address).
+                tracing::info!(
+                    volume = name,
+                    node = primary,
+                    "could not ask the volume's primary to hand it over: {why}"
+                );
+                return Ok(None);
+            }
+        }
+        let clock = self.shared.clock();
+        let deadline = clock.now() + HAND_OVER_WAIT;
+        while self.shared.volume_record(name)?.replication.primary != local {
+            if clock.now() >= deadline {
+                return Ok(Some(format!(
+                    "node {primary} handed the volume over, but this node's catalog has not \
+                     shown it within {} s",
+                    HAND_OVER_WAIT.as_secs()
+                )));
+            }
+            clock.sleep(Duration::from_millis(20)).await;
+        }
+        tracing::info!(
+            volume = name,
+            node = primary,
+            "the volume's primary handed it over to this node, where a client attached"
+        );
+        Ok(None)
+    }
+
+    /// Answers a node holding a replica in sync that asks for the volume for a client attached
+    /// there ([`Self::ask_for_volume`]): hands the volume to it ([`Primary::hand_off`]) when
+    /// this node is its primary and no client uses it here (attached here, or forwarded from
+    /// a node without a replica); when nothing serves it here, Raft just names `to` the
+    /// primary with the same in-sync set (a compare-and-set on the epoch: a primary starting
+    /// here meanwhile makes it fail). `Err`: why the volume stays.
+    async fn hand_over(&self, to: NodeId, volume_id: u64) -> Result<(), String> {
+        let local = self.shared.local_node;
+        let _attaching = self.attaching.lock().await;
+        let (name, replication) = {
+            let catalog = self.shared.metadata.catalog().read();
+            let entry = (catalog.volumes.get(&volume_id)).ok_or("no such volume")?;
+            (entry.record.name.clone(), entry.record.replication.clone())
+        };
+        if replication.primary != local {
+            return Err(format!("node {} is its primary", replication.primary));
+        }
+        if !replication.in_sync.contains(&to) || to == local {
+            return Err(format!("node {to}'s replica is not in sync"));
+        }
+        let served = lock(&self.primaries)
+            .get(&volume_id)
+            .filter(|primary| !primary.is_closed())
+            .cloned();
+        let handed = match served {
+            Some(primary) => {
+                if self.attached_to(&primary).is_some() {
+                    return Err("a client is attached to it there".to_string());
+                }
+                if self.sessions.serve_volume(&self.shared, volume_id) {
+                    return Err(
+                        "a client attached to another node uses it through this one".to_string()
+                    );
+                }
+                let why = format!("node {to} asked for the volume for a client attached there");
+                primary.hand_off(to, &why).await
+            }
+            None => self
+                .shared
+                .cluster
+                .propose_async(Command::VolumeSetReplication {
+                    volume_id,
+                    epoch: replication.epoch,
+                    primary: to,
+                    in_sync: replication.in_sync.clone(),
+                })
+                .await
+                .map(|_| ())
+                .map_err(|error| change_error(&name, error)),
+        };
+        handed.map_err(|error| error.to_string())?;
+        self.shared
+            .counters
+            .handed_off
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::info!(
+            volume = name,
+            node = to,
+            "handed the volume to the node a client attached to"
+        );
+        Ok(())
     }
 
     /// A read-only handle on `volume@snapshot`: this node's copy when it holds the snapshot
@@ -1561,6 +1718,11 @@ impl Replication {
                     }
                 };
                 encode(postcard::to_allocvec(&wire::CopyTurnAnswer { granted }))
+            }
+            METHOD_HAND_OVER => {
+                let request: wire::HandOverRequest = decode(&payload)?;
+                let kept = self.hand_over(sender, request.volume_id).await.err();
+                encode(postcard::to_allocvec(&wire::HandOverAnswer { kept }))
             }
             METHOD_READ_COPY => {
                 let request = decode(&payload)?;

@@ -54,6 +54,10 @@ pub const METHOD_SNAPSHOT_REPAIR: u16 = 0x020a;
 /// [`CopyTurnAnswer`]; `crate::turns`).
 pub const METHOD_COPY_TURN: u16 = 0x020b;
 
+/// A node holding a replica in sync, where a client attaches → the volume's primary: hand
+/// the volume over, unless a client uses it there ([`HandOverRequest`] → [`HandOverAnswer`]).
+pub const METHOD_HAND_OVER: u16 = 0x020c;
+
 /// The sender is not the volume's primary in the replica's view (an older epoch or another
 /// node): it must stop acknowledging anything for the volume.
 pub const CODE_FENCED: u16 = 0x0201;
@@ -450,6 +454,17 @@ pub struct CopyTurnRequest {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CopyTurnAnswer {
     pub granted: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HandOverRequest {
+    pub volume_id: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HandOverAnswer {
+    /// Why the primary kept the volume (`None`: Raft names the caller its primary now).
+    pub kept: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -52,8 +52,9 @@ const STATUS_OTHER_PROTOCOL: u8 = 2;
 /// stays), and refused while one is under way. 10: a primary asks a replica's node for a turn
 /// to receive a whole copy (a new method and its messages). 11: the leader's answer to a
 /// node's report carries the log index it had committed (the node's lease waits until it
-/// applied that far).
-pub const PROTOCOL: u16 = 11;
+/// applied that far). 12: a node where a client attaches asks the volume's primary to hand
+/// the volume over (a new method and its messages).
+pub const PROTOCOL: u16 = 12;
 
 fn protocol_of(hello: &[u8]) -> u16 {
     u16::from_le_bytes([hello[6], hello[7]])
