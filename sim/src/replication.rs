@@ -787,8 +787,13 @@ struct Attached {
 async fn attach(world: &Shared, rng: &mut StdRng, limit: Duration) -> Option<Attached> {
     let deadline = tokio::time::Instant::now() + limit;
     while tokio::time::Instant::now() < deadline {
-        // The node the catalog names primary first, then the others holding a replica, from
-        // a random start.
+        // Now and then the client asks the node for the volume first, as a server's client
+        // attaching to a replica's node does (`Replication::open`): a live primary hands it
+        // over, here even while the other client uses it there (it holds the primary itself,
+        // not an attached handle the primary would count), which then attaches again. Those
+        // tries go to the nodes from a random start; the others to the node the catalog names
+        // primary first.
+        let ask = rng.gen_bool(0.25);
         let candidates: Vec<usize> = {
             let world = world.borrow();
             let count = world.nodes.len();
@@ -797,7 +802,7 @@ async fn attach(world: &Shared, rng: &mut StdRng, limit: Duration) -> Option<Att
                 .find_map(|index| world.replication_seen(index))
                 .map(|replication| replication.primary);
             let mut order: Vec<usize> = (0..count).map(|k| (start + k) % count).collect();
-            if let Some(named) = named {
+            if let Some(named) = named.filter(|_| !ask) {
                 order.sort_by_key(|index| (*index as u64 + 1) != named);
             }
             order
@@ -807,6 +812,19 @@ async fn attach(world: &Shared, rng: &mut StdRng, limit: Duration) -> Option<Att
                 continue;
             };
             let incarnation = engine.incarnation;
+            if ask {
+                let asked = through(
+                    world,
+                    index,
+                    incarnation,
+                    engine.replication.ask_for_volume(VOLUME),
+                )
+                .await;
+                if let Answer::Done(Some(_)) = asked {
+                    // Kept, or this replica is not in sync: a server would forward.
+                    continue;
+                }
+            }
             let opened = through(
                 world,
                 index,

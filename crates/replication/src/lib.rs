@@ -949,7 +949,9 @@ impl Replication {
     /// attach goes on: this node serves it, takes it over or is refused as before); else why
     /// the client is forwarded to the primary instead: this node's replica is not in sync, or
     /// the primary kept the volume (a client uses it there).
-    async fn ask_for_volume(&self, name: &str) -> VolumeResult<Option<String>> {
+    ///
+    /// The simulation's clients call it before [`Self::open_primary`] now and then.
+    pub async fn ask_for_volume(&self, name: &str) -> VolumeResult<Option<String>> {
         let local = self.shared.local_node;
         let record = self.shared.volume_record(name)?;
         let replication = &record.replication;
