@@ -2,13 +2,15 @@
 volume is created on the node the CO asks for by topology (where the pod's node plugin will
 attach it), and the volume operations that must run on the volume's primary (snapshot, clone,
 expand) reach it although the driver talks to another node. The nodes share one admin token
-(`keel server --admin-token-file`), as the Kubernetes manifests set them up."""
+(`keel server --admin-token-file`), as the Kubernetes manifests set them up. And the node
+plugins of two nodes holding replicas, as a pod moves from one to the other."""
 
 import json
 import os
 import secrets
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -109,3 +111,109 @@ def test_controller_places_volumes_by_topology_and_routes_to_the_primary(cluster
     finally:
         driver.terminate()
         driver.wait(timeout=30)
+
+
+def test_a_pod_moving_to_another_replica_node_gets_the_volume_handed_over(cluster, workdir):
+    """Kubelet's flow on two nodes holding replicas of an R=2 volume (nodes 1 and 2, and a
+    witness; one `keel csi --mode node` per node, staging through nbdfuse + a loop device +
+    ext4): the pod runs on node 1 (the primary), writes a file and fsyncs it, and is deleted
+    (unpublish, unstage); the pod then starts on node 2, whose plugin stages the volume while
+    node 1 is up, as a rolling update or `kubectl drain` does. Node 2 gets the volume handed
+    over (its primary now), finds the file, writes another, and with node 2 killed node 1
+    takes the volume back (once node 2's lease ran out: kubelet retries staging until then)
+    and serves both."""
+    for tool, package in (("nbdfuse", "libnbd-bin"), ("losetup", "util-linux"), ("mkfs.ext4", "e2fsprogs")):
+        if subprocess.run(["sh", "-c", f"command -v {tool}"], capture_output=True).returncode != 0:
+            pytest.fail(f"{tool} is not installed (Debian package {package}); scripts/test.sh installs it")
+    first = cluster.add()
+    second = cluster.add()
+    cluster.add(witness=True)
+    wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
+    code, created = first.api("POST", "/api/v1/volumes", {"name": "pvc-moving", "size_bytes": 64 * MIB, "replicas": 2},
+                              timeout=30)
+    assert code == 200, created
+    wait_until("both replicas in sync", lambda: sorted(first.api("GET", "/api/v1/volumes/pvc-moving")[1]
+                                                       ["replication"]["in_sync"]) == [1, 2], timeout=30)
+
+    pb, rpc = csi_stubs.generate(workdir / "stubs")
+    mount = pb.VolumeCapability(
+        mount=pb.VolumeCapability.MountVolume(fs_type="ext4"),
+        access_mode=pb.VolumeCapability.AccessMode(mode=pb.VolumeCapability.AccessMode.SINGLE_NODE_WRITER))
+    plugins = []
+
+    def plugin(node):
+        """Starts node `node`'s plugin; returns its Node stub."""
+        # A unix socket's path has at most 107 bytes: not under this test's long workdir.
+        socket_path = Path(tempfile.mkdtemp(prefix=f"keel-csi-{node.name}-")) / "csi.sock"
+        log = open(workdir / f"csi-{node.name}.log", "ab")
+        plugins.append(subprocess.Popen(
+            [KEEL_BIN, "csi", "--mode", "node", "--endpoint", f"unix://{socket_path}", "--node-id", node.name,
+             "--nbd", f"{node.host}:{node.nbd_port}", "--state-dir", str(workdir / f"csi-state-{node.name}"),
+             "--attach", "nbdfuse", "--admin", node.admin, "--token-dir", str(node.dir)], stdout=log, stderr=log))
+        wait_until(f"{node.name}'s CSI socket", socket_path.exists, timeout=30)
+        return rpc.NodeStub(csi_stubs.connect(socket_path))
+
+    def pod(node_stub, name):
+        """Stages and publishes the volume for a pod `name`; returns (stage, target)."""
+        stage, target = workdir / f"stage-{name}", workdir / "pods" / name / "data"
+        node_stub.NodeStageVolume(pb.NodeStageVolumeRequest(
+            volume_id="pvc-moving", staging_target_path=str(stage), volume_capability=mount))
+        node_stub.NodePublishVolume(pb.NodePublishVolumeRequest(
+            volume_id="pvc-moving", staging_target_path=str(stage), target_path=str(target), volume_capability=mount))
+        return stage, target
+
+    def gone(node_stub, stage, target):
+        node_stub.NodeUnpublishVolume(pb.NodeUnpublishVolumeRequest(volume_id="pvc-moving", target_path=str(target)))
+        node_stub.NodeUnstageVolume(pb.NodeUnstageVolumeRequest(volume_id="pvc-moving", staging_target_path=str(stage)))
+
+    def write(path, data):
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def primary(node):
+        code, info = node.api("GET", "/api/v1/volumes/pvc-moving")
+        assert code == 200, info
+        return info["replication"]["primary"]
+
+    try:
+        on_first, on_second = plugin(first), plugin(second)
+        stage, target = pod(on_first, "a")
+        before = os.urandom(3 * MIB)
+        write(target / "before", before)
+        gone(on_first, stage, target)
+        assert primary(first) == 1
+
+        stage, target = pod(on_second, "b")
+        assert primary(second) == 2
+        assert "handed the volume to the node a client attached to" in first.log()
+        assert (target / "before").read_bytes() == before
+        after = os.urandom(3 * MIB)
+        write(target / "after", after)
+        gone(on_second, stage, target)
+        wait_until("node 1 caught up", lambda: sorted(second.api("GET", "/api/v1/volumes/pvc-moving")[1]
+                                                      ["replication"]["in_sync"]) == [1, 2], timeout=60)
+
+        second.kill9()
+
+        def staged():
+            # Refused until node 2's lease has run out (kubelet retries the same way).
+            try:
+                return pod(on_first, "c")
+            except grpc.RpcError as refused:
+                assert refused.code() == grpc.StatusCode.UNAVAILABLE, refused
+                return None
+        stage, target = wait_until("the pod staged on node 1", staged, timeout=60)
+        assert primary(first) == 1
+        assert (target / "before").read_bytes() == before
+        assert (target / "after").read_bytes() == after
+        gone(on_first, stage, target)
+    finally:
+        for process in plugins:
+            process.terminate()
+            process.wait(timeout=30)
+        for line in reversed(Path("/proc/self/mountinfo").read_text().splitlines()):
+            point = line.split(" ")[4]
+            if point.startswith(str(workdir)):
+                subprocess.run(["umount", "-l", point], capture_output=True)
