@@ -90,11 +90,9 @@ fn a_slice_of_seeds_with_moves_keeps_every_flushed_write() {
             mode == Mode::Drains,
             "{mode:?}: {drains} drains"
         );
-        assert_eq!(
-            handed > 3,
-            mode == Mode::Drains,
-            "{mode:?}: {handed} primaries handed off"
-        );
+        // Drains hand primaries off, and in every mode so do disks filling under a primary
+        // and clients asking a node for the volume.
+        assert!(handed > 3, "{mode:?}: {handed} primaries handed off");
     }
 }
 

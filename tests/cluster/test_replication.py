@@ -515,7 +515,8 @@ def test_a_partitioned_primary_is_fenced(cluster):
     """The primary is cut off from the other nodes (the transport's fault injection). Its
     FLUSH fails (the replica does not answer, and it cannot reach Raft to drop it); the other
     node takes over once the primary's lease ran out; after the partition heals, the old
-    primary still refuses to acknowledge anything for the volume."""
+    primary still refuses to acknowledge anything for the volume to its client, and a client
+    attaching through node 1 then is forwarded to node 2, where its writes land."""
     first, second = two_nodes_and_witness(cluster)
     create_r2(first, "fence")
     client = attach(first, "fence")
@@ -536,16 +537,19 @@ def test_a_partitioned_primary_is_fenced(cluster):
     other.flush()
 
     first.faults([])
-    time.sleep(1.0)
-    stale = None
+    wait_until("node 1 knowing node 2 took over", lambda: replication(first, "fence")["primary"] == 2, timeout=30)
     try:
-        stale = Client(first.host, first.nbd_port, "fence", timeout=30)
-        stale.write(3 * BLOCK, block("stale", 3))
-        stale.flush()
+        client.write(3 * BLOCK, block("stale", 3))
+        client.flush()
         raise AssertionError("the old primary acknowledged a FLUSH after another node took over")
-    except NbdError:
+    except (NbdError, OSError):
         pass
     assert other.read(3 * BLOCK, BLOCK) != block("stale", 3)
+    # A client attaching through node 1 now is forwarded to node 2: its writes land there.
+    through_first = Client(first.host, first.nbd_port, "fence", timeout=30)
+    through_first.write(4 * BLOCK, block("forwarded", 4))
+    through_first.flush()
+    assert other.read(4 * BLOCK, BLOCK) == block("forwarded", 4)
     assert replication(second, "fence")["primary"] == 2
 
 
