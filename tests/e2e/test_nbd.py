@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import time
@@ -288,3 +289,17 @@ def test_postgres_on_a_volume(server, nbd_mount):
         run_as_postgres([f"{bindir}/pg_amcheck", *conn, "-d", "postgres", "--heapallindexed"], timeout=300)
     finally:
         run_as_postgres([f"{bindir}/pg_ctl", "-D", str(pgdata), "-w", "-m", "fast", "stop"], timeout=120)
+
+
+def test_a_refused_export_is_explained_in_the_server_log(server):
+    """libnbd clients (nbdinfo here, nbdfuse under the CSI node plugin) report any refused
+    export as "no export named", keeping the server's reason to their debug output: the
+    server logs the reason where an operator looks."""
+    require("nbdinfo", "libnbd-bin")
+    result = subprocess.run(["nbdinfo", f"nbd://{server.nbd}/missing-volume"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode != 0 and "missing-volume" in result.stderr, result
+    log = (server.data_dirs[0].parent / f"server-{server.data_dirs[0].name}.log").read_text()
+    log = re.sub(r"\x1b\[[0-9;]*m", "", log)
+    refused = [line for line in log.splitlines() if "refused to open an NBD export" in line]
+    assert refused and 'export "missing-volume" does not exist' in refused[-1], refused

@@ -361,7 +361,8 @@ fn attach(
         if let Ok(Some(status)) = child.try_wait() {
             let log = std::fs::read_to_string(&log_path).unwrap_or_default();
             return Err(Status::unavailable(format!(
-                "nbdfuse {uri} exited ({status}): {}",
+                "nbdfuse {uri} exited ({status}): {} (nbdfuse does not pass on why the Keel \
+                 server refused: its log on this node says, \"refused to open an NBD export\")",
                 log.trim()
             )));
         }

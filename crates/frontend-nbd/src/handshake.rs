@@ -238,7 +238,9 @@ fn answer(
                     return Ok(None);
                 }
                 Err(error) => {
-                    tracing::debug!(%error, "refusing NBD_OPT_INFO/GO");
+                    // Logged where an operator looks: libnbd clients (nbdfuse, nbdinfo, the
+                    // CSI node plugin's attach) keep the reply's text to their debug output.
+                    tracing::warn!(export = info.name, %error, "refused to open an NBD export");
                     let message = error.to_string();
                     encode_option_reply(&mut out, option, REP_ERR_UNKNOWN, truncate(&message));
                 }
