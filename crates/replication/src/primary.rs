@@ -20,7 +20,7 @@ use crate::turns::{TURN_RENEW, TURN_RETRY};
 use crate::wire::{
     self, Batch, BatchAck, ChangedAnswer, ChangedRequest, CopyAnswer, CopyTurnAnswer,
     CopyTurnRequest, HashAnswer, HashRequest, Op, TurnAction, UnwrittenAnswer, BLOCK_HASH_BYTES,
-    CODE_BEHIND, CODE_FAILED, CODE_FENCED, METHOD_CHANGED, METHOD_COPY_TURN, METHOD_HASHES,
+    CODE_BEHIND, CODE_FENCED, CODE_NO_SPACE, METHOD_CHANGED, METHOD_COPY_TURN, METHOD_HASHES,
     METHOD_READ_COPY, METHOD_REPLICATE, METHOD_UNWRITTEN,
 };
 use crate::{lock, Point, Shared, RESYNC_CHUNK_BYTES, RESYNC_PROBE_BYTES};
@@ -43,9 +43,10 @@ const RESYNC_RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// How long a catch-up that failed waits before the next try, after `failures` failed tries
 /// in a row: [`RESYNC_RETRY`], doubled for each try in a row that the replica itself refused
-/// (`refused`: it answered that applying failed, say its disk is full, which the next second
-/// rarely changes), up to [`RESYNC_RETRY_MAX`]. A node that does not answer is tried every
-/// second: it may be back at any moment, and its catch-up should start then.
+/// (`refused`: its store is out of space, [`CODE_NO_SPACE`], which the next second rarely
+/// changes), up to [`RESYNC_RETRY_MAX`]. A node that does not answer, or that refuses for
+/// another reason, is tried every second: it may be ready at any moment, and its catch-up
+/// should start then.
 fn retry_after(failures: u32, refused: bool) -> Duration {
     if !refused {
         return RESYNC_RETRY;
@@ -211,8 +212,9 @@ struct PeerFailure {
     /// The replica's own answer when it refused a batch; the catch-up's error otherwise.
     message: String,
     at: Instant,
-    /// The replica answered that applying failed ([`CODE_FAILED`]): it is up, but cannot
-    /// take what it is sent.
+    /// The replica's store refused what it was sent for want of space ([`CODE_NO_SPACE`]):
+    /// it is up, but cannot take it until room is made. Other refusals (its catalog or copy
+    /// not ready yet, say while a rollback restarts it) pass within seconds.
     refused: bool,
 }
 
@@ -1200,7 +1202,7 @@ impl Primary {
                     tracing::debug!(volume = %self.name, node, epoch, error = %failure.message, "a replica being caught up failed again");
                 }
                 let now = self.shared.clock_now();
-                let refused = failure.code == Some(CODE_FAILED);
+                let refused = failure.code == Some(CODE_NO_SPACE);
                 peer.refusing_since = refused.then(|| peer.refusing_since.unwrap_or(now));
                 peer.last_failure = Some(PeerFailure {
                     refused,

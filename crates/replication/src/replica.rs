@@ -13,7 +13,7 @@ use keel_volume::VolumeIo;
 use crate::wire::{
     block_hash, Batch, BatchAck, ChangedAnswer, ChangedRequest, CopyAnswer, HashAnswer,
     HashRequest, Op, SnapshotRange, SnapshotRepairWrite, UnwrittenAnswer, BLOCK_HASH_BYTES,
-    CODE_BEHIND, CODE_FAILED, CODE_FENCED, CODE_OUT_OF_ORDER, UNREADABLE_BLOCK_HASH,
+    CODE_BEHIND, CODE_FAILED, CODE_FENCED, CODE_NO_SPACE, CODE_OUT_OF_ORDER, UNREADABLE_BLOCK_HASH,
 };
 use crate::{lock, Point, Shared};
 
@@ -356,8 +356,13 @@ fn apply_batch(
     batch: &Batch,
 ) -> Result<BatchAck, Refusal> {
     let volume = handle(shared, state, name, batch.epoch)?;
-    let bytes = apply_ops(volume.as_ref(), &batch.ops, batch.flush)
-        .map_err(|error| refusal(CODE_FAILED, error.to_string()))?;
+    let bytes = apply_ops(volume.as_ref(), &batch.ops, batch.flush).map_err(|error| {
+        let no_space = matches!(&error, keel_volume::VolumeError::Store { source, .. } if source.is_no_space());
+        refusal(
+            if no_space { CODE_NO_SPACE } else { CODE_FAILED },
+            error.to_string(),
+        )
+    })?;
     shared.counters.received(bytes);
     Ok(BatchAck {
         durable: batch.flush,

@@ -79,6 +79,10 @@ pub const CODE_SESSION_GONE: u16 = 0x0206;
 pub const CODE_REFUSED: u16 = 0x0207;
 /// Opening a session was refused because the volume does not exist.
 pub const CODE_NOT_FOUND: u16 = 0x0208;
+/// The replica's store refused the batch for want of space: it is up, and the next second
+/// rarely changes that, so the primary tries its catch-up further apart (and moves a replica
+/// refusing that long). Any other failure to apply is [`CODE_FAILED`], tried every second.
+pub const CODE_NO_SPACE: u16 = 0x0209;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ForwardOpen {

@@ -53,7 +53,8 @@ const STATUS_OTHER_PROTOCOL: u8 = 2;
 /// to receive a whole copy (a new method and its messages). 11: the leader's answer to a
 /// node's report carries the log index it had committed (the node's lease waits until it
 /// applied that far). 12: a node where a client attaches asks the volume's primary to hand
-/// the volume over (a new method and its messages).
+/// the volume over (a new method and its messages), and a replica whose store is out of
+/// space refuses a batch with a code of its own.
 pub const PROTOCOL: u16 = 12;
 
 fn protocol_of(hello: &[u8]) -> u16 {
