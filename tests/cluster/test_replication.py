@@ -897,14 +897,21 @@ def fill_second_node(cluster, workdir, settings=""):
         assert code == 200, created
     write_random(attach(second, "ballast"), 96 << 20)
     client = attach(first, "fills")
-    data = os.urandom(96 << 20)
-    for offset in range(0, len(data), 1 << 20):
+    data = write_flushing(client, 96 << 20)
+    client.close()
+    return first, second, config, data
+
+
+def write_flushing(client, size):
+    """Writes `size` random bytes from offset 0 in 1 MiB requests at full speed, a FLUSH every
+    8 MiB and one at the end; returns them."""
+    data = os.urandom(size)
+    for offset in range(0, size, 1 << 20):
         client.write(offset, data[offset:offset + (1 << 20)])
         if offset % (8 << 20) == 0:
             client.flush()
     client.flush()
-    client.close()
-    return first, second, config, data
+    return data
 
 
 def assert_serves(node, name, data):
@@ -1018,12 +1025,7 @@ def test_a_primary_whose_disk_runs_low_hands_the_volume_to_a_replica_with_room(c
     assert replication(second, "fills")["primary"] == 2
 
     client = attach(second, "fills")
-    data = os.urandom(96 << 20)
-    for offset in range(0, len(data), 1 << 20):
-        client.write(offset, data[offset:offset + (1 << 20)])
-        if offset % (8 << 20) == 0:
-            client.flush()
-    client.flush()
+    data = write_flushing(client, 96 << 20)
     info = replication(first, "fills")
     assert info["primary"] == 1, info
     assert "this node's store is nearly out of space: handed the volume to another replica" in second.log()
