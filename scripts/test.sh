@@ -52,6 +52,9 @@ if [ "$sim_status" != 0 ]; then rust_status=$sim_status; fi
 step "end-to-end tests"
 export KEEL_BIN="$PWD/target/release/keel"
 mkdir -p /var/tmp/keel-e2e
+# The tests' data goes here; a passing test removes its own. How full the disk was explains a
+# run that failed for want of room.
+df -h /var/tmp "$PWD/target"
 python3 -m pytest -q -p no:cacheprovider tests/ "$@"
 e2e_status=$?
 set -e

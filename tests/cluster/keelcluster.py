@@ -3,7 +3,10 @@ loopback addresses 127.0.0.1–127.0.0.9 (one address per node, ports found free
 on a real filesystem under /var/tmp (never tmpfs). Processes are stopped by their own PIDs.
 
 Several nodes share this machine's one disk: timings measured here say nothing about separate
-machines."""
+machines. That disk is shared with everything else on the machine too, so its fill level is not
+the test's to decide: nodes run with `nearfull_percent = 100` unless the test's own config sets
+it (the tests of nearly full nodes do, or fill a small filesystem of their own past the
+reserve). With the default 95, a CI run on a disk 95% full refused every replicated volume."""
 
 import json
 import os
@@ -112,7 +115,7 @@ class Node:
                 args += ["--join-token-file", str(join.token_file)]
             else:
                 args += ["--join-token", token]
-        args += self.extra_args
+        args += self.harness_config(self.extra_args)
         self.log_path = self.dir.parent / f"{self.name}.log"
         log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "ab")
@@ -136,6 +139,25 @@ class Node:
                     raise AssertionError(f"{self.name} started but was expected to fail")
                 return self
         raise RuntimeError(f"{self.name} did not become ready; log {self.log_path}")
+
+    def harness_config(self, extra_args):
+        """`extra_args` with a config that sets `nearfull_percent = 100` unless the test's own
+        `--config` sets `nearfull_percent` (see the module's docstring)."""
+        args = list(extra_args)
+        if "--config" not in args:
+            path = self.dir.parent / f"{self.name}-harness.toml"
+            path.write_text("nearfull_percent = 100\n")
+            return args + ["--config", str(path)]
+        at = args.index("--config") + 1
+        own = Path(args[at])
+        text = own.read_text()
+        if re.search(r"^\s*nearfull_percent\s*=", text, re.M):
+            return args
+        path = self.dir.parent / f"{self.name}-harness-{own.name}"
+        # Top-level keys come before any [table] in TOML: prepended, it stays top-level.
+        path.write_text("nearfull_percent = 100\n" + text)
+        args[at] = str(path)
+        return args
 
     def log(self):
         try:

@@ -113,7 +113,7 @@ def fs_type(path):
 
 @pytest.fixture
 def workdir(request):
-    """A fresh directory for one test on a real filesystem."""
+    """A fresh directory for one test on a real filesystem, removed if the test passed."""
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name)
     path = WORK / name
     if path.exists():
@@ -121,7 +121,21 @@ def workdir(request):
         shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     assert fs_type(path) not in ("tmpfs", "ramfs"), f"{path} is on {fs_type(path)}: data tests need a real filesystem"
-    return path
+    yield path
+    # Removed once the test passed (its servers are stopped by then, its mounts gone); a failed
+    # test's stays for its logs.
+    reports = [getattr(request.node, f"rep_{when}", None) for when in ("setup", "call")]
+    mounted = any(line.split()[1].startswith(str(path) + "/") for line in open("/proc/mounts"))
+    if all(report is not None and report.passed for report in reports) and not mounted:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keeps each phase's report on the test, for `workdir` to see whether it passed."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)
 
 
 class KeelServer:
