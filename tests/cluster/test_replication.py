@@ -1142,6 +1142,10 @@ def test_a_drain_hands_primaries_off_and_forwards_the_clients_attached_there(clu
     assert code == 200, created
     solo = attach(first, "solo")
     solo_expected = write_blocks(solo, "solo-before-drain", range(0, SIZE // BLOCK, 61))
+    # Serving a volume starts its replicas out of sync until their catch-up compared what they
+    # lack (tens of ms): a drain meanwhile rightly answers that a catch-up is under way.
+    for name, count in (("attached", 2), ("wide", 3)):
+        wait_until(f"{name}'s replicas in sync", lambda: len(replication(first, name)["in_sync"]) == count, timeout=60)
 
     drained = first.cli("node", "drain", "n1").stdout
     assert ("n1 draining: 3 volume replica(s) to move off" in drained
