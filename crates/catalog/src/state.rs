@@ -447,6 +447,11 @@ impl CatalogState {
             .any(|entry| entry.record.name == name && entry.record.status != VolumeStatus::Deleting)
     }
 
+    /// Whether `node` is a member the cluster records as `Up` (not suspect, down or unknown).
+    pub fn node_is_up(&self, node: NodeId) -> bool {
+        (self.nodes.get(&node)).is_some_and(|record| record.state == NodeState::Up)
+    }
+
     pub fn ready_volumes(&self) -> impl Iterator<Item = &VolumeEntry> {
         self.volumes
             .values()

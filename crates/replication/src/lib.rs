@@ -956,11 +956,7 @@ impl Replication {
         let record = self.shared.volume_record(name)?;
         let replication = &record.replication;
         let primary = replication.primary;
-        let primary_up = {
-            let catalog = self.shared.metadata.catalog().read();
-            (catalog.nodes.get(&primary))
-                .is_some_and(|node| node.state == keel_catalog::NodeState::Up)
-        };
+        let primary_up = self.shared.metadata.catalog().read().node_is_up(primary);
         if replication.replicas.len() <= 1 || primary == local || !primary_up {
             return Ok(None);
         }
@@ -1121,8 +1117,7 @@ impl Replication {
         let catalog = self.shared.metadata.catalog().read();
         Ok(replication.replicas.len() > 1
             && replication.primary != self.shared.local_node
-            && (catalog.nodes.get(&replication.primary))
-                .is_some_and(|record| record.state == keel_catalog::NodeState::Up))
+            && catalog.node_is_up(replication.primary))
     }
 
     fn hosted_here(&self, name: &str) -> VolumeResult<bool> {
@@ -2006,12 +2001,7 @@ impl Replication {
             .map(|(id, _)| *id)
             .collect();
         let catalog = self.shared.metadata.catalog().read();
-        let up = |node: NodeId| {
-            catalog
-                .nodes
-                .get(&node)
-                .is_some_and(|record| record.state == keel_catalog::NodeState::Up)
-        };
+        let up = |node: NodeId| catalog.node_is_up(node);
         catalog
             .ready_volumes()
             .filter(|entry| {
@@ -2286,12 +2276,7 @@ pub(crate) fn snapshot_repair_due(
     local: NodeId,
 ) -> Option<RepairDue> {
     let replication = &entry.record.replication;
-    let up = |node: &NodeId| {
-        catalog
-            .nodes
-            .get(node)
-            .is_some_and(|record| record.state == keel_catalog::NodeState::Up)
-    };
+    let up = |node: &NodeId| catalog.node_is_up(*node);
     let ready: Vec<NodeId> = replication.in_sync.iter().copied().filter(up).collect();
     entry.snapshots.values().find_map(|snapshot| {
         let target = ready
