@@ -38,7 +38,19 @@ fn timing() -> Timing {
     }
 }
 
+/// Sends the engine's log to the test's captured output, which the harness shows for a test
+/// that failed: `info` for Keel's crates unless `KEEL_LOG` says otherwise.
+fn log_to_test_output() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KEEL_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,keel_replication=info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_test_writer()
+        .try_init();
+}
+
 fn node_dir(test: &str, node: &str) -> PathBuf {
+    log_to_test_output();
     static RUN: AtomicU64 = AtomicU64::new(0);
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../target/test-data/replication")
@@ -1467,10 +1479,24 @@ async fn a_rollback_drops_a_replica_added_as_it_starts() {
         .unwrap()
         .unwrap()
         .unwrap();
-    wait_for("every replica in sync after the rollback", || {
-        in_sync(primary_node, "v").len() == 3
-    })
-    .await;
+    let volume_id = primary_node
+        .cluster
+        .catalog()
+        .read()
+        .volume("v")
+        .unwrap()
+        .record
+        .id;
+    let caught_up = tokio::time::timeout(SETTLE, async {
+        while in_sync(primary_node, "v").len() < 3 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    assert!(
+        caught_up.await.is_ok(),
+        "every replica in sync after the rollback; the primary shows {:?}",
+        primary_node.replication.primary_status(volume_id)
+    );
     for node in &nodes {
         let volumes = node.volumes.clone();
         let copy = blocking(move || volumes.open_volume("v")).await.unwrap();
