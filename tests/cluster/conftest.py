@@ -1,5 +1,6 @@
 """Fixtures of the multi-process cluster tests (the helpers are in keelcluster.py)."""
 
+import os
 import re
 import shutil
 
@@ -10,8 +11,9 @@ from keelcluster import WORK, Cluster, fs_type
 
 @pytest.fixture
 def workdir(request):
-    """The test's own directory, removed once the test passed (its nodes stopped by then): a
-    failed test's stays for its logs. Kept, the suite's data came to 6 GiB."""
+    """The test's own directory, removed once the test passed (its nodes stopped by then)
+    unless KEEL_KEEP_TEST_DATA=1: a failed test's stays for its logs. Kept, the suite's data
+    came to 6 GiB."""
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name)
     path = WORK / name
     shutil.rmtree(path, ignore_errors=True)
@@ -19,7 +21,7 @@ def workdir(request):
     assert fs_type(path) not in ("tmpfs", "ramfs"), f"{path} is on {fs_type(path)}"
     yield path
     mounted = any(line.split()[1].startswith(str(path) + "/") for line in open("/proc/mounts"))
-    if passed(request.node) and not mounted:
+    if passed(request.node) and not mounted and os.environ.get("KEEL_KEEP_TEST_DATA") != "1":
         shutil.rmtree(path, ignore_errors=True)
 
 

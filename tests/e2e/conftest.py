@@ -122,11 +122,12 @@ def workdir(request):
     path.mkdir(parents=True)
     assert fs_type(path) not in ("tmpfs", "ramfs"), f"{path} is on {fs_type(path)}: data tests need a real filesystem"
     yield path
-    # Removed once the test passed (its servers are stopped by then, its mounts gone); a failed
-    # test's stays for its logs.
+    # Removed once the test passed (its servers are stopped by then, its mounts gone), unless
+    # KEEL_KEEP_TEST_DATA=1; a failed test's stays for its logs.
     reports = [getattr(request.node, f"rep_{when}", None) for when in ("setup", "call")]
     mounted = any(line.split()[1].startswith(str(path) + "/") for line in open("/proc/mounts"))
-    if all(report is not None and report.passed for report in reports) and not mounted:
+    keep = os.environ.get("KEEL_KEEP_TEST_DATA") == "1"
+    if all(report is not None and report.passed for report in reports) and not mounted and not keep:
         shutil.rmtree(path, ignore_errors=True)
 
 

@@ -1,7 +1,8 @@
 """The dashboard `keel server` serves at `/`, in headless Chromium: with NBD and S3 traffic
 running, its per-volume and per-bucket tables and charts show the traffic, its slow-request
-table lists the requests, and without the admin token it asks for one. A screenshot is kept
-in the test's work directory (dashboard.png)."""
+table lists the requests, and without the admin token it asks for one. A screenshot is saved
+in the test's work directory (dashboard.png; kept when the test fails, or with
+KEEL_KEEP_TEST_DATA=1)."""
 
 import json
 
