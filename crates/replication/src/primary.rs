@@ -2744,6 +2744,11 @@ impl Primary {
                 if peer.failed {
                     return Err("the replica failed before it was in sync".to_string());
                 }
+                // Ended without failing (a rollback's drop stopped it, say): its queue, the
+                // FLUSH with it, was cleared, so no confirmation can come.
+                if !peer.streaming {
+                    return Err("the replica's stream ended before it was in sync".to_string());
+                }
                 if peer.flushes_confirmed >= flush {
                     break;
                 }
