@@ -73,9 +73,7 @@ impl From<VolumeError> for ApiError {
             | VolumeError::OutOfRange { .. }
             | VolumeError::Stream { .. }
             | VolumeError::BaseMissing { .. } => StatusCode::BAD_REQUEST,
-            VolumeError::Store { source, .. } if source.is_no_space() => {
-                StatusCode::INSUFFICIENT_STORAGE
-            }
+            full if full.is_no_space() => StatusCode::INSUFFICIENT_STORAGE,
             VolumeError::Elsewhere { .. } => StatusCode::MISDIRECTED_REQUEST,
             VolumeError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,

@@ -357,11 +357,12 @@ fn apply_batch(
 ) -> Result<BatchAck, Refusal> {
     let volume = handle(shared, state, name, batch.epoch)?;
     let bytes = apply_ops(volume.as_ref(), &batch.ops, batch.flush).map_err(|error| {
-        let no_space = matches!(&error, keel_volume::VolumeError::Store { source, .. } if source.is_no_space());
-        refusal(
-            if no_space { CODE_NO_SPACE } else { CODE_FAILED },
-            error.to_string(),
-        )
+        let code = if error.is_no_space() {
+            CODE_NO_SPACE
+        } else {
+            CODE_FAILED
+        };
+        refusal(code, error.to_string())
     })?;
     shared.counters.received(bytes);
     Ok(BatchAck {

@@ -158,6 +158,11 @@ impl VolumeError {
         }
     }
 
+    /// Whether the error is the store refusing new data for want of space (its reserve).
+    pub fn is_no_space(&self) -> bool {
+        matches!(self, VolumeError::Store { source, .. } if source.is_no_space())
+    }
+
     pub fn store(volume: &str, operation: &'static str) -> impl FnOnce(StoreError) -> VolumeError {
         let volume = volume.to_string();
         move |source| VolumeError::Store {
@@ -208,7 +213,7 @@ impl From<VolumeError> for io::Error {
             VolumeError::AlreadyExists { .. } | VolumeError::SnapshotExists { .. } => {
                 io::ErrorKind::AlreadyExists
             }
-            VolumeError::Store { source, .. } if source.is_no_space() => io::ErrorKind::StorageFull,
+            full if full.is_no_space() => io::ErrorKind::StorageFull,
             VolumeError::Io(inner) => inner.kind(),
             VolumeError::Remote { kind, .. } => *kind,
             _ => io::ErrorKind::Other,
