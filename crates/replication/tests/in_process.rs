@@ -288,6 +288,17 @@ fn in_sync(node: &TestNode, volume: &str) -> Vec<NodeId> {
         .unwrap_or_default()
 }
 
+/// The volume's id, as `node`'s catalog holds it.
+fn volume_id(node: &TestNode, volume: &str) -> u64 {
+    node.cluster
+        .catalog()
+        .read()
+        .volume(volume)
+        .unwrap()
+        .record
+        .id
+}
+
 // Proves the engine keeps its contract over the cluster's in-process transport: a FLUSH on
 // an R=2 volume reaches the replica's own copy; a replica cut off is taken out of the in-sync
 // set through Raft and the primary's FLUSHes go on without it; after healing it is caught up
@@ -373,14 +384,7 @@ async fn an_r2_volume_keeps_every_flushed_write_through_a_partition_and_a_lost_p
     network.close(&primary_node.address);
     primary_node.cluster.shutdown().await;
     // Its engine stops serving with it (rather than retry against a stopped Raft).
-    let volume_id = primary_node
-        .cluster
-        .catalog()
-        .read()
-        .volume("v")
-        .unwrap()
-        .record
-        .id;
+    let volume_id = volume_id(primary_node, "v");
     assert!(
         primary_node.replication.primary_status(volume_id).is_none(),
         "the primary outlived its node's cluster"
@@ -509,14 +513,7 @@ async fn a_change_of_the_replicas_whose_answer_is_lost_is_settled_and_the_primar
     network.keep_answers();
     raised.expect("a raise of R that Raft made failed because its answer was lost");
     assert!(replica_set(primary_node, "v").contains(&third_id));
-    let volume_id = primary_node
-        .cluster
-        .catalog()
-        .read()
-        .volume("v")
-        .unwrap()
-        .record
-        .id;
+    let volume_id = volume_id(primary_node, "v");
     let status = primary_node.replication.primary_status(volume_id).unwrap();
     assert_eq!(status.closed, None, "the primary stopped serving");
 
@@ -1322,14 +1319,7 @@ async fn an_attach_waits_for_a_change_of_a_volume_nobody_serves() {
     let network = LocalNetwork::new();
     let (nodes, primary, _) = replicated_volume(&network, "change_unserved", 4, 2, None).await;
     let primary_node = &nodes[primary];
-    let volume_id = primary_node
-        .cluster
-        .catalog()
-        .read()
-        .volume("v")
-        .unwrap()
-        .record
-        .id;
+    let volume_id = volume_id(primary_node, "v");
     assert!(
         primary_node.replication.primary_status(volume_id).is_none(),
         "the volume is served before any attach: the change would go through its primary"
@@ -1479,14 +1469,7 @@ async fn a_rollback_drops_a_replica_added_as_it_starts() {
         .unwrap()
         .unwrap()
         .unwrap();
-    let volume_id = primary_node
-        .cluster
-        .catalog()
-        .read()
-        .volume("v")
-        .unwrap()
-        .record
-        .id;
+    let volume_id = volume_id(primary_node, "v");
     let caught_up = tokio::time::timeout(SETTLE, async {
         while in_sync(primary_node, "v").len() < 3 {
             tokio::time::sleep(Duration::from_millis(20)).await;
