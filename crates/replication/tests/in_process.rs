@@ -1489,6 +1489,132 @@ async fn a_rollback_drops_a_replica_added_as_it_starts() {
     stop(&nodes.iter().collect::<Vec<_>>(), None).await;
 }
 
+// Proves a catch-up waiting for the FLUSH behind the last data it queued stops waiting once a
+// rollback ended its stream: that FLUSH was still queued, cleared with the queue, so no
+// confirmation could come, and the replica stayed out of sync until the wait's 30 s deadline
+// (the rollback's own catch-up found this one under way and left the replica to it). A new
+// replica's batches are held, so the four in flight fill the window and its catch-up's FLUSH
+// stays queued behind more data; the rollback, onto a snapshot that replica lacks, ends the
+// stream; the held batches are then delivered (before the replica's catalog has the rollback,
+// so they are taken, not refused: a refusal would fail the stream and end the wait anyway).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_catch_up_whose_stream_a_rollback_ended_starts_over_at_once() {
+    use keel_cluster::messages::METHOD_RAFT_APPEND;
+    use keel_replication::wire::METHOD_REPLICATE;
+    // 24 MiB: more than the four batches in flight take, less than the queue holds.
+    const UNITS: u64 = 384;
+    let network = LocalNetwork::new();
+    let settings = Settings {
+        move_after: Duration::from_secs(3600),
+        resync_bytes_per_second: None,
+        resync_busy_percent: 100,
+        rebuilds_max: 2,
+        snapshot_repair: false,
+        point_every: keel_replication::POINT_EVERY,
+    };
+    let (nodes, primary, _) =
+        replicated_volume_with(&network, "rollback_ends_catch_up", UNITS, 1, settings).await;
+    let primary_node = &nodes[primary];
+    let primary_id = primary_node.cluster.node_id();
+    lead(&nodes, primary_id).await;
+    let replication = primary_node.replication.clone();
+    let volume = blocking(move || replication.open("v")).await.unwrap();
+    blocking(move || {
+        for unit in 0..UNITS {
+            volume
+                .write(unit * 65536, &pattern(unit as u8), false)
+                .unwrap();
+        }
+        volume.flush().unwrap();
+    })
+    .await;
+    let (replication, volumes) = (
+        primary_node.replication.clone(),
+        primary_node.volumes.clone(),
+    );
+    blocking(move || replication.quiesce("v", || volumes.snapshot_create("v", "s1")))
+        .await
+        .unwrap();
+    let followers: Vec<NodeId> = nodes
+        .iter()
+        .map(|node| node.cluster.node_id())
+        .filter(|id| *id != primary_id)
+        .collect();
+    for id in &followers {
+        network.hold(*id, METHOD_REPLICATE);
+    }
+    let replication = primary_node.replication.clone();
+    blocking(move || replication.set_replicas("v", Some(2), None))
+        .await
+        .unwrap();
+    let second = *replica_set(primary_node, "v")
+        .iter()
+        .find(|id| **id != primary_id)
+        .unwrap();
+    let second_node = nodes
+        .iter()
+        .find(|node| node.cluster.node_id() == second)
+        .unwrap();
+    wait_for("the new replica's catalog to list it", || {
+        replica_set(second_node, "v").contains(&second)
+    })
+    .await;
+    // Its batches time out 2 s after they were sent: everything up to their release is quick.
+    wait_for("four batches of the new replica's catch-up, held", || {
+        network.calls_held(second, METHOD_REPLICATE) >= 4
+    })
+    .await;
+    // (The catch-up queues the rest, then its FLUSH.)
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    network.hold(second, METHOD_RAFT_APPEND);
+    let generation = |node: &TestNode| {
+        node.cluster
+            .catalog()
+            .read()
+            .volume("v")
+            .unwrap()
+            .record
+            .generation
+    };
+    let before = generation(primary_node);
+    let (replication, volumes) = (
+        primary_node.replication.clone(),
+        primary_node.volumes.clone(),
+    );
+    let rolled_back =
+        on_thread(move || replication.rollback("v", "s1", || volumes.rollback("v", "s1")));
+    // The rollback ended the stream before it made the change.
+    wait_for("the rollback recorded", || {
+        generation(primary_node) > before
+    })
+    .await;
+    assert!(
+        generation(second_node) <= before,
+        "the new replica's catalog took the rollback while its appends were held"
+    );
+    network.release_calls(second, METHOD_REPLICATE);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    network.release();
+    tokio::time::timeout(BLOCKED_MAX, rolled_back)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    // Caught up again from the start (24 MiB) without the 30 s wait.
+    let volume_id = volume_id(primary_node, "v");
+    let caught_up = tokio::time::timeout(Duration::from_secs(15), async {
+        while !in_sync(primary_node, "v").contains(&second) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    assert!(
+        caught_up.await.is_ok(),
+        "the new replica in sync after the rollback; the primary shows {:?}",
+        primary_node.replication.primary_status(volume_id)
+    );
+    stop(&nodes.iter().collect::<Vec<_>>(), None).await;
+}
+
 // Proves lowering R never removes the only replica holding a snapshot whole: a snapshot taken
 // while one replica was out of the in-sync set is whole on the others only, and after that
 // replica took the volume over (no snapshot repair here) the old primary alone holds it.
