@@ -197,14 +197,22 @@ def test_a_pod_moving_to_another_replica_node_gets_the_volume_handed_over(cluste
 
         second.kill9()
 
+        refusals = []
+
         def staged():
-            # Refused until node 2's lease has run out (kubelet retries the same way).
+            # Refused until node 2's lease has run out (kubelet retries the same way), with
+            # the Keel server's reason rather than only nbdfuse's "no export named".
             try:
                 return pod(on_first, "c")
             except grpc.RpcError as refused:
                 assert refused.code() == grpc.StatusCode.UNAVAILABLE, refused
+                refusals.append(refused.details())
                 return None
         stage, target = wait_until("the pod staged on node 1", staged, timeout=60)
+        assert refusals, "staged at once on node 1 with node 2's lease still running"
+        print("NodeStage refused:", refusals[0])
+        for details in refusals:
+            assert 'the Keel server refused: export "pvc-moving" cannot be opened: ' in details, details
         assert primary(first) == 1
         assert (target / "before").read_bytes() == before
         assert (target / "after").read_bytes() == after

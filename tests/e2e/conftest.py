@@ -3,12 +3,15 @@ filesystem (never tmpfs), driven by real clients.
 
 KEEL_BIN selects the binary (default: target/release/keel, built by scripts/test.sh)."""
 
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -192,6 +195,17 @@ class KeelServer:
 
     def nbd_uri(self, export):
         return f"nbd://{self.nbd}/{export}"
+
+    def api(self, method, path, timeout=30):
+        """Admin API call without a body; returns (HTTP status, decoded JSON)."""
+        token = (self.data_dirs[0] / "admin-token").read_text().strip()
+        request = urllib.request.Request(f"http://{self.admin}{path}", method=method,
+                                         headers={"Authorization": f"Bearer {token}"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return response.status, json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read() or b"null")
 
     def cli(self, *args, check=True, input=None, stdout=None):
         cmd = [KEEL_BIN, *args, "--admin", self.admin, "--token-dir", str(self.data_dirs[0])]

@@ -291,11 +291,14 @@ def test_postgres_on_a_volume(server, nbd_mount):
         run_as_postgres([f"{bindir}/pg_ctl", "-D", str(pgdata), "-w", "-m", "fast", "stop"], timeout=120)
 
 
-def test_a_refused_export_is_explained_in_the_server_log(server):
+def test_a_refused_export_is_explained_in_the_server_log_and_the_admin_api(server):
     """libnbd clients (nbdinfo here, nbdfuse under the CSI node plugin) report any refused
     export as "no export named", keeping the server's reason to their debug output: the
-    server logs the reason where an operator looks."""
+    server logs the reason where an operator looks, and lists it in the admin API (which the
+    CSI node plugin asks), after the id it reported last."""
     require("nbdinfo", "libnbd-bin")
+    code, before = server.api("GET", "/api/v1/nbd/refusals?export=missing-volume")
+    assert code == 200 and before["refusals"] == [], before
     result = subprocess.run(["nbdinfo", f"nbd://{server.nbd}/missing-volume"], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode != 0 and "missing-volume" in result.stderr, result
@@ -303,3 +306,11 @@ def test_a_refused_export_is_explained_in_the_server_log(server):
     log = re.sub(r"\x1b\[[0-9;]*m", "", log)
     refused = [line for line in log.splitlines() if "refused to open an NBD export" in line]
     assert refused and 'export "missing-volume" does not exist' in refused[-1], refused
+    code, listed = server.api("GET", f"/api/v1/nbd/refusals?export=missing-volume&after={before['last']}")
+    assert code == 200, listed
+    # (nbdinfo may ask more than once.)
+    reasons = {r["reason"] for r in listed["refusals"]}
+    assert reasons == {'export "missing-volume" does not exist'}, listed
+    assert listed["last"] == listed["refusals"][-1]["id"] > before["last"], listed
+    code, later = server.api("GET", f"/api/v1/nbd/refusals?export=missing-volume&after={listed['last']}")
+    assert code == 200 and later["refusals"] == [], later

@@ -43,6 +43,19 @@ pub struct SnapshotJson {
     pub created_unix_seconds: u64,
 }
 
+/// The NBD attaches a node refused lately (`GET /api/v1/nbd/refusals`): those asked for, and
+/// the id of the last it recorded.
+#[derive(Deserialize, Debug, Clone)]
+pub struct RefusalsJson {
+    pub last: u64,
+    pub refusals: Vec<RefusalJson>,
+}
+
+#[derive(Deserialize, Debug, Clone)]
+pub struct RefusalJson {
+    pub reason: String,
+}
+
 /// A node as `GET /api/v1/nodes` lists it.
 #[derive(Debug, Clone)]
 pub struct NodeJson {
@@ -195,6 +208,20 @@ impl Admin {
                 })
             })
             .collect())
+    }
+
+    /// The attaches of `export` this node refused after refusal `after` (all it keeps without).
+    /// Blocking: for node work, which runs on its own thread.
+    pub fn refusals_blocking(
+        &self,
+        export: &str,
+        after: Option<u64>,
+    ) -> Result<RefusalsJson, Failure> {
+        let mut path = format!("/api/v1/nbd/refusals?export={}", encode(export));
+        if let Some(after) = after {
+            path.push_str(&format!("&after={after}"));
+        }
+        self.call_blocking(Method::Get, &path, None)
     }
 
     pub async fn status(&self) -> Result<Value, Failure> {

@@ -298,6 +298,7 @@ fn nbd_host_port(config: &NodeConfig) -> Result<(String, String), Status> {
 /// Attaches a volume as a block device; the record returned says how, for detaching.
 fn attach(
     config: &NodeConfig,
+    admin: &Admin,
     volume: &str,
     staging_path: &Path,
     block: bool,
@@ -313,6 +314,21 @@ fn attach(
         published: BTreeMap::new(),
     };
     let (host, port) = nbd_host_port(config)?;
+    // NBD clients report any refusal as a missing export; the Keel server keeps why. Its
+    // last refusal now, so that only this attach's is reported (none known: any).
+    let refusals_before = admin
+        .refusals_blocking(volume, None)
+        .ok()
+        .map(|listing| listing.last);
+    let refused = |status: Status| -> Status {
+        match keel_refused(admin, volume, refusals_before) {
+            Some(reason) => Status::new(
+                status.code(),
+                format!("{}; the Keel server refused: {reason}", status.message()),
+            ),
+            None => status,
+        }
+    };
     if use_kernel(config) {
         let device = (0..)
             .map(|n| format!("nbd{n}"))
@@ -320,7 +336,7 @@ fn attach(
             .find(|name| !Path::new("/sys/block").join(name).join("pid").exists())
             .ok_or_else(|| Status::resource_exhausted("every /dev/nbd* device is in use"))?;
         let device = format!("/dev/{device}");
-        run("nbd-client", &["-N", volume, &host, &port, &device])?;
+        run("nbd-client", &["-N", volume, &host, &port, &device]).map_err(refused)?;
         staged.method = "kernel".into();
         staged.device = PathBuf::from(device);
         return Ok(staged);
@@ -360,11 +376,10 @@ fn attach(
         }
         if let Ok(Some(status)) = child.try_wait() {
             let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-            return Err(Status::unavailable(format!(
-                "nbdfuse {uri} exited ({status}): {} (nbdfuse does not pass on why the Keel \
-                 server refused: its log on this node says, \"refused to open an NBD export\")",
+            return Err(refused(Status::unavailable(format!(
+                "nbdfuse {uri} exited ({status}): {}",
                 log.trim()
-            )));
+            ))));
         }
         if Instant::now() > deadline {
             let _ = child.kill();
@@ -389,6 +404,25 @@ fn attach(
     };
     staged.device = PathBuf::from(device);
     Ok(staged)
+}
+
+/// Why the Keel server refused the attach of `volume` it recorded after refusal `after`, its
+/// latest.
+fn keel_refused(admin: &Admin, volume: &str, after: Option<u64>) -> Option<String> {
+    match admin.refusals_blocking(volume, after) {
+        Ok(listing) => listing
+            .refusals
+            .last()
+            .map(|refusal| refusal.reason.clone()),
+        Err(failure) => {
+            tracing::info!(
+                volume,
+                error = failure.message,
+                "cannot ask the Keel server why it refused"
+            );
+            None
+        }
+    }
 }
 
 /// `DIR.EXTENSION` next to nbdfuse's mount point (names may hold dots: no `with_extension`).
@@ -596,6 +630,7 @@ impl Node for NodeService {
         if self.admin.volume(&volume).await?.is_none() {
             return Err(Status::not_found(format!("volume {volume:?} not found")));
         }
+        let admin = self.admin.clone();
         self.locked(move |config| {
             let (block, fs_type, flags) = match &capability.access_type {
                 Some(AccessType::Mount(mount)) => {
@@ -621,7 +656,7 @@ impl Node for NodeService {
                 detach(&existing);
                 forget(config, &volume)?;
             }
-            let staged = attach(config, &volume, &staging, block)?;
+            let staged = attach(config, &admin, &volume, &staging, block)?;
             save(config, &staged)?;
             if !block {
                 if let Err(status) = format_and_mount(&staged, &fs_type, &flags) {

@@ -47,6 +47,8 @@ pub struct AppState {
     pub nbd_metrics: crate::metrics::NbdMetrics,
     /// NBD and S3 requests in flight and the recent slowest (`keel ops`).
     pub ops: keel_ops::Ops,
+    /// The NBD attaches this node refused lately, with why.
+    pub refusals: Arc<crate::refusals::Refusals>,
 }
 
 pub type Shared = Arc<AppState>;
@@ -163,6 +165,7 @@ pub fn router(state: Shared) -> Router {
         .route("/api/v1/store/compact", post(start_compact))
         .route("/api/v1/jobs", get(list_jobs))
         .route("/api/v1/ops", get(list_ops))
+        .route("/api/v1/nbd/refusals", get(list_refusals))
         .route("/api/v1/jobs/{id}", get(job_status))
         .route("/api/v1/cluster", get(cluster_status))
         .route("/api/v1/cluster/token", get(cluster_token))
@@ -1621,6 +1624,19 @@ async fn start_compact(
 
 async fn list_ops(State(state): State<Shared>) -> Json<keel_ops::OpsReport> {
     Json(state.ops.report())
+}
+
+#[derive(Deserialize)]
+pub struct RefusalsQuery {
+    export: Option<String>,
+    after: Option<u64>,
+}
+
+async fn list_refusals(
+    State(state): State<Shared>,
+    Query(query): Query<RefusalsQuery>,
+) -> Json<crate::refusals::Listing> {
+    Json(state.refusals.list(query.export.as_deref(), query.after))
 }
 
 async fn list_jobs(State(state): State<Shared>) -> Json<Vec<crate::jobs::JobStatus>> {

@@ -16,6 +16,7 @@ mod lifecycle;
 mod metrics;
 mod nearfull;
 mod process;
+mod refusals;
 mod scrub_schedule;
 mod server;
 mod sync_health;

@@ -407,6 +407,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         });
     }
     let nbd_metrics = crate::metrics::NbdMetrics::new();
+    let refusals = Arc::new(crate::refusals::Refusals::default());
     let state = Arc::new(AppState {
         store: store.clone(),
         volumes: volumes.clone(),
@@ -424,6 +425,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         started,
         nbd_metrics: nbd_metrics.clone(),
         ops: ops.clone(),
+        refusals: refusals.clone(),
     });
     let admin = axum::serve(admin_listener, crate::admin::router(state))
         .with_graceful_shutdown(shutdown(stopped.clone()));
@@ -437,6 +439,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
                         replication: replication.clone(),
                         metadata: metadata.clone(),
                         metrics: nbd_metrics.clone(),
+                        refusals: refusals.clone(),
                     }),
                     shutdown(stopped.clone()),
                     keel_nbd::Limits::default(),
@@ -634,6 +637,8 @@ struct VolumeExports {
     replication: Arc<keel_replication::Replication>,
     metadata: Arc<dyn keel_catalog::Metadata>,
     metrics: crate::metrics::NbdMetrics,
+    /// What [`Exports::open`] refused, for the admin API.
+    refusals: Arc<crate::refusals::Refusals>,
 }
 
 /// This node's own copies of volumes, for the replication engine.
@@ -749,24 +754,29 @@ impl Exports for VolumeExports {
             },
             opened => opened,
         };
-        match opened {
-            Ok(handle) => Ok(Arc::new(VolumeExport {
-                handle,
-                metrics: self
-                    .metrics
-                    .volume(name.split_once('@').map_or(name, |(volume, _)| volume)),
-            })),
+        let refused = match opened {
+            Ok(handle) => {
+                return Ok(Arc::new(VolumeExport {
+                    handle,
+                    metrics: self
+                        .metrics
+                        .volume(name.split_once('@').map_or(name, |(volume, _)| volume)),
+                }))
+            }
             Err(keel_namespace::volume::VolumeError::NotFound { .. })
             | Err(keel_namespace::volume::VolumeError::SnapshotNotFound { .. }) => {
-                Err(NbdError::ExportNotFound {
+                NbdError::ExportNotFound {
                     name: name.to_string(),
-                })
+                }
             }
-            Err(other) => Err(NbdError::ExportUnavailable {
+            Err(other) => NbdError::ExportUnavailable {
                 name: name.to_string(),
                 reason: other.to_string(),
-            }),
-        }
+            },
+        };
+        let now = keel_clock::Clock::wall_unix_ms(&keel_clock::SystemClock);
+        self.refusals.record(name, refused.to_string(), now);
+        Err(refused)
     }
 }
 
