@@ -932,6 +932,8 @@ def test_a_replica_whose_disk_fills_stays_out_of_sync_says_why_and_catches_up_on
     - node 2's own health is KEEL_FULL, and node 1's names node 2 nearly full
       (KEEL_NODE_NEARFULL) and says why its replica is behind: KEEL_VOLUME_DEGRADED carries
       the replica's own "no space left" answer, as does `volume info`'s catch-up entry;
+      node 2, which does not serve the volume, asks node 1 and says the same in its own
+      health and `volume info` (`primary_status`);
     - the catch-up keeps trying, further and further apart (at most 3 more tries in 10 s,
       where a try a second would make about 10);
     - once the R=1 volume is deleted and node 2's store compacted (what KEEL_FULL tells the
@@ -957,6 +959,16 @@ def test_a_replica_whose_disk_fills_stays_out_of_sync_says_why_and_catches_up_on
         return entries[0]
     entry = catch_up()
     assert entry["failures"] >= 1 and "no space left on" in entry["last_failure"], entry
+    # Node 2 asks the primary for its view.
+    on_second = [line for line in second.cli("status", check=False).stdout.splitlines()
+                 if "KEEL_VOLUME_DEGRADED" in line]
+    assert on_second and "behind: node 2 (n2; nearly full; " in on_second[0], on_second
+    assert "its catch-up failed" in on_second[0] and "no space left on" in on_second[0], on_second
+    seen_from_second = replication(second, "fills")
+    assert seen_from_second["served_here"] is None, seen_from_second
+    assert seen_from_second["primary_status_error"] is None, seen_from_second
+    entries = seen_from_second["primary_status"]["catching_up"]
+    assert [e["node"] for e in entries] == [2] and "no space left on" in entries[0]["last_failure"], entries
     before = entry["failures"]
     time.sleep(10)
     after = catch_up()["failures"]

@@ -5,6 +5,7 @@
 //! monitoring on a trusted network. Everything else needs `Authorization: Bearer <token>` with
 //! the token from `<first data dir>/admin-token`.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -446,10 +447,13 @@ fn drains(state: &AppState) -> Vec<keel_cluster::HealthCheck> {
 }
 
 /// Replicated volumes with fewer replicas in sync than wanted: (code, severity, message,
-/// action) per volume. Each replica behind is named with what holds it back, as far as this
-/// node knows: its node down or nearly full (the catalog), and, where this node is the
-/// volume's primary, why its catch-up last failed.
-fn volume_redundancy(state: &AppState) -> Vec<(&'static str, &'static str, String, String)> {
+/// action) per volume. Each replica behind is named with what holds it back: its node down or
+/// nearly full (the catalog), and the primary's word on its catch-up (how far it got, why a
+/// try failed): this node's own, or what `primaries` holds of a primary elsewhere.
+fn volume_redundancy(
+    state: &AppState,
+    primaries: &RemotePrimaries,
+) -> Vec<(&'static str, &'static str, String, String)> {
     struct Behind {
         node: keel_catalog::NodeId,
         name: String,
@@ -500,8 +504,15 @@ fn volume_redundancy(state: &AppState) -> Vec<(&'static str, &'static str, Strin
         } else {
             ("KEEL_VOLUME_DEGRADED", "warn")
         };
-        let served = state.replication.primary_status(volume_id);
-        let described: Vec<String> = (behind.iter())
+        let (served, unasked) = match state.replication.primary_status(volume_id) {
+            Some(status) => (Some(status), None),
+            None => match primaries.get(&volume_id) {
+                Some(Ok(status)) => (status.clone(), None),
+                Some(Err(why)) => (None, Some(why.clone())),
+                None => (None, None),
+            },
+        };
+        let mut described: Vec<String> = (behind.iter())
             .map(|replica| {
                 let mut why = Vec::new();
                 if !replica.name.is_empty() {
@@ -518,6 +529,11 @@ fn volume_redundancy(state: &AppState) -> Vec<(&'static str, &'static str, Strin
                 format!("node {} ({})", replica.node, why.join("; "))
             })
             .collect();
+        if let Some(why) = unasked {
+            described.push(format!(
+                "(its primary could not say how its catch-ups go: {why})"
+            ));
+        }
         let remedy = if behind.iter().any(|replica| replica.nearfull) {
             "free space on the nearly full node (its replica catches up on its own once there \
              is room); a replica refusing its catch-ups for cluster.replica_move_after_ms \
@@ -525,8 +541,8 @@ fn volume_redundancy(state: &AppState) -> Vec<(&'static str, &'static str, Strin
         } else if behind.iter().any(|replica| replica.gone.is_some()) {
             "bring the node back: its replica catches up on its own"
         } else {
-            "nothing, if its catch-up progresses (the primary's keel status and keel volume \
-             info show how far it got, and why a try failed)"
+            "nothing, if its catch-up progresses (keel status shows how far it got, and why \
+             a try failed; keel volume info too)"
         };
         findings.push((
             code,
@@ -627,10 +643,11 @@ fn check(
 pub fn status_report(
     state: &AppState,
     cluster: keel_cluster::ClusterStatus,
+    primaries: &RemotePrimaries,
 ) -> ApiResult<StatusReport> {
     let stats = state.store.stats().map_err(internal)?;
     let mut checks: Vec<keel_cluster::HealthCheck> = cluster.health.clone();
-    for (code, severity, message, action) in volume_redundancy(state) {
+    for (code, severity, message, action) in volume_redundancy(state, primaries) {
         checks.push(check(code, severity, message, action));
     }
     checks.extend(drains(state));
@@ -891,8 +908,51 @@ pub fn status_report(
 
 async fn status(State(state): State<Shared>) -> ApiResult<Json<StatusReport>> {
     let cluster = state.cluster.status().await;
-    blocking(move || status_report(&state, cluster).map(Json)).await
+    let primaries = degraded_primaries(&state).await;
+    blocking(move || status_report(&state, cluster, &primaries).map(Json)).await
 }
+
+/// Degraded volumes whose primary elsewhere `keel status` asks at once (the others' findings
+/// name their replicas' nodes' state only).
+const PRIMARIES_ASKED_MAX: usize = 64;
+
+/// What their primaries say of the degraded volumes this node does not serve (how far each
+/// replica's catch-up got, its ETA, why a try failed), asked all at once: volume id → the
+/// primary's status, or why it could not be asked.
+async fn degraded_primaries(state: &Shared) -> RemotePrimaries {
+    let degraded: Vec<u64> = {
+        let catalog = state.cluster.catalog().read();
+        (catalog.ready_volumes())
+            .filter(|entry| {
+                let replication = &entry.record.replication;
+                replication.in_sync.len() < usize::from(replication.factor)
+            })
+            .map(|entry| entry.record.id)
+            .filter(|id| state.replication.primary_status(*id).is_none())
+            .take(PRIMARIES_ASKED_MAX)
+            .collect()
+    };
+    let mut asked = tokio::task::JoinSet::new();
+    for volume_id in degraded {
+        let replication = state.replication.clone();
+        asked.spawn(async move {
+            let answer = replication.primary_status_anywhere(volume_id).await;
+            (volume_id, answer)
+        });
+    }
+    let mut primaries = RemotePrimaries::new();
+    while let Some(answered) = asked.join_next().await {
+        if let Ok((volume_id, answer)) = answered {
+            primaries.insert(volume_id, answer);
+        }
+    }
+    primaries
+}
+
+/// Volume id → the status its primary on another node gave, or why it could not be asked
+/// (`Ok(None)`: no node serves the volume now).
+type RemotePrimaries =
+    BTreeMap<u64, Result<Option<keel_replication::primary::PrimaryStatus>, String>>;
 
 /// `/metrics`: OpenMetrics for scrapers that ask for it (Prometheus does), the classic text
 /// format otherwise.
@@ -914,7 +974,8 @@ async fn metrics(State(state): State<Shared>, headers: HeaderMap) -> ApiResult<R
     let process = crate::process::read()
         .inspect_err(|error| tracing::warn!(%error, "reading /proc/self for /metrics"))
         .ok();
-    let report = blocking(move || status_report(&state, cluster)).await?;
+    // (Without the primaries' own view of degraded volumes: a scrape asks no other node.)
+    let report = blocking(move || status_report(&state, cluster, &RemotePrimaries::new())).await?;
     let disks: Vec<crate::metrics::DeviceCounters> = report
         .devices
         .iter()
@@ -1113,13 +1174,29 @@ async fn volume_info(
     State(state): State<Shared>,
     Path(name): Path<String>,
 ) -> ApiResult<Json<serde_json::Value>> {
+    // A replicated volume's primary, wherever it runs, on its catch-ups.
+    let replicated = (state.cluster.catalog().read().volume(&name))
+        .filter(|entry| entry.record.replication.replicas.len() > 1)
+        .map(|entry| entry.record.id);
+    let primary = match replicated {
+        Some(volume_id) => Some(state.replication.primary_status_anywhere(volume_id).await),
+        None => None,
+    };
     blocking(move || {
         let info = state.volumes.info(&name)?;
         let mut volume = volume_json(&info.summary);
         volume.used_bytes = Some(info.used_bytes);
         volume.stored_bytes = Some(info.stored_bytes);
         let snapshots: Vec<SnapshotJson> = info.snapshots.iter().map(snapshot_json).collect();
-        let replication = replication_json(&state, info.summary.id);
+        let mut replication = replication_json(&state, info.summary.id);
+        if let (Some(primary), Some(fields)) = (primary, replication.as_object_mut()) {
+            let (status, error) = match primary {
+                Ok(status) => (serde_json::json!(status), serde_json::Value::Null),
+                Err(why) => (serde_json::Value::Null, serde_json::json!(why)),
+            };
+            fields.insert("primary_status".to_string(), status);
+            fields.insert("primary_status_error".to_string(), error);
+        }
         Ok(Json(
             serde_json::json!({ "volume": volume, "snapshots": snapshots, "replication": replication }),
         ))

@@ -77,6 +77,8 @@ fn registry() -> Registry {
         wire::CopyTurnAnswer,
         wire::HandOverRequest,
         wire::HandOverAnswer,
+        wire::PrimaryStatusRequest,
+        wire::PrimaryStatusAnswer,
         wire::SnapshotRange,
         wire::SnapshotRepairWrite,
         wire::ForwardOpen,

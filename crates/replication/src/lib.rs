@@ -44,8 +44,9 @@ use crate::replica::Replicas;
 use crate::wire::{
     ForwardClose, ForwardOpen, ForwardRequest, CODE_BAD_REQUEST, CODE_NOT_FOUND, CODE_REFUSED,
     CODE_SESSION_GONE, METHOD_CHANGED, METHOD_COPY_TURN, METHOD_FORWARD_CLOSE, METHOD_FORWARD_IO,
-    METHOD_FORWARD_OPEN, METHOD_HAND_OVER, METHOD_HASHES, METHOD_READ_COPY, METHOD_REPLICATE,
-    METHOD_SNAPSHOT_HASHES, METHOD_SNAPSHOT_READ, METHOD_SNAPSHOT_REPAIR, METHOD_UNWRITTEN,
+    METHOD_FORWARD_OPEN, METHOD_HAND_OVER, METHOD_HASHES, METHOD_PRIMARY_STATUS, METHOD_READ_COPY,
+    METHOD_REPLICATE, METHOD_SNAPSHOT_HASHES, METHOD_SNAPSHOT_READ, METHOD_SNAPSHOT_REPAIR,
+    METHOD_UNWRITTEN,
 };
 
 /// A primary serves only while it heard from the Raft leader within this.
@@ -74,6 +75,10 @@ const ATTACH_TRIES: usize = 3;
 /// ([`wire::METHOD_HAND_OVER`]: a quiesce of a volume no client uses and a Raft round), and
 /// then for its own catalog to name it the primary.
 const HAND_OVER_WAIT: Duration = Duration::from_secs(5);
+
+/// How long a node waits for a volume's primary to say how it serves the volume
+/// ([`Replication::primary_status_anywhere`]): `keel status` waits for it.
+const STATUS_CALL_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Runs blocking work (store I/O) off the async runtime's workers, from engine tasks. (Client
 /// I/O runs its store work inline on the client's own thread.)
@@ -905,6 +910,41 @@ impl Replication {
         self.served(volume_id).map(|primary| primary.status())
     }
 
+    /// [`Self::primary_status`] from the volume's primary, wherever it runs: this node's
+    /// own when it serves the volume, else asked of the primary's node
+    /// ([`wire::METHOD_PRIMARY_STATUS`], at most [`STATUS_CALL_TIMEOUT`]). `Ok(None)`: no node
+    /// serves it now; `Err`: why the primary could not be asked.
+    pub async fn primary_status_anywhere(
+        &self,
+        volume_id: u64,
+    ) -> Result<Option<PrimaryStatus>, String> {
+        if let Some(status) = self.primary_status(volume_id) {
+            return Ok(Some(status));
+        }
+        let primary = {
+            let catalog = self.shared.metadata.catalog().read();
+            let entry = (catalog.volumes.get(&volume_id))
+                .ok_or_else(|| format!("no volume with id {volume_id}"))?;
+            let primary = entry.record.replication.primary;
+            if primary == self.shared.local_node {
+                return Ok(None);
+            }
+            if !catalog.node_is_up(primary) {
+                return Err(format!("node {primary} is not up"));
+            }
+            primary
+        };
+        let request = postcard::to_allocvec(&wire::PrimaryStatusRequest { volume_id })
+            .map_err(|error| error.to_string())?;
+        let answer = (self.shared)
+            .call(primary, METHOD_PRIMARY_STATUS, request, STATUS_CALL_TIMEOUT)
+            .await
+            .map_err(|failure| format!("node {primary}: {}", failure.message))?;
+        let answer: wire::PrimaryStatusAnswer = postcard::from_bytes(&answer)
+            .map_err(|error| format!("node {primary}'s answer: {error}"))?;
+        Ok(answer.status)
+    }
+
     /// This node's common point with `peer` for `volume` ([`Point`]), as its store keeps it.
     pub fn common_point(&self, volume: &str, peer: NodeId) -> VolumeResult<Option<Point>> {
         let record = self.shared.volume_record(volume)?;
@@ -1720,6 +1760,11 @@ impl Replication {
                 let request: wire::HandOverRequest = decode(&payload)?;
                 let kept = self.hand_over(sender, request.volume_id).await.err();
                 encode(postcard::to_allocvec(&wire::HandOverAnswer { kept }))
+            }
+            METHOD_PRIMARY_STATUS => {
+                let request: wire::PrimaryStatusRequest = decode(&payload)?;
+                let status = self.primary_status(request.volume_id);
+                encode(postcard::to_allocvec(&wire::PrimaryStatusAnswer { status }))
             }
             METHOD_READ_COPY => {
                 let request = decode(&payload)?;

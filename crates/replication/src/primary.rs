@@ -430,7 +430,7 @@ pub struct Primary {
 
 /// A replica being caught up: how far the comparison got, and when it should be done at the
 /// rate so far.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct CatchUp {
     pub node: NodeId,
     /// It copies the whole volume and waits for one of this node's turns for that.
@@ -471,8 +471,9 @@ fn differs(ours: &[u8], theirs: &[u8], block: u64) -> bool {
     ours != theirs
 }
 
-/// What `volume info` shows of a replicated volume served here.
-#[derive(Debug, Clone, serde::Serialize)]
+/// What `volume info` shows of a replicated volume served here (and a primary tells other
+/// nodes: [`crate::wire::METHOD_PRIMARY_STATUS`]).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct PrimaryStatus {
     pub epoch: u64,
     pub in_sync: Vec<NodeId>,

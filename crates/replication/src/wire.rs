@@ -58,6 +58,11 @@ pub const METHOD_COPY_TURN: u16 = 0x020b;
 /// the volume over, unless a client uses it there ([`HandOverRequest`] → [`HandOverAnswer`]).
 pub const METHOD_HAND_OVER: u16 = 0x020c;
 
+/// Any node → a volume's primary: how it serves the volume (replicas catching up, with their
+/// progress and ETA), for `keel status` and `keel volume info` on another node
+/// ([`PrimaryStatusRequest`] → [`PrimaryStatusAnswer`]).
+pub const METHOD_PRIMARY_STATUS: u16 = 0x020d;
+
 /// The sender is not the volume's primary in the replica's view (an older epoch or another
 /// node): it must stop acknowledging anything for the volume.
 pub const CODE_FENCED: u16 = 0x0201;
@@ -469,6 +474,17 @@ pub struct HandOverRequest {
 pub struct HandOverAnswer {
     /// Why the primary kept the volume (`None`: Raft names the caller its primary now).
     pub kept: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrimaryStatusRequest {
+    pub volume_id: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PrimaryStatusAnswer {
+    /// `None`: the node does not serve the volume (any more).
+    pub status: Option<crate::primary::PrimaryStatus>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -39,7 +39,7 @@ use crate::{RepairDue, RESYNC_CHUNK_BYTES};
 const REPAIR_CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A snapshot copy being repaired, as `volume info` shows it.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct SnapshotRepairProgress {
     pub snapshot: String,
     pub node: NodeId,
