@@ -326,7 +326,14 @@ fn attach(
                 status.code(),
                 format!("{}; the Keel server refused: {reason}", status.message()),
             ),
-            None => status,
+            None => Status::new(
+                status.code(),
+                format!(
+                    "{} (NBD clients do not pass on why the Keel server refused: its log on \
+                     this node says, after \"refused to open an NBD export\")",
+                    status.message()
+                ),
+            ),
         }
     };
     if use_kernel(config) {
