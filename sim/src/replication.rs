@@ -57,7 +57,7 @@ use keel_catalog::{Command, NodeAddresses, NodeId, NodeRole, VolumeSettings, Vol
 use keel_cluster::{Cluster, ClusterConfig, ClusterHandler, Dispatch, LocalNetwork, Timing};
 use keel_namespace::volume::{BackgroundWork, VolumeError, VolumeIo, VolumeManager, VolumeResult};
 use keel_replication::primary::Primary;
-use keel_replication::{LocalVolumes, Replication, Settings};
+use keel_replication::{LocalVolumes, Placement, Replication, Settings};
 use keel_store::simdisk::SimDisk;
 
 /// The space each node's store keeps free: writes that add data are refused below it.
@@ -1355,25 +1355,42 @@ async fn change_replicas(
     attached: &Attached,
     rng: &mut StdRng,
 ) -> bool {
-    let wanted = {
+    let (wanted, placement) = {
         let world = world.borrow();
         if world.report.witness {
             return false;
         }
         let singles = world.mode == Mode::Singles;
         match world.replication_seen(attached.index) {
-            Some(replication) if replication.replicas.len() == 3 => 2u8,
-            Some(replication) if singles && replication.factor == 1 => 2,
+            // Half the time the user names the replica that leaves (`--remove-from`), in or
+            // out of sync: any but the primary's.
+            Some(replication) if replication.replicas.len() == 3 => {
+                let others: Vec<NodeId> = (replication.replicas.iter().copied())
+                    .filter(|node| *node != replication.primary)
+                    .collect();
+                let named = rng
+                    .gen_bool(0.5)
+                    .then(|| others[rng.gen_range(0..others.len())]);
+                let placement = Placement {
+                    remove_from: named,
+                    ..Placement::default()
+                };
+                (2u8, placement)
+            }
+            Some(replication) if singles && replication.factor == 1 => (2, Placement::default()),
             // Drawn in this mode alone: the other modes' seeds keep their schedules.
-            Some(_) if singles && rng.gen_bool(0.5) => 1,
-            Some(_) => 3,
+            Some(_) if singles && rng.gen_bool(0.5) => (1, Placement::default()),
+            Some(_) => (3, Placement::default()),
             None => return false,
         }
     };
     {
         let mut world = world.borrow_mut();
         world.replica_changes_tried += 1;
-        world.record(&format!("c{client} R to {wanted}"));
+        let named = (placement.remove_from)
+            .map(|node| format!(" without n{node}"))
+            .unwrap_or_default();
+        world.record(&format!("c{client} R to {wanted}{named}"));
     }
     let answer = through(
         world,
@@ -1381,7 +1398,7 @@ async fn change_replicas(
         attached.incarnation,
         attached
             .replication
-            .set_replicas_async(VOLUME, Some(wanted), None),
+            .set_replicas_async(VOLUME, Some(wanted), None, placement),
     )
     .await;
     let mut world = world.borrow_mut();

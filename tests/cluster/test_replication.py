@@ -1765,6 +1765,89 @@ def test_replicas_change_online_and_a_removed_replica_erases_its_copy(cluster):
     assert other.read(0, BLOCK) == block("accepted", 0)
 
 
+def test_a_replica_moves_to_a_named_node_online(cluster, workdir):
+    """Four storage nodes sharing one admin token (--admin-token-file); an R=2 volume on
+    nodes 1 and 2, attached on node 1. `keel volume move mv --from n2 --to n4`, run through
+    node 3 (which holds no replica: the CLI finds the primary) while a client writes and
+    flushes through node 1: node 4 gets a replica (placement alone would pick node 3), caught
+    up while the client writes, then node 2's leaves and erases its copy. The volume is on
+    nodes 1 and 4, both in sync, and with node 1 killed, node 4 serves every flushed write.
+    Refused, each saying why: moving the primary's replica, to a node holding one, from a node
+    holding none, an R=3 volume's; and set-replication naming a node while R stays."""
+    token = workdir / "shared-admin-token"
+    token.write_text(os.urandom(16).hex())
+    nodes = []
+    for _ in range(4):
+        node = cluster.add(extra_args=("--admin-token-file", str(token)))
+        # (Where this harness's API calls and CLI look for the token.)
+        shutil.copy(token, node.dir / "admin-token")
+        nodes.append(node)
+    first, second, third, fourth = nodes
+    wait_until("four members", lambda: len(first.status()["nodes"]) == 4)
+    code, created = first.api("POST", "/api/v1/volumes", {"name": "mv", "size_bytes": SIZE, "replicas": 2}, timeout=30)
+    assert code == 200, created
+    assert replication(first, "mv")["replicas"] == [1, 2]
+    client = attach(first, "mv")
+    expected = write_blocks(client, "before", range(2048))
+    wait_until("both replicas in sync", lambda: sorted(replication(first, "mv")["in_sync"]) == [1, 2])
+
+    def refused(*args):
+        result = third.cli(*args, check=False)
+        assert result.returncode != 0, result
+        return result.stderr
+
+    assert "is volume mv's primary" in refused("volume", "move", "mv", "--from", "n1", "--to", "n4")
+    assert "holds a replica of volume mv already" in refused("volume", "move", "mv", "--from", "n2", "--to", "n1")
+    assert "holds no replica" in refused("volume", "move", "mv", "--from", "n3", "--to", "n4")
+    assert "only as R is raised" in first.cli("volume", "set-replication", "mv", "--replicas", "2",
+                                              "--add-to", "n4", check=False).stderr
+    assert "only as R is lowered" in first.cli("volume", "set-replication", "mv", "--replicas", "2",
+                                               "--remove-from", "n2", check=False).stderr
+    assert replication(first, "mv")["replicas"] == [1, 2]
+
+    flushed, failure = {}, []
+
+    def write_during_move():
+        try:
+            pending = {}
+            for index in range(2048, 4096):
+                pending[index] = block("moving", index)
+                client.write(index * BLOCK, pending[index])
+                if index % 64 == 63:
+                    client.flush()
+                    flushed.update(pending)
+                    pending.clear()
+        except Exception as error:  # noqa: BLE001 - reported below
+            failure.append(error)
+
+    writer = threading.Thread(target=write_during_move)
+    writer.start()
+    moved = third.cli("volume", "move", "mv", "--from", "n2", "--to", "n4", timeout=120)
+    writer.join(timeout=120)
+    assert not writer.is_alive() and not failure, failure
+    expected.update(flushed)
+    assert "moved from node n2 to node n4" in moved.stdout, moved.stdout
+    info = replication(first, "mv")
+    assert info["factor"] == 2 and info["replicas"] == [1, 4] and sorted(info["in_sync"]) == [1, 4], info
+    wait_until("node 2 erased its copy", lambda: all(
+        replica["volume"] != "mv" for replica in second.api("GET", "/api/v1/nodes/n2")[1]["replicas"]), timeout=60)
+
+    # An R=3 volume's replica cannot move this way (R would exceed 3): it says how instead.
+    first.cli("volume", "set-replication", "mv", "--replicas", "3", "--add-to", "n3")
+    assert replication(first, "mv")["replicas"] == [1, 4, 3]
+    assert "lower R with `keel volume set-replication mv --replicas 2 --remove-from n4`" in refused(
+        "volume", "move", "mv", "--from", "n4", "--to", "n2")
+    first.cli("volume", "set-replication", "mv", "--replicas", "2", "--remove-from", "n3")
+    assert replication(first, "mv")["replicas"] == [1, 4]
+    wait_until("node 4 in sync", lambda: sorted(replication(first, "mv")["in_sync"]) == [1, 4], timeout=60)
+
+    first.kill9()
+    other = attach(fourth, "mv", timeout=60)
+    for index, data in expected.items():
+        assert other.read(index * BLOCK, BLOCK) == data, f"block {index} lost"
+    other.close()
+
+
 def test_a_resync_ships_no_faster_than_its_configured_rate(cluster, workdir):
     """With `resync_mib_per_second = 2`, raising an R=1 volume holding 16 MiB to R=2 ships the
     16 MiB to the new replica in no less than 7.5 s (unthrottled it takes well under a second

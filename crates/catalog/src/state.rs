@@ -1608,6 +1608,28 @@ impl CatalogState {
         chosen
     }
 
+    /// Why `node` cannot take a new replica of a volume whose replicas are on `holding`, if
+    /// it cannot: the rules of [`Self::choose_replica_nodes`], for a node the user names.
+    pub fn replica_target_refusal(&self, holding: &[NodeId], node: NodeId) -> Option<String> {
+        let Some(record) = self.nodes.get(&node).filter(|record| !record.removed) else {
+            return Some(format!("node {node} is not a member"));
+        };
+        let name = &record.name;
+        if record.role != crate::records::NodeRole::Storage {
+            Some(format!("node {name} is a witness: it holds no data"))
+        } else if holding.contains(&node) {
+            Some(format!("node {name} holds a replica already"))
+        } else if record.state != NodeState::Up {
+            Some(format!("node {name} is not up"))
+        } else if record.draining {
+            Some(format!("node {name} is draining"))
+        } else if self.nearfull.contains(&node) {
+            Some(format!("node {name} is nearly full"))
+        } else {
+            None
+        }
+    }
+
     /// The nodes [`Self::choose_replica_nodes`] picks from, in no order: storage nodes up,
     /// not draining, removed or nearly full, holding none of `holding`.
     fn replica_candidates<'a>(

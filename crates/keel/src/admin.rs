@@ -1233,6 +1233,10 @@ async fn resize_volume(
 pub struct SetReplication {
     pub replicas: Option<u8>,
     pub in_sync_min: Option<u8>,
+    /// Raising R: the node (name or id) the first new replica goes to.
+    pub add_to: Option<String>,
+    /// Lowering R: the node (name or id) whose replica leaves first.
+    pub remove_from: Option<String>,
 }
 
 async fn set_volume_replication(
@@ -1240,10 +1244,19 @@ async fn set_volume_replication(
     Path(name): Path<String>,
     Json(request): Json<SetReplication>,
 ) -> ApiResult<Json<serde_json::Value>> {
+    let node_id = |node: &Option<String>| -> ApiResult<Option<keel_catalog::NodeId>> {
+        node.as_deref()
+            .map(|node| find_node(&state, node).map(|record| record.id))
+            .transpose()
+    };
+    let placement = keel_replication::Placement {
+        add_to: node_id(&request.add_to)?,
+        remove_from: node_id(&request.remove_from)?,
+    };
     blocking(move || {
         state
             .replication
-            .set_replicas(&name, request.replicas, request.in_sync_min)?;
+            .set_replicas(&name, request.replicas, request.in_sync_min, placement)?;
         let volume_id = (state.cluster.catalog().read())
             .volume(&name)
             .map(|entry| entry.record.id);

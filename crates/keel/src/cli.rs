@@ -47,6 +47,15 @@ impl Connection {
     }
 }
 
+/// An admin address as a URL base: `HOST:PORT` or a URL.
+fn admin_base(address: &str) -> String {
+    if address.starts_with("http") {
+        address.trim_end_matches('/').to_string()
+    } else {
+        format!("http://{address}")
+    }
+}
+
 pub struct Client {
     base: String,
     token: String,
@@ -56,11 +65,7 @@ pub struct Client {
 impl Client {
     pub fn connect(connection: &Connection) -> anyhow::Result<Client> {
         let token = connection.token()?;
-        let base = if connection.admin.starts_with("http") {
-            connection.admin.trim_end_matches('/').to_string()
-        } else {
-            format!("http://{}", connection.admin)
-        };
+        let base = admin_base(&connection.admin);
         let agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .build()
@@ -147,6 +152,16 @@ impl Client {
                     std::thread::sleep(JOB_POLL_INTERVAL);
                 }
             }
+        }
+    }
+
+    /// The same server API at another node's admin address, with this token (nodes started
+    /// with one `--admin-token-file` share it; each has its own otherwise).
+    fn at(&self, admin: &str) -> Client {
+        Client {
+            base: admin_base(admin),
+            token: self.token.clone(),
+            agent: self.agent.clone(),
         }
     }
 
@@ -263,12 +278,211 @@ pub enum VolumeCommand {
         /// Writes fail rather than go on with fewer replicas in sync than this (1 to R).
         #[arg(long)]
         min_in_sync: Option<u8>,
+        /// Raising R: put the (first) new replica on this node (name or id) instead of where
+        /// placement would.
+        #[arg(long)]
+        add_to: Option<String>,
+        /// Lowering R: remove this node's replica (name or id; not the primary's) first.
+        #[arg(long)]
+        remove_from: Option<String>,
+    },
+    /// Move one replica of a volume to another node, online: a replica is added on --to and
+    /// caught up while clients keep writing (R + 1 meanwhile), then, once it is in sync, the
+    /// one on --from is removed. Any node can run it (the changes go through the volume's
+    /// primary). The primary's own replica does not move this way (attach through another
+    /// replica's node first), nor does an R=3 volume's (R would exceed 3): it says how.
+    Move {
+        name: String,
+        /// The node (name or id) whose replica leaves.
+        #[arg(long)]
+        from: String,
+        /// The node (name or id) that gets a replica.
+        #[arg(long)]
+        to: String,
     },
     /// Compare a replicated volume's replicas block by block and repair what differs (run
     /// through its primary; stretches never written are skipped).
     Scrub { name: String },
     /// Delete a volume and its snapshots.
     Delete { name: String },
+}
+
+/// How often `keel volume move` looks at the new replica's catch-up.
+const MOVE_POLL_INTERVAL: Duration = Duration::from_secs(1);
+/// Without a terminal, `keel volume move` prints the catch-up's progress this often.
+const MOVE_PROGRESS_EVERY: Duration = Duration::from_secs(10);
+
+/// The node ids a JSON array lists.
+fn node_ids(list: &Value) -> Vec<u64> {
+    (list.as_array().into_iter().flatten())
+        .filter_map(Value::as_u64)
+        .collect()
+}
+
+/// `keel volume move`: through the volume's primary, raises R with a replica on `to`, waits
+/// until it is in sync (showing its catch-up's progress), then lowers R removing `from`'s.
+fn move_replica(client: &Client, name: &str, from: &str, to: &str) -> anyhow::Result<()> {
+    let nodes: Vec<Value> = client.get("/api/v1/nodes")?;
+    let records = || (nodes.iter().map(|node| &node["record"])).filter(|r| r["removed"] != true);
+    let node = |wanted: &str| -> anyhow::Result<(u64, String)> {
+        records()
+            .find(|r| {
+                r["name"].as_str() == Some(wanted)
+                    || r["id"].as_u64().is_some_and(|id| id.to_string() == wanted)
+            })
+            .and_then(|r| Some((r["id"].as_u64()?, r["name"].as_str()?.to_string())))
+            .ok_or_else(|| anyhow!("node {wanted:?} is not a member of the cluster"))
+    };
+    let (from_id, from_name) = node(from)?;
+    let (to_id, to_name) = node(to)?;
+    let path = format!("/api/v1/volumes/{}", Client::encode(name));
+    let change = format!("{path}/replication");
+    // Any node's list names the primary; its own page has the replication as Raft records
+    // it and the catch-ups it runs.
+    let primary = || -> anyhow::Result<Client> {
+        let volumes: Vec<Value> = client.get("/api/v1/volumes")?;
+        let listed = (volumes.iter())
+            .find(|volume| volume["name"] == name)
+            .ok_or_else(|| anyhow!("volume {name:?} not found"))?;
+        let id = listed["primary"].as_u64();
+        records()
+            .find(|r| r["id"].as_u64() == id)
+            .and_then(|r| r["addresses"]["admin"].as_str())
+            .map(|admin| client.at(admin))
+            .ok_or_else(|| anyhow!("volume {name}'s primary has no admin address"))
+    };
+    // Each node has its own admin token unless they share one.
+    let refused_token = |primary: &Client, error: anyhow::Error| {
+        if error.to_string().ends_with("(HTTP 401)") {
+            anyhow!(
+                "volume {name}'s primary, at {}, refuses this admin token: run the command \
+                 against that node (--admin and its token), or give the nodes one token \
+                 (keel server --admin-token-file)",
+                primary.base
+            )
+        } else {
+            error
+        }
+    };
+    let replication = |primary: &Client| -> anyhow::Result<Value> {
+        let info: Value = (primary.get(&path)).map_err(|error| refused_token(primary, error))?;
+        Ok(info["replication"].clone())
+    };
+    let at = primary()?;
+    let current = replication(&at)?;
+    let factor = current["factor"].as_u64().unwrap_or(1);
+    let replicas = node_ids(&current["replicas"]);
+    if !replicas.contains(&from_id) {
+        bail!(
+            "node {from_name} holds no replica of volume {name} (its replicas: nodes {replicas:?})"
+        );
+    }
+    if factor >= 3 {
+        bail!(
+            "volume {name} has 3 replicas, the most Keel keeps: lower R with `keel volume \
+             set-replication {name} --replicas 2 --remove-from {from_name}`, then raise it with \
+             `--replicas 3 --add-to {to_name}` (two replicas meanwhile)"
+        );
+    }
+    if replicas.contains(&to_id) {
+        bail!("node {to_name} holds a replica of volume {name} already");
+    }
+    if current["primary"].as_u64() == Some(from_id) {
+        bail!(
+            "node {from_name} is volume {name}'s primary, whose replica stays: attach the volume \
+             through another replica's node first (the primary hands it over when no client \
+             uses it there), or drain node {from_name}"
+        );
+    }
+    if replicas.len() as u64 > factor {
+        bail!(
+            "volume {name} has a replica more than R already (a drain's copy under way): wait \
+             until it ends"
+        );
+    }
+    let _: Value = at
+        .post(
+            &change,
+            json!({ "replicas": factor + 1, "add_to": to_id.to_string() }),
+        )
+        .map_err(|error| refused_token(&at, error))?;
+    println!(
+        "volume {name}: a replica added on node {to_name} (R {factor} -> {} until it is in sync)",
+        factor + 1
+    );
+    let tty = std::io::stderr().is_terminal();
+    let mut shown: Option<std::time::Instant> = None;
+    let at = loop {
+        // (The primary may change meanwhile: looked up each time.)
+        let at = primary()?;
+        let now = replication(&at)?;
+        if !node_ids(&now["replicas"]).contains(&to_id) {
+            bail!(
+                "the new replica on node {to_name} was removed meanwhile (R lowered, or the node \
+                 left): volume {name} keeps its replica on node {from_name}"
+            );
+        }
+        if node_ids(&now["in_sync"]).contains(&to_id) {
+            if tty {
+                eprintln!();
+            }
+            break at;
+        }
+        let catching_up = (now["served_here"]["catching_up"]
+            .as_array()
+            .into_iter()
+            .flatten())
+        .find(|entry| entry["node"].as_u64() == Some(to_id));
+        let line = match catching_up {
+            Some(entry) => {
+                let compared = entry["compared_bytes"].as_u64().unwrap_or(0);
+                let total = entry["total_bytes"].as_u64().unwrap_or(0);
+                let mut line = format!(
+                    "catching up node {to_name}: {} of {} compared ({}%)",
+                    human_bytes(compared),
+                    human_bytes(total),
+                    (compared * 100).checked_div(total).unwrap_or(0)
+                );
+                if let Some(eta) = entry["eta_seconds"].as_u64() {
+                    line.push_str(&format!(", about {eta} s left"));
+                }
+                if entry["waiting_for_turn"] == true {
+                    line.push_str(", waiting for a turn to copy the whole volume");
+                }
+                if let Some(failure) = entry["last_failure"].as_str() {
+                    line.push_str(&format!("; last try failed: {failure}"));
+                }
+                line
+            }
+            None => format!("catching up node {to_name}: starting"),
+        };
+        if tty {
+            eprint!("\r{line}   ");
+        } else if shown.is_none_or(|shown| shown.elapsed() >= MOVE_PROGRESS_EVERY) {
+            eprintln!("{line}");
+            shown = Some(std::time::Instant::now());
+        }
+        std::thread::sleep(MOVE_POLL_INTERVAL);
+    };
+    let lowered: Value = at
+        .post(
+            &change,
+            json!({ "replicas": factor, "remove_from": from_id.to_string() }),
+        )
+        .map_err(|error| {
+            anyhow!(
+                "{error}; the new replica on node {to_name} is in sync and volume {name} keeps \
+                 R {}: remove node {from_name}'s with `keel volume set-replication {name} \
+                 --replicas {factor} --remove-from {from_name}`",
+                factor + 1
+            )
+        })?;
+    println!(
+        "volume {name}: moved from node {from_name} to node {to_name}; replicas on nodes {}, in \
+         sync: {}",
+        lowered["replicas"], lowered["in_sync"]
+    );
+    Ok(())
 }
 
 pub fn volume(connection: &Connection, command: VolumeCommand) -> anyhow::Result<()> {
@@ -333,6 +547,8 @@ pub fn volume(connection: &Connection, command: VolumeCommand) -> anyhow::Result
             name,
             replicas,
             min_in_sync,
+            add_to,
+            remove_from,
         } => {
             if replicas.is_none() && min_in_sync.is_none() {
                 return Err(anyhow!(
@@ -341,13 +557,15 @@ pub fn volume(connection: &Connection, command: VolumeCommand) -> anyhow::Result
             }
             let changed: Value = client.post(
                 &format!("/api/v1/volumes/{}/replication", Client::encode(&name)),
-                json!({ "replicas": replicas, "in_sync_min": min_in_sync }),
+                json!({ "replicas": replicas, "in_sync_min": min_in_sync,
+                        "add_to": add_to, "remove_from": remove_from }),
             )?;
             println!(
                 "volume {name}: {} replica(s) on nodes {}, minimum {} in sync; in sync now: {}",
                 changed["factor"], changed["replicas"], changed["in_sync_min"], changed["in_sync"]
             );
         }
+        VolumeCommand::Move { name, from, to } => move_replica(&client, &name, &from, &to)?,
         VolumeCommand::Scrub { name } => {
             let started: Value = client.post(
                 &format!("/api/v1/volumes/{}/scrub", Client::encode(&name)),

@@ -234,6 +234,17 @@ impl Counters {
     }
 }
 
+/// Where a change of R puts or takes a replica when the user names the node
+/// (`keel volume set-replication --add-to/--remove-from`, which `keel volume move` uses);
+/// otherwise [`Replication::set_replicas`] chooses.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Placement {
+    /// Raising R: the first replica added goes to this node.
+    pub add_to: Option<NodeId>,
+    /// Lowering R: this replica leaves first (never the primary's).
+    pub remove_from: Option<NodeId>,
+}
+
 /// How the engine behaves (from the server's configuration).
 #[derive(Debug, Clone, Copy)]
 pub struct Settings {
@@ -1384,7 +1395,8 @@ impl Replication {
     /// replicas go to up storage nodes spread over failure domains and are caught up by the
     /// primary in the background; lowering R removes replicas that are out of sync first,
     /// then those on nodes draining or removed, never the primary's, and never the only
-    /// replica holding a snapshot whole (refused when it would have to). Without a new
+    /// replica holding a snapshot whole (refused when it would have to); `placement` names
+    /// the node a replica goes to or leaves first instead. Without a new
     /// minimum the current one stays (lowered to R if it would exceed it). A volume with one
     /// replica attached here switches to replicated writes once the I/O in flight has
     /// finished.
@@ -1393,9 +1405,11 @@ impl Replication {
         name: &str,
         factor: Option<u8>,
         in_sync_min: Option<u8>,
+        placement: Placement,
     ) -> VolumeResult<()> {
         let _attaching = self.attaching.blocking_lock();
-        let (record, replicas, in_sync_min) = self.replicas_wanted(name, factor, in_sync_min)?;
+        let (record, replicas, in_sync_min) =
+            self.replicas_wanted(name, factor, in_sync_min, placement)?;
         let current = &record.replication;
         let attached = lock(&self.singles).get(&record.id).and_then(Weak::upgrade);
         match attached {
@@ -1480,9 +1494,11 @@ impl Replication {
         name: &str,
         factor: Option<u8>,
         in_sync_min: Option<u8>,
+        placement: Placement,
     ) -> VolumeResult<()> {
         let _attaching = self.attaching.lock().await;
-        let (record, replicas, in_sync_min) = self.replicas_wanted(name, factor, in_sync_min)?;
+        let (record, replicas, in_sync_min) =
+            self.replicas_wanted(name, factor, in_sync_min, placement)?;
         let attached_single = lock(&self.singles)
             .get(&record.id)
             .is_some_and(|attached| attached.strong_count() > 0);
@@ -1506,6 +1522,7 @@ impl Replication {
         name: &str,
         factor: Option<u8>,
         in_sync_min: Option<u8>,
+        placement: Placement,
     ) -> VolumeResult<(VolumeRecord, Vec<NodeId>, u8)> {
         let local_node = self.shared.local_node;
         let (record, replicas) = {
@@ -1529,7 +1546,30 @@ impl Replication {
                     ),
                 });
             }
+            let invalid = |detail: String| VolumeError::Invalid {
+                volume: name.to_string(),
+                detail,
+            };
+            let only_whole = |leaving: NodeId, lost: &[String]| {
+                invalid(format!(
+                    "lowering R to {wanted} would remove node {leaving}, the only replica \
+                     holding snapshot(s) {} whole: wait until snapshot repair has copied them \
+                     to another replica (keel volume info shows it), or delete them first",
+                    quoted(lost)
+                ))
+            };
             let mut replicas = current.replicas.clone();
+            if let Some(node) = placement.add_to {
+                if wanted <= replicas.len() {
+                    return Err(invalid(format!(
+                        "a replica goes to a named node (node {node}) only as R is raised"
+                    )));
+                }
+                if let Some(why) = catalog.replica_target_refusal(&replicas, node) {
+                    return Err(invalid(format!("no replica can be added there: {why}")));
+                }
+                replicas.push(node);
+            }
             if wanted > replicas.len() {
                 let missing = wanted - replicas.len();
                 let added = catalog.choose_replica_nodes(&replicas, missing);
@@ -1544,6 +1584,28 @@ impl Replication {
                     });
                 }
                 replicas.extend(added);
+            }
+            if let Some(node) = placement.remove_from {
+                if wanted >= replicas.len() {
+                    return Err(invalid(format!(
+                        "a named replica (node {node}) leaves only as R is lowered"
+                    )));
+                }
+                if !replicas.contains(&node) {
+                    return Err(invalid(format!("node {node} holds no replica of it")));
+                }
+                if node == current.primary {
+                    return Err(invalid(format!(
+                        "node {node} is its primary, whose replica stays: attach the volume \
+                         through another replica's node first (the primary hands it over when \
+                         no client uses it there), or drain node {node}"
+                    )));
+                }
+                let lost = only_whole_on(entry, &replicas, node);
+                if !lost.is_empty() {
+                    return Err(only_whole(node, &lost));
+                }
+                replicas.retain(|replica| *replica != node);
             }
             // Leaving: a replica whose removal loses no snapshot (one it alone holds whole),
             // out of sync first, then one on a node draining or removed, then the highest
@@ -1570,16 +1632,7 @@ impl Replication {
                 };
                 let lost = only_whole_on(entry, &replicas, leaving);
                 if !lost.is_empty() {
-                    return Err(VolumeError::Invalid {
-                        volume: name.to_string(),
-                        detail: format!(
-                            "lowering R to {wanted} would remove node {leaving}, the only replica \
-                             holding snapshot(s) {} whole: wait until snapshot repair has \
-                             copied them to another replica (keel volume info shows it), or \
-                             delete them first",
-                            quoted(&lost)
-                        ),
-                    });
+                    return Err(only_whole(leaving, &lost));
                 }
                 replicas.retain(|node| *node != leaving);
             }

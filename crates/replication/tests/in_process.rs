@@ -15,7 +15,7 @@ use keel_cluster::{
     Cluster, ClusterConfig, ClusterHandler, Dispatch, Handler, LocalNetwork, Timing,
 };
 use keel_namespace::volume::{VolumeManager, VolumeSpec};
-use keel_replication::{LocalVolumes, Replication, Settings};
+use keel_replication::{LocalVolumes, Placement, Replication, Settings};
 use keel_store::{Store, StoreConfig};
 use keel_volume::{VolumeIo, VolumeResult};
 
@@ -509,7 +509,8 @@ async fn a_change_of_the_replicas_whose_answer_is_lost_is_settled_and_the_primar
 
     network.lose_answers(primary_id, keel_cluster::messages::METHOD_PROPOSE);
     let replication = primary_node.replication.clone();
-    let raised = blocking(move || replication.set_replicas("v", Some(3), None)).await;
+    let raised =
+        blocking(move || replication.set_replicas("v", Some(3), None, Placement::default())).await;
     network.keep_answers();
     raised.expect("a raise of R that Raft made failed because its answer was lost");
     assert!(replica_set(primary_node, "v").contains(&third_id));
@@ -636,7 +637,7 @@ async fn snapshots_a_replica_lacks_are_copied_to_it() {
     write(2, 5).await;
 
     let replication = primary_node.replication.clone();
-    blocking(move || replication.set_replicas("v", Some(2), None))
+    blocking(move || replication.set_replicas("v", Some(2), None, Placement::default()))
         .await
         .unwrap();
     let replica_id = replica_node.cluster.node_id();
@@ -1034,7 +1035,9 @@ async fn whole_copies_sent_from_a_node_take_turns() {
                     .unwrap();
             }
             io.flush().unwrap();
-            replication.set_replicas(name, Some(2), None).unwrap();
+            replication
+                .set_replicas(name, Some(2), None, Placement::default())
+                .unwrap();
         })
         .await;
     }
@@ -1072,7 +1075,9 @@ async fn whole_copies_received_by_a_node_take_turns() {
                 io.write(unit * 65536, &pattern(unit as u8), false).unwrap();
             }
             io.flush().unwrap();
-            replication.set_replicas(name, Some(2), None).unwrap();
+            replication
+                .set_replicas(name, Some(2), None, Placement::default())
+                .unwrap();
         })
         .await;
         let placed = replica_set(node, name);
@@ -1257,7 +1262,7 @@ async fn attach_as_r_changes(
         (node.replication.clone(), start.clone(), name.to_string());
     let changed = on_thread(move || {
         change_start.wait();
-        replication.set_replicas(&change_name, Some(to), None)
+        replication.set_replicas(&change_name, Some(to), None, Placement::default())
     });
     let (replication, open_name) = (node.replication.clone(), name.to_string());
     let attached = blocking(move || {
@@ -1402,7 +1407,7 @@ async fn a_rollback_drops_a_replica_added_as_it_starts() {
         .await
         .unwrap();
     let replication = primary_node.replication.clone();
-    blocking(move || replication.set_replicas("v", Some(2), None))
+    blocking(move || replication.set_replicas("v", Some(2), None, Placement::default()))
         .await
         .unwrap();
     let second = *replica_set(primary_node, "v")
@@ -1428,7 +1433,8 @@ async fn a_rollback_drops_a_replica_added_as_it_starts() {
     };
     hold(&network);
     let replication = primary_node.replication.clone();
-    let raised = on_thread(move || replication.set_replicas("v", Some(3), None));
+    let raised =
+        on_thread(move || replication.set_replicas("v", Some(3), None, Placement::default()));
     tokio::time::sleep(Duration::from_millis(30)).await;
     let (replication, volumes) = (
         primary_node.replication.clone(),
@@ -1544,7 +1550,7 @@ async fn a_catch_up_whose_stream_a_rollback_ended_starts_over_at_once() {
         network.hold(*id, METHOD_REPLICATE);
     }
     let replication = primary_node.replication.clone();
-    blocking(move || replication.set_replicas("v", Some(2), None))
+    blocking(move || replication.set_replicas("v", Some(2), None, Placement::default()))
         .await
         .unwrap();
     let second = *replica_set(primary_node, "v")
@@ -1685,9 +1691,10 @@ async fn lowering_r_keeps_the_only_whole_copy_of_a_snapshot() {
     assert!(whole_on(second_id) && !whole_on(first_id));
 
     let replication = first_node.replication.clone();
-    let refused = blocking(move || replication.set_replicas("v", Some(1), None))
-        .await
-        .expect_err("lowering R to 1 removed the only replica holding snapshot s1 whole");
+    let refused =
+        blocking(move || replication.set_replicas("v", Some(1), None, Placement::default()))
+            .await
+            .expect_err("lowering R to 1 removed the only replica holding snapshot s1 whole");
     assert!(
         refused.to_string().contains("\"s1\"") && refused.to_string().contains("only replica"),
         "{refused}"
@@ -1695,7 +1702,7 @@ async fn lowering_r_keeps_the_only_whole_copy_of_a_snapshot() {
     assert_eq!(replica_set(first_node, "v").len(), 2);
 
     let replication = first_node.replication.clone();
-    blocking(move || replication.set_replicas("v", Some(3), None))
+    blocking(move || replication.set_replicas("v", Some(3), None, Placement::default()))
         .await
         .unwrap();
     let placed_last = third.cluster.node_id();
@@ -1714,7 +1721,7 @@ async fn lowering_r_keeps_the_only_whole_copy_of_a_snapshot() {
     .await;
     assert!(!in_sync(first_node, "v").contains(&second_id));
     let replication = first_node.replication.clone();
-    blocking(move || replication.set_replicas("v", Some(2), None))
+    blocking(move || replication.set_replicas("v", Some(2), None, Placement::default()))
         .await
         .unwrap();
     network.heal();
@@ -1770,7 +1777,7 @@ async fn replica_lacking_a_snapshot(
         .await
         .unwrap();
     let replication = primary_node.replication.clone();
-    blocking(move || replication.set_replicas("v", Some(2), None))
+    blocking(move || replication.set_replicas("v", Some(2), None, Placement::default()))
         .await
         .unwrap();
     let replica_id = *replica_set(primary_node, "v")
