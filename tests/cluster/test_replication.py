@@ -1664,6 +1664,10 @@ def test_replicas_change_online_and_a_removed_replica_erases_its_copy(cluster):
     code, created = first.api("POST", "/api/v1/volumes", {"name": "grow", "size_bytes": SIZE}, timeout=30)
     assert code == 200, created
     assert replication(first, "grow")["replicas"] == [1]
+    # Each node has its own admin token here: `keel volume move` through node 3 cannot make
+    # the change through node 1, the primary, and says so.
+    moved = third.cli("volume", "move", "grow", "--from", "n1", "--to", "n3", check=False)
+    assert moved.returncode != 0 and "refuses this admin token" in moved.stderr, moved.stderr
     client = attach(first, "grow")
     expected = write_blocks(client, "single", range(256))
 
