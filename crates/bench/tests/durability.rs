@@ -21,7 +21,9 @@ use keel_bench::durability::{self, VerifyOptions, WriteOptions};
 use keel_bench::target::SyncMethod;
 
 fn log_path(name: &str) -> PathBuf {
+    // Cargo makes this directory when it builds the test, not when it runs it.
     let directory = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    std::fs::create_dir_all(directory).expect("creating the test's temporary directory");
     directory.join(format!("{name}-{}.log", std::process::id()))
 }
 
