@@ -546,7 +546,15 @@ def test_a_partitioned_primary_is_fenced(cluster):
         pass
     assert other.read(3 * BLOCK, BLOCK) != block("stale", 3)
     # A client attaching through node 1 now is forwarded to node 2: its writes land there.
-    through_first = Client(first.host, first.nbd_port, "fence", timeout=30)
+    # (Refused until node 1 has heard from node 2 again since the heal: it retries, as
+    # kubelet's staging does.)
+    def forwarded():
+        try:
+            return Client(first.host, first.nbd_port, "fence", timeout=30)
+        except NbdError as refused:
+            assert "not in sync; attach through the primary, node 2" in str(refused), refused
+            return None
+    through_first = wait_until("node 1 forwarding a client to node 2", forwarded, timeout=10)
     through_first.write(4 * BLOCK, block("forwarded", 4))
     through_first.flush()
     assert other.read(4 * BLOCK, BLOCK) == block("forwarded", 4)
