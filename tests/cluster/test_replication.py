@@ -115,6 +115,30 @@ def block(tag, index):
     return (seed * (BLOCK // len(seed) + 1))[:BLOCK]
 
 
+def write_in_background(client, tag, indexes, flush_every):
+    """Writes block(tag, index) at each index through `client` on a thread of its own, with a
+    FLUSH after every `flush_every` writes; returns the started thread, the blocks a FLUSH
+    covered (filled in as they are), and a list that receives the error that stopped it."""
+    flushed, failure = {}, []
+
+    def write():
+        try:
+            pending = {}
+            for count, index in enumerate(indexes, start=1):
+                pending[index] = block(tag, index)
+                client.write(index * BLOCK, pending[index])
+                if count % flush_every == 0:
+                    client.flush()
+                    flushed.update(pending)
+                    pending.clear()
+        except Exception as error:  # noqa: BLE001 - reported by the caller
+            failure.append(error)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    return writer, flushed, failure
+
+
 def write_blocks(client, tag, indexes):
     """Writes block(tag, index) at each index through `client`, flushes, returns them by index."""
     written = {}
@@ -1680,24 +1704,7 @@ def test_replicas_change_online_and_a_removed_replica_erases_its_copy(cluster):
     expected = write_blocks(client, "single", range(256))
 
     # A writer on the attached connection while R goes from 1 to 3.
-    flushed = {}
-    failure = []
-
-    def write_during_change():
-        try:
-            pending = {}
-            for index in range(256, 1024):
-                pending[index] = block("changing", index)
-                client.write(index * BLOCK, pending[index])
-                if index % 16 == 15:
-                    client.flush()
-                    flushed.update(pending)
-                    pending.clear()
-        except Exception as error:  # noqa: BLE001 - reported below
-            failure.append(error)
-
-    writer = threading.Thread(target=write_during_change)
-    writer.start()
+    writer, flushed, failure = write_in_background(client, "changing", range(256, 1024), 16)
     time.sleep(0.2)
     out = first.cli("volume", "set-replication", "grow", "--replicas", "3").stdout
     assert "3 replica(s)" in out, out
@@ -1817,23 +1824,7 @@ def test_a_replica_moves_to_a_named_node_online(cluster, workdir):
                                                "--remove-from", "n2", check=False).stderr
     assert replication(first, "mv")["replicas"] == [1, 2]
 
-    flushed, failure = {}, []
-
-    def write_during_move():
-        try:
-            pending = {}
-            for index in range(2048, 4096):
-                pending[index] = block("moving", index)
-                client.write(index * BLOCK, pending[index])
-                if index % 64 == 63:
-                    client.flush()
-                    flushed.update(pending)
-                    pending.clear()
-        except Exception as error:  # noqa: BLE001 - reported below
-            failure.append(error)
-
-    writer = threading.Thread(target=write_during_move)
-    writer.start()
+    writer, flushed, failure = write_in_background(client, "moving", range(2048, 4096), 64)
     moved = third.cli("volume", "move", "mv", "--from", "n2", "--to", "n4", timeout=120)
     writer.join(timeout=120)
     assert not writer.is_alive() and not failure, failure
