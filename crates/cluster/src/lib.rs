@@ -1142,13 +1142,15 @@ impl Cluster {
                 // The reporter's lease runs from this leader's last quorum acknowledgement at
                 // the latest: a leader cut off from its quorum renews nobody's lease.
                 // The index it had committed too: the reporter's lease waits until it applied
-                // that far ([`Cluster::holds_lease`]).
+                // that far ([`Cluster::holds_lease`]); no lease before this leader's own term
+                // committed an entry ([`Cluster::lease_committed`]).
                 let now = self.config.clock.now();
-                let committed = self.committed_index();
-                let answer: Option<(u64, u64)> = self.quorum_acked_at().map(|acked| {
-                    let acked_ms_ago = now.saturating_duration_since(acked).as_millis() as u64;
-                    (acked_ms_ago, committed)
-                });
+                let answer: Option<(u64, u64)> = (self.quorum_acked_at())
+                    .zip(self.lease_committed())
+                    .map(|(acked, committed)| {
+                        let acked_ms_ago = now.saturating_duration_since(acked).as_millis() as u64;
+                        (acked_ms_ago, committed)
+                    });
                 encode_answer(&answer)
             }
             METHOD_STATUS => encode_answer(&self.liveness_view()),
@@ -1227,9 +1229,16 @@ impl Cluster {
         }
     }
 
-    /// The index of the last log entry this node knows committed (0: none).
-    fn committed_index(&self) -> u64 {
-        self.metrics().cluster_committed.map_or(0, |id| id.index())
+    /// As leader: the index through which the cluster committed the log, once it committed an
+    /// entry of this leader's own term (the blank one it appends when elected), and so every
+    /// entry an earlier leader committed. `None` before: openraft's cluster-committed index
+    /// starts afresh with each term, and a lease given meanwhile would not wait for a node back
+    /// from a partition to apply what earlier leaders committed (a primary taken over while it
+    /// was cut off served reads from its old copy: simulation seed 80775).
+    fn lease_committed(&self) -> Option<u64> {
+        let metrics = self.metrics();
+        let committed = metrics.cluster_committed?;
+        (committed.leader_id.term == metrics.current_term).then_some(committed.index())
     }
 
     /// As leader with a quorum: how long no report came from `node`, at most how long since an
@@ -1702,8 +1711,10 @@ async fn report_loop(cluster: Weak<Cluster>) {
             // a take-over waits out the primary's silence counted from here.
             lock(&strong.liveness).leading_since.get_or_insert(sent);
             strong.record_report(report);
-            if let Some(acked) = strong.quorum_acked_at() {
-                strong.lease_given(acked, strong.committed_index());
+            if let Some((acked, committed)) =
+                (strong.quorum_acked_at()).zip(strong.lease_committed())
+            {
+                strong.lease_given(acked, committed);
             }
         } else if let Some(leader) = strong.leader() {
             match postcard::to_allocvec(&report) {
@@ -1721,7 +1732,9 @@ async fn report_loop(cluster: Weak<Cluster>) {
                                     strong.lease_given(sent.min(acked), committed);
                                 }
                             }
-                            Ok(None) => tracing::debug!("the leader has no quorum: no lease"),
+                            Ok(None) => {
+                                tracing::debug!("the leader has no quorum, or its term committed nothing yet: no lease")
+                            }
                             Err(error) => tracing::warn!(%error, "bad answer to a report"),
                         },
                         Err(error) => tracing::debug!(%error, "could not report to the leader"),

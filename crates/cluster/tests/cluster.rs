@@ -549,6 +549,117 @@ async fn a_leader_cut_off_with_a_follower_renews_no_lease() {
     network.heal();
 }
 
+// Proves a new leader gives no lease before an entry of its own term is committed: until then
+// it does not know how far the earlier leader committed (openraft's cluster-committed index
+// starts afresh with each term), and a node back from a partition would get a lease while its
+// catalog still said what it said before the cut. Here c was cut off while the others committed
+// changes, then the leader died, and b, elected with c's vote, cannot commit its first entry
+// (c needs a snapshot, which is held): c reports to b and is acknowledged, and neither holds a
+// lease until the snapshot goes through. Found by simulation seed 80775, where such a c believed
+// itself a volume's primary and served reads from its old copy; without the fix, b answered
+// with "committed through 0" and c held a lease at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_gives_no_lease_before_its_own_term_committed() {
+    let network = LocalNetwork::new();
+    let test = "lease_new_term";
+    // Snapshots every 10 entries, keeping 5: b purges what c lacks.
+    let options = |join: Option<String>| Options {
+        join,
+        timing: keel_cluster::Timing {
+            snapshot_every_entries: 10,
+            ..fast_timing()
+        },
+        ..Options::default()
+    };
+    let mut nodes = vec![start(&network, node_dir(test, "a"), "a", options(None)).await];
+    for name in ["b", "c"] {
+        let join = Some(nodes[0].address.clone());
+        nodes.push(start(&network, node_dir(test, name), name, options(join)).await);
+    }
+    wait_for("three voters everywhere", SETTLE, || {
+        formed(&nodes.iter().collect::<Vec<_>>())
+    })
+    .await;
+    let all: Vec<_> = nodes.iter().map(|n| n.cluster.node_id()).collect();
+    let leader_id = nodes[0].cluster.leader().unwrap();
+    let leader = nodes.remove(
+        nodes
+            .iter()
+            .position(|n| n.cluster.node_id() == leader_id)
+            .unwrap(),
+    );
+    let (b, c) = (&nodes[0], &nodes[1]);
+    let (b_id, c_id) = (b.cluster.node_id(), c.cluster.node_id());
+    wait_for("c holds a lease", SETTLE, || c.cluster.holds_lease(LEASE)).await;
+
+    network.partition(&[c_id], &all);
+    for index in 0..40 {
+        (leader.cluster)
+            .propose_async(volume_command(
+                &format!("while-c-was-away-{index}"),
+                leader_id,
+            ))
+            .await
+            .unwrap();
+    }
+    let committed = leader.cluster.applied_index();
+    wait_for("b applied the leader's changes", SETTLE, || {
+        b.cluster.applied_index() >= committed
+    })
+    .await;
+    let c_applied = c.cluster.applied_index();
+    assert!(
+        c_applied < committed,
+        "c applied {c_applied} of {committed}"
+    );
+    wait_for("c's lease ran out", SETTLE, || {
+        !c.cluster.holds_lease(LEASE)
+    })
+    .await;
+
+    network.hold(c_id, keel_cluster::messages::METHOD_RAFT_SNAPSHOT);
+    leader.crash(&network).await;
+    let crashed = tokio::time::Instant::now();
+    network.heal();
+    wait_for("b leads, and c knows it", SETTLE, || {
+        b.cluster.is_leader() && c.cluster.leader() == Some(b_id)
+    })
+    .await;
+    // Several of c's reports, each answered (b's heartbeats reach c, which acknowledges them
+    // with a conflict): a lease, if b gave one, would show by now. b's own lease, given by
+    // the dead leader, runs out too.
+    let watched = tokio::time::Instant::now();
+    while watched.elapsed() < Duration::from_millis(1000) || crashed.elapsed() < LEASE * 2 {
+        assert!(
+            !c.cluster.holds_lease(LEASE),
+            "c holds a lease with {} of {committed} entries applied",
+            c.cluster.applied_index()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        !b.cluster.holds_lease(LEASE),
+        "b holds a lease before its term committed"
+    );
+    assert!(
+        network.calls_held(c_id, keel_cluster::messages::METHOD_RAFT_SNAPSHOT) > 0,
+        "b never needed to send c a snapshot: the test proves nothing"
+    );
+    assert!(b.cluster.is_leader(), "b stopped leading");
+
+    network.release_calls(c_id, keel_cluster::messages::METHOD_RAFT_SNAPSHOT);
+    wait_for("c holds a lease again", SETTLE, || {
+        c.cluster.holds_lease(LEASE)
+    })
+    .await;
+    assert!(
+        c.cluster.applied_index() >= committed,
+        "c holds a lease with {} of {committed} entries applied",
+        c.cluster.applied_index()
+    );
+    assert!(volume_names(c).contains("while-c-was-away-39"));
+}
+
 // Proves a leader elected after its predecessor died counts that leader's silence from the
 // predecessor's last contact with the voters that elected it, not from its own election: a
 // volume whose primary was the old leader is taken over a lease after the death rather than a
