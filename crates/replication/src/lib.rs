@@ -993,8 +993,9 @@ impl Replication {
     }
 
     /// For a client attaching here to a replicated volume whose primary is another node that
-    /// is alive (heard from within [`TAKE_OVER_SILENCE`]): asks that node to hand the volume
-    /// over ([`wire::METHOD_HAND_OVER`], answered by [`Self::hand_over`]), so that the client
+    /// is up: forwards it there while this node's replica is not in sync; else, while the
+    /// primary is alive (heard from within [`TAKE_OVER_SILENCE`]), asks that node to hand the
+    /// volume over ([`wire::METHOD_HAND_OVER`], answered by [`Self::hand_over`]), so that the client
     /// reads locally. `None` once Raft names this node the primary and its catalog applied
     /// it, or when no other live node serves the volume or the primary cannot be asked (the
     /// attach goes on: this node serves it, takes it over or is refused as before); else why
@@ -1011,15 +1012,19 @@ impl Replication {
         if replication.replicas.len() <= 1 || primary == local || !primary_up {
             return Ok(None);
         }
-        let silence = (self.shared.cluster.silent_for(primary).await)
-            .map_err(|error| unavailable(name, error.to_string()))?;
-        if silence >= TAKE_OVER_SILENCE {
-            return Ok(None);
-        }
+        // A replica out of sync never takes the volume over, however long this node has not
+        // heard from the primary (right after a partition healed, its view is stale): the
+        // client goes to the primary (a forward to a primary that is gone fails, as the
+        // take-over's refusal would).
         if !replication.in_sync.contains(&local) {
             return Ok(Some(format!(
                 "this node's replica is not in sync (node {primary} serves the volume)"
             )));
+        }
+        let silence = (self.shared.cluster.silent_for(primary).await)
+            .map_err(|error| unavailable(name, error.to_string()))?;
+        if silence >= TAKE_OVER_SILENCE {
+            return Ok(None);
         }
         let request = wire::HandOverRequest {
             volume_id: record.id,
