@@ -1789,10 +1789,13 @@ def test_a_replica_moves_to_a_named_node_online(cluster, workdir):
     nodes 1 and 2, attached on node 1. `keel volume move mv --from n2 --to n4`, run through
     node 3 (which holds no replica: the CLI finds the primary) while a client writes and
     flushes through node 1: node 4 gets a replica (placement alone would pick node 3), caught
-    up while the client writes, then node 2's leaves and erases its copy. The volume is on
-    nodes 1 and 4, both in sync, and with node 1 killed, node 4 serves every flushed write.
-    Refused, each saying why: moving the primary's replica, to a node holding one, from a node
-    holding none, an R=3 volume's; and set-replication naming a node while R stays."""
+    up while the client writes, then node 2's leaves and erases its copy. Then the primary's
+    own replica moves, `--from n1 --to n2`, while the client writes through node 1: node 2 is
+    handed the volume once in sync, node 1's replica leaves, and the client goes on forwarded
+    without an error. `keel volume hand-off mv --to n4` then makes node 4 the primary; with
+    node 4 killed, node 2 serves every flushed write. Refused, each
+    saying why: a hand-off to a node holding no replica, a move to a node holding one, from a
+    node holding none, an R=3 volume's; and set-replication naming a node while R stays."""
     token = workdir / "shared-admin-token"
     token.write_text(os.urandom(16).hex())
     nodes = []
@@ -1815,7 +1818,7 @@ def test_a_replica_moves_to_a_named_node_online(cluster, workdir):
         assert result.returncode != 0, result
         return result.stderr
 
-    assert "is volume mv's primary" in refused("volume", "move", "mv", "--from", "n1", "--to", "n4")
+    assert "node 3 holds no replica of it" in refused("volume", "hand-off", "mv", "--to", "n3")
     assert "holds a replica of volume mv already" in refused("volume", "move", "mv", "--from", "n2", "--to", "n1")
     assert "holds no replica" in refused("volume", "move", "mv", "--from", "n3", "--to", "n4")
     assert "only as R is raised" in first.cli("volume", "set-replication", "mv", "--replicas", "2",
@@ -1844,8 +1847,33 @@ def test_a_replica_moves_to_a_named_node_online(cluster, workdir):
     assert replication(first, "mv")["replicas"] == [1, 4]
     wait_until("node 4 in sync", lambda: sorted(replication(first, "mv")["in_sync"]) == [1, 4], timeout=60)
 
-    first.kill9()
-    other = attach(fourth, "mv", timeout=60)
+    # The primary's own replica: the new one takes the volume over once in sync, and the client
+    # attached on node 1 goes on, forwarded, without an error.
+    writer, flushed, failure = write_in_background(client, "primary moving", range(4096, 6144), 64)
+    moved = third.cli("volume", "move", "mv", "--from", "n1", "--to", "n2", timeout=120)
+    writer.join(timeout=120)
+    assert not writer.is_alive() and not failure, failure
+    expected.update(flushed)
+    assert "node n2 is its primary now" in moved.stdout and "moved from node n1 to node n2" in moved.stdout, moved.stdout
+    info = replication(second, "mv")
+    assert info["primary"] == 2 and sorted(info["replicas"]) == [2, 4], info
+    # (Node 2 serves it as after a take-over: node 4 catches up from its common point.)
+    wait_until("node 4 in sync with node 2", lambda: sorted(replication(second, "mv")["in_sync"]) == [2, 4],
+               timeout=60)
+    expected.update(write_blocks(client, "forwarded", range(6144, 6400)))
+    client.close()
+    wait_until("node 1 erased its copy", lambda: all(
+        replica["volume"] != "mv" for replica in first.api("GET", "/api/v1/nodes/n1")[1]["replicas"]), timeout=60)
+
+    # A hand-off alone, run through node 1 (no replica now): node 4 becomes the primary.
+    handed = first.cli("volume", "hand-off", "mv", "--to", "n4")
+    assert "node n4 is its primary now" in handed.stdout, handed.stdout
+    assert replication(fourth, "mv")["primary"] == 4
+    wait_until("node 2 in sync with node 4", lambda: sorted(replication(fourth, "mv")["in_sync"]) == [2, 4],
+               timeout=60)
+
+    fourth.kill9()
+    other = attach(second, "mv", timeout=60)
     for index, data in expected.items():
         assert other.read(index * BLOCK, BLOCK) == data, f"block {index} lost"
     other.close()

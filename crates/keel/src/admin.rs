@@ -135,6 +135,7 @@ pub fn router(state: Shared) -> Router {
             "/api/v1/volumes/{name}/replication",
             post(set_volume_replication),
         )
+        .route("/api/v1/volumes/{name}/hand-off", post(hand_off_volume))
         .route("/api/v1/volumes/{name}/scrub", post(scrub_volume))
         .route(
             "/api/v1/volumes/{name}/snapshots",
@@ -1261,6 +1262,34 @@ async fn set_volume_replication(
             .volume(&name)
             .map(|entry| entry.record.id);
         // As `volume info` shows it (null if the volume was deleted meanwhile).
+        Ok(Json(
+            volume_id
+                .map(|id| replication_json(&state, id))
+                .unwrap_or_default(),
+        ))
+    })
+    .await
+}
+
+#[derive(Deserialize)]
+pub struct HandOff {
+    /// The node (name or id) of the replica in sync that becomes the primary.
+    pub to: String,
+}
+
+/// Makes another replica in sync the volume's primary, on its primary (elsewhere: 421 with
+/// the primary's address); clients attached here go on forwarded to it.
+async fn hand_off_volume(
+    State(state): State<Shared>,
+    Path(name): Path<String>,
+    Json(request): Json<HandOff>,
+) -> ApiResult<Json<serde_json::Value>> {
+    let to = find_node(&state, &request.to)?.id;
+    blocking(move || {
+        state.replication.hand_off(&name, to)?;
+        let volume_id = (state.cluster.catalog().read())
+            .volume(&name)
+            .map(|entry| entry.record.id);
         Ok(Json(
             volume_id
                 .map(|id| replication_json(&state, id))

@@ -289,14 +289,23 @@ pub enum VolumeCommand {
     /// Move one replica of a volume to another node, online: a replica is added on --to and
     /// caught up while clients keep writing (R + 1 meanwhile), then, once it is in sync, the
     /// one on --from is removed. Any node can run it (the changes go through the volume's
-    /// primary). The primary's own replica does not move this way (attach through another
-    /// replica's node first), nor does an R=3 volume's (R would exceed 3): it says how.
+    /// primary). Moving the primary's own replica hands the volume to the new one first: its
+    /// clients then go on forwarded (attach them through a replica's node to read locally).
+    /// An R=3 volume's does not move this way (R would exceed 3): it says how.
     Move {
         name: String,
         /// The node (name or id) whose replica leaves.
         #[arg(long)]
         from: String,
         /// The node (name or id) that gets a replica.
+        #[arg(long)]
+        to: String,
+    },
+    /// Make another replica, in sync, the volume's primary (through its primary, from any
+    /// node): clients attached through the old primary's node go on forwarded to it.
+    HandOff {
+        name: String,
+        /// The node (name or id) whose replica becomes the primary.
         #[arg(long)]
         to: String,
     },
@@ -319,53 +328,91 @@ fn node_ids(list: &Value) -> Vec<u64> {
         .collect()
 }
 
-/// `keel volume move`: through the volume's primary, raises R with a replica on `to`, waits
-/// until it is in sync (showing its catch-up's progress), then lowers R removing `from`'s.
-fn move_replica(client: &Client, name: &str, from: &str, to: &str) -> anyhow::Result<()> {
+/// The cluster's members, as any node's `/api/v1/nodes` lists them (removed nodes left out).
+fn members(client: &Client) -> anyhow::Result<Vec<Value>> {
     let nodes: Vec<Value> = client.get("/api/v1/nodes")?;
-    let records = || (nodes.iter().map(|node| &node["record"])).filter(|r| r["removed"] != true);
-    let node = |wanted: &str| -> anyhow::Result<(u64, String)> {
-        records()
-            .find(|r| {
-                r["name"].as_str() == Some(wanted)
-                    || r["id"].as_u64().is_some_and(|id| id.to_string() == wanted)
-            })
-            .and_then(|r| Some((r["id"].as_u64()?, r["name"].as_str()?.to_string())))
-            .ok_or_else(|| anyhow!("node {wanted:?} is not a member of the cluster"))
-    };
-    let (from_id, from_name) = node(from)?;
-    let (to_id, to_name) = node(to)?;
+    Ok((nodes.into_iter().map(|node| node["record"].clone()))
+        .filter(|record| record["removed"] != true)
+        .collect())
+}
+
+/// The id and name of the member called `wanted` (a name or an id).
+fn member(members: &[Value], wanted: &str) -> anyhow::Result<(u64, String)> {
+    (members.iter())
+        .find(|r| {
+            r["name"].as_str() == Some(wanted)
+                || r["id"].as_u64().is_some_and(|id| id.to_string() == wanted)
+        })
+        .and_then(|r| Some((r["id"].as_u64()?, r["name"].as_str()?.to_string())))
+        .ok_or_else(|| anyhow!("node {wanted:?} is not a member of the cluster"))
+}
+
+/// The admin API of volume `name`'s primary, and its node id: any node's volume list names it.
+fn primary_of(client: &Client, members: &[Value], name: &str) -> anyhow::Result<(Client, u64)> {
+    let volumes: Vec<Value> = client.get("/api/v1/volumes")?;
+    let listed = (volumes.iter())
+        .find(|volume| volume["name"] == name)
+        .ok_or_else(|| anyhow!("volume {name:?} not found"))?;
+    let id = listed["primary"]
+        .as_u64()
+        .ok_or_else(|| anyhow!("volume {name:?} lists no primary"))?;
+    (members.iter())
+        .find(|r| r["id"].as_u64() == Some(id))
+        .and_then(|r| r["addresses"]["admin"].as_str())
+        .map(|admin| (client.at(admin), id))
+        .ok_or_else(|| anyhow!("volume {name}'s primary has no admin address"))
+}
+
+/// `error` from volume `name`'s primary at `primary`, explained when it refused the token:
+/// each node has its own admin token unless they share one.
+fn token_refused(name: &str, primary: &Client, error: anyhow::Error) -> anyhow::Error {
+    if error.to_string().ends_with("(HTTP 401)") {
+        anyhow!(
+            "volume {name}'s primary, at {}, refuses this admin token: run the command against \
+             that node (--admin and its token), or give the nodes one token (keel server \
+             --admin-token-file)",
+            primary.base
+        )
+    } else {
+        error
+    }
+}
+
+/// `keel volume hand-off`: through the volume's primary, makes the replica on `to` (in sync)
+/// the primary.
+fn hand_off(client: &Client, name: &str, to: &str) -> anyhow::Result<()> {
+    let members = members(client)?;
+    let (to_id, to_name) = member(&members, to)?;
+    let (at, from_id) = primary_of(client, &members, name)?;
+    let handed: Value = at
+        .post(
+            &format!("/api/v1/volumes/{}/hand-off", Client::encode(name)),
+            json!({ "to": to_id.to_string() }),
+        )
+        .map_err(|error| token_refused(name, &at, error))?;
+    let from_name = member(&members, &from_id.to_string()).map_or(from_id.to_string(), |m| m.1);
+    println!(
+        "volume {name}: node {to_name} is its primary now (epoch {}); clients attached through \
+         node {from_name} go on forwarded to it",
+        handed["epoch"]
+    );
+    Ok(())
+}
+
+/// `keel volume move`: through the volume's primary, raises R with a replica on `to`, waits
+/// until it is in sync (showing its catch-up's progress), hands the volume to it when `from`
+/// is the primary, then lowers R removing `from`'s.
+fn move_replica(client: &Client, name: &str, from: &str, to: &str) -> anyhow::Result<()> {
+    let members = members(client)?;
+    let (from_id, from_name) = member(&members, from)?;
+    let (to_id, to_name) = member(&members, to)?;
     let path = format!("/api/v1/volumes/{}", Client::encode(name));
     let change = format!("{path}/replication");
-    // Any node's list names the primary; its own page has the replication as Raft records
-    // it and the catch-ups it runs.
-    let primary = || -> anyhow::Result<Client> {
-        let volumes: Vec<Value> = client.get("/api/v1/volumes")?;
-        let listed = (volumes.iter())
-            .find(|volume| volume["name"] == name)
-            .ok_or_else(|| anyhow!("volume {name:?} not found"))?;
-        let id = listed["primary"].as_u64();
-        records()
-            .find(|r| r["id"].as_u64() == id)
-            .and_then(|r| r["addresses"]["admin"].as_str())
-            .map(|admin| client.at(admin))
-            .ok_or_else(|| anyhow!("volume {name}'s primary has no admin address"))
-    };
-    // Each node has its own admin token unless they share one.
-    let refused_token = |primary: &Client, error: anyhow::Error| {
-        if error.to_string().ends_with("(HTTP 401)") {
-            anyhow!(
-                "volume {name}'s primary, at {}, refuses this admin token: run the command \
-                 against that node (--admin and its token), or give the nodes one token \
-                 (keel server --admin-token-file)",
-                primary.base
-            )
-        } else {
-            error
-        }
-    };
+    // The primary's own page has the replication as Raft records it and the catch-ups it runs.
+    let primary = || primary_of(client, &members, name).map(|(at, _)| at);
     let replication = |primary: &Client| -> anyhow::Result<Value> {
-        let info: Value = (primary.get(&path)).map_err(|error| refused_token(primary, error))?;
+        let info: Value =
+            (primary.get(&path)).map_err(|error| token_refused(name, primary, error))?;
         Ok(info["replication"].clone())
     };
     let at = primary()?;
@@ -387,13 +434,6 @@ fn move_replica(client: &Client, name: &str, from: &str, to: &str) -> anyhow::Re
     if replicas.contains(&to_id) {
         bail!("node {to_name} holds a replica of volume {name} already");
     }
-    if current["primary"].as_u64() == Some(from_id) {
-        bail!(
-            "node {from_name} is volume {name}'s primary, whose replica stays: attach the volume \
-             through another replica's node first (the primary hands it over when no client \
-             uses it there), or drain node {from_name}"
-        );
-    }
     if replicas.len() as u64 > factor {
         bail!(
             "volume {name} has a replica more than R already (a drain's copy under way): wait \
@@ -405,7 +445,7 @@ fn move_replica(client: &Client, name: &str, from: &str, to: &str) -> anyhow::Re
             &change,
             json!({ "replicas": factor + 1, "add_to": to_id.to_string() }),
         )
-        .map_err(|error| refused_token(&at, error))?;
+        .map_err(|error| token_refused(name, &at, error))?;
     println!(
         "volume {name}: a replica added on node {to_name} (R {factor} -> {} until it is in sync)",
         factor + 1
@@ -463,6 +503,37 @@ fn move_replica(client: &Client, name: &str, from: &str, to: &str) -> anyhow::Re
             shown = Some(std::time::Instant::now());
         }
         std::thread::sleep(MOVE_POLL_INTERVAL);
+    };
+    // The primary's own replica: the new one, in sync, takes the volume over first.
+    let at = if replication(&at)?["primary"].as_u64() == Some(from_id) {
+        let handed: Result<Value, anyhow::Error> = at.post(
+            &format!("{path}/hand-off"),
+            json!({ "to": to_id.to_string() }),
+        );
+        handed.map_err(|error| {
+            anyhow!(
+                "{error}; the new replica on node {to_name} is in sync and volume {name} keeps \
+                 R {}: end the move with `keel volume hand-off {name} --to {to_name}`, then \
+                 `keel volume set-replication {name} --replicas {factor} --remove-from \
+                 {from_name}`",
+                factor + 1
+            )
+        })?;
+        println!(
+            "volume {name}: node {to_name} is its primary now; clients attached through node \
+             {from_name} go on forwarded to it"
+        );
+        // Until the node the CLI asks has applied the hand-off, it names the old primary.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let (at, id) = primary_of(client, &members, name)?;
+            if id == to_id || std::time::Instant::now() >= deadline {
+                break at;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    } else {
+        at
     };
     let lowered: Value = at
         .post(
@@ -566,6 +637,7 @@ pub fn volume(connection: &Connection, command: VolumeCommand) -> anyhow::Result
             );
         }
         VolumeCommand::Move { name, from, to } => move_replica(&client, &name, &from, &to)?,
+        VolumeCommand::HandOff { name, to } => hand_off(&client, &name, &to)?,
         VolumeCommand::Scrub { name } => {
             let started: Value = client.post(
                 &format!("/api/v1/volumes/{}/scrub", Client::encode(&name)),

@@ -2220,17 +2220,8 @@ impl Replication {
                 None => primary.hand_off(to, leaving.why()).await,
                 Some(attached) => {
                     let shared = self.shared.clone();
-                    let forwarded = name.clone();
                     blocking(move || {
-                        attached.switch(|| {
-                            shared
-                                .runtime
-                                .block_on(primary.hand_off(to, leaving.why()))?;
-                            Ok::<Arc<dyn VolumeIo>, VolumeError>(Forwarded::open(
-                                shared.clone(),
-                                &forwarded,
-                            )?)
-                        })
+                        hand_off_forwarding(&shared, &attached, &primary, to, leaving.why())
                     })
                     .await
                     .unwrap_or_else(|error| Err(unavailable(&name, error)))
@@ -2260,7 +2251,88 @@ impl Replication {
     }
 }
 
+/// Hands `primary` to `to` while clients attached here use it through `attached` (blocking):
+/// their I/O waits for the hand-off, then goes on forwarded to `to` ([`Forwarded`]).
+fn hand_off_forwarding(
+    shared: &Arc<Shared>,
+    attached: &Attached,
+    primary: &Arc<Primary>,
+    to: NodeId,
+    why: &str,
+) -> VolumeResult<()> {
+    attached.switch(|| {
+        shared.runtime.block_on(primary.hand_off(to, why))?;
+        Ok::<Arc<dyn VolumeIo>, VolumeError>(Forwarded::open(shared.clone(), primary.name())?)
+    })
+}
+
 impl Replication {
+    /// Hands volume `name`, whose primary this node is, to `to`, another replica in sync
+    /// (`keel volume hand-off`, and `keel volume move` of the primary's own replica),
+    /// blocking: at one point of the write stream Raft records `to` as the primary of the
+    /// next epoch ([`Primary::hand_off`]). Clients attached here go on through `to`,
+    /// forwarded, as after a drain's hand-off (their I/O waits meanwhile); a client of
+    /// another node forwarded through this one follows. When nothing serves the volume here,
+    /// Raft just names `to` (a compare-and-set on the epoch). Refused, saying why, when
+    /// another node is the primary (with its address) or `to`'s replica is not in sync.
+    pub fn hand_off(&self, name: &str, to: NodeId) -> VolumeResult<()> {
+        let _attaching = self.attaching.blocking_lock();
+        let record = self.shared.volume_record(name)?;
+        self.shared.refuse_if_served_elsewhere(name, &record)?;
+        let replication = &record.replication;
+        let local = self.shared.local_node;
+        let invalid = |detail: String| VolumeError::Invalid {
+            volume: name.to_string(),
+            detail,
+        };
+        if replication.replicas.len() <= 1 {
+            return Err(invalid(
+                "it has one replica: there is no other to hand it to".to_string(),
+            ));
+        }
+        if to == local {
+            return Err(invalid(format!("node {to} is its primary already")));
+        }
+        if !replication.replicas.contains(&to) {
+            return Err(invalid(format!(
+                "node {to} holds no replica of it (its replicas: nodes {:?})",
+                replication.replicas
+            )));
+        }
+        if !replication.in_sync.contains(&to) {
+            return Err(invalid(format!(
+                "node {to}'s replica is not in sync: hand the volume off once it is (keel volume \
+                 info shows its catch-up)"
+            )));
+        }
+        let why = "an operator handed the volume off";
+        match self.served(record.id) {
+            Some(primary) => match self.attached_to(&primary) {
+                Some(attached) => hand_off_forwarding(&self.shared, &attached, &primary, to, why),
+                None => self.shared.runtime.block_on(primary.hand_off(to, why)),
+            },
+            None => (self.shared.runtime)
+                .block_on(
+                    self.shared
+                        .cluster
+                        .propose_async(Command::VolumeSetReplication {
+                            volume_id: record.id,
+                            epoch: replication.epoch,
+                            primary: to,
+                            in_sync: replication.in_sync.clone(),
+                        }),
+                )
+                .map(|_| ())
+                .map_err(|error| change_error(name, error)),
+        }?;
+        self.shared
+            .counters
+            .handed_off
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::info!(volume = name, node = to, "{why}");
+        Ok(())
+    }
+
     /// On a draining node, copies each volume whose one replica (R=1) is here to another
     /// storage node that is up and holds none (`VolumeCopyOffDraining`: R stays 1, the copy
     /// joins out of sync). This node then serves the volume as primary (a client attached
