@@ -1258,17 +1258,22 @@ async fn set_volume_replication(
         state
             .replication
             .set_replicas(&name, request.replicas, request.in_sync_min, placement)?;
-        let volume_id = (state.cluster.catalog().read())
-            .volume(&name)
-            .map(|entry| entry.record.id);
-        // As `volume info` shows it (null if the volume was deleted meanwhile).
-        Ok(Json(
-            volume_id
-                .map(|id| replication_json(&state, id))
-                .unwrap_or_default(),
-        ))
+        Ok(replication_answer(&state, &name))
     })
     .await
+}
+
+/// Volume `name`'s replication after a change, as `volume info` shows it (null if the volume
+/// was deleted meanwhile).
+fn replication_answer(state: &Shared, name: &str) -> Json<serde_json::Value> {
+    let volume_id = (state.cluster.catalog().read())
+        .volume(name)
+        .map(|entry| entry.record.id);
+    Json(
+        volume_id
+            .map(|id| replication_json(state, id))
+            .unwrap_or_default(),
+    )
 }
 
 #[derive(Deserialize)]
@@ -1287,14 +1292,7 @@ async fn hand_off_volume(
     let to = find_node(&state, &request.to)?.id;
     blocking(move || {
         state.replication.hand_off(&name, to)?;
-        let volume_id = (state.cluster.catalog().read())
-            .volume(&name)
-            .map(|entry| entry.record.id);
-        Ok(Json(
-            volume_id
-                .map(|id| replication_json(&state, id))
-                .unwrap_or_default(),
-        ))
+        Ok(replication_answer(&state, &name))
     })
     .await
 }
