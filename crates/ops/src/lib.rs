@@ -517,11 +517,11 @@ impl Drop for Restore {
 /// The calling thread's request in a phase until dropped, then back in the phase before.
 /// Holds no reference to the request (the store enters phases on every write, from many
 /// threads at once): the drop finds it again through the thread's current request, by id.
+/// A future holding one may move to another thread (a served request awaited inside a
+/// handler's task): dropped there, it finds no request with its id and does nothing.
 pub struct Phase {
     /// The request's id and the phase to go back to.
     entered: Option<(u64, &'static str)>,
-    /// Dropped on the thread that entered it, where the current request is.
-    _same_thread: std::marker::PhantomData<*const ()>,
 }
 
 impl Phase {
@@ -533,10 +533,7 @@ impl Phase {
                 .as_ref()
                 .map(|(inner, op)| (op.id, op.switch(phase, inner.clock.now())))
         });
-        Phase {
-            entered,
-            _same_thread: std::marker::PhantomData,
-        }
+        Phase { entered }
     }
 }
 

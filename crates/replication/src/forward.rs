@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use keel_catalog::NodeId;
 use keel_volume::{VolumeError, VolumeIo, VolumeResult};
 
-use crate::primary::Failure;
+use crate::primary::{Failure, Primary};
 use crate::wire::{
     ForwardAnswer, ForwardClose, ForwardErrorKind, ForwardOp, ForwardOpen, ForwardOpened,
     ForwardRequest, CODE_NOT_FOUND, CODE_SESSION_GONE, METHOD_FORWARD_CLOSE, METHOD_FORWARD_IO,
@@ -67,13 +67,15 @@ pub(crate) struct Unflushed {
 }
 
 /// A client's view of a volume served elsewhere.
-pub(crate) struct Forwarded {
+pub struct Forwarded {
     shared: Arc<Shared>,
     name: String,
     size_bytes: u64,
     block_size_bytes: u32,
     read_only: bool,
     route: Mutex<Route>,
+    /// Held while a session moves to another node ([`Forwarded::reroute`]).
+    rerouting: tokio::sync::Mutex<()>,
     unflushed: Arc<Unflushed>,
     /// Set once the session lost writes it cannot vouch for: every later request fails.
     broken: Mutex<Option<String>>,
@@ -92,7 +94,18 @@ impl Forwarded {
     /// in-sync replicas (one of which takes it over once the primary has been silent past its
     /// lease), until [`OPEN_DEADLINE`].
     pub(crate) fn open(shared: Arc<Shared>, name: &str) -> VolumeResult<Arc<Forwarded>> {
-        let (route, opened) = open_route(&shared, name)?;
+        shared
+            .runtime
+            .clone()
+            .block_on(Forwarded::open_async(shared, name))
+    }
+
+    /// [`Forwarded::open`], async (the simulation's clients use it).
+    pub(crate) async fn open_async(
+        shared: Arc<Shared>,
+        name: &str,
+    ) -> VolumeResult<Arc<Forwarded>> {
+        let (route, opened) = open_route(&shared, name).await?;
         let unflushed = {
             let mut volumes = lock(&shared.forwarding);
             volumes.retain(|_, unflushed| unflushed.strong_count() > 0);
@@ -117,6 +130,7 @@ impl Forwarded {
             block_size_bytes: opened.block_size_bytes,
             read_only: opened.read_only,
             route: Mutex::new(route),
+            rerouting: tokio::sync::Mutex::new(()),
             unflushed,
             broken: Mutex::new(None),
         });
@@ -130,9 +144,15 @@ impl Forwarded {
         *lock(&self.route)
     }
 
+    /// [`Forwarded::run`] for a client thread (blocking), its time counted as forwarded.
+    fn run_blocking(&self, op: ForwardOp<'_>) -> VolumeResult<Option<Vec<u8>>> {
+        let _phase = keel_ops::Phase::enter(keel_ops::phase::FORWARDED);
+        self.shared.runtime.block_on(self.run(op))
+    }
+
     /// Sends `op` to the session's node; once more on a new route when that node is gone and
     /// nothing acknowledged is at risk.
-    fn run(&self, op: ForwardOp<'_>) -> VolumeResult<Option<Vec<u8>>> {
+    async fn run(&self, op: ForwardOp<'_>) -> VolumeResult<Option<Vec<u8>>> {
         if let Some(why) = lock(&self.broken).clone() {
             return Err(unavailable(&self.name, why));
         }
@@ -144,10 +164,10 @@ impl Forwarded {
         );
         let flush_covers = self.unflushed.acknowledged.load(Ordering::SeqCst);
         let route = self.current();
-        let answer = match self.call(route, op) {
+        let answer = match self.call(route, op).await {
             Err(Lost::Route(why)) => {
-                self.reroute(route, &why)?;
-                match self.call(self.current(), op) {
+                self.reroute(route, &why).await?;
+                match self.call(self.current(), op).await {
                     Err(Lost::Route(why)) => Err(unavailable(&self.name, why)),
                     Err(Lost::Failed(error)) => Err(error),
                     Ok(answer) => Ok(answer),
@@ -170,9 +190,9 @@ impl Forwarded {
     /// Moves the session off `failed` (unless another request did already): allowed only
     /// while every write acknowledged through this node is known durable, else the session
     /// breaks for good.
-    fn reroute(&self, failed: Route, why: &str) -> VolumeResult<()> {
-        let mut route = lock(&self.route);
-        if *route != failed {
+    async fn reroute(&self, failed: Route, why: &str) -> VolumeResult<()> {
+        let _rerouting = self.rerouting.lock().await;
+        if self.current() != failed {
             return Ok(());
         }
         let acknowledged = self.unflushed.acknowledged.load(Ordering::SeqCst);
@@ -186,7 +206,7 @@ impl Forwarded {
             tracing::warn!(volume = self.name, "{message}");
             return Err(unavailable(&self.name, message));
         }
-        let (next, opened) = open_route(&self.shared, &self.name)?;
+        let (next, opened) = open_route(&self.shared, &self.name).await?;
         if opened.size_bytes < self.size_bytes {
             return Err(unavailable(
                 &self.name,
@@ -202,11 +222,11 @@ impl Forwarded {
             to = next.node,
             "forwarding moved to the volume's new primary ({why})"
         );
-        *route = next;
+        *lock(&self.route) = next;
         Ok(())
     }
 
-    fn call(&self, route: Route, op: ForwardOp<'_>) -> Result<Option<Vec<u8>>, Lost> {
+    async fn call(&self, route: Route, op: ForwardOp<'_>) -> Result<Option<Vec<u8>>, Lost> {
         let request = ForwardRequest {
             session: route.session,
             op,
@@ -214,10 +234,8 @@ impl Forwarded {
         let payload = postcard::to_allocvec(&request)
             .map_err(|error| Lost::Failed(unavailable(&self.name, error.to_string())))?;
         let shared = &self.shared;
-        let _phase = keel_ops::Phase::enter(keel_ops::phase::FORWARDED);
-        let reply = shared
-            .runtime
-            .block_on(shared.call(route.node, METHOD_FORWARD_IO, payload, IO_TIMEOUT))
+        let reply = (shared.call(route.node, METHOD_FORWARD_IO, payload, IO_TIMEOUT))
+            .await
             .map_err(|failure| match failure {
                 Failure {
                     code: None,
@@ -245,6 +263,50 @@ impl Forwarded {
                 },
                 detail: message,
             })),
+        }
+    }
+}
+
+/// Client I/O, async (the simulation's clients; a server's go through [`VolumeIo`]).
+impl Forwarded {
+    pub async fn read_async(&self, offset: u64, buf: &mut [u8]) -> VolumeResult<()> {
+        let data = self.run(self.read_op(offset, buf.len())?).await?;
+        self.fill(buf, data)
+    }
+
+    pub async fn write_async(&self, offset: u64, data: &[u8], fua: bool) -> VolumeResult<()> {
+        self.run(ForwardOp::Write { offset, data, fua })
+            .await
+            .map(drop)
+    }
+
+    pub async fn flush_async(&self) -> VolumeResult<()> {
+        self.run(ForwardOp::Flush).await.map(drop)
+    }
+
+    fn read_op(&self, offset: u64, length: usize) -> VolumeResult<ForwardOp<'static>> {
+        let length = u32::try_from(length).map_err(|_| VolumeError::Invalid {
+            volume: self.name.clone(),
+            detail: format!("a read of {length} bytes is too long to forward"),
+        })?;
+        Ok(ForwardOp::Read { offset, length })
+    }
+
+    /// Copies a read's answer into `buf`, which it must fill exactly.
+    fn fill(&self, buf: &mut [u8], data: Option<Vec<u8>>) -> VolumeResult<()> {
+        match data {
+            Some(data) if data.len() == buf.len() => {
+                buf.copy_from_slice(&data);
+                Ok(())
+            }
+            other => Err(unavailable(
+                &self.name,
+                format!(
+                    "the serving node answered a read of {} bytes with {}",
+                    buf.len(),
+                    other.map_or(0, |data| data.len())
+                ),
+            )),
         }
     }
 }
@@ -328,7 +390,7 @@ fn serving_nodes(shared: &Shared, name: &str) -> VolumeResult<Vec<NodeId>> {
 /// Finds the node that serves `name` now and opens a session there. A volume's primary may
 /// be taking over, so that is retried until [`OPEN_DEADLINE`]; a snapshot is frozen, and every
 /// node holding it whole is tried once.
-fn open_route(shared: &Shared, name: &str) -> VolumeResult<(Route, ForwardOpened)> {
+async fn open_route(shared: &Shared, name: &str) -> VolumeResult<(Route, ForwardOpened)> {
     let payload = postcard::to_allocvec(&ForwardOpen {
         volume: name.to_string(),
     })
@@ -352,7 +414,7 @@ fn open_route(shared: &Shared, name: &str) -> VolumeResult<(Route, ForwardOpened
                 continue;
             }
             let call = shared.call(node, METHOD_FORWARD_OPEN, payload.clone(), OPEN_TRY_TIMEOUT);
-            match shared.runtime.block_on(call) {
+            match call.await {
                 Ok(reply) => {
                     let opened: ForwardOpened = postcard::from_bytes(&reply)
                         .map_err(|error| unavailable(name, error.to_string()))?;
@@ -390,14 +452,20 @@ fn open_route(shared: &Shared, name: &str) -> VolumeResult<(Route, ForwardOpened
                 format!("no node {holding} would serve it through this one: {last}"),
             ));
         }
-        clock.sleep_blocking(Duration::from_millis(250));
+        clock.sleep(Duration::from_millis(250)).await;
     }
 }
+
+/// What a session serves: its handle, and the primary it is when opened on one directly.
+pub(crate) type Served = (Arc<dyn VolumeIo>, Option<Arc<Primary>>);
 
 /// One session a node serves for a client attached elsewhere.
 struct Session {
     caller: NodeId,
     io: Arc<dyn VolumeIo>,
+    /// The primary `io` is, when the session was opened on it directly: served async
+    /// ([`Sessions::serve_async`], the simulation's, whose one thread cannot block).
+    primary: Option<Arc<Primary>>,
     volume_id: u64,
     /// A volume's session is served by its primary only; a snapshot's by any node holding it.
     follows_primary: bool,
@@ -418,6 +486,7 @@ impl Sessions {
         caller: NodeId,
         volume_id: u64,
         io: Arc<dyn VolumeIo>,
+        primary: Option<Arc<Primary>>,
         follows_primary: bool,
     ) -> Result<ForwardOpened, String> {
         let now = shared.clock_now();
@@ -445,12 +514,39 @@ impl Sessions {
             Session {
                 caller,
                 io,
+                primary,
                 volume_id,
                 follows_primary,
                 used: now,
             },
         );
         Ok(opened)
+    }
+
+    /// The session `session` of `caller`, marked used: its handle, its primary if it holds
+    /// one, its volume and whether it follows the primary. `Err` if it is not served here.
+    fn session(
+        &self,
+        shared: &Shared,
+        caller: NodeId,
+        session: u64,
+    ) -> Result<(Served, u64, bool), String> {
+        let now = shared.clock_now();
+        let mut sessions = lock(&self.sessions);
+        let Some(found) = sessions
+            .get_mut(&session)
+            .filter(|found| found.caller == caller)
+        else {
+            return Err(format!(
+                "session {session} is not served here (the node restarted or it expired)"
+            ));
+        };
+        found.used = now;
+        Ok((
+            (found.io.clone(), found.primary.clone()),
+            found.volume_id,
+            found.follows_primary,
+        ))
     }
 
     /// Serves one request. `Err` means the session is not served here (any more).
@@ -460,25 +556,8 @@ impl Sessions {
         caller: NodeId,
         request: ForwardRequest<'_>,
     ) -> Result<ForwardAnswer, String> {
-        let now = shared.clock_now();
-        let (io, volume_id, follows_primary) = {
-            let mut sessions = lock(&self.sessions);
-            let Some(session) = sessions
-                .get_mut(&request.session)
-                .filter(|session| session.caller == caller)
-            else {
-                return Err(format!(
-                    "session {} is not served here (the node restarted or it expired)",
-                    request.session
-                ));
-            };
-            session.used = now;
-            (
-                session.io.clone(),
-                session.volume_id,
-                session.follows_primary,
-            )
-        };
+        let ((io, _), volume_id, follows_primary) =
+            self.session(shared, caller, request.session)?;
         let outcome = match request.op {
             ForwardOp::Read { offset, length } => {
                 let mut data = vec![0u8; length as usize];
@@ -497,6 +576,76 @@ impl Sessions {
                 .map(|()| None),
             ForwardOp::Ping => Ok(None),
         };
+        self.answer(
+            shared,
+            caller,
+            request.session,
+            volume_id,
+            follows_primary,
+            outcome,
+        )
+    }
+
+    /// [`Sessions::serve`] without blocking: a session opened on a primary is served through
+    /// its async I/O, inline (the simulation's, whose one thread cannot block); any other
+    /// (a volume with one replica, a snapshot) through its handle, whose store work the
+    /// simulation runs inline too.
+    pub(crate) async fn serve_async(
+        &self,
+        shared: &Shared,
+        caller: NodeId,
+        request: ForwardRequest<'_>,
+    ) -> Result<ForwardAnswer, String> {
+        let ((_, primary), volume_id, follows_primary) =
+            self.session(shared, caller, request.session)?;
+        let Some(primary) = primary else {
+            return self.serve(shared, caller, request);
+        };
+        let outcome = match request.op {
+            ForwardOp::Read { offset, length } => {
+                let mut data = vec![0u8; length as usize];
+                (primary.read_async(offset, &mut data).await).map(|()| Some(data))
+            }
+            ForwardOp::Write { offset, data, fua } => {
+                (primary.write_async(offset, data, fua).await).map(|()| None)
+            }
+            ForwardOp::Flush => primary.flush_async().await.map(|()| None),
+            ForwardOp::Trim { offset, length } => {
+                (primary.trim_async(offset, length).await).map(|()| None)
+            }
+            ForwardOp::Zeroes {
+                offset,
+                length,
+                fua,
+                may_trim,
+            } => (primary
+                .write_zeroes_async(offset, length, fua, may_trim)
+                .await)
+                .map(|()| None),
+            ForwardOp::Ping => Ok(None),
+        };
+        self.answer(
+            shared,
+            caller,
+            request.session,
+            volume_id,
+            follows_primary,
+            outcome,
+        )
+    }
+
+    /// The answer to a request of session `session` that had `outcome`. `Err` (the session
+    /// closed) when it failed because the volume is no longer served here: the client's node
+    /// moves the session.
+    fn answer(
+        &self,
+        shared: &Shared,
+        caller: NodeId,
+        session: u64,
+        volume_id: u64,
+        follows_primary: bool,
+        outcome: VolumeResult<Option<Vec<u8>>>,
+    ) -> Result<ForwardAnswer, String> {
         Ok(match outcome {
             Ok(Some(data)) => ForwardAnswer::Data(data),
             Ok(None) => ForwardAnswer::Done,
@@ -504,7 +653,7 @@ impl Sessions {
                 // A replicated volume another node took over (its primary here refuses
                 // everything then): the session moves there.
                 if let Some(why) = moved(shared, volume_id, follows_primary) {
-                    self.close(caller, request.session);
+                    self.close(caller, session);
                     return Err(why);
                 }
                 let message = error.to_string();
@@ -580,37 +729,22 @@ impl VolumeIo for Forwarded {
     }
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> VolumeResult<()> {
-        let length = u32::try_from(buf.len()).map_err(|_| VolumeError::Invalid {
-            volume: self.name.clone(),
-            detail: format!("a read of {} bytes is too long to forward", buf.len()),
-        })?;
-        let data = self.run(ForwardOp::Read { offset, length })?;
-        match data {
-            Some(data) if data.len() == buf.len() => {
-                buf.copy_from_slice(&data);
-                Ok(())
-            }
-            other => Err(unavailable(
-                &self.name,
-                format!(
-                    "the serving node answered a read of {} bytes with {}",
-                    buf.len(),
-                    other.map_or(0, |data| data.len())
-                ),
-            )),
-        }
+        let data = self.run_blocking(self.read_op(offset, buf.len())?)?;
+        self.fill(buf, data)
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> VolumeResult<()> {
-        self.run(ForwardOp::Write { offset, data, fua }).map(drop)
+        self.run_blocking(ForwardOp::Write { offset, data, fua })
+            .map(drop)
     }
 
     fn flush(&self) -> VolumeResult<()> {
-        self.run(ForwardOp::Flush).map(drop)
+        self.run_blocking(ForwardOp::Flush).map(drop)
     }
 
     fn trim(&self, offset: u64, length: u64) -> VolumeResult<()> {
-        self.run(ForwardOp::Trim { offset, length }).map(drop)
+        self.run_blocking(ForwardOp::Trim { offset, length })
+            .map(drop)
     }
 
     fn write_zeroes(
@@ -620,7 +754,7 @@ impl VolumeIo for Forwarded {
         fua: bool,
         may_trim: bool,
     ) -> VolumeResult<()> {
-        self.run(ForwardOp::Zeroes {
+        self.run_blocking(ForwardOp::Zeroes {
             offset,
             length,
             fua,

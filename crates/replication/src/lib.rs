@@ -38,7 +38,8 @@ use keel_volume::{VolumeError, VolumeIo, VolumeResult};
 use crate::attached::Attached;
 pub use crate::dirty::Point;
 use crate::dirty::{Chunks, ShutdownNote};
-use crate::forward::{Forwarded, Sessions};
+pub use crate::forward::Forwarded;
+use crate::forward::{Served, Sessions};
 use crate::primary::{Failure, Primary, PrimaryStatus};
 use crate::replica::Replicas;
 use crate::wire::{
@@ -1245,6 +1246,13 @@ impl Replication {
             })
     }
 
+    /// A forwarding session on the node serving `name`, for an async client attached here
+    /// (the simulation's, on a node without a replica or whose replica is out of sync; a
+    /// server's clients get one from [`Replication::open`]).
+    pub async fn open_forwarded(&self, name: &str) -> VolumeResult<Arc<Forwarded>> {
+        Forwarded::open_async(self.shared.clone(), name).await
+    }
+
     /// [`Self::open_primary`]; `None` for a volume with one replica unless `single` (serve
     /// that too).
     async fn open_replicated(
@@ -1690,19 +1698,51 @@ impl Replication {
         caller: NodeId,
         request: ForwardOpen,
     ) -> Result<Vec<u8>, RemoteFailure> {
-        let remote = |code: u16, message: String| RemoteFailure { code, message };
         // The export's name: a volume, or `volume@snapshot` (read-only, served by any node
         // holding the snapshot whole, primary or not).
         let name = request.volume;
+        let opened = match name.split_once('@') {
+            Some((volume, snapshot)) => self.shared.local.open_local_snapshot(volume, snapshot),
+            None => self.shared.runtime.block_on(self.open_hosted(&name)),
+        };
+        self.forward_opened(caller, &name, opened.map(|io| (io, None)))
+    }
+
+    /// [`Self::serve_forward_open`] without blocking (the simulation's): a volume's session
+    /// holds its primary itself, served async ([`Sessions::serve_async`]).
+    async fn serve_forward_open_async(
+        &self,
+        caller: NodeId,
+        request: ForwardOpen,
+    ) -> Result<Vec<u8>, RemoteFailure> {
+        let name = request.volume;
+        let opened = match name.split_once('@') {
+            Some((volume, snapshot)) => (self.shared.local)
+                .open_local_snapshot(volume, snapshot)
+                .map(|io| (io, None)),
+            None => match self.open_replicated(&name, true).await {
+                Ok(Some(primary)) => Ok((primary.clone() as Arc<dyn VolumeIo>, Some(primary))),
+                Ok(None) => Err(unavailable(&name, "it is not served here".to_string())),
+                Err(error) => Err(error),
+            },
+        };
+        self.forward_opened(caller, &name, opened)
+    }
+
+    /// Registers the session `opened` for `caller` on export `name` (a volume, or
+    /// `volume@snapshot`), or says why it was not opened.
+    fn forward_opened(
+        &self,
+        caller: NodeId,
+        name: &str,
+        opened: VolumeResult<Served>,
+    ) -> Result<Vec<u8>, RemoteFailure> {
+        let remote = |code: u16, message: String| RemoteFailure { code, message };
         let (volume, snapshot) = match name.split_once('@') {
             Some((volume, snapshot)) => (volume, Some(snapshot)),
-            None => (name.as_str(), None),
+            None => (name, None),
         };
-        let opened = match snapshot {
-            Some(snapshot) => self.shared.local.open_local_snapshot(volume, snapshot),
-            None => self.shared.runtime.block_on(self.open_hosted(volume)),
-        }
-        .map_err(|error| match error {
+        let (opened, primary) = opened.map_err(|error| match error {
             VolumeError::NotFound { .. } | VolumeError::SnapshotNotFound { .. } => {
                 remote(CODE_NOT_FOUND, error.to_string())
             }
@@ -1718,7 +1758,14 @@ impl Replication {
             .ok_or_else(|| remote(CODE_NOT_FOUND, format!("volume {volume:?} not found")))?;
         let answer = self
             .sessions
-            .insert(&self.shared, caller, volume_id, opened, snapshot.is_none())
+            .insert(
+                &self.shared,
+                caller,
+                volume_id,
+                opened,
+                primary,
+                snapshot.is_none(),
+            )
             .map_err(|why| remote(CODE_REFUSED, why))?;
         tracing::info!(
             volume = name,
@@ -1831,12 +1878,42 @@ impl Replication {
                     .map_err(refused)?;
                 encode(postcard::to_allocvec(&answer))
             }
+            METHOD_FORWARD_OPEN | METHOD_FORWARD_IO | METHOD_FORWARD_CLOSE
+                if cfg!(feature = "simulation") =>
+            {
+                self.serve_forward_async(sender, method, payload).await
+            }
             METHOD_FORWARD_OPEN | METHOD_FORWARD_IO | METHOD_FORWARD_CLOSE => {
                 tokio::task::spawn_blocking(move || self.serve_forward(sender, method, payload))
                     .await
                     .map_err(|error| remote(wire::CODE_FAILED, error.to_string()))?
             }
             other => Err(remote(CODE_BAD_REQUEST, format!("unknown method {other}"))),
+        }
+    }
+
+    /// [`Self::serve_forward`] without blocking (the simulation's, whose one thread cannot).
+    async fn serve_forward_async(
+        &self,
+        sender: NodeId,
+        method: u16,
+        payload: Vec<u8>,
+    ) -> Result<Vec<u8>, RemoteFailure> {
+        let remote = |code: u16, message: String| RemoteFailure { code, message };
+        match method {
+            METHOD_FORWARD_OPEN => {
+                let request = decode(&payload)?;
+                self.serve_forward_open_async(sender, request).await
+            }
+            METHOD_FORWARD_IO => {
+                let request: ForwardRequest = decode(&payload)?;
+                let answer = (self.sessions.serve_async(&self.shared, sender, request))
+                    .await
+                    .map_err(|why| remote(CODE_SESSION_GONE, why))?;
+                postcard::to_allocvec(&answer)
+                    .map_err(|error| remote(CODE_BAD_REQUEST, error.to_string()))
+            }
+            _ => self.serve_forward(sender, method, payload),
         }
     }
 
