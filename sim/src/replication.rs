@@ -21,7 +21,9 @@
 //! has its replicas moved and a volume it was primary of taken over in the background; with
 //! [`Mode::Deletes`] clients also delete snapshots, with [`Mode::Drains`] they also drain
 //! storage nodes and stop draining them, and with [`Mode::Singles`] they also lower R to 1, so
-//! that a drain copies the volume's one replica off its node.
+//! that a drain copies the volume's one replica off its node. With [`Mode::Forwards`] a third
+//! of the clients' attaches are forwarded through a node that is not the primary, as a server
+//! forwards a client attached to a node without a replica.
 //!
 //! What it checks, the contract of `docs/volumes.md`:
 //! 1. **No acknowledged FLUSH is lost.** Each client keeps, per unit, the value its last
@@ -57,7 +59,7 @@ use keel_catalog::{Command, NodeAddresses, NodeId, NodeRole, VolumeSettings, Vol
 use keel_cluster::{Cluster, ClusterConfig, ClusterHandler, Dispatch, LocalNetwork, Timing};
 use keel_namespace::volume::{BackgroundWork, VolumeError, VolumeIo, VolumeManager, VolumeResult};
 use keel_replication::primary::Primary;
-use keel_replication::{LocalVolumes, Placement, Replication, Settings};
+use keel_replication::{Forwarded, LocalVolumes, Placement, Replication, Settings};
 use keel_store::simdisk::SimDisk;
 
 /// The space each node's store keeps free: writes that add data are refused below it.
@@ -108,6 +110,9 @@ pub struct Report {
     /// Replicas on draining nodes copied to another node before they go (the one replica of
     /// an R=1 volume with [`Mode::Singles`], or any replica of a replicated volume).
     pub copies_off_draining: u64,
+    /// Attaches forwarded through a node the catalog did not name primary (with
+    /// [`Mode::Forwards`]).
+    pub forwarded_attaches: u64,
     /// Hash of everything observable, in order: two runs of a seed must agree on it.
     pub trace_hash: String,
     pub violations: Vec<String>,
@@ -142,6 +147,13 @@ pub enum Mode {
     /// while attached stays served; a server's clients of such a volume use its local copy
     /// (the blocking switch to a primary when R is raised is not simulated).
     Singles,
+    /// As [`Mode::Standard`], and a third of the clients' attaches go through a node the
+    /// catalog does not name primary, forwarded ([`Replication::open_forwarded`]): from the
+    /// node without a replica, or from a replica's (as a pod on a replica's node whose primary
+    /// keeps the volume). Such a client only writes, FLUSHes and reads; when the serving node
+    /// goes away, its session moves to the new primary without the client noticing if every
+    /// write it acknowledged was flushed, else fails and the client attaches again.
+    Forwards,
 }
 
 /// The volume's name.
@@ -165,7 +177,7 @@ fn timing(mode: Mode) -> Timing {
         // primary's failed batch first, not by the failure detector.
         suspect_after: Duration::from_secs(4),
         down_after: match mode {
-            Mode::Standard => Duration::from_secs(8),
+            Mode::Standard | Mode::Forwards => Duration::from_secs(8),
             Mode::Moves | Mode::Deletes | Mode::Drains | Mode::Singles => Duration::from_secs(3),
         },
         propose_timeout: Duration::from_secs(4),
@@ -771,6 +783,7 @@ async fn through<T>(
 }
 
 /// A client attached to the volume through one node.
+#[derive(Clone)]
 struct Attached {
     index: usize,
     incarnation: u64,
@@ -780,6 +793,107 @@ struct Attached {
     cluster: Arc<Cluster>,
     replication: Arc<Replication>,
     volumes: Arc<VolumeManager>,
+}
+
+/// How a client reaches the volume: the primary on the node it attached to, or a forwarding
+/// session from that node to the node serving the volume ([`Mode::Forwards`]).
+enum Session {
+    Direct(Attached),
+    Forwarded {
+        index: usize,
+        incarnation: u64,
+        io: Arc<Forwarded>,
+    },
+}
+
+impl Session {
+    /// The node the client attached to, and that node's incarnation then.
+    fn node(&self) -> (usize, u64) {
+        match self {
+            Session::Direct(attached) => (attached.index, attached.incarnation),
+            Session::Forwarded {
+                index, incarnation, ..
+            } => (*index, *incarnation),
+        }
+    }
+
+    async fn read(&self, offset: u64, buf: &mut [u8]) -> VolumeResult<()> {
+        match self {
+            Session::Direct(attached) => attached.primary.read_async(offset, buf).await,
+            Session::Forwarded { io, .. } => io.read_async(offset, buf).await,
+        }
+    }
+
+    async fn write(&self, offset: u64, data: &[u8]) -> VolumeResult<()> {
+        match self {
+            Session::Direct(attached) => attached.primary.write_async(offset, data, false).await,
+            Session::Forwarded { io, .. } => io.write_async(offset, data, false).await,
+        }
+    }
+
+    async fn flush(&self) -> VolumeResult<()> {
+        match self {
+            Session::Direct(attached) => attached.primary.flush_async().await,
+            Session::Forwarded { io, .. } => io.flush_async().await,
+        }
+    }
+
+    /// How a record names the node: "n2", or "n2 forwarded".
+    fn name(&self) -> String {
+        match self {
+            Session::Direct(attached) => format!("n{}", attached.index + 1),
+            Session::Forwarded { index, .. } => format!("n{} forwarded", index + 1),
+        }
+    }
+}
+
+/// With [`Mode::Forwards`], a third of the time: attaches forwarded through a node the
+/// catalog (as the first node that has one sees it) does not name primary, until `limit`.
+/// `None` to attach directly instead.
+async fn attach_forwarded(world: &Shared, rng: &mut StdRng, limit: Duration) -> Option<Session> {
+    if world.borrow().mode != Mode::Forwards || !rng.gen_bool(1.0 / 3.0) {
+        return None;
+    }
+    let deadline = tokio::time::Instant::now() + limit;
+    while tokio::time::Instant::now() < deadline {
+        let found = {
+            let world = world.borrow();
+            let count = world.nodes.len();
+            let primary = (0..count)
+                .find_map(|index| world.replication_seen(index))
+                .map(|replication| replication.primary);
+            let start = rng.gen_range(0..count);
+            (0..count)
+                .map(|k| (start + k) % count)
+                .filter(|index| Some(*index as u64 + 1) != primary)
+                .find_map(|index| world.engine(index).map(|engine| (index, engine)))
+        };
+        let Some((index, engine)) = found else {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            continue;
+        };
+        let opened = through(
+            world,
+            index,
+            engine.incarnation,
+            engine.replication.open_forwarded(VOLUME),
+        )
+        .await;
+        match opened {
+            Answer::Done(io) => {
+                let mut world = world.borrow_mut();
+                world.report.forwarded_attaches += 1;
+                world.record(&format!("attach n{} forwarded", index + 1));
+                return Some(Session::Forwarded {
+                    index,
+                    incarnation: engine.incarnation,
+                    io,
+                });
+            }
+            _ => tokio::time::sleep(Duration::from_millis(250)).await,
+        }
+    }
+    None
 }
 
 /// Attaches through a node holding a replica that serves the volume or may take it over,
@@ -881,34 +995,33 @@ fn check_read(
 async fn read_units(
     world: &Shared,
     client: usize,
-    attached: &Attached,
+    session: &Session,
     when: &str,
 ) -> Option<Vec<u32>> {
     let mut values = Vec::new();
+    let (index, incarnation) = session.node();
     for unit in 0..UNITS {
         let mut data = vec![0u8; BLOCK_BYTES];
         let before = world.borrow().models[client].expected(unit);
         let read = through(
             world,
-            attached.index,
-            attached.incarnation,
-            attached
-                .primary
-                .read_async(offset_of(client, unit), &mut data),
+            index,
+            incarnation,
+            session.read(offset_of(client, unit), &mut data),
         )
         .await;
         if !matches!(read, Answer::Done(())) {
             return None;
         }
         let found = value_of(client, unit, &data);
-        let node = attached.index + 1;
+        let node = session.name();
         check_read(
             &mut world.borrow_mut(),
             client,
             unit,
             found,
             &before,
-            || format!("{when}: read through n{node}"),
+            || format!("{when}: read through {node}"),
         );
         values.push(found.unwrap_or(0));
     }
@@ -921,7 +1034,7 @@ async fn read_units(
 async fn client(world: Shared, client: usize, seed: u64, stop: Rc<RefCell<bool>>) {
     let mut rng = StdRng::seed_from_u64(seed ^ (0xc11e_0000 + client as u64));
     let mut next_value = 1u32;
-    let mut attached: Option<Attached> = None;
+    let mut attached: Option<Session> = None;
     while !*stop.borrow() {
         {
             let mut world = world.borrow_mut();
@@ -934,7 +1047,13 @@ async fn client(world: Shared, client: usize, seed: u64, stop: Rc<RefCell<bool>>
             }
         }
         let Some(current) = attached.as_ref() else {
-            match attach(&world, &mut rng, Duration::from_secs(30)).await {
+            let new = match attach_forwarded(&world, &mut rng, Duration::from_secs(30)).await {
+                Some(forwarded) => Some(forwarded),
+                None => {
+                    (attach(&world, &mut rng, Duration::from_secs(30)).await).map(Session::Direct)
+                }
+            };
+            match new {
                 Some(new) => {
                     // What survived is one of the values the model allows per unit; from now
                     // on it is what this primary holds (the next FLUSH makes it the floor).
@@ -959,8 +1078,7 @@ async fn client(world: Shared, client: usize, seed: u64, stop: Rc<RefCell<bool>>
             }
             continue;
         };
-        let (index, incarnation) = (current.index, current.incarnation);
-        let primary = current.primary.clone();
+        let (index, incarnation) = current.node();
         let roll = rng.gen_range(0..100);
         let failed = if roll < 55 {
             let unit = rng.gen_range(0..UNITS);
@@ -972,30 +1090,36 @@ async fn client(world: Shared, client: usize, seed: u64, stop: Rc<RefCell<bool>>
                 &world,
                 index,
                 incarnation,
-                primary.write_async(offset_of(client, unit), &data, false),
+                current.write(offset_of(client, unit), &data),
             )
             .await;
             let mut world = world.borrow_mut();
             world.report.writes += 1;
             world.settled(&format!("c{client} write {unit}={value}"), &answer)
         } else if roll < 85 {
-            let answer = through(&world, index, incarnation, primary.flush_async()).await;
+            let answer = through(&world, index, incarnation, current.flush()).await;
             let (failed, armed) = {
                 let mut world = world.borrow_mut();
                 match answer {
                     Answer::Done(()) => {
                         world.report.flushes += 1;
-                        let epoch = primary.status().epoch;
-                        let node = index as u64 + 1;
-                        match world.flush_epochs.get(&epoch).copied() {
-                            Some(other) if other != node => world.violation(format!(
-                                "n{node} and n{other} both acknowledged a FLUSH in epoch {epoch}"
-                            )),
-                            _ => {
-                                world.flush_epochs.insert(epoch, node);
+                        // (A forwarded FLUSH was acknowledged by a primary elsewhere.)
+                        if let Session::Direct(attached) = current {
+                            let epoch = attached.primary.status().epoch;
+                            let node = index as u64 + 1;
+                            match world.flush_epochs.get(&epoch).copied() {
+                                Some(other) if other != node => world.violation(format!(
+                                    "n{node} and n{other} both acknowledged a FLUSH in epoch \
+                                     {epoch}"
+                                )),
+                                _ => {
+                                    world.flush_epochs.insert(epoch, node);
+                                }
                             }
+                            world.record(&format!("c{client} flush ok (epoch {epoch})"));
+                        } else {
+                            world.record(&format!("c{client} flush ok ({})", current.name()));
                         }
-                        world.record(&format!("c{client} flush ok (epoch {epoch})"));
                         world.models[client].flushed();
                         (false, world.armed.take())
                     }
@@ -1026,7 +1150,7 @@ async fn client(world: Shared, client: usize, seed: u64, stop: Rc<RefCell<bool>>
                 &world,
                 index,
                 incarnation,
-                primary.read_async(offset_of(client, unit), &mut data),
+                current.read(offset_of(client, unit), &mut data),
             )
             .await;
             match answer {
@@ -1038,27 +1162,36 @@ async fn client(world: Shared, client: usize, seed: u64, stop: Rc<RefCell<bool>>
                         unit,
                         found,
                         &before,
-                        || format!("read through its primary n{}", index + 1),
+                        || format!("read through {}", current.name()),
                     );
                     false
                 }
                 _ => true,
             }
-        } else if roll < 97 {
-            snapshot(&world, client, current).await
-        } else if roll < 98 {
-            rollback(&world, client, current, &mut rng).await
-        } else if roll < 99 {
-            change_replicas(&world, client, current, &mut rng).await
-        } else if matches!(
-            world.borrow().mode,
-            Mode::Deletes | Mode::Drains | Mode::Singles
-        ) && rng.gen_bool(0.5)
-        {
-            delete_snapshot(&world, client, current, &mut rng).await
-        } else if matches!(world.borrow().mode, Mode::Drains | Mode::Singles) && rng.gen_bool(0.5) {
-            drain(&world, client, current, &mut rng).await
+        } else if let Session::Direct(current) = current {
+            if roll < 97 {
+                snapshot(&world, client, current).await
+            } else if roll < 98 {
+                rollback(&world, client, current, &mut rng).await
+            } else if roll < 99 {
+                change_replicas(&world, client, current, &mut rng).await
+            } else if matches!(
+                world.borrow().mode,
+                Mode::Deletes | Mode::Drains | Mode::Singles
+            ) && rng.gen_bool(0.5)
+            {
+                delete_snapshot(&world, client, current, &mut rng).await
+            } else if matches!(world.borrow().mode, Mode::Drains | Mode::Singles)
+                && rng.gen_bool(0.5)
+            {
+                drain(&world, client, current, &mut rng).await
+            } else {
+                tokio::time::sleep(Duration::from_millis(rng.gen_range(0..300))).await;
+                false
+            }
         } else {
+            // Snapshots, rollbacks and changes of R go through the primary's admin API, not
+            // a forwarded session.
             tokio::time::sleep(Duration::from_millis(rng.gen_range(0..300))).await;
             false
         };
@@ -1439,7 +1572,7 @@ pub fn run_in(seed: u64, steps: u32, mode: Mode) -> Report {
         disks_filled: 0,
         partitions: 0,
         move_after_ms: match mode {
-            Mode::Standard => None,
+            Mode::Standard | Mode::Forwards => None,
             // Its own draw: the schedule's draws stay those of the seed in either mode.
             Mode::Moves | Mode::Deletes | Mode::Drains | Mode::Singles => {
                 Some(StdRng::seed_from_u64(seed ^ 0x6d6f_7665).gen_range(500..3000))
@@ -1447,6 +1580,7 @@ pub fn run_in(seed: u64, steps: u32, mode: Mode) -> Report {
         },
         replicas_moved: 0,
         snapshots_deleted: 0,
+        forwarded_attaches: 0,
         drains: 0,
         primaries_handed_off: 0,
         copies_off_draining: 0,
@@ -1838,9 +1972,14 @@ async fn converge(world: &Shared, rng: &mut StdRng) {
     };
     for client in 0..CLIENTS {
         world.borrow_mut().models[client].current = None;
-        if read_units(world, client, &attached, "after healing")
-            .await
-            .is_none()
+        if read_units(
+            world,
+            client,
+            &Session::Direct(attached.clone()),
+            "after healing",
+        )
+        .await
+        .is_none()
         {
             world.borrow_mut().violation(format!(
                 "client {client}'s units could not be read after healing"

@@ -123,6 +123,24 @@ fn a_slice_of_seeds_with_single_copies_keeps_every_flushed_write() {
     assert_eq!(shapes, [1, 2].into(), "R=1 and R=2 at the start");
 }
 
+// Proves the contract holds for clients attached through a node that is not the primary:
+// forwarded from the node without a replica or from a replica's, their sessions moving to a
+// new primary after a take-over when every write they acknowledged was flushed (and failing
+// otherwise), under the same power cuts and partitions as the default mode.
+#[test]
+fn a_slice_of_seeds_with_forwarded_clients_keeps_every_flushed_write() {
+    let (mut forwarded, mut flushes) = (0, 0);
+    for seed in 1..=(seeds() / 3).max(1) {
+        let report = passing(seed, Mode::Forwards);
+        forwarded += report.forwarded_attaches;
+        flushes += report.flushes;
+    }
+    assert!(
+        forwarded > 100 && flushes > 1000,
+        "{forwarded} forwarded attaches, {flushes} FLUSHes"
+    );
+}
+
 // Proves the seeds that found bugs with moves keep passing: 82, 131, 176 and 216 moved a
 // replica off a node down for long, which alone held snapshots whole (fails without the fix);
 // 629 moved a replica during the final check, which compared the node it left; 2299 lowered

@@ -3,10 +3,11 @@
 //! their replicas moved and their volumes taken over in the background; `--deletes` as
 //! `--moves`, and clients delete snapshots too; `--drains` as `--deletes`, and clients drain
 //! storage nodes and stop draining them; `--singles` as `--drains`, and R also goes down to 1,
-//! so that a drain copies the volume's one replica off).
+//! so that a drain copies the volume's one replica off; `--forwards` as the default, and a
+//! third of the clients' attaches are forwarded through a node that is not the primary).
 //!
 //! ```text
-//! keel-sim [--replication [--moves | --deletes | --drains | --singles]] [--seed FIRST] [--seeds N | --minutes M] [--steps K]
+//! keel-sim [--replication [--moves | --deletes | --drains | --singles | --forwards]] [--seed FIRST] [--seeds N | --minutes M] [--steps K]
 //!          [--reproduce SEED]
 //! ```
 //! Prints one line per failing seed with the command that replays it, and a summary; exits 1 on
@@ -92,6 +93,8 @@ fn replication(args: &[String]) -> ! {
         (keel_sim::replication::Mode::Drains, " --drains")
     } else if has("--deletes") {
         (keel_sim::replication::Mode::Deletes, " --deletes")
+    } else if has("--forwards") {
+        (keel_sim::replication::Mode::Forwards, " --forwards")
     } else if has("--moves") {
         (keel_sim::replication::Mode::Moves, " --moves")
     } else {
@@ -113,6 +116,7 @@ fn replication(args: &[String]) -> ! {
     let mut drains = 0;
     let mut handed = 0;
     let mut copied = 0;
+    let mut forwarded = 0;
     let mut seed = first;
     loop {
         let done = match (seeds, minutes) {
@@ -138,6 +142,7 @@ fn replication(args: &[String]) -> ! {
         drains += report.drains;
         handed += report.primaries_handed_off;
         copied += report.copies_off_draining;
+        forwarded += report.forwarded_attaches;
         if !report.violations.is_empty() {
             failures += 1;
             println!(
@@ -151,7 +156,7 @@ fn replication(args: &[String]) -> ! {
         seed += 1;
     }
     println!(
-        "{runs} seeds ({first}..{}), {steps} steps each, {:.0} s: {writes} writes, {flushes} FLUSHes acknowledged, {attaches} attaches, {cuts} power cuts, {partitions} partitions, {filled} disks filled, {rollbacks} rollbacks, {replica_changes} changes of R, {moved} replicas moved, {deleted} snapshots deleted, {drains} drains begun or ended, {handed} primaries handed off, {copied} copies off draining nodes; {failures} failing seed(s)",
+        "{runs} seeds ({first}..{}), {steps} steps each, {:.0} s: {writes} writes, {flushes} FLUSHes acknowledged, {attaches} attaches, {cuts} power cuts, {partitions} partitions, {filled} disks filled, {rollbacks} rollbacks, {replica_changes} changes of R, {moved} replicas moved, {deleted} snapshots deleted, {drains} drains begun or ended, {handed} primaries handed off, {copied} copies off draining nodes, {forwarded} forwarded attaches; {failures} failing seed(s)",
         seed.saturating_sub(1),
         started.elapsed().as_secs_f64()
     );
