@@ -422,7 +422,17 @@ async fn open_route(shared: &Shared, name: &str) -> VolumeResult<(Route, Forward
                         node,
                         session: opened.session,
                     };
-                    return Ok((route, opened));
+                    if snapshot {
+                        return Ok((route, opened));
+                    }
+                    // What the client reads from here on must survive the serving node: a
+                    // write another session acknowledged there but nobody flushed (its own
+                    // before it attached again, say) would otherwise vanish under a session
+                    // that moves on without its client noticing (simulation seed 7283).
+                    match flush_session(shared, route).await {
+                        Ok(()) => return Ok((route, opened)),
+                        Err(why) => last = format!("node {node}: {why}"),
+                    }
                 }
                 Err(Failure {
                     code: Some(CODE_NOT_FOUND),
@@ -458,6 +468,23 @@ async fn open_route(shared: &Shared, name: &str) -> VolumeResult<(Route, Forward
 
 /// What a session serves: its handle, and the primary it is when opened on one directly.
 pub(crate) type Served = (Arc<dyn VolumeIo>, Option<Arc<Primary>>);
+
+/// Flushes the volume through session `route` (every write acknowledged there before is
+/// then durable on every replica in sync).
+async fn flush_session(shared: &Shared, route: Route) -> Result<(), String> {
+    let request = ForwardRequest {
+        session: route.session,
+        op: ForwardOp::Flush,
+    };
+    let payload = postcard::to_allocvec(&request).map_err(|error| error.to_string())?;
+    let reply = (shared.call(route.node, METHOD_FORWARD_IO, payload, IO_TIMEOUT))
+        .await
+        .map_err(|failure| failure.message)?;
+    match postcard::from_bytes::<ForwardAnswer>(&reply).map_err(|error| error.to_string())? {
+        ForwardAnswer::Failed { message, .. } => Err(format!("its FLUSH failed: {message}")),
+        _ => Ok(()),
+    }
+}
 
 /// One session a node serves for a client attached elsewhere.
 struct Session {
