@@ -2204,6 +2204,42 @@ def test_a_replica_alone_holding_a_snapshot_whole_stays_on_its_down_node(cluster
     current.close()
 
 
+def test_a_volume_below_its_in_sync_minimum_still_attaches_forwarded(cluster):
+    """A forwarding session opens with a FLUSH, so that what its client reads is durable. An
+    R=2 volume with an in-sync minimum of 2 whose replica died refuses FLUSHes, yet a client
+    attaching through node 3 (no replica) still gets a session and reads every flushed write;
+    its writes fail saying why."""
+    nodes = [cluster.add() for _ in range(3)]
+    wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
+    first, second, third = nodes
+    create_r2(first, "low")
+    first.cli("volume", "set-replication", "low", "--min-in-sync", "2")
+    client = attach(first, "low")
+    expected = write_blocks(client, "low", range(64))
+    wait_until("both replicas in sync", lambda: sorted(replication(first, "low")["in_sync"]) == [1, 2], timeout=60)
+    second.kill9()
+
+    def flush_refused():
+        try:
+            client.write(0, expected[0])
+            client.flush()
+            return False
+        except Exception:  # the FLUSH that finds too few replicas in sync fails
+            return True
+
+    wait_until("a FLUSH refused with node 2 gone", flush_refused, timeout=60)
+    assert replication(first, "low")["in_sync"] == [1]
+    client.close()
+
+    forwarded = attach(third, "low", timeout=20)
+    for index, data in expected.items():
+        assert forwarded.read(index * BLOCK, BLOCK) == data, f"block {index} through node 3"
+    with pytest.raises(NbdError):
+        forwarded.write(0, block("refused", 0))
+        forwarded.flush()
+    forwarded.close()
+
+
 def test_a_node_without_a_replica_serves_the_volume_by_forwarding(cluster):
     """Three storage nodes; an R=2 volume on nodes 1 and 2 and an R=1 volume on node 1, both
     attached through node 3, which holds neither: every request is forwarded to the primary,

@@ -66,6 +66,14 @@ pub(crate) struct Unflushed {
     flushed: AtomicU64,
 }
 
+impl Unflushed {
+    /// What sessions read may not be durable (their opening FLUSH failed): counted as a write
+    /// acknowledged, so that none moves to another node until a FLUSH goes through.
+    fn not_known_durable(&self) {
+        self.acknowledged.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
 /// A client's view of a volume served elsewhere.
 pub struct Forwarded {
     shared: Arc<Shared>,
@@ -105,7 +113,7 @@ impl Forwarded {
         shared: Arc<Shared>,
         name: &str,
     ) -> VolumeResult<Arc<Forwarded>> {
-        let (route, opened) = open_route(&shared, name).await?;
+        let (route, opened, durable) = open_route(&shared, name).await?;
         let unflushed = {
             let mut volumes = lock(&shared.forwarding);
             volumes.retain(|_, unflushed| unflushed.strong_count() > 0);
@@ -118,6 +126,9 @@ impl Forwarded {
                 }
             }
         };
+        if !durable {
+            unflushed.not_known_durable();
+        }
         tracing::info!(
             volume = name,
             node = route.node,
@@ -206,7 +217,10 @@ impl Forwarded {
             tracing::warn!(volume = self.name, "{message}");
             return Err(unavailable(&self.name, message));
         }
-        let (next, opened) = open_route(&self.shared, &self.name).await?;
+        let (next, opened, durable) = open_route(&self.shared, &self.name).await?;
+        if !durable {
+            self.unflushed.not_known_durable();
+        }
         if opened.size_bytes < self.size_bytes {
             return Err(unavailable(
                 &self.name,
@@ -390,7 +404,10 @@ fn serving_nodes(shared: &Shared, name: &str) -> VolumeResult<Vec<NodeId>> {
 /// Finds the node that serves `name` now and opens a session there. A volume's primary may
 /// be taking over, so that is retried until [`OPEN_DEADLINE`]; a snapshot is frozen, and every
 /// node holding it whole is tried once.
-async fn open_route(shared: &Shared, name: &str) -> VolumeResult<(Route, ForwardOpened)> {
+/// Also whether what the session reads is known durable: its opening FLUSH went through (a
+/// serving node that refused it, with fewer replicas in sync than the volume's minimum, say,
+/// still serves reads).
+async fn open_route(shared: &Shared, name: &str) -> VolumeResult<(Route, ForwardOpened, bool)> {
     let payload = postcard::to_allocvec(&ForwardOpen {
         volume: name.to_string(),
     })
@@ -423,14 +440,14 @@ async fn open_route(shared: &Shared, name: &str) -> VolumeResult<(Route, Forward
                         session: opened.session,
                     };
                     if snapshot {
-                        return Ok((route, opened));
+                        return Ok((route, opened, true));
                     }
                     // What the client reads from here on must survive the serving node: a
                     // write another session acknowledged there but nobody flushed (its own
                     // before it attached again, say) would otherwise vanish under a session
                     // that moves on without its client noticing (simulation seed 7283).
                     match flush_session(shared, route).await {
-                        Ok(()) => return Ok((route, opened)),
+                        Ok(durable) => return Ok((route, opened, durable)),
                         Err(why) => last = format!("node {node}: {why}"),
                     }
                 }
@@ -470,8 +487,9 @@ async fn open_route(shared: &Shared, name: &str) -> VolumeResult<(Route, Forward
 pub(crate) type Served = (Arc<dyn VolumeIo>, Option<Arc<Primary>>);
 
 /// Flushes the volume through session `route` (every write acknowledged there before is
-/// then durable on every replica in sync).
-async fn flush_session(shared: &Shared, route: Route) -> Result<(), String> {
+/// then durable on every replica in sync): whether the FLUSH went through; `Err` when the
+/// serving node did not answer.
+async fn flush_session(shared: &Shared, route: Route) -> Result<bool, String> {
     let request = ForwardRequest {
         session: route.session,
         op: ForwardOp::Flush,
@@ -481,8 +499,15 @@ async fn flush_session(shared: &Shared, route: Route) -> Result<(), String> {
         .await
         .map_err(|failure| failure.message)?;
     match postcard::from_bytes::<ForwardAnswer>(&reply).map_err(|error| error.to_string())? {
-        ForwardAnswer::Failed { message, .. } => Err(format!("its FLUSH failed: {message}")),
-        _ => Ok(()),
+        ForwardAnswer::Failed { message, .. } => {
+            tracing::info!(
+                node = route.node,
+                "a forwarding session's opening FLUSH failed ({message}): it moves to another \
+                 node only after a FLUSH of its client's goes through"
+            );
+            Ok(false)
+        }
+        _ => Ok(true),
     }
 }
 
