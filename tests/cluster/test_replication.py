@@ -1868,7 +1868,8 @@ def test_a_replica_moves_to_a_named_node_online(cluster, workdir):
     # A hand-off alone, run through node 1 (no replica now): node 4 becomes the primary.
     handed = first.cli("volume", "hand-off", "mv", "--to", "n4")
     assert "node n4 is its primary now" in handed.stdout, handed.stdout
-    assert replication(fourth, "mv")["primary"] == 4
+    # (Node 2 proposed it; node 4's catalog applies it a moment later.)
+    wait_until("node 4 names itself the primary", lambda: replication(fourth, "mv")["primary"] == 4, timeout=10)
     wait_until("node 2 in sync with node 4", lambda: sorted(replication(fourth, "mv")["in_sync"]) == [2, 4],
                timeout=60)
 
