@@ -1792,7 +1792,8 @@ def test_a_replica_moves_to_a_named_node_online(cluster, workdir):
     up while the client writes, then node 2's leaves and erases its copy. Then the primary's
     own replica moves, `--from n1 --to n2`, while the client writes through node 1: node 2 is
     handed the volume once in sync, node 1's replica leaves, and the client goes on forwarded
-    without an error. `keel volume hand-off mv --to n4` then makes node 4 the primary; with
+    without an error; node 4 stays in sync throughout. `keel volume hand-off mv --to n4` then
+    makes node 4 the primary, which serves with node 2 in sync from its first epoch; with
     node 4 killed, node 2 serves every flushed write. Refused, each
     saying why: a hand-off to a node holding no replica, a move to a node holding one, from a
     node holding none, an R=3 volume's; and set-replication naming a node while R stays."""
@@ -1856,22 +1857,27 @@ def test_a_replica_moves_to_a_named_node_online(cluster, workdir):
     expected.update(flushed)
     assert "node n2 is its primary now" in moved.stdout and "moved from node n1 to node n2" in moved.stdout, moved.stdout
     info = replication(second, "mv")
-    assert info["primary"] == 2 and sorted(info["replicas"]) == [2, 4], info
-    # (Node 2 serves it as after a take-over: node 4 catches up from its common point.)
-    wait_until("node 4 in sync with node 2", lambda: sorted(replication(second, "mv")["in_sync"]) == [2, 4],
-               timeout=60)
+    # Handed off, node 2 kept node 4 in sync: it held every write node 2 held, durable.
+    assert info["primary"] == 2 and sorted(info["replicas"]) == [2, 4] and sorted(info["in_sync"]) == [2, 4], info
     expected.update(write_blocks(client, "forwarded", range(6144, 6400)))
     client.close()
     wait_until("node 1 erased its copy", lambda: all(
         replica["volume"] != "mv" for replica in first.api("GET", "/api/v1/nodes/n1")[1]["replicas"]), timeout=60)
 
     # A hand-off alone, run through node 1 (no replica now): node 4 becomes the primary.
+    epoch = replication(second, "mv")["epoch"]
     handed = first.cli("volume", "hand-off", "mv", "--to", "n4")
     assert "node n4 is its primary now" in handed.stdout, handed.stdout
     # (Node 2 proposed it; node 4's catalog applies it a moment later.)
     wait_until("node 4 names itself the primary", lambda: replication(fourth, "mv")["primary"] == 4, timeout=10)
-    wait_until("node 2 in sync with node 4", lambda: sorted(replication(fourth, "mv")["in_sync"]) == [2, 4],
-               timeout=60)
+    # A client attached there makes node 4 serve the epoch after the hand-off's, with node 2
+    # still in sync: it never serves alone in sync (which a catch-up, then one more epoch
+    # adding node 2 back, would end).
+    client = attach(fourth, "mv")
+    expected.update(write_blocks(client, "on node 4", range(6400, 6528)))
+    info = replication(fourth, "mv")
+    assert (info["epoch"], info["primary"], sorted(info["in_sync"])) == (epoch + 2, 4, [2, 4]), info
+    client.close()
 
     fourth.kill9()
     other = attach(second, "mv", timeout=60)

@@ -77,6 +77,7 @@ fn registry() -> Registry {
         wire::CopyTurnAnswer,
         wire::HandOverRequest,
         wire::HandOverAnswer,
+        wire::HandedOff,
         wire::PrimaryStatusRequest,
         wire::PrimaryStatusAnswer,
         wire::SnapshotRange,

@@ -45,9 +45,9 @@ use crate::replica::Replicas;
 use crate::wire::{
     ForwardClose, ForwardOpen, ForwardRequest, CODE_BAD_REQUEST, CODE_NOT_FOUND, CODE_REFUSED,
     CODE_SESSION_GONE, METHOD_CHANGED, METHOD_COPY_TURN, METHOD_FORWARD_CLOSE, METHOD_FORWARD_IO,
-    METHOD_FORWARD_OPEN, METHOD_HAND_OVER, METHOD_HASHES, METHOD_PRIMARY_STATUS, METHOD_READ_COPY,
-    METHOD_REPLICATE, METHOD_SNAPSHOT_HASHES, METHOD_SNAPSHOT_READ, METHOD_SNAPSHOT_REPAIR,
-    METHOD_UNWRITTEN,
+    METHOD_FORWARD_OPEN, METHOD_HANDED_OFF, METHOD_HAND_OVER, METHOD_HASHES, METHOD_PRIMARY_STATUS,
+    METHOD_READ_COPY, METHOD_REPLICATE, METHOD_SNAPSHOT_HASHES, METHOD_SNAPSHOT_READ,
+    METHOD_SNAPSHOT_REPAIR, METHOD_UNWRITTEN,
 };
 
 /// A primary serves only while it heard from the Raft leader within this.
@@ -297,6 +297,11 @@ pub(crate) struct Shared {
     pub chunk_buffers: Arc<buffers::ChunkBuffers>,
     /// Clients' writes look at free space now and then ([`Shared::wrote`]).
     pub space: SpaceWatch,
+    /// Per volume, the epoch a primary's hand-off to this node made ([`wire::HandedOff`]):
+    /// every replica in sync then held the same writes, durable, so this node serves that
+    /// epoch's successor keeping them in sync. Only in memory: a node that restarts catches
+    /// them up as after any take-over.
+    pub handed_here: Mutex<HashMap<u64, u64>>,
 }
 
 /// How clients' writes notice the store running out of space between the move loop's looks.
@@ -612,6 +617,7 @@ impl Replication {
                 activity,
                 forwarding: Mutex::new(HashMap::new()),
                 streams_begun: AtomicU64::new(0),
+                handed_here: Mutex::new(HashMap::new()),
                 chunk_buffers: Arc::default(),
                 space: SpaceWatch {
                     since: started,
@@ -1331,13 +1337,23 @@ impl Replication {
         let slot = self.shared.replicas.slot(record.id);
         let mut slot = slot.state.lock().await;
         Replicas::forget(&mut slot);
+        // Handed off (the epoch its primary's hand-off made, which nobody served since): the
+        // replicas in sync then stay in sync. Otherwise they may hold writes this copy lacks
+        // or lack some it holds (not yet flushed when the primary stopped): this node serves
+        // alone in sync and catches them up.
+        let handed = lock(&self.shared.handed_here).remove(&record.id);
+        let in_sync = if replication.primary == local_node && handed == Some(replication.epoch) {
+            replication.in_sync.clone()
+        } else {
+            vec![local_node]
+        };
         self.shared
             .cluster
             .propose_async(Command::VolumeSetReplication {
                 volume_id: record.id,
                 epoch: replication.epoch,
                 primary: local_node,
-                in_sync: vec![local_node],
+                in_sync: in_sync.clone(),
             })
             .await
             .map_err(|error| match error {
@@ -1357,7 +1373,7 @@ impl Replication {
         let mut taken = replication.clone();
         taken.epoch += 1;
         taken.primary = local_node;
-        taken.in_sync = vec![local_node];
+        taken.in_sync = in_sync;
         let primary = Primary::start(
             self.shared.clone(),
             record.id,
@@ -1865,6 +1881,12 @@ impl Replication {
                 let request: wire::HandOverRequest = decode(&payload)?;
                 let kept = self.hand_over(sender, request.volume_id).await.err();
                 encode(postcard::to_allocvec(&wire::HandOverAnswer { kept }))
+            }
+            METHOD_HANDED_OFF => {
+                let notice: wire::HandedOff = decode(&payload)?;
+                // Checked against the catalog when this node starts serving the volume.
+                lock(&shared.handed_here).insert(notice.volume_id, notice.epoch);
+                Ok(Vec::new())
             }
             METHOD_PRIMARY_STATUS => {
                 let request: wire::PrimaryStatusRequest = decode(&payload)?;

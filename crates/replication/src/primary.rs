@@ -20,8 +20,8 @@ use crate::turns::{TURN_RENEW, TURN_RETRY};
 use crate::wire::{
     self, Batch, BatchAck, ChangedAnswer, ChangedRequest, CopyAnswer, CopyTurnAnswer,
     CopyTurnRequest, HashAnswer, HashRequest, Op, TurnAction, UnwrittenAnswer, BLOCK_HASH_BYTES,
-    CODE_BEHIND, CODE_FENCED, CODE_NO_SPACE, METHOD_CHANGED, METHOD_COPY_TURN, METHOD_HASHES,
-    METHOD_READ_COPY, METHOD_REPLICATE, METHOD_UNWRITTEN,
+    CODE_BEHIND, CODE_FENCED, CODE_NO_SPACE, METHOD_CHANGED, METHOD_COPY_TURN, METHOD_HANDED_OFF,
+    METHOD_HASHES, METHOD_READ_COPY, METHOD_REPLICATE, METHOD_UNWRITTEN,
 };
 use crate::{lock, Point, Shared, RESYNC_CHUNK_BYTES, RESYNC_PROBE_BYTES};
 
@@ -89,6 +89,8 @@ fn changed_timeout(volume_bytes: u64) -> Duration {
 const CHANGED_TIMEOUT_MAX: Duration = Duration::from_secs(300);
 /// How long a replica's stream stays idle before an empty batch tells it its common point.
 const TELL_WHEN_IDLE: Duration = Duration::from_millis(200);
+/// How long a primary that handed a volume off waits for the new primary to take the notice.
+const HANDED_OFF_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long an unanswered in-sync change may keep being refused (the epoch moved on) without
 /// this node's catalog showing the change that moved it, before the primary stops serving.
 const SETTLE_REFUSED_MAX: Duration = Duration::from_secs(30);
@@ -504,8 +506,9 @@ fn replicating() -> keel_ops::Phase {
 
 impl Primary {
     /// Starts serving a volume this node just took over: `taken` is its replication record
-    /// as Raft now holds it (this node primary and alone in sync); the other replicas start
-    /// catching up at once.
+    /// as Raft now holds it, this node primary. Replicas it lists in sync besides this node
+    /// (only after a hand-off: each holds every write this copy holds, durable, and no
+    /// other) are streamed to at once; the others start catching up.
     pub(crate) fn start(
         shared: Arc<Shared>,
         volume_id: u64,
@@ -558,10 +561,35 @@ impl Primary {
             move_held_for: AtomicU64::new(0),
         });
         let others: Vec<NodeId> = lock(&this.state).peers.keys().copied().collect();
-        for peer in others {
-            this.spawn_resync(peer);
+        for node in others {
+            if taken.in_sync.contains(&node) {
+                this.stream_in_sync(node);
+            } else {
+                this.spawn_resync(node);
+            }
         }
         this
+    }
+
+    /// Starts a new stream to `node`, a replica in sync from the start: counted for FLUSHes,
+    /// lacking nothing (a failure of its stream later sends it through a catch-up of what the
+    /// stream carried unconfirmed, as for any replica).
+    fn stream_in_sync(self: &Arc<Self>, node: NodeId) {
+        let catalog_index = self.shared.cluster.applied_index();
+        let generation = self.catalog_generation();
+        let mut state = self.state();
+        let stream = self.shared.new_stream_id(self.volume_id, state.epoch);
+        let Some(peer) = state.peers.get_mut(&node) else {
+            return;
+        };
+        peer.lacking.caught_up();
+        peer.streaming = true;
+        peer.counted = true;
+        peer.stream = stream;
+        peer.next_index = 0;
+        peer.catalog_index = catalog_index;
+        peer.generation = generation;
+        self.spawn_sender(node, &mut state);
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -2014,6 +2042,7 @@ impl Primary {
                 self.propose(command)
                     .await
                     .map_err(|error| unavailable(&self.name, error.to_string()))?;
+                self.tell_handed_off(to, epoch + 1).await;
                 self.close(format!(
                     "{why}: node {to} serves the volume from epoch {}",
                     epoch + 1
@@ -2023,6 +2052,27 @@ impl Primary {
             unmarked,
         )
         .await
+    }
+
+    /// Tells `to` that Raft recorded it primary of `epoch` by this node's hand-off, so that it
+    /// keeps the replicas in sync ([`crate::wire::METHOD_HANDED_OFF`]). Unanswered, `to`
+    /// catches them up instead, as after a take-over.
+    async fn tell_handed_off(&self, to: NodeId, epoch: u64) {
+        let notice = wire::HandedOff {
+            volume_id: self.volume_id,
+            epoch,
+        };
+        let told = match postcard::to_allocvec(&notice) {
+            Ok(payload) => (self.shared)
+                .call(to, METHOD_HANDED_OFF, payload, HANDED_OFF_TIMEOUT)
+                .await
+                .map(|_| ())
+                .map_err(|failure| failure.message),
+            Err(error) => Err(error.to_string()),
+        };
+        if let Err(error) = told {
+            tracing::info!(volume = %self.name, node = to, %error, "could not tell the new primary of the hand-off: it catches the replicas up instead");
+        }
     }
 
     /// Changes the volume's replica set and in-sync minimum through Raft (epoch + 1): added

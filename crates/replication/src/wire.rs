@@ -63,6 +63,12 @@ pub const METHOD_HAND_OVER: u16 = 0x020c;
 /// ([`PrimaryStatusRequest`] → [`PrimaryStatusAnswer`]).
 pub const METHOD_PRIMARY_STATUS: u16 = 0x020d;
 
+/// A primary that just handed a volume off → the replica it named the next primary: the
+/// epoch its hand-off made, in which every replica in sync holds the same writes, durable
+/// ([`HandedOff`] → nothing). The new primary then keeps them in sync rather than catch
+/// them up; a notice it never gets (or forgets, restarting) only costs it that catch-up.
+pub const METHOD_HANDED_OFF: u16 = 0x020e;
+
 /// The sender is not the volume's primary in the replica's view (an older epoch or another
 /// node): it must stop acknowledging anything for the volume.
 pub const CODE_FENCED: u16 = 0x0201;
@@ -474,6 +480,13 @@ pub struct HandOverRequest {
 pub struct HandOverAnswer {
     /// Why the primary kept the volume (`None`: Raft names the caller its primary now).
     pub kept: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HandedOff {
+    pub volume_id: u64,
+    /// The epoch Raft recorded with the receiver as primary and the in-sync set unchanged.
+    pub epoch: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -55,8 +55,9 @@ const STATUS_OTHER_PROTOCOL: u8 = 2;
 /// applied that far). 12: a node where a client attaches asks the volume's primary to hand
 /// the volume over (a new method and its messages), and a replica whose store is out of
 /// space refuses a batch with a code of its own. 13: any node asks a volume's primary how it
-/// serves the volume (a new method and its messages), for `keel status` elsewhere.
-pub const PROTOCOL: u16 = 13;
+/// serves the volume (a new method and its messages), for `keel status` elsewhere. 14: a
+/// primary that handed a volume off tells the new primary so (a new method and its message).
+pub const PROTOCOL: u16 = 14;
 
 fn protocol_of(hello: &[u8]) -> u16 {
     u16::from_le_bytes([hello[6], hello[7]])
