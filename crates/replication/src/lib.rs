@@ -1289,6 +1289,11 @@ impl Replication {
                     "node {} took the volume over in epoch {}",
                     replication.primary, replication.epoch
                 ));
+            } else if primary.stale_for(replication.epoch) {
+                primary.close(format!(
+                    "the volume changed hands meanwhile: epoch {} names this node again",
+                    replication.epoch
+                ));
             } else if !primary.is_closed() {
                 return Ok(Some(primary.clone()));
             }
@@ -2197,9 +2202,21 @@ impl Replication {
         let local = self.shared.local_node;
         let now_ms = self.shared.clock().wall_unix_ms();
         let after_ms = i64::try_from(after.as_millis()).unwrap_or(i64::MAX);
+        // A stale primary (the volume changed hands and came back: [`Primary::stale_for`])
+        // serves nothing; the attach that serves the volume anew closes it.
+        let named_here: HashMap<u64, u64> = {
+            let catalog = self.shared.metadata.catalog().read();
+            (catalog.volumes.iter())
+                .filter(|(_, entry)| entry.record.replication.primary == local)
+                .map(|(id, entry)| (*id, entry.record.replication.epoch))
+                .collect()
+        };
         let served: Vec<u64> = lock(&self.primaries)
             .iter()
-            .filter(|(_, primary)| !primary.is_closed())
+            .filter(|(id, primary)| {
+                !primary.is_closed()
+                    && !(named_here.get(id)).is_some_and(|epoch| primary.stale_for(*epoch))
+            })
             .map(|(id, _)| *id)
             .collect();
         let catalog = self.shared.metadata.catalog().read();
