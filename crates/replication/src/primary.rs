@@ -2027,8 +2027,8 @@ impl Primary {
     /// durable), with this copy flushed too, Raft records `to` as the primary of the next
     /// epoch with the same in-sync set; this primary then stops serving (a refused or
     /// unanswered proposal is settled by the quiesce's barrier, which closes it if the
-    /// hand-off was made after all). `to` serves the volume as after any take-over: its
-    /// background loop does, or the first client forwarded to it.
+    /// hand-off was made after all). `to`, told so ([`Self::tell_handed_off`]), serves the
+    /// next epoch with the same in-sync set once a client attaches or is forwarded to it.
     pub(crate) async fn hand_off(&self, to: NodeId, why: &str) -> VolumeResult<()> {
         let unmarked = || ();
         self.quiesce_marked(
