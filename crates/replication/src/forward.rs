@@ -175,10 +175,10 @@ impl Forwarded {
         );
         let flush_covers = self.unflushed.acknowledged.load(Ordering::SeqCst);
         let route = self.current();
-        let answer = match self.call(route, op).await {
+        let answer = match call_route(&self.shared, &self.name, route, op).await {
             Err(Lost::Route(why)) => {
                 self.reroute(route, &why).await?;
-                match self.call(self.current(), op).await {
+                match call_route(&self.shared, &self.name, self.current(), op).await {
                     Err(Lost::Route(why)) => Err(unavailable(&self.name, why)),
                     Err(Lost::Failed(error)) => Err(error),
                     Ok(answer) => Ok(answer),
@@ -239,45 +239,50 @@ impl Forwarded {
         *lock(&self.route) = next;
         Ok(())
     }
+}
 
-    async fn call(&self, route: Route, op: ForwardOp<'_>) -> Result<Option<Vec<u8>>, Lost> {
-        let request = ForwardRequest {
-            session: route.session,
-            op,
-        };
-        let payload = postcard::to_allocvec(&request)
-            .map_err(|error| Lost::Failed(unavailable(&self.name, error.to_string())))?;
-        let shared = &self.shared;
-        let reply = (shared.call(route.node, METHOD_FORWARD_IO, payload, IO_TIMEOUT))
-            .await
-            .map_err(|failure| match failure {
-                Failure {
-                    code: None,
-                    message,
-                } => Lost::Route(message),
-                Failure {
-                    code: Some(CODE_SESSION_GONE),
-                    message,
-                } => Lost::Route(message),
-                Failure { message, .. } => Lost::Failed(unavailable(&self.name, message)),
-            })?;
-        let answer: ForwardAnswer = postcard::from_bytes(&reply)
-            .map_err(|error| Lost::Failed(unavailable(&self.name, error.to_string())))?;
-        match answer {
-            ForwardAnswer::Done => Ok(None),
-            ForwardAnswer::Data(data) => Ok(Some(data)),
-            ForwardAnswer::Failed { kind, message } => Err(Lost::Failed(VolumeError::Remote {
-                volume: self.name.clone(),
-                node: route.node,
-                kind: match kind {
-                    ForwardErrorKind::InvalidInput => std::io::ErrorKind::InvalidInput,
-                    ForwardErrorKind::ReadOnly => std::io::ErrorKind::PermissionDenied,
-                    ForwardErrorKind::NoSpace => std::io::ErrorKind::StorageFull,
-                    ForwardErrorKind::Other => std::io::ErrorKind::Other,
-                },
-                detail: message,
-            })),
-        }
+/// Sends one request of session `route` for export `name` and takes its answer.
+async fn call_route(
+    shared: &Shared,
+    name: &str,
+    route: Route,
+    op: ForwardOp<'_>,
+) -> Result<Option<Vec<u8>>, Lost> {
+    let request = ForwardRequest {
+        session: route.session,
+        op,
+    };
+    let payload = postcard::to_allocvec(&request)
+        .map_err(|error| Lost::Failed(unavailable(name, error.to_string())))?;
+    let reply = (shared.call(route.node, METHOD_FORWARD_IO, payload, IO_TIMEOUT))
+        .await
+        .map_err(|failure| match failure {
+            Failure {
+                code: None,
+                message,
+            } => Lost::Route(message),
+            Failure {
+                code: Some(CODE_SESSION_GONE),
+                message,
+            } => Lost::Route(message),
+            Failure { message, .. } => Lost::Failed(unavailable(name, message)),
+        })?;
+    let answer: ForwardAnswer = postcard::from_bytes(&reply)
+        .map_err(|error| Lost::Failed(unavailable(name, error.to_string())))?;
+    match answer {
+        ForwardAnswer::Done => Ok(None),
+        ForwardAnswer::Data(data) => Ok(Some(data)),
+        ForwardAnswer::Failed { kind, message } => Err(Lost::Failed(VolumeError::Remote {
+            volume: name.to_string(),
+            node: route.node,
+            kind: match kind {
+                ForwardErrorKind::InvalidInput => std::io::ErrorKind::InvalidInput,
+                ForwardErrorKind::ReadOnly => std::io::ErrorKind::PermissionDenied,
+                ForwardErrorKind::NoSpace => std::io::ErrorKind::StorageFull,
+                ForwardErrorKind::Other => std::io::ErrorKind::Other,
+            },
+            detail: message,
+        })),
     }
 }
 
@@ -446,7 +451,7 @@ async fn open_route(shared: &Shared, name: &str) -> VolumeResult<(Route, Forward
                     // write another session acknowledged there but nobody flushed (its own
                     // before it attached again, say) would otherwise vanish under a session
                     // that moves on without its client noticing (simulation seed 7283).
-                    match flush_session(shared, route).await {
+                    match flush_session(shared, name, route).await {
                         Ok(durable) => return Ok((route, opened, durable)),
                         Err(why) => last = format!("node {node}: {why}"),
                     }
@@ -489,25 +494,19 @@ pub(crate) type Served = (Arc<dyn VolumeIo>, Option<Arc<Primary>>);
 /// Flushes the volume through session `route` (every write acknowledged there before is
 /// then durable on every replica in sync): whether the FLUSH went through; `Err` when the
 /// serving node did not answer.
-async fn flush_session(shared: &Shared, route: Route) -> Result<bool, String> {
-    let request = ForwardRequest {
-        session: route.session,
-        op: ForwardOp::Flush,
-    };
-    let payload = postcard::to_allocvec(&request).map_err(|error| error.to_string())?;
-    let reply = (shared.call(route.node, METHOD_FORWARD_IO, payload, IO_TIMEOUT))
-        .await
-        .map_err(|failure| failure.message)?;
-    match postcard::from_bytes::<ForwardAnswer>(&reply).map_err(|error| error.to_string())? {
-        ForwardAnswer::Failed { message, .. } => {
+async fn flush_session(shared: &Shared, name: &str, route: Route) -> Result<bool, String> {
+    match call_route(shared, name, route, ForwardOp::Flush).await {
+        Ok(_) => Ok(true),
+        Err(Lost::Failed(VolumeError::Remote { detail, .. })) => {
             tracing::info!(
                 node = route.node,
-                "a forwarding session's opening FLUSH failed ({message}): it moves to another \
+                "a forwarding session's opening FLUSH failed ({detail}): it moves to another \
                  node only after a FLUSH of its client's goes through"
             );
             Ok(false)
         }
-        _ => Ok(true),
+        Err(Lost::Route(why)) => Err(why),
+        Err(Lost::Failed(error)) => Err(error.to_string()),
     }
 }
 

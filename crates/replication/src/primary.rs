@@ -491,6 +491,16 @@ pub struct PrimaryStatus {
     pub closed: Option<String>,
 }
 
+/// Whether a primary holding epoch `held` is stale once the catalog names its node primary in
+/// `recorded`: its own proposals take the catalog at most one epoch past the one it holds
+/// (each is made from it, a compare-and-set, and it takes the new one before its next), so an
+/// epoch two or more ahead was made by other nodes (one took the volume over, then handed it
+/// back here). Such a primary must not apply a write: the new epoch's replicas in sync would
+/// not get it.
+fn stale(held: u64, recorded: u64) -> bool {
+    recorded > held + 1
+}
+
 fn unavailable(name: &str, detail: String) -> VolumeError {
     VolumeError::Unavailable {
         volume: name.to_string(),
@@ -724,18 +734,14 @@ impl Primary {
         self.changed.notify_waiters();
     }
 
-    /// Whether this primary is stale when the catalog names this node primary in `epoch`:
-    /// its own proposals take the catalog at most one epoch past the one it holds (each is
-    /// made from it, a compare-and-set, and it takes the new one before its next), so an
-    /// epoch two or more ahead was made by other nodes (one took the volume over, then handed
-    /// it back here). Such a primary must not apply a write: the new epoch's replicas in sync
-    /// would not get it.
+    /// Whether this primary is stale when the catalog names this node primary in `epoch`
+    /// ([`stale`]).
     pub(crate) fn stale_for(&self, epoch: u64) -> bool {
-        epoch > self.state().epoch + 1
+        stale(self.state().epoch, epoch)
     }
 
     /// Whether this node may act as primary now: not closed, the catalog still names it in
-    /// this epoch's line ([`Self::stale_for`]), and it holds its lease.
+    /// this epoch's line ([`stale`]), and it holds its lease.
     fn check_serving(&self, state: &State) -> VolumeResult<()> {
         if let Some(why) = &state.closed {
             return Err(unavailable(&self.name, why.clone()));
@@ -750,7 +756,7 @@ impl Primary {
                         entry.record.replication.primary, entry.record.replication.epoch
                     ))
                 }
-                Some(entry) if entry.record.replication.epoch > state.epoch + 1 => Some(format!(
+                Some(entry) if stale(state.epoch, entry.record.replication.epoch) => Some(format!(
                     "the volume changed hands meanwhile (epoch {}; this primary served epoch {})",
                     entry.record.replication.epoch, state.epoch
                 )),
