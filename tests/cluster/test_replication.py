@@ -1798,7 +1798,9 @@ def test_a_replica_moves_to_a_named_node_online(cluster, workdir):
     makes node 4 the primary, which serves with node 2 in sync from its first epoch; with
     node 4 killed, node 2 serves every flushed write. Refused, each
     saying why: a hand-off to a node holding no replica, a move to a node holding one, from a
-    node holding none, an R=3 volume's; and set-replication naming a node while R stays."""
+    node holding none; set-replication naming a node while R stays, and R=4 but as a move's
+    step. In between, an R=3 volume's replica moves, `--from n3 --to n2` (R 4 meanwhile),
+    keeping three replicas in sync throughout."""
     token = workdir / "shared-admin-token"
     token.write_text(os.urandom(16).hex())
     nodes = []
@@ -1841,14 +1843,42 @@ def test_a_replica_moves_to_a_named_node_online(cluster, workdir):
     wait_until("node 2 erased its copy", lambda: all(
         replica["volume"] != "mv" for replica in second.api("GET", "/api/v1/nodes/n2")[1]["replicas"]), timeout=60)
 
-    # An R=3 volume's replica cannot move this way (R would exceed 3): it says how instead.
+    # An R=3 volume's replica moves the same way, R 3 -> 4 -> 3: the replicas that stay keep
+    # three in sync throughout (lowering R first would leave two while the new one catches up).
     first.cli("volume", "set-replication", "mv", "--replicas", "3", "--add-to", "n3")
     assert replication(first, "mv")["replicas"] == [1, 4, 3]
-    assert "lower R with `keel volume set-replication mv --replicas 2 --remove-from n4`" in refused(
-        "volume", "move", "mv", "--from", "n4", "--to", "n2")
-    first.cli("volume", "set-replication", "mv", "--replicas", "2", "--remove-from", "n3")
+    wait_until("three in sync", lambda: sorted(replication(first, "mv")["in_sync"]) == [1, 3, 4], timeout=60)
+    assert "4 replicas: Keel keeps 1 to 3 (4 only while a replica moves" in first.cli(
+        "volume", "set-replication", "mv", "--replicas", "4", check=False).stderr
+    seen, watching = [], threading.Event()
+
+    def watch():
+        while not watching.is_set():
+            info = replication(first, "mv")
+            seen.append((info["factor"], sorted(info["replicas"]), sorted(info["in_sync"])))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    writer, flushed, failure = write_in_background(client, "moving R=3", range(2048, 4096), 64)
+    moved = third.cli("volume", "move", "mv", "--from", "n3", "--to", "n2", timeout=120)
+    writer.join(timeout=120)
+    watching.set()
+    watcher.join(timeout=30)
+    assert not writer.is_alive() and not failure, failure
+    expected.update(flushed)
+    assert "(R 3 -> 4 until it is in sync)" in moved.stdout and "moved from node n3 to node n2" in moved.stdout, moved.stdout
+    info = replication(first, "mv")
+    assert (info["factor"], info["in_sync_min"], info["replicas"], sorted(info["in_sync"])) == (3, 1, [1, 4, 2], [1, 2, 4]), info
+    assert seen and all(len(in_sync) >= 3 for _, _, in_sync in seen), seen
+    assert all(factor == len(replicas) for factor, replicas, _ in seen), seen
+    wait_until("node 3 erased its copy", lambda: all(
+        replica["volume"] != "mv" for replica in third.api("GET", "/api/v1/nodes/n3")[1]["replicas"]), timeout=60)
+    first.cli("volume", "set-replication", "mv", "--replicas", "2", "--remove-from", "n2")
     assert replication(first, "mv")["replicas"] == [1, 4]
     wait_until("node 4 in sync", lambda: sorted(replication(first, "mv")["in_sync"]) == [1, 4], timeout=60)
+    wait_until("node 2 erased its copy", lambda: all(
+        replica["volume"] != "mv" for replica in second.api("GET", "/api/v1/nodes/n2")[1]["replicas"]), timeout=60)
 
     # The primary's own replica: the new one takes the volume over once in sync, and the client
     # attached on node 1 goes on, forwarded, without an error.

@@ -27,7 +27,7 @@ pub use records::{
     default_in_sync_min, BucketRecord, BucketSettings, ClusterRecord, CorsRule, DefaultRetention,
     DeviceRecord, KeyRecord, LifecycleRule, LockMode, NodeAddresses, NodeRecord, NodeRole,
     NodeState, ObjectLock, Origin, Replication, SnapshotRecord, SnapshotRepair, Versioning,
-    VolumeRecord, VolumeStatus, REPLICAS_MAX, SNAPSHOT_RECORD_FORMAT,
+    VolumeRecord, VolumeStatus, REPLICAS_MAX, REPLICAS_MOVING_MAX, SNAPSHOT_RECORD_FORMAT,
 };
 pub use state::{CatalogState, Change, DrainWait, Plan, VolumeEntry};
 

@@ -187,8 +187,12 @@ pub struct Replication {
     pub in_sync: Vec<NodeId>,
 }
 
-/// Replicas a volume keeps at most.
+/// Replicas a volume keeps at most (R).
 pub const REPLICAS_MAX: usize = 3;
+
+/// Replicas a volume holds at most while one of an R=3 volume's moves (`keel volume move`
+/// raises R by one until the new replica is in sync, then lowers it removing the old one).
+pub const REPLICAS_MOVING_MAX: usize = REPLICAS_MAX + 1;
 
 /// The in-sync minimum a new volume with `factor` replicas gets: R=3 keeps writing with one
 /// replica lost, never with two; R=2 keeps writing on one.

@@ -1480,11 +1480,13 @@ impl CatalogState {
             ));
         }
         let current = &record.replication;
-        if replicas.is_empty() || replicas.len() > records::REPLICAS_MAX {
+        // (One more than R's most while an R=3 volume's replica moves.)
+        if replicas.is_empty() || replicas.len() > records::REPLICAS_MOVING_MAX {
             return Err(invalid(format!(
-                "{} replicas: Keel keeps 1 to {}",
+                "{} replicas: Keel keeps 1 to {} ({} while a replica moves)",
                 replicas.len(),
-                records::REPLICAS_MAX
+                records::REPLICAS_MAX,
+                records::REPLICAS_MOVING_MAX
             )));
         }
         if !replicas.contains(&current.primary) {

@@ -272,7 +272,7 @@ pub enum VolumeCommand {
     /// erase their copy.
     SetReplication {
         name: String,
-        /// Replicas wanted: 1, 2 or 3.
+        /// Replicas wanted: 1, 2 or 3 (4 only as a move's first step: from 3 with --add-to).
         #[arg(long)]
         replicas: Option<u8>,
         /// Writes fail rather than go on with fewer replicas in sync than this (1 to R).
@@ -291,7 +291,7 @@ pub enum VolumeCommand {
     /// one on --from is removed. Any node can run it (the changes go through the volume's
     /// primary). Moving the primary's own replica hands the volume to the new one first: its
     /// clients then go on forwarded (attach them through a replica's node to read locally).
-    /// An R=3 volume's does not move this way (R would exceed 3): it says how.
+    /// An R=3 volume holds 4 replicas meanwhile, the only time R exceeds 3.
     Move {
         name: String,
         /// The node (name or id) whose replica leaves.
@@ -399,9 +399,10 @@ fn hand_off(client: &Client, name: &str, to: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `keel volume move`: through the volume's primary, raises R with a replica on `to`, waits
-/// until it is in sync (showing its catch-up's progress), hands the volume to it when `from`
-/// is the primary, then lowers R removing `from`'s.
+/// `keel volume move`: through the volume's primary, raises R with a replica on `to` (an
+/// R=3 volume holds 4 meanwhile: `keel_catalog::REPLICAS_MOVING_MAX`), waits until it is in
+/// sync (showing its catch-up's progress), hands the volume to it when `from` is the primary,
+/// then lowers R removing `from`'s.
 fn move_replica(client: &Client, name: &str, from: &str, to: &str) -> anyhow::Result<()> {
     let members = members(client)?;
     let (from_id, from_name) = member(&members, from)?;
@@ -422,13 +423,6 @@ fn move_replica(client: &Client, name: &str, from: &str, to: &str) -> anyhow::Re
     if !replicas.contains(&from_id) {
         bail!(
             "node {from_name} holds no replica of volume {name} (its replicas: nodes {replicas:?})"
-        );
-    }
-    if factor >= 3 {
-        bail!(
-            "volume {name} has 3 replicas, the most Keel keeps: lower R with `keel volume \
-             set-replication {name} --replicas 2 --remove-from {from_name}`, then raise it with \
-             `--replicas 3 --add-to {to_name}` (two replicas meanwhile)"
         );
     }
     if replicas.contains(&to_id) {

@@ -1571,12 +1571,22 @@ impl Replication {
                 return Err(self.shared.elsewhere(name, current.primary));
             }
             let wanted = usize::from(factor.unwrap_or(current.factor));
-            if wanted == 0 || wanted > keel_catalog::REPLICAS_MAX {
+            // One more than R's most only as a move's first step (`keel volume move`: a
+            // replica added on a named node while every other stays in sync), and kept until
+            // the move lowers R again.
+            let moving = wanted == keel_catalog::REPLICAS_MOVING_MAX
+                && match placement.add_to {
+                    Some(_) => usize::from(current.factor) + 1 == wanted,
+                    None => usize::from(current.factor) == wanted,
+                };
+            if wanted == 0 || (wanted > keel_catalog::REPLICAS_MAX && !moving) {
                 return Err(VolumeError::Invalid {
                     volume: name.to_string(),
                     detail: format!(
-                        "{wanted} replicas: Keel keeps 1 to {}",
-                        keel_catalog::REPLICAS_MAX
+                        "{wanted} replicas: Keel keeps 1 to {} ({} only while a replica moves: \
+                         keel volume move)",
+                        keel_catalog::REPLICAS_MAX,
+                        keel_catalog::REPLICAS_MOVING_MAX
                     ),
                 });
             }
