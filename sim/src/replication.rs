@@ -6,7 +6,8 @@
 //!
 //! One run ([`run`]): three nodes (R=2 on three storage nodes, R=3 on three, or R=2 on two
 //! storage nodes and a metadata-only witness, chosen by the seed; with [`Mode::Singles`], R=1
-//! or R=2 on three storage nodes) and one volume.
+//! or R=2 on three storage nodes; with [`Mode::Fours`], R=3 on four storage nodes) and one
+//! volume.
 //! Two clients write 4 KiB blocks to their own units of the volume, FLUSH, take snapshots and
 //! roll the volume back onto one, each through the node it attached to, as NBD clients and the
 //! admin API do; a client whose
@@ -21,7 +22,9 @@
 //! has its replicas moved and a volume it was primary of taken over in the background; with
 //! [`Mode::Deletes`] clients also delete snapshots, with [`Mode::Drains`] they also drain
 //! storage nodes and stop draining them, and with [`Mode::Singles`] they also lower R to 1, so
-//! that a drain copies the volume's one replica off its node. With [`Mode::Forwards`] a third
+//! that a drain copies the volume's one replica off its node. With [`Mode::Fours`] an R=3
+//! volume lives on four storage nodes: its replicas move to the fourth online (R 4 for the
+//! move), and a drain copies one there (four replicas at R=3). With [`Mode::Forwards`] a third
 //! of the clients' attaches are forwarded through a node that is not the primary, as a server
 //! forwards a client attached to a node without a replica.
 //!
@@ -88,8 +91,12 @@ pub struct Report {
     pub snapshot_copies_checked: u64,
     /// Rollbacks acknowledged.
     pub rollbacks: u64,
-    /// Changes of R acknowledged (between 2 and 3, on three storage nodes).
+    /// Changes of R acknowledged (between 2 and 3, on three storage nodes; with
+    /// [`Mode::Fours`] between 3 and 4, a replica's move).
     pub replica_changes: u64,
+    /// Of those, moves begun (with [`Mode::Fours`]: R 3 -> 4, a replica added on the fourth
+    /// node).
+    pub moves_begun: u64,
     pub power_cuts: u64,
     pub partitions: u64,
     /// Times a node's disk filled (its store refusing writes that add data) until room came
@@ -103,7 +110,8 @@ pub struct Report {
     /// Snapshots deleted (with [`Mode::Deletes`]: deleting one is what lets a replica holding it
     /// alone move).
     pub snapshots_deleted: u64,
-    /// Drains of a storage node begun or ended (with [`Mode::Drains`]).
+    /// Drains of a storage node begun or ended (with [`Mode::Drains`], [`Mode::Singles`] and
+    /// [`Mode::Fours`]).
     pub drains: u64,
     /// Volumes a draining node handed to another replica (with [`Mode::Drains`]).
     pub primaries_handed_off: u64,
@@ -154,6 +162,11 @@ pub enum Mode {
     /// goes away, its session moves to the new primary without the client noticing if every
     /// write it acknowledged was flushed, else fails and the client attaches again.
     Forwards,
+    /// As [`Mode::Drains`], on four storage nodes with an R=3 volume: a change of R moves a
+    /// replica as `keel volume move` does (R 3 -> 4 adding the fourth node's, then 4 -> 3,
+    /// naming the replica that leaves half the time), and a drain copies a replica to the
+    /// node holding none (four replicas while R stays 3) — states three nodes never reach.
+    Fours,
 }
 
 /// The volume's name.
@@ -178,7 +191,9 @@ fn timing(mode: Mode) -> Timing {
         suspect_after: Duration::from_secs(4),
         down_after: match mode {
             Mode::Standard | Mode::Forwards => Duration::from_secs(8),
-            Mode::Moves | Mode::Deletes | Mode::Drains | Mode::Singles => Duration::from_secs(3),
+            Mode::Moves | Mode::Deletes | Mode::Drains | Mode::Singles | Mode::Fours => {
+                Duration::from_secs(3)
+            }
         },
         propose_timeout: Duration::from_secs(4),
         call_timeout: Duration::from_millis(500),
@@ -540,7 +555,8 @@ fn start_node(world: &Shared, index: usize, join: Option<String>) -> StartNode {
             node.dir.clone(),
             node.disk.clone(),
             node.clock.clone(),
-            world.nodes.len(),
+            // Three voters, as Keel keeps on four nodes (an odd number).
+            world.nodes.len().min(3),
         )
     };
     StartNode {
@@ -1177,12 +1193,14 @@ async fn client(world: Shared, client: usize, seed: u64, stop: Rc<RefCell<bool>>
                 change_replicas(&world, client, current, &mut rng).await
             } else if matches!(
                 world.borrow().mode,
-                Mode::Deletes | Mode::Drains | Mode::Singles
+                Mode::Deletes | Mode::Drains | Mode::Singles | Mode::Fours
             ) && rng.gen_bool(0.5)
             {
                 delete_snapshot(&world, client, current, &mut rng).await
-            } else if matches!(world.borrow().mode, Mode::Drains | Mode::Singles)
-                && rng.gen_bool(0.5)
+            } else if matches!(
+                world.borrow().mode,
+                Mode::Drains | Mode::Singles | Mode::Fours
+            ) && rng.gen_bool(0.5)
             {
                 drain(&world, client, current, &mut rng).await
             } else {
@@ -1322,7 +1340,11 @@ async fn delete_snapshot(
 async fn drain(world: &Shared, client: usize, attached: &Attached, rng: &mut StdRng) -> bool {
     let (node, draining) = {
         let world = world.borrow();
-        let storage = if world.report.witness { 2 } else { 3 };
+        let storage = if world.report.witness {
+            2
+        } else {
+            world.nodes.len() as u64
+        };
         let node = rng.gen_range(1..=storage);
         let draining = !attached
             .cluster
@@ -1479,7 +1501,7 @@ async fn rollback(world: &Shared, client: usize, attached: &Attached, rng: &mut 
 /// Raises R from 2 to 3 or lowers it from 3 to 2 through the primary `attached`, as the
 /// admin API does ([`Replication::set_replicas_async`]), at any moment: during another
 /// client's snapshot or rollback too; with [`Mode::Singles`], R 2 goes to 1 or 3 (half each)
-/// and R 1 back to 2. The contents stay what they were: the checks at the end cover the
+/// and R 1 back to 2; with [`Mode::Fours`], a replica moves (R 3 -> 4 -> 3). The contents stay what they were: the checks at the end cover the
 /// replicas it added (caught up, copies converged, snapshots repaired onto them). Nothing on
 /// a run with a witness (two storage nodes). True if it failed.
 async fn change_replicas(
@@ -1494,7 +1516,32 @@ async fn change_replicas(
             return false;
         }
         let singles = world.mode == Mode::Singles;
+        let fours = world.mode == Mode::Fours;
         match world.replication_seen(attached.index) {
+            // A move's steps (`keel volume move`): R 3 -> 4 with the replica added on the
+            // node holding none, then 4 -> 3 (or a drain's copy removed: four replicas at
+            // R=3), naming the replica that leaves half the time, in or out of sync.
+            Some(replication) if fours && replication.replicas.len() >= 4 => {
+                let others: Vec<NodeId> = (replication.replicas.iter().copied())
+                    .filter(|node| *node != replication.primary)
+                    .collect();
+                let named = rng
+                    .gen_bool(0.5)
+                    .then(|| others[rng.gen_range(0..others.len())]);
+                let placement = Placement {
+                    remove_from: named,
+                    ..Placement::default()
+                };
+                (3u8, placement)
+            }
+            Some(replication) if fours => {
+                let placement = Placement {
+                    add_to: (1..=world.nodes.len() as NodeId)
+                        .find(|node| !replication.replicas.contains(node)),
+                    ..Placement::default()
+                };
+                (4, placement)
+            }
             // Half the time the user names the replica that leaves (`--remove-from`), in or
             // out of sync: any but the primary's.
             Some(replication) if replication.replicas.len() == 3 => {
@@ -1508,7 +1555,7 @@ async fn change_replicas(
                     remove_from: named,
                     ..Placement::default()
                 };
-                (2u8, placement)
+                (2, placement)
             }
             Some(replication) if singles && replication.factor == 1 => (2, Placement::default()),
             // Drawn in this mode alone: the other modes' seeds keep their schedules.
@@ -1522,6 +1569,7 @@ async fn change_replicas(
         world.replica_changes_tried += 1;
         let named = (placement.remove_from)
             .map(|node| format!(" without n{node}"))
+            .or_else(|| (placement.add_to).map(|node| format!(" adding n{node}")))
             .unwrap_or_default();
         world.record(&format!("c{client} R to {wanted}{named}"));
     }
@@ -1538,6 +1586,7 @@ async fn change_replicas(
     let failed = world.settled(&format!("c{client} R to {wanted}"), &answer);
     if !failed {
         world.report.replica_changes += 1;
+        world.report.moves_begun += u64::from(wanted == 4);
     }
     failed
 }
@@ -1568,13 +1617,14 @@ pub fn run_in(seed: u64, steps: u32, mode: Mode) -> Report {
         snapshot_copies_checked: 0,
         rollbacks: 0,
         replica_changes: 0,
+        moves_begun: 0,
         power_cuts: 0,
         disks_filled: 0,
         partitions: 0,
         move_after_ms: match mode {
             Mode::Standard | Mode::Forwards => None,
             // Its own draw: the schedule's draws stay those of the seed in either mode.
-            Mode::Moves | Mode::Deletes | Mode::Drains | Mode::Singles => {
+            Mode::Moves | Mode::Deletes | Mode::Drains | Mode::Singles | Mode::Fours => {
                 Some(StdRng::seed_from_u64(seed ^ 0x6d6f_7665).gen_range(500..3000))
             }
         },
@@ -1613,15 +1663,17 @@ async fn simulate(mut report: Report) -> Report {
         // With one replica to copy off from the start, on three storage nodes.
         (0 | 1, Mode::Singles) => (1u8, false),
         (_, Mode::Singles) => (2, false),
+        (_, Mode::Fours) => (3, false),
         (0, _) => (2, false),
         (1, _) => (3, false),
         _ => (2, true),
     };
     report.replicas = replicas;
     report.witness = witness;
+    let count: u64 = if mode == Mode::Fours { 4 } else { 3 };
     let world: Shared = Rc::new(RefCell::new(World {
         network: LocalNetwork::new(),
-        nodes: (1..=3)
+        nodes: (1..=count)
             .map(|index| Node {
                 name: format!("n{index}"),
                 address: format!("n{index}.sim:1"),
@@ -1668,7 +1720,7 @@ async fn simulate(mut report: Report) -> Report {
     };
 
     // Form the cluster and create the volume on a calm network.
-    for index in 0..3 {
+    for index in 0..count as usize {
         let join = (index > 0).then(|| world.borrow().nodes[0].address.clone());
         if let Err(error) = bring_up(&world, index, join).await {
             world.borrow_mut().violation(format!("forming: {error}"));
@@ -1779,22 +1831,24 @@ async fn simulate(mut report: Report) -> Report {
         // majority.
         match rng.gen_range(0..100) {
             0..=5 if down == 0 => {
-                let index = rng.gen_range(0..3);
+                let index = rng.gen_range(0..count as usize);
                 world
                     .borrow_mut()
                     .record(&format!("{step} power cut n{}", index + 1));
                 fail_node(&world, index, Fault::PowerCut, &mut rng).await;
             }
             6..=11 if !cut => {
-                let index = rng.gen_range(0..3);
+                let index = rng.gen_range(0..count as usize);
                 world
                     .borrow_mut()
                     .record(&format!("{step} partition n{}", index + 1));
                 fail_node(&world, index, Fault::Isolate, &mut rng).await;
             }
             16..=19 if !cut => {
-                let a = rng.gen_range(0..3);
-                let b = (a + rng.gen_range(1..3)) % 3;
+                // (Drawn as i32, as they always were: the seeds keep their schedules.)
+                let nodes = count as i32;
+                let a = rng.gen_range(0..nodes);
+                let b = (a + rng.gen_range(1..nodes)) % nodes;
                 let mut world = world.borrow_mut();
                 world.record(&format!("{step} cut the link n{}-n{}", a + 1, b + 1));
                 world.report.partitions += 1;
@@ -1819,7 +1873,7 @@ async fn simulate(mut report: Report) -> Report {
             // that add data, whether it is the primary (client writes fail) or a replica
             // (its catch-ups are refused until there is room again).
             20..=23 if !full => {
-                let index = rng.gen_range(0..3);
+                let index = rng.gen_range(0..count as usize);
                 let room = rng.gen_range(0..128 * 1024);
                 let mut world = world.borrow_mut();
                 world.record(&format!(
@@ -1871,12 +1925,12 @@ async fn simulate(mut report: Report) -> Report {
                 .violation(format!("a client panicked: {error}"));
         }
     }
-    if matches!(mode, Mode::Drains | Mode::Singles) {
+    if matches!(mode, Mode::Drains | Mode::Singles | Mode::Fours) {
         end_drains(&world).await;
     }
     converge(&world, &mut rng).await;
     world.borrow_mut().count_moves();
-    for index in 0..3 {
+    for index in 0..count as usize {
         power_cut(&world, index).await;
     }
     finish(world)

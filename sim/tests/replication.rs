@@ -123,6 +123,27 @@ fn a_slice_of_seeds_with_single_copies_keeps_every_flushed_write() {
     assert_eq!(shapes, [1, 2].into(), "R=1 and R=2 at the start");
 }
 
+// Proves the contract holds for an R=3 volume on four storage nodes, whose replicas move as
+// `keel volume move` moves them (R 3 -> 4 with the fourth node's replica added, then 4 -> 3,
+// naming the replica that leaves half the time) and whose drains copy a replica to the node
+// holding none (four replicas at R=3), under the same power cuts, partitions and disks filling.
+#[test]
+fn a_slice_of_seeds_with_four_nodes_keeps_every_flushed_write() {
+    let (mut begun, mut changes, mut copied, mut drains) = (0, 0, 0, 0);
+    for seed in 1..=(seeds() / 3).max(1) {
+        let report = passing(seed, Mode::Fours);
+        assert_eq!(report.replicas, 3, "seed {seed}: {report:?}");
+        begun += report.moves_begun;
+        changes += report.replica_changes;
+        copied += report.copies_off_draining;
+        drains += report.drains;
+    }
+    assert!(
+        begun > 10 && changes > begun && copied > 3 && drains > 20,
+        "{begun} moves begun, {changes} changes of R, {copied} copied off, {drains} drains"
+    );
+}
+
 // Proves the contract holds for clients attached through a node that is not the primary:
 // forwarded from the node without a replica or from a replica's, their sessions moving to a
 // new primary after a take-over when every write they acknowledged was flushed (and failing

@@ -3,11 +3,13 @@
 //! their replicas moved and their volumes taken over in the background; `--deletes` as
 //! `--moves`, and clients delete snapshots too; `--drains` as `--deletes`, and clients drain
 //! storage nodes and stop draining them; `--singles` as `--drains`, and R also goes down to 1,
-//! so that a drain copies the volume's one replica off; `--forwards` as the default, and a
-//! third of the clients' attaches are forwarded through a node that is not the primary).
+//! so that a drain copies the volume's one replica off; `--fours` as `--drains`, with an R=3
+//! volume on four storage nodes whose replicas move (R 4 meanwhile) and are copied off
+//! draining nodes; `--forwards` as the default, and a third of the clients' attaches are
+//! forwarded through a node that is not the primary).
 //!
 //! ```text
-//! keel-sim [--replication [--moves | --deletes | --drains | --singles | --forwards]] [--seed FIRST] [--seeds N | --minutes M] [--steps K]
+//! keel-sim [--replication [--moves | --deletes | --drains | --singles | --fours | --forwards]] [--seed FIRST] [--seeds N | --minutes M] [--steps K]
 //!          [--reproduce SEED]
 //! ```
 //! Prints one line per failing seed with the command that replays it, and a summary; exits 1 on
@@ -87,7 +89,9 @@ fn main() {
 fn replication(args: &[String]) -> ! {
     let steps = value(args, "--steps").unwrap_or(200) as u32;
     let has = |flag: &str| args.iter().any(|arg| arg == flag);
-    let (mode, flag) = if has("--singles") {
+    let (mode, flag) = if has("--fours") {
+        (keel_sim::replication::Mode::Fours, " --fours")
+    } else if has("--singles") {
         (keel_sim::replication::Mode::Singles, " --singles")
     } else if has("--drains") {
         (keel_sim::replication::Mode::Drains, " --drains")
