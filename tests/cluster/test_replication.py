@@ -1148,7 +1148,8 @@ def test_a_drain_hands_primaries_off_and_forwards_the_clients_attached_there(clu
     not yet flushed. The R=3 volume's replica has nowhere to go and stays; a client attaching
     to node 1 is forwarded to the new primary rather than take the volume back; the drain's
     answer and `keel status` name it as unable to move. Lowering that volume's R removes the
-    draining node's replica, and node 1 is drained."""
+    draining node's replica, and node 1 is drained. Meanwhile each node's health lists its
+    clients that are forwarded, with the node their requests go to, until they detach."""
     config = cluster_config(workdir, "handing", "replica_move_after_ms = 1000")
     nodes = [cluster.add(extra_args=config) for _ in range(3)]
     wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
@@ -1226,6 +1227,12 @@ def test_a_drain_hands_primaries_off_and_forwards_the_clients_attached_there(clu
     assert index > 64, "the drain finished before the client wrote through it"
     print(f"{index - 64} writes + FLUSHes to each of two volumes through the drain, the slowest pair "
           f"{slowest * 1000:.0f} ms (the hand-offs' pauses; nodes share one disk)")
+    # Health on each node names the clients attached there that are forwarded, and where to.
+    solo_primary = replication(first, "solo")["primary"]
+    status = first.cli("status").stdout
+    line = next((line for line in status.splitlines() if "KEEL_VOLUME_FORWARDED" in line), "")
+    assert f'"attached" to node n{other}' in line and f'"solo" to node n{solo_primary}' in line, status
+    assert '"attached" to node n1' in nodes[free - 1].cli("status").stdout
     for offset, data in expected.items():
         assert client.read(offset * BLOCK, BLOCK) == data, f"block {offset} read through the drained node"
     for offset, data in solo_expected.items():
@@ -1241,6 +1248,9 @@ def test_a_drain_hands_primaries_off_and_forwards_the_clients_attached_there(clu
     remote.flush()
     assert remote.read(far * BLOCK, 2 * BLOCK) == expected[far] + expected[far + 1]
     remote.close()
+    for node in (first, nodes[free - 1]):
+        wait_until("no client forwarded any more", lambda: "KEEL_VOLUME_FORWARDED" not in node.cli("status").stdout,
+                   timeout=30)
 
     code, info = first.api("GET", "/api/v1/nodes/n1")
     assert code == 200 and info["replicas"] == [{"volume": "wide", "primary": False, "in_sync": True}], info

@@ -404,6 +404,44 @@ fn nearfull_nodes(state: &AppState) -> Vec<keel_cluster::HealthCheck> {
 }
 
 /// One finding (info) per node draining: what it has left to move, or that it is drained.
+/// Clients attached through this node whose I/O is forwarded to another node: after a drain,
+/// a move of the primary's replica or a hand-off, or attached where no replica is. They work,
+/// one network round trip slower per request, which nothing else would show.
+fn forwarded_clients(state: &AppState) -> Option<keel_cluster::HealthCheck> {
+    let forwarded = state.replication.forwarded_clients();
+    if forwarded.is_empty() {
+        return None;
+    }
+    let named = {
+        let catalog = state.cluster.catalog().read();
+        first_named(
+            (forwarded.iter())
+                .map(|clients| {
+                    let node = (catalog.nodes.get(&clients.node))
+                        .map_or_else(|| clients.node.to_string(), |node| node.name.clone());
+                    format!("{:?} to node {node}", clients.export)
+                })
+                .collect(),
+        )
+    };
+    Some(check(
+        "KEEL_VOLUME_FORWARDED",
+        "info",
+        format!(
+            "{} client handle(s) attached through this node forward every request to another \
+             node, one more network round trip each: {}",
+            forwarded
+                .iter()
+                .map(|clients| clients.handles)
+                .sum::<usize>(),
+            named.join(", ")
+        ),
+        "attach those clients through the node named (it serves the volume: their I/O is then \
+         local), or another node holding a replica (keel volume info NAME names them)"
+            .to_string(),
+    ))
+}
+
 fn drains(state: &AppState) -> Vec<keel_cluster::HealthCheck> {
     let catalog = state.cluster.catalog().read();
     (catalog.nodes.values())
@@ -653,6 +691,7 @@ pub fn status_report(
     }
     checks.extend(drains(state));
     checks.extend(nearfull_nodes(state));
+    checks.extend(forwarded_clients(state));
     let waiting = state.replication.rebuilds_waiting();
     if !waiting.is_empty() {
         let named = first_named(

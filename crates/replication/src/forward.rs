@@ -145,6 +145,11 @@ impl Forwarded {
             unflushed,
             broken: Mutex::new(None),
         });
+        {
+            let mut handles = lock(&shared.forwarded);
+            handles.retain(|handle| handle.strong_count() > 0);
+            handles.push(Arc::downgrade(&forwarded));
+        }
         shared
             .runtime
             .spawn(keepalive(Arc::downgrade(&forwarded), shared.clock()));
@@ -153,6 +158,11 @@ impl Forwarded {
 
     fn current(&self) -> Route {
         *lock(&self.route)
+    }
+
+    /// The node this session's requests go to now.
+    pub(crate) fn serving_node(&self) -> NodeId {
+        self.current().node
     }
 
     /// [`Forwarded::run`] for a client thread (blocking), its time counted as forwarded.

@@ -291,6 +291,8 @@ pub(crate) struct Shared {
     pub activity: keel_ops::Ops,
     /// Per volume, what the clients forwarding through this node left unflushed.
     pub forwarding: Mutex<HashMap<String, Weak<forward::Unflushed>>>,
+    /// Every forwarding handle opened here, while it lives ([`Replication::forwarded_clients`]).
+    pub(crate) forwarded: Mutex<Vec<Weak<Forwarded>>>,
     /// Streams begun here (the simulation derives their ids from it).
     pub streams_begun: AtomicU64,
     /// What whole copies from this node read their chunks into.
@@ -302,6 +304,19 @@ pub(crate) struct Shared {
     /// epoch's successor keeping them in sync. Only in memory: a node that restarts catches
     /// them up as after any take-over.
     pub handed_here: Mutex<HashMap<u64, u64>>,
+}
+
+/// Clients reaching an export through this node forwarded to another node ([`Forwarded`]):
+/// slower than attaching through the node serving it (one more round trip per request).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ForwardedClients {
+    /// The volume, or `volume@snapshot`.
+    pub export: String,
+    /// The node their requests go to now.
+    pub node: NodeId,
+    /// Handles forwarding so: one per attach here (an NBD client's connections share one),
+    /// and one per volume whose clients a hand-off left forwarded.
+    pub handles: usize,
 }
 
 /// How clients' writes notice the store running out of space between the move loop's looks.
@@ -616,6 +631,7 @@ impl Replication {
                 point_every: settings.point_every,
                 activity,
                 forwarding: Mutex::new(HashMap::new()),
+                forwarded: Mutex::new(Vec::new()),
                 streams_begun: AtomicU64::new(0),
                 handed_here: Mutex::new(HashMap::new()),
                 chunk_buffers: Arc::default(),
@@ -1685,6 +1701,28 @@ impl Replication {
         let in_sync_min =
             in_sync_min.unwrap_or_else(|| record.replication.in_sync_min.min(replicas.len() as u8));
         Ok((record, replicas, in_sync_min))
+    }
+
+    /// The clients of this node whose I/O is forwarded to another node, per export and node
+    /// (for health: they are slower than clients of the node serving the volume).
+    pub fn forwarded_clients(&self) -> Vec<ForwardedClients> {
+        let live: Vec<Arc<Forwarded>> = {
+            let mut handles = lock(&self.shared.forwarded);
+            handles.retain(|handle| handle.strong_count() > 0);
+            handles.iter().filter_map(Weak::upgrade).collect()
+        };
+        let mut counted: BTreeMap<(String, NodeId), usize> = BTreeMap::new();
+        for forwarded in &live {
+            let key = (forwarded.name().to_string(), forwarded.serving_node());
+            *counted.entry(key).or_default() += 1;
+        }
+        (counted.into_iter())
+            .map(|((export, node), handles)| ForwardedClients {
+                export,
+                node,
+                handles,
+            })
+            .collect()
     }
 
     /// The primary this node serves `volume_id` as, if any.
