@@ -1281,6 +1281,67 @@ def test_a_drain_hands_primaries_off_and_forwards_the_clients_attached_there(clu
     solo.close()
 
 
+def test_clients_a_hand_off_forwarded_come_back_when_the_volume_is_handed_back(cluster):
+    """Two storage nodes and a witness; an R=2 volume attached on node 1, its client writing
+    and flushing throughout. Handing the volume to node 2 leaves the client forwarded there
+    (node 1's health lists it); handing it back to node 1 brings the client back to node 1's
+    own primary within the background loop's few seconds (the finding clears), without one
+    failed request. Twice: a client brought back is handed off and brought back again. Then
+    every flushed block reads back, through node 1 and, node 1 killed, through node 2."""
+    first, second = two_nodes_and_witness(cluster)
+    create_r2(first, "back")
+    client = attach(first, "back")
+    wait_until("both replicas in sync", lambda: sorted(replication(first, "back")["in_sync"]) == [1, 2])
+    stop, flushed, failure = threading.Event(), {}, []
+
+    def write():
+        index = 0
+        try:
+            while not stop.is_set():
+                pending = {}
+                for _ in range(8):
+                    slot = index % (SIZE // BLOCK)
+                    pending[slot] = block("back", index)
+                    client.write(slot * BLOCK, pending[slot])
+                    index += 1
+                client.flush()
+                flushed.update(pending)
+        except Exception as error:  # noqa: BLE001 - asserted below
+            failure.append(error)
+
+    def forwarded(node):
+        return "KEEL_VOLUME_FORWARDED" in node.cli("status").stdout
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        for _ in range(2):
+            code, answer = first.api("POST", "/api/v1/volumes/back/hand-off", {"to": "2"}, timeout=30)
+            assert code == 200, answer
+            assert forwarded(first), first.cli("status").stdout
+            wait_until("node 2 serving with node 1 in sync", lambda: (
+                replication(second, "back")["primary"] == 2
+                and sorted(replication(second, "back")["in_sync"]) == [1, 2]), timeout=30)
+            code, answer = second.api("POST", "/api/v1/volumes/back/hand-off", {"to": "1"}, timeout=30)
+            assert code == 200, answer
+            wait_until("node 1's client back on node 1's primary", lambda: not forwarded(first), timeout=15)
+            assert not failure, failure
+    finally:
+        stop.set()
+        writer.join(timeout=60)
+    assert not writer.is_alive() and not failure, failure
+    assert replication(first, "back")["primary"] == 1
+    assert len(flushed) > 64, len(flushed)
+    for slot, data in flushed.items():
+        assert client.read(slot * BLOCK, BLOCK) == data, f"block {slot}"
+    client.close()
+    first.kill9()
+    other = attach(second, "back", timeout=60)
+    for slot, data in flushed.items():
+        assert other.read(slot * BLOCK, BLOCK) == data, f"block {slot} on node 2"
+    other.close()
+
+
 def test_an_undone_drain_removes_the_copy_it_began(cluster, workdir):
     """An R=1 volume on node 1 holding 16 MiB, attached there; catch-ups limited to 2 MiB/s.
     Draining node 1 copies the volume to node 2 (R stays 1, two replicas, the copy out of

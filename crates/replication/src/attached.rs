@@ -4,7 +4,10 @@
 //!   replicas started comparing what they hold;
 //! - with more, the primary served here, until this node drains and hands the volume to
 //!   another replica, whose primary it then forwards to ([`crate::Replication`]'s hand-off):
-//!   no write lands between the hand-off's FLUSH and the new primary.
+//!   no write lands between the hand-off's FLUSH and the new primary;
+//! - forwarded so, until the volume is handed back: then the handle of the primary served
+//!   here again, once a FLUSH through the forwarding went through
+//!   ([`crate::Replication`]'s `bring_clients_back`).
 //!
 //! Every I/O runs under a read lock, so a switch waits for the I/O in flight.
 
@@ -36,17 +39,17 @@ impl Attached {
         std::ptr::addr_eq(Arc::as_ptr(&*self.current()), Arc::as_ptr(io))
     }
 
-    /// Runs `make` once no I/O is in flight, and serves every later I/O through what it
-    /// returns.
+    /// Runs `make` with what serves the clients now, once no I/O is in flight, and serves
+    /// every later I/O through what it returns.
     pub(crate) fn switch<E>(
         &self,
-        make: impl FnOnce() -> Result<Arc<dyn VolumeIo>, E>,
+        make: impl FnOnce(&Arc<dyn VolumeIo>) -> Result<Arc<dyn VolumeIo>, E>,
     ) -> Result<(), E> {
         let mut inner = self
             .inner
             .write()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        *inner = make()?;
+        *inner = make(&inner)?;
         Ok(())
     }
 }

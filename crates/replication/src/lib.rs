@@ -555,6 +555,14 @@ impl Shared {
     }
 }
 
+/// A handle of clients attached here that a hand-off switched to forwarding
+/// ([`Replication::returning`]).
+struct Returning {
+    volume_id: u64,
+    name: String,
+    attached: Weak<Attached>,
+}
+
 /// This node's replication engine: the primaries it serves and the replicas it holds.
 pub struct Replication {
     shared: Arc<Shared>,
@@ -565,6 +573,9 @@ pub struct Replication {
     /// Replicated volumes whose clients attached here reach the primary served here (a
     /// drain's hand-off switches them to forwarding, [`Replication::hand_off_primaries`]).
     clients: Mutex<HashMap<u64, Weak<Attached>>>,
+    /// Handles of clients attached here that a hand-off left forwarded, while they live:
+    /// brought back once the volume is handed back ([`Replication::bring_clients_back`]).
+    returning: Mutex<Vec<Returning>>,
     /// Serializes attaches and replica-set changes (one take-over of a volume at a time). An
     /// attach reads the volume's record again once it holds this: the replicas may have
     /// changed while it waited.
@@ -644,6 +655,7 @@ impl Replication {
             primaries: Mutex::new(BTreeMap::new()),
             singles: Mutex::new(HashMap::new()),
             clients: Mutex::new(HashMap::new()),
+            returning: Mutex::new(Vec::new()),
             attaching: tokio::sync::Mutex::new(()),
             sessions: Sessions::default(),
             this: this.clone(),
@@ -1500,7 +1512,7 @@ impl Replication {
         volume_id: u64,
         command: Command,
     ) -> VolumeResult<()> {
-        attached.switch(|| -> VolumeResult<Arc<dyn VolumeIo>> {
+        attached.switch(|_| -> VolumeResult<Arc<dyn VolumeIo>> {
             self.shared
                 .metadata
                 .propose(command)
@@ -2384,11 +2396,13 @@ impl Replication {
                 None => primary.hand_off(to, leaving.why()).await,
                 Some(attached) => {
                     let shared = self.shared.clone();
+                    let (held, handed) = (attached.clone(), primary.clone());
                     blocking(move || {
                         hand_off_forwarding(&shared, &attached, &primary, to, leaving.why())
                     })
                     .await
                     .unwrap_or_else(|error| Err(unavailable(&name, error)))
+                    .inspect(|()| self.forwarded_until_handed_back(&handed, &held))
                 }
             };
             match handed {
@@ -2415,6 +2429,91 @@ impl Replication {
     }
 }
 
+impl Replication {
+    /// Remembers `attached`, which a hand-off of `primary`'s volume just switched to
+    /// forwarding, for [`Self::bring_clients_back`].
+    fn forwarded_until_handed_back(&self, primary: &Primary, attached: &Arc<Attached>) {
+        let mut returning = lock(&self.returning);
+        returning.retain(|entry| entry.attached.strong_count() > 0);
+        returning.push(Returning {
+            volume_id: primary.volume_id(),
+            name: primary.name().to_string(),
+            attached: Arc::downgrade(attached),
+        });
+    }
+
+    /// Switches the handles of clients attached here that a hand-off left forwarded back to
+    /// the primary served here, once the volume was handed back and this node serves it
+    /// again (not stale, and not handing its volumes off itself): their I/O is local again
+    /// rather than a round trip through another node, or two. Each switch waits for the
+    /// handle's I/O in flight, FLUSHes through the forwarding (every write its clients were
+    /// told of is then durable, whichever way it went), then gives them the handle this
+    /// node's own sessions of the volume use, which a later hand-off switches in turn. Not
+    /// under the attach lock: the I/O in flight may be opening a forwarding session on this
+    /// very node, which takes it. A FLUSH that fails leaves the clients forwarded until the
+    /// next look.
+    async fn bring_clients_back(&self) {
+        let live: Vec<(u64, String, Arc<Attached>)> = {
+            let mut returning = lock(&self.returning);
+            returning.retain(|entry| entry.attached.strong_count() > 0);
+            (returning.iter())
+                .filter_map(|entry| {
+                    let attached = entry.attached.upgrade()?;
+                    Some((entry.volume_id, entry.name.clone(), attached))
+                })
+                .collect()
+        };
+        if live.is_empty() || self.leaving().is_some() {
+            return;
+        }
+        let local = self.shared.local_node;
+        let epochs: HashMap<u64, u64> = {
+            let catalog = self.shared.metadata.catalog().read();
+            (live.iter())
+                .filter_map(|(volume_id, _, _)| {
+                    let replication = &catalog.volumes.get(volume_id)?.record.replication;
+                    (replication.primary == local).then_some((*volume_id, replication.epoch))
+                })
+                .collect()
+        };
+        for (volume_id, name, attached) in live {
+            let Some(&epoch) = epochs.get(&volume_id) else {
+                continue;
+            };
+            let Some(primary) = self.served(volume_id).filter(|p| !p.stale_for(epoch)) else {
+                continue;
+            };
+            let handle = self.client_handle(&name, primary);
+            let switching = attached.clone();
+            let switched = blocking(move || {
+                switching.switch(|forwarding| {
+                    forwarding.flush()?;
+                    Ok::<_, VolumeError>(handle)
+                })
+            })
+            .await
+            .unwrap_or_else(|error| Err(unavailable(&name, error)));
+            match switched {
+                Ok(()) => {
+                    lock(&self.returning).retain(|entry| {
+                        !std::ptr::eq(entry.attached.as_ptr(), Arc::as_ptr(&attached))
+                    });
+                    tracing::info!(
+                        volume = name,
+                        "the volume was handed back: clients attached here use its primary \
+                         here again"
+                    )
+                }
+                Err(error) => tracing::info!(
+                    volume = name,
+                    %error,
+                    "could not bring the clients attached here back from forwarding yet"
+                ),
+            }
+        }
+    }
+}
+
 /// Hands `primary` to `to` while clients attached here use it through `attached` (blocking):
 /// their I/O waits for the hand-off, then goes on forwarded to `to` ([`Forwarded`]).
 fn hand_off_forwarding(
@@ -2424,7 +2523,7 @@ fn hand_off_forwarding(
     to: NodeId,
     why: &str,
 ) -> VolumeResult<()> {
-    attached.switch(|| {
+    attached.switch(|_| {
         shared.runtime.block_on(primary.hand_off(to, why))?;
         Ok::<Arc<dyn VolumeIo>, VolumeError>(Forwarded::open(shared.clone(), primary.name())?)
     })
@@ -2472,7 +2571,8 @@ impl Replication {
         let why = "an operator handed the volume off";
         match self.served(record.id) {
             Some(primary) => match self.attached_to(&primary) {
-                Some(attached) => hand_off_forwarding(&self.shared, &attached, &primary, to, why),
+                Some(attached) => hand_off_forwarding(&self.shared, &attached, &primary, to, why)
+                    .inspect(|()| self.forwarded_until_handed_back(&primary, &attached)),
                 None => self.shared.runtime.block_on(primary.hand_off(to, why)),
             },
             None => (self.shared.runtime)
@@ -2661,6 +2761,7 @@ async fn move_loop(replication: std::sync::Weak<Replication>, after: Duration) {
             }
         }
         strong.hand_off_primaries().await;
+        strong.bring_clients_back().await;
         strong.copy_single_copies_off().await;
         let primaries: Vec<Arc<Primary>> = lock(&strong.primaries).values().cloned().collect();
         let shared = strong.shared.clone();
