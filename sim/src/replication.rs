@@ -1522,17 +1522,7 @@ async fn change_replicas(
             // node holding none, then 4 -> 3 (or a drain's copy removed: four replicas at
             // R=3), naming the replica that leaves half the time, in or out of sync.
             Some(replication) if fours && replication.replicas.len() >= 4 => {
-                let others: Vec<NodeId> = (replication.replicas.iter().copied())
-                    .filter(|node| *node != replication.primary)
-                    .collect();
-                let named = rng
-                    .gen_bool(0.5)
-                    .then(|| others[rng.gen_range(0..others.len())]);
-                let placement = Placement {
-                    remove_from: named,
-                    ..Placement::default()
-                };
-                (3u8, placement)
+                (3u8, leaving_named(&replication, rng))
             }
             Some(replication) if fours => {
                 let placement = Placement {
@@ -1542,20 +1532,8 @@ async fn change_replicas(
                 };
                 (4, placement)
             }
-            // Half the time the user names the replica that leaves (`--remove-from`), in or
-            // out of sync: any but the primary's.
             Some(replication) if replication.replicas.len() == 3 => {
-                let others: Vec<NodeId> = (replication.replicas.iter().copied())
-                    .filter(|node| *node != replication.primary)
-                    .collect();
-                let named = rng
-                    .gen_bool(0.5)
-                    .then(|| others[rng.gen_range(0..others.len())]);
-                let placement = Placement {
-                    remove_from: named,
-                    ..Placement::default()
-                };
-                (2, placement)
+                (2, leaving_named(&replication, rng))
             }
             Some(replication) if singles && replication.factor == 1 => (2, Placement::default()),
             // Drawn in this mode alone: the other modes' seeds keep their schedules.
@@ -1589,6 +1567,20 @@ async fn change_replicas(
         world.report.moves_begun += u64::from(wanted == 4);
     }
     failed
+}
+
+/// Lowering R: half the time the user names the replica that leaves (`--remove-from`), in or
+/// out of sync: any but the primary's.
+fn leaving_named(replication: &keel_catalog::Replication, rng: &mut StdRng) -> Placement {
+    let others: Vec<NodeId> = (replication.replicas.iter().copied())
+        .filter(|node| *node != replication.primary)
+        .collect();
+    Placement {
+        remove_from: rng
+            .gen_bool(0.5)
+            .then(|| others[rng.gen_range(0..others.len())]),
+        ..Placement::default()
+    }
 }
 
 /// Runs one seed to completion (blocking).
