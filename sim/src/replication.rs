@@ -24,7 +24,9 @@
 //! storage nodes and stop draining them, and with [`Mode::Singles`] they also lower R to 1, so
 //! that a drain copies the volume's one replica off its node. With [`Mode::Fours`] an R=3
 //! volume lives on four storage nodes: its replicas move to the fourth online (R 4 for the
-//! move), and a drain copies one there (four replicas at R=3). With [`Mode::Forwards`] a third
+//! move), and a drain copies one there (four replicas at R=3). With [`Mode::Syncs`] a node's
+//! disk now and then fails a sync (its store then refuses writes), and the node's process is
+//! restarted a few seconds later, as an operator does. With [`Mode::Forwards`] a third
 //! of the clients' attaches are forwarded through a node that is not the primary, as a server
 //! forwards a client attached to a node without a replica.
 //!
@@ -63,7 +65,7 @@ use keel_cluster::{Cluster, ClusterConfig, ClusterHandler, Dispatch, LocalNetwor
 use keel_namespace::volume::{BackgroundWork, VolumeError, VolumeIo, VolumeManager, VolumeResult};
 use keel_replication::primary::Primary;
 use keel_replication::{Forwarded, LocalVolumes, Placement, Replication, Settings};
-use keel_store::simdisk::SimDisk;
+use keel_store::simdisk::{FaultOp, SimDisk};
 
 /// The space each node's store keeps free: writes that add data are refused below it.
 const STORE_RESERVE_BYTES: u64 = 16 << 20;
@@ -102,6 +104,9 @@ pub struct Report {
     /// Times a node's disk filled (its store refusing writes that add data) until room came
     /// back.
     pub disks_filled: u64,
+    /// Syncs a node's disk failed (with [`Mode::Syncs`]), each followed by a restart of its
+    /// process.
+    pub syncs_failed: u64,
     /// With [`Mode::Moves`]: how long a node must be down before its replicas move and a
     /// volume whose primary it was is taken over in the background (`move_after`).
     pub move_after_ms: Option<u64>,
@@ -167,6 +172,12 @@ pub enum Mode {
     /// naming the replica that leaves half the time), and a drain copies a replica to the
     /// node holding none (four replicas while R stays 3) — states three nodes never reach.
     Fours,
+    /// As [`Mode::Standard`], and a node's disk fails one sync now and then (EIO, after 0-7
+    /// more syncs go through): as Linux after a writeback error, the writes that sync covered
+    /// never reach the disk while reads still see them, and the store refuses writes from
+    /// then on (`KEEL_STORE_POISONED`). 1-6 s later the node's process is restarted, as an
+    /// operator does, its page cache without those writes; its store replays the log.
+    Syncs,
 }
 
 /// The volume's name.
@@ -190,7 +201,7 @@ fn timing(mode: Mode) -> Timing {
         // primary's failed batch first, not by the failure detector.
         suspect_after: Duration::from_secs(4),
         down_after: match mode {
-            Mode::Standard | Mode::Forwards => Duration::from_secs(8),
+            Mode::Standard | Mode::Forwards | Mode::Syncs => Duration::from_secs(8),
             Mode::Moves | Mode::Deletes | Mode::Drains | Mode::Singles | Mode::Fours => {
                 Duration::from_secs(3)
             }
@@ -364,6 +375,9 @@ struct World {
     heal_at: Option<tokio::time::Instant>,
     /// The node whose disk is full, and when it has room again.
     room_at: Option<(tokio::time::Instant, usize)>,
+    /// The node whose disk was told to fail a sync, and when its process restarts
+    /// ([`Mode::Syncs`]).
+    restart_at: Option<(tokio::time::Instant, usize)>,
     /// A fault the next client to get a FLUSH acknowledged makes to its primary's node.
     armed: Option<Fault>,
     /// Print every event as it is recorded, with the simulated time (`KEEL_SIM_TRACE=1`).
@@ -679,13 +693,45 @@ async fn bring_up(world: &Shared, index: usize, join: Option<String>) -> Result<
 /// Node `index` loses power: nothing it does reaches anyone any more, and its disk comes back
 /// with only what it synced (each unsynced write dropped, kept or torn).
 async fn power_cut(world: &Shared, index: usize) {
+    // A sync failure still to come ([`Mode::Syncs`]) is the old process's: gone with it.
+    world.borrow().nodes[index].disk.clear_faults();
+    stop(world, index, SimDisk::power_cut).await;
+}
+
+/// Restarts node `index`'s process without a power cut, its disk as the page cache held it
+/// (without the writes a failed sync never wrote back: [`SimDisk::process_restart`]) and its
+/// pending faults cleared; how many syncs its disk failed since its process started (each
+/// start is a new disk: [`SimDisk::process_restart`]). An operator's restart after
+/// `KEEL_STORE_POISONED` ([`Mode::Syncs`]); a node down already stays down (its restart is
+/// scheduled).
+async fn restart_process(world: &Shared, index: usize) -> usize {
+    let failed = {
+        let world = world.borrow();
+        let disk = &world.nodes[index].disk;
+        disk.clear_faults();
+        (disk.fired().into_iter())
+            .filter(|(op, _)| *op == FaultOp::Sync)
+            .count()
+    };
+    if world.borrow().nodes[index].live.is_some() {
+        stop(world, index, SimDisk::process_restart).await;
+        if let Err(error) = bring_up(world, index, None).await {
+            world.borrow_mut().violation(format!("restart: {error}"));
+        }
+    }
+    failed
+}
+
+/// Stops node `index` (its links closed, its Raft and engine shut down), its disk replaced
+/// by what `successor` makes of it.
+async fn stop(world: &Shared, index: usize, successor: fn(&SimDisk) -> SimDisk) {
     let live = {
         let mut world = world.borrow_mut();
         let address = world.nodes[index].address.clone();
         world.network.close(&address);
         let node = &mut world.nodes[index];
         node.incarnation += 1;
-        node.disk = node.disk.power_cut();
+        node.disk = successor(&node.disk);
         node.live.take()
     };
     if let Some(live) = live {
@@ -1612,9 +1658,10 @@ pub fn run_in(seed: u64, steps: u32, mode: Mode) -> Report {
         moves_begun: 0,
         power_cuts: 0,
         disks_filled: 0,
+        syncs_failed: 0,
         partitions: 0,
         move_after_ms: match mode {
-            Mode::Standard | Mode::Forwards => None,
+            Mode::Standard | Mode::Forwards | Mode::Syncs => None,
             // Its own draw: the schedule's draws stay those of the seed in either mode.
             Mode::Moves | Mode::Deletes | Mode::Drains | Mode::Singles | Mode::Fours => {
                 Some(StdRng::seed_from_u64(seed ^ 0x6d6f_7665).gen_range(500..3000))
@@ -1699,6 +1746,7 @@ async fn simulate(mut report: Report) -> Report {
         restarts: Vec::new(),
         heal_at: None,
         room_at: None,
+        restart_at: None,
         armed: None,
         print_trace: std::env::var_os("KEEL_SIM_TRACE").is_some(),
         started: tokio::time::Instant::now(),
@@ -1797,6 +1845,21 @@ async fn simulate(mut report: Report) -> Report {
                 world.borrow_mut().violation(format!("restart: {error}"));
             }
         }
+        let restart = {
+            let mut world = world.borrow_mut();
+            let due = world.restart_at.filter(|(at, _)| *at <= now);
+            if due.is_some() {
+                world.restart_at = None;
+            }
+            due
+        };
+        if let Some((_, index)) = restart {
+            world
+                .borrow_mut()
+                .record(&format!("{step} process restart n{}", index + 1));
+            let failed = restart_process(&world, index).await;
+            world.borrow_mut().report.syncs_failed += failed as u64;
+        }
         {
             let mut world = world.borrow_mut();
             if world.heal_at.is_some_and(|at| at <= now) {
@@ -1810,13 +1873,14 @@ async fn simulate(mut report: Report) -> Report {
                 world.room_at = None;
             }
         }
-        let (down, cut, armed, full) = {
+        let (down, cut, armed, full, failing) = {
             let world = world.borrow();
             (
                 world.restarts.len(),
                 world.heal_at.is_some(),
                 world.armed.is_some(),
                 world.room_at.is_some(),
+                world.restart_at.is_some(),
             )
         };
         // At most one node down at a time, and one cut at a time: the cluster keeps a Raft
@@ -1880,6 +1944,22 @@ async fn simulate(mut report: Report) -> Report {
                     index,
                 ));
             }
+            // A node's disk fails one of its next syncs (after `skip` more go through); its
+            // process restarts a few seconds later, whether the failure came by then or not.
+            24..=27 if mode == Mode::Syncs && !failing && down == 0 => {
+                let index = rng.gen_range(0..count as usize);
+                let skip = rng.gen_range(0..8);
+                let mut world = world.borrow_mut();
+                world.record(&format!(
+                    "{step} a sync fails on n{} after {skip}",
+                    index + 1
+                ));
+                (world.nodes[index].disk).inject(FaultOp::Sync, "", libc::EIO, skip, 1);
+                world.restart_at = Some((
+                    now + Duration::from_millis(rng.gen_range(1_000..6_000)),
+                    index,
+                ));
+            }
             _ => {}
         }
         tokio::time::sleep(Duration::from_millis(rng.gen_range(10..250))).await;
@@ -1896,6 +1976,14 @@ async fn simulate(mut report: Report) -> Report {
         if let Some((_, index)) = world.room_at.take() {
             world.nodes[index].disk.set_capacity(None);
         }
+    }
+    let restart = world.borrow_mut().restart_at.take();
+    if let Some((_, index)) = restart {
+        world
+            .borrow_mut()
+            .record("process restart before converging");
+        let failed = restart_process(&world, index).await;
+        world.borrow_mut().report.syncs_failed += failed as u64;
     }
     let down = {
         let mut world = world.borrow_mut();

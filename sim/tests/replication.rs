@@ -144,6 +144,25 @@ fn a_slice_of_seeds_with_four_nodes_keeps_every_flushed_write() {
     );
 }
 
+// Proves no acknowledged FLUSH is lost when a node's disk fails a sync: as Linux after a
+// writeback error, the writes it covered never reach the disk while reads still see them, and
+// the next sync would report success. The node's store must refuse writes from then on (a
+// FLUSH there fails), the other nodes carry on, and after the node's process restarts its
+// copy is caught up. With the store's sync error swallowed, the first seeds fail.
+#[test]
+fn a_slice_of_seeds_with_failed_syncs_keeps_every_flushed_write() {
+    let (mut failed, mut flushes) = (0, 0);
+    for seed in 1..=(seeds() / 3).max(1) {
+        let report = passing(seed, Mode::Syncs);
+        failed += report.syncs_failed;
+        flushes += report.flushes;
+    }
+    assert!(
+        failed > 20 && flushes > 5000,
+        "{failed} syncs failed, {flushes} FLUSHes acknowledged"
+    );
+}
+
 // Proves the contract holds for clients attached through a node that is not the primary:
 // forwarded from the node without a replica or from a replica's, their sessions moving to a
 // new primary after a take-over when every write they acknowledged was flushed (and failing

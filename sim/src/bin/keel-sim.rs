@@ -5,11 +5,12 @@
 //! storage nodes and stop draining them; `--singles` as `--drains`, and R also goes down to 1,
 //! so that a drain copies the volume's one replica off; `--fours` as `--drains`, with an R=3
 //! volume on four storage nodes whose replicas move (R 4 meanwhile) and are copied off
-//! draining nodes; `--forwards` as the default, and a third of the clients' attaches are
-//! forwarded through a node that is not the primary).
+//! draining nodes; `--syncs` as the default, and a node's disk fails a sync now and then, its
+//! process restarted a few seconds later; `--forwards` as the default, and a third of the
+//! clients' attaches are forwarded through a node that is not the primary).
 //!
 //! ```text
-//! keel-sim [--replication [--moves | --deletes | --drains | --singles | --fours | --forwards]] [--seed FIRST] [--seeds N | --minutes M] [--steps K]
+//! keel-sim [--replication [--moves | --deletes | --drains | --singles | --fours | --syncs | --forwards]] [--seed FIRST] [--seeds N | --minutes M] [--steps K]
 //!          [--reproduce SEED]
 //! ```
 //! Prints one line per failing seed with the command that replays it, and a summary; exits 1 on
@@ -89,7 +90,9 @@ fn main() {
 fn replication(args: &[String]) -> ! {
     let steps = value(args, "--steps").unwrap_or(200) as u32;
     let has = |flag: &str| args.iter().any(|arg| arg == flag);
-    let (mode, flag) = if has("--fours") {
+    let (mode, flag) = if has("--syncs") {
+        (keel_sim::replication::Mode::Syncs, " --syncs")
+    } else if has("--fours") {
         (keel_sim::replication::Mode::Fours, " --fours")
     } else if has("--singles") {
         (keel_sim::replication::Mode::Singles, " --singles")
@@ -115,7 +118,7 @@ fn replication(args: &[String]) -> ! {
     let started = Instant::now();
     let (mut runs, mut failures) = (0u64, 0u64);
     let (mut writes, mut flushes, mut attaches, mut cuts, mut partitions) = (0, 0, 0, 0, 0);
-    let mut filled = 0;
+    let (mut filled, mut syncs) = (0, 0);
     let (mut rollbacks, mut replica_changes, mut moved, mut deleted) = (0, 0, 0, 0);
     let mut drains = 0;
     let mut handed = 0;
@@ -138,6 +141,7 @@ fn replication(args: &[String]) -> ! {
         attaches += report.attaches;
         cuts += report.power_cuts;
         filled += report.disks_filled;
+        syncs += report.syncs_failed;
         partitions += report.partitions;
         rollbacks += report.rollbacks;
         replica_changes += report.replica_changes;
@@ -160,7 +164,7 @@ fn replication(args: &[String]) -> ! {
         seed += 1;
     }
     println!(
-        "{runs} seeds ({first}..{}), {steps} steps each, {:.0} s: {writes} writes, {flushes} FLUSHes acknowledged, {attaches} attaches, {cuts} power cuts, {partitions} partitions, {filled} disks filled, {rollbacks} rollbacks, {replica_changes} changes of R, {moved} replicas moved, {deleted} snapshots deleted, {drains} drains begun or ended, {handed} primaries handed off, {copied} copies off draining nodes, {forwarded} forwarded attaches; {failures} failing seed(s)",
+        "{runs} seeds ({first}..{}), {steps} steps each, {:.0} s: {writes} writes, {flushes} FLUSHes acknowledged, {attaches} attaches, {cuts} power cuts, {partitions} partitions, {filled} disks filled, {syncs} syncs failed, {rollbacks} rollbacks, {replica_changes} changes of R, {moved} replicas moved, {deleted} snapshots deleted, {drains} drains begun or ended, {handed} primaries handed off, {copied} copies off draining nodes, {forwarded} forwarded attaches; {failures} failing seed(s)",
         seed.saturating_sub(1),
         started.elapsed().as_secs_f64()
     );
