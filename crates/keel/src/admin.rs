@@ -403,7 +403,6 @@ fn nearfull_nodes(state: &AppState) -> Vec<keel_cluster::HealthCheck> {
         .collect()
 }
 
-/// One finding (info) per node draining: what it has left to move, or that it is drained.
 /// Clients attached through this node whose I/O is forwarded to another node: after a drain,
 /// a move of the primary's replica or a hand-off, or attached where no replica is. They work,
 /// one network round trip slower per request, which nothing else would show.
@@ -442,6 +441,7 @@ fn forwarded_clients(state: &AppState) -> Option<keel_cluster::HealthCheck> {
     ))
 }
 
+/// One finding (info) per node draining: what it has left to move, or that it is drained.
 fn drains(state: &AppState) -> Vec<keel_cluster::HealthCheck> {
     let catalog = state.cluster.catalog().read();
     (catalog.nodes.values())

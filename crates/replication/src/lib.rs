@@ -1737,6 +1737,18 @@ impl Replication {
             .collect()
     }
 
+    /// The primary this node serves `volume_id` as, if the catalog names this node the
+    /// volume's primary and the primary is not stale ([`Primary::stale_for`]).
+    fn served_as_named(&self, volume_id: u64) -> Option<Arc<Primary>> {
+        let epoch = {
+            let catalog = self.shared.metadata.catalog().read();
+            let replication = &catalog.volumes.get(&volume_id)?.record.replication;
+            (replication.primary == self.shared.local_node).then_some(replication.epoch)?
+        };
+        self.served(volume_id)
+            .filter(|primary| !primary.stale_for(epoch))
+    }
+
     /// The primary this node serves `volume_id` as, if any.
     fn served(&self, volume_id: u64) -> Option<Arc<Primary>> {
         lock(&self.primaries)
@@ -2466,21 +2478,8 @@ impl Replication {
         if live.is_empty() || self.leaving().is_some() {
             return;
         }
-        let local = self.shared.local_node;
-        let epochs: HashMap<u64, u64> = {
-            let catalog = self.shared.metadata.catalog().read();
-            (live.iter())
-                .filter_map(|(volume_id, _, _)| {
-                    let replication = &catalog.volumes.get(volume_id)?.record.replication;
-                    (replication.primary == local).then_some((*volume_id, replication.epoch))
-                })
-                .collect()
-        };
         for (volume_id, name, attached) in live {
-            let Some(&epoch) = epochs.get(&volume_id) else {
-                continue;
-            };
-            let Some(primary) = self.served(volume_id).filter(|p| !p.stale_for(epoch)) else {
+            let Some(primary) = self.served_as_named(volume_id) else {
                 continue;
             };
             let handle = self.client_handle(&name, primary);
