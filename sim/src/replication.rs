@@ -171,6 +171,7 @@ pub enum Mode {
     /// replica as `keel volume move` does (R 3 -> 4 adding the fourth node's, then 4 -> 3,
     /// naming the replica that leaves half the time), and a drain copies a replica to the
     /// node holding none (four replicas while R stays 3) — states three nodes never reach.
+    /// Disks fail syncs as with [`Mode::Syncs`].
     Fours,
     /// As [`Mode::Standard`], and a node's disk fails one sync now and then (EIO, after 0-7
     /// more syncs go through): as Linux after a writeback error, the writes that sync covered
@@ -1946,7 +1947,7 @@ async fn simulate(mut report: Report) -> Report {
             }
             // A node's disk fails one of its next syncs (after `skip` more go through); its
             // process restarts a few seconds later, whether the failure came by then or not.
-            24..=27 if mode == Mode::Syncs && !failing && down == 0 => {
+            24..=27 if matches!(mode, Mode::Syncs | Mode::Fours) && !failing && down == 0 => {
                 let index = rng.gen_range(0..count as usize);
                 let skip = rng.gen_range(0..8);
                 let mut world = world.borrow_mut();

@@ -860,9 +860,15 @@ impl Cluster {
                         | Ok(Err(RaftError::APIError(ClientWriteError::LogEntryDiscarded(_)))) => {
                             last_problem = "leadership changed".to_string();
                         }
+                        // This node's Raft stopped (its store failed applying, say) with the
+                        // entry in flight: a quorum may have committed it all the same, and
+                        // the other nodes apply it. The caller must settle which.
                         Ok(Err(RaftError::Fatal(fatal))) => {
-                            return Err(MetadataError::Failed {
-                                detail: fatal.to_string(),
+                            return Err(MetadataError::Timeout {
+                                detail: format!(
+                                    "{kind}: this node's Raft stopped with the proposal in \
+                                     flight: {fatal}"
+                                ),
                             })
                         }
                         Ok(Err(other)) => {
@@ -955,9 +961,15 @@ impl Cluster {
                 code: CODE_NOT_LEADER,
                 message: error.to_string(),
             }),
+            // The leader's Raft stopped with the entry in flight (its store failed applying,
+            // say): a quorum may have committed it. Answered as "not the leader", so that the
+            // proposer retries the same proposal with the next leader, whose dedup table
+            // answers the first outcome if it was made (found by the simulation, seed 200969
+            // of `--fours` with failed syncs: a replica's return to the in-sync set, taken as
+            // failed by its primary, was made, and FLUSHes went on without it).
             Ok(Err(RaftError::Fatal(fatal))) => Err(RemoteFailure {
-                code: CODE_FAILED,
-                message: fatal.to_string(),
+                code: CODE_NOT_LEADER,
+                message: format!("the leader's Raft stopped with the proposal in flight: {fatal}"),
             }),
             Err(_) => Err(RemoteFailure {
                 code: CODE_NOT_LEADER,
@@ -1568,6 +1580,13 @@ impl Cluster {
     /// Whether [`Cluster::shutdown`] was called: layers above stop their own work with it.
     pub fn is_stopping(&self) -> bool {
         *self.stopping.borrow()
+    }
+
+    /// Whether this node's Raft stopped: shut down, or on a fatal error (its store failed
+    /// applying an entry). Nothing proposed here is made or learnt any more.
+    pub fn raft_stopped(&self) -> bool {
+        use openraft::async_runtime::watch::WatchReceiver;
+        self.raft.metrics().borrow_watched().state == ServerState::Shutdown
     }
 
     pub fn catalog(&self) -> &Arc<Catalog> {

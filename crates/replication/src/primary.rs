@@ -657,12 +657,14 @@ impl Primary {
         }
     }
 
-    /// Whether this primary stopped serving. One whose node's cluster is shutting down is
-    /// closed here: its loops (catching replicas up, recording the in-sync set) end with Raft
-    /// rather than retry against it.
+    /// Whether this primary stopped serving. One whose node's cluster is shutting down, or
+    /// whose Raft stopped on a fatal error, is closed here: its loops (catching replicas up,
+    /// recording or settling the in-sync set) end with Raft rather than retry against it.
     pub fn is_closed(&self) -> bool {
         if self.shared.cluster.is_stopping() {
             self.close("this node's cluster membership stopped (shutting down)".to_string());
+        } else if self.shared.cluster.raft_stopped() {
+            self.close("this node's Raft stopped (see its log: a store failure?)".to_string());
         }
         self.state().closed.is_some()
     }
