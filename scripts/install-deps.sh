@@ -19,6 +19,8 @@ apt_packages=(
   prometheus     # promtool: checks /metrics and deploy/monitoring's alert rules
   chromium       # headless: the dashboard test loads the page and reads its DOM
   procps
+  gcc            # builds tests/failsync.c, the LD_PRELOAD that fails a node's sync
+  libc6-dev
   unzip          # unpacks the Go toolchain that builds csi-sanity
   ca-certificates
   curl

@@ -26,9 +26,9 @@
 //! volume lives on four storage nodes: its replicas move to the fourth online (R 4 for the
 //! move), and a drain copies one there (four replicas at R=3). With [`Mode::Syncs`] a node's
 //! disk now and then fails a sync (its store then refuses writes), and the node's process is
-//! restarted a few seconds later, as an operator does. With [`Mode::Forwards`] a third
-//! of the clients' attaches are forwarded through a node that is not the primary, as a server
-//! forwards a client attached to a node without a replica.
+//! restarted a few seconds later, as its supervisor does once `keel server` stopped itself.
+//! With [`Mode::Forwards`] a third of the clients' attaches are forwarded through a node that
+//! is not the primary, as a server forwards a client attached to a node without a replica.
 //!
 //! What it checks, the contract of `docs/volumes.md`:
 //! 1. **No acknowledged FLUSH is lost.** Each client keeps, per unit, the value its last
@@ -176,8 +176,10 @@ pub enum Mode {
     /// As [`Mode::Standard`], and a node's disk fails one sync now and then (EIO, after 0-7
     /// more syncs go through): as Linux after a writeback error, the writes that sync covered
     /// never reach the disk while reads still see them, and the store refuses writes from
-    /// then on (`KEEL_STORE_POISONED`). 1-6 s later the node's process is restarted, as an
-    /// operator does, its page cache without those writes; its store replays the log.
+    /// then on (`KEEL_STORE_POISONED`). 1-6 s later the node's process is restarted, as its
+    /// supervisor does once `keel server` stopped itself (within 100 ms; the simulation keeps
+    /// the node running longer), its page cache without those writes; its store replays the
+    /// log.
     Syncs,
 }
 

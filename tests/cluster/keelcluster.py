@@ -52,7 +52,7 @@ class PortTaken(Exception):
 class Node:
     """One `keel server` of a test cluster: its own loopback address, ports and data dir."""
 
-    def __init__(self, workdir, index, witness=False, extra_args=()):
+    def __init__(self, workdir, index, witness=False, extra_args=(), env=None):
         self.index = index
         self.name = f"n{index}"
         self.host = f"127.0.0.{index}"
@@ -68,6 +68,7 @@ class Node:
         self.env.setdefault("KEEL_ACCESS_KEY_ID", "GKCLUSTERTEST00001")
         self.env.setdefault("KEEL_SECRET_ACCESS_KEY", "cluster-test-secret-0123456789abcdef")
         self.env.setdefault("KEEL_LOG", "info")
+        self.env.update(env or {})
 
     def pick_ports(self):
         self.cluster_port = free_port(self.host)
@@ -235,8 +236,8 @@ class Cluster:
         self.workdir = workdir
         self.nodes = []
 
-    def add(self, witness=False, join_through=None, extra_args=()):
-        node = Node(self.workdir, len(self.nodes) + 1, witness=witness, extra_args=extra_args)
+    def add(self, witness=False, join_through=None, extra_args=(), env=None):
+        node = Node(self.workdir, len(self.nodes) + 1, witness=witness, extra_args=extra_args, env=env)
         self.nodes.append(node)
         if join_through is None and len(self.nodes) > 1:
             join_through = self.nodes[0]

@@ -1048,6 +1048,126 @@ def test_a_replica_refusing_its_catch_ups_that_long_moves_to_a_node_with_room(cl
     assert_serves(fourth, "fills", data)
 
 
+def fail_sync_library(workdir):
+    """Builds tests/failsync.c (an LD_PRELOAD that fails one segment sync with EIO once a
+    trigger file exists) into `workdir`; its path."""
+    library = workdir / "failsync.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(library),
+                    str(Path(__file__).resolve().parents[1] / "failsync.c"), "-ldl"], check=True)
+    return library
+
+
+def exits_on_its_own(node):
+    """Waits for `node`'s process to exit by itself after its store failed a sync: with an
+    error, its log saying why."""
+    wait_until(f"{node.name} exiting on its own", lambda: node.proc.poll() is not None, timeout=60)
+    assert node.proc.returncode != 0, node.log()[-2000:]
+    log = node.log()
+    assert "store poisoned: refusing writes until reopened" in log, log[-2000:]
+    assert "this node's store failed a sync and refuses writes: shutting down for a restart" in log, log[-2000:]
+    node.proc = None
+
+
+def test_a_replica_whose_disk_fails_a_sync_leaves_the_in_sync_set_and_returns_after_a_restart(cluster, workdir):
+    """Node 2's disk fails one sync of its store (EIO, injected into its process with
+    LD_PRELOAD) while a client writes and FLUSHes an R=2 volume through node 1:
+    - node 2's store refuses writes from then on (the kernel may have dropped what the sync
+      covered), and the process exits with an error for its supervisor to restart it;
+    - node 1 takes node 2 out of the in-sync set, and not one of the client's requests fails;
+    - node 2, restarted, replays its log, is caught up and rejoins the set;
+    - with node 1 killed, node 2 serves every block the client flushed."""
+    trigger = workdir / "fail-sync-n2"
+    first = cluster.add()
+    second = cluster.add(env={"LD_PRELOAD": str(fail_sync_library(workdir)),
+                              "KEEL_TEST_FAIL_SYNC": str(trigger)})
+    cluster.add(witness=True)
+    wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
+    create_r2(first, "syncs")
+    client = attach(first, "syncs")
+    expected = write_blocks(client, "before", range(256))
+    wait_until("both replicas in sync", lambda: sorted(replication(first, "syncs")["in_sync"]) == [1, 2],
+               timeout=60)
+
+    writer, flushed, failure = write_in_background(client, "during", range(256, 4096), flush_every=8)
+    try:
+        time.sleep(0.5)
+        trigger.touch()
+        wait_until("node 2's disk failing a sync", lambda: not trigger.exists(), timeout=30)
+        wait_until("node 2 out of the in-sync set", lambda: replication(first, "syncs")["in_sync"] == [1],
+                   timeout=30)
+    finally:
+        writer.join(timeout=120)
+    assert not writer.is_alive()
+    assert not failure, f"a client request failed: {failure}"
+    exits_on_its_own(second)
+    expected.update(flushed)
+    expected.update(write_blocks(client, "after", range(4096, 4352)))
+    assert replication(first, "syncs")["in_sync"] == [1]
+
+    second.start()
+    assert "KEEL_STORE_POISONED" not in second.cli("status", check=False).stdout
+    wait_until("node 2 caught up and back in the set",
+               lambda: sorted(replication(first, "syncs")["in_sync"]) == [1, 2], timeout=90)
+    client.close()
+
+    first.kill9()
+    client = attach(second, "syncs", timeout=60)
+    for index, data in expected.items():
+        assert client.read(index * BLOCK, BLOCK) == data, f"block {index}"
+    client.close()
+
+
+def test_a_primary_whose_disk_fails_a_sync_stops_and_its_replica_takes_the_volume_over(cluster, workdir):
+    """Node 1, the primary of an R=2 volume, has its disk fail one sync (EIO, injected with
+    LD_PRELOAD) while a client attached there writes and FLUSHes:
+    - the request that met the failure fails (EIO): nothing is acknowledged that node 1's
+      store may have dropped;
+    - node 1's process exits with an error, as after a crash (left running, it kept answering
+      node 2, which waited 30 s to take over);
+    - attached through node 2, the volume is taken over there and holds every block the
+      client flushed;
+    - node 1, restarted, is caught up and rejoins the set; with node 2 killed it takes the
+      volume back over and serves every block too."""
+    trigger = workdir / "fail-sync-n1"
+    first = cluster.add(env={"LD_PRELOAD": str(fail_sync_library(workdir)),
+                             "KEEL_TEST_FAIL_SYNC": str(trigger)})
+    second = cluster.add()
+    cluster.add(witness=True)
+    wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
+    create_r2(first, "stops")
+    client = attach(first, "stops")
+    expected = write_blocks(client, "before", range(256))
+    wait_until("both replicas in sync", lambda: sorted(replication(first, "stops")["in_sync"]) == [1, 2],
+               timeout=60)
+
+    writer, flushed, failure = write_in_background(client, "during", range(256, 4096), flush_every=8)
+    time.sleep(0.5)
+    trigger.touch()
+    writer.join(timeout=120)
+    assert not writer.is_alive()
+    assert not trigger.exists(), "node 1's disk never failed a sync"
+    assert len(failure) == 1 and isinstance(failure[0], NbdError) and "errno 5" in str(failure[0]), failure
+    expected.update(flushed)
+    exits_on_its_own(first)
+    client.close()
+
+    client = attach(second, "stops", timeout=60)
+    assert (lambda info: (info["primary"], info["in_sync"]))(replication(second, "stops")) == (2, [2])
+    for index, data in expected.items():
+        assert client.read(index * BLOCK, BLOCK) == data, f"block {index} on node 2"
+    expected.update(write_blocks(client, "after", range(4096, 4352)))
+    client.close()
+
+    first.start()
+    wait_until("node 1 caught up and back in the set",
+               lambda: sorted(replication(second, "stops")["in_sync"]) == [1, 2], timeout=90)
+    second.kill9()
+    client = attach(first, "stops", timeout=60)
+    for index, data in expected.items():
+        assert client.read(index * BLOCK, BLOCK) == data, f"block {index} on node 1"
+    client.close()
+
+
 def test_a_primary_whose_disk_runs_low_hands_the_volume_to_a_replica_with_room(cluster, workdir, small_second_disk):
     """Node 2, on its small disk with 32 MiB of store reserve, holds 96 MiB of an R=1 volume and
     is the primary of an R=2 volume attached there, through which 96 MiB more are written at

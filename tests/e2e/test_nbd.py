@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -314,3 +315,47 @@ def test_a_refused_export_is_explained_in_the_server_log_and_the_admin_api(serve
     assert listed["last"] == listed["refusals"][-1]["id"] > before["last"], listed
     code, later = server.api("GET", f"/api/v1/nbd/refusals?export=missing-volume&after={listed['last']}")
     assert code == 200 and later["refusals"] == [], later
+
+
+def test_a_failed_sync_stops_the_server_and_a_restart_keeps_every_flushed_write(make_server, workdir):
+    """The disk fails one sync of the store (EIO, injected into the server with LD_PRELOAD,
+    tests/failsync.c) while a client writes and FLUSHes a volume: the FLUSH that met it fails
+    (the kernel may have dropped what the sync covered: nothing of it is acknowledged), and the
+    server stops by itself with an error, for its supervisor to restart it, rather than stay up
+    refusing every write. Restarted, it serves every block flushed before."""
+    library = workdir / "failsync.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(library),
+                    str(Path(__file__).resolve().parents[1] / "failsync.c"), "-ldl"], check=True)
+    trigger = workdir / "fail-sync"
+    server = make_server(env={"LD_PRELOAD": str(library), "KEEL_TEST_FAIL_SYNC": str(trigger)})
+    server.cli("volume", "create", "db", "--size", "16M")
+    host, port = server.nbd.rsplit(":", 1)
+    client = Client(host, int(port), "db")
+    flushed = {}
+    for index in range(64):
+        data = os.urandom(4096)
+        client.write(index * 4096, data)
+        client.flush()
+        flushed[index] = data
+    trigger.touch()
+    with pytest.raises(NbdError, match="errno 5"):  # EIO
+        client.write(64 * 4096, os.urandom(4096))
+        client.flush()
+    assert not trigger.exists()
+    wait_for_exit = time.time() + 30
+    while server.proc.poll() is None and time.time() < wait_for_exit:
+        time.sleep(0.05)
+    assert server.proc.poll() is not None, "the server stayed up with its store poisoned"
+    assert server.proc.returncode != 0
+    log = (workdir / "server-data.log").read_text(errors="replace")
+    assert "this node's store failed a sync and refuses writes: shutting down for a restart" in log
+    server.proc = None
+
+    server.start()
+    assert "KEEL_STORE_POISONED" not in server.cli("status").stdout
+    client = Client(host, int(port), "db")
+    for index, data in flushed.items():
+        assert client.read(index * 4096, 4096) == data, f"block {index}"
+    client.write(0, b"\x01" * 4096)
+    client.flush()
+    client.close()

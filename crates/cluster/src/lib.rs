@@ -1589,6 +1589,20 @@ impl Cluster {
         self.raft.metrics().borrow_watched().state == ServerState::Shutdown
     }
 
+    /// Waits until this node's Raft stopped ([`Cluster::raft_stopped`]).
+    pub async fn raft_stopped_wait(&self) {
+        use openraft::async_runtime::watch::WatchReceiver;
+        let mut metrics = self.raft.metrics();
+        loop {
+            if metrics.borrow_watched().state == ServerState::Shutdown {
+                return;
+            }
+            if metrics.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
     pub fn catalog(&self) -> &Arc<Catalog> {
         &self.catalog
     }

@@ -742,7 +742,8 @@ pub fn status_report(
             "a failed sync stopped the store's writes (the kernel may have dropped the data it \
              held); reads still work"
                 .to_string(),
-            "check the device (dmesg, SMART), then restart the server: it replays the log",
+            "the server stops itself for its supervisor to restart it (the restart replays the \
+             log); check the device (dmesg, SMART)",
         ));
     }
     if stats.corrupt_reads > stats.repaired_extents {

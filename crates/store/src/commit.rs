@@ -1293,11 +1293,16 @@ impl Engine {
         stats.last_seq = lock(&self.writer).next_seq.saturating_sub(1);
         stats.corrupt_reads = self.corrupt_reads.load(Ordering::Relaxed);
         stats.repaired_extents = self.repaired_extents.load(Ordering::Relaxed);
-        stats.poisoned = self.poisoned.load(Ordering::SeqCst);
+        stats.poisoned = self.poisoned();
         stats.log_syncs = self.syncs.load(Ordering::Relaxed);
         stats.sync_latency = self.sync_latency();
         (stats.location_cache_hits, stats.location_cache_misses) = self.index.cache_lookups();
         Ok(stats)
+    }
+
+    /// Whether a failed sync poisoned the engine: it refuses writes until reopened.
+    pub fn poisoned(&self) -> bool {
+        self.poisoned.load(Ordering::SeqCst)
     }
 
     pub fn sync_latency(&self) -> crate::SyncLatency {

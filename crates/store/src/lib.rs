@@ -393,6 +393,12 @@ impl Store {
         self.engine.stats()
     }
 
+    /// Whether a failed sync stopped the store's writes until it is reopened (the kernel may
+    /// have dropped data the sync covered); reads still work. A cheap part of [`Store::stats`].
+    pub fn poisoned(&self) -> bool {
+        self.engine.poisoned()
+    }
+
     /// How long syncs of the log took since open (a cheap part of [`Store::stats`]).
     pub fn sync_latency(&self) -> SyncLatency {
         self.engine.sync_latency()
