@@ -1122,8 +1122,8 @@ def test_a_primary_whose_disk_fails_a_sync_stops_and_its_replica_takes_the_volum
     LD_PRELOAD) while a client attached there writes and FLUSHes:
     - the request that met the failure fails (EIO): nothing is acknowledged that node 1's
       store may have dropped;
-    - node 1's process exits with an error, as after a crash (left running, it kept answering
-      node 2, which waited 30 s to take over);
+    - node 1's process exits with an error, as after a crash (left running, it stayed the
+      primary, failing every write, also those forwarded from node 2);
     - attached through node 2, the volume is taken over there and holds every block the
       client flushed;
     - node 1, restarted, is caught up and rejoins the set; with node 2 killed it takes the
