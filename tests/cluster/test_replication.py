@@ -1057,6 +1057,25 @@ def fail_sync_library(workdir):
     return library
 
 
+def pair_with_a_failing_disk(cluster, workdir, failing, name):
+    """Nodes 1 and 2 and a witness, node `failing` (1 or 2) with tests/failsync.c loaded; an
+    R=2 volume `name` attached through node 1, 256 blocks written and flushed, both replicas
+    in sync. Returns (node 1, node 2, the trigger file that fails node `failing`'s next
+    segment sync, the client, the blocks written by index)."""
+    trigger = workdir / f"fail-sync-n{failing}"
+    fault = {"LD_PRELOAD": str(fail_sync_library(workdir)), "KEEL_TEST_FAIL_SYNC": str(trigger)}
+    first = cluster.add(env=fault if failing == 1 else None)
+    second = cluster.add(env=fault if failing == 2 else None)
+    cluster.add(witness=True)
+    wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
+    create_r2(first, name)
+    client = attach(first, name)
+    expected = write_blocks(client, "before", range(256))
+    wait_until("both replicas in sync", lambda: sorted(replication(first, name)["in_sync"]) == [1, 2],
+               timeout=60)
+    return first, second, trigger, client, expected
+
+
 def exits_on_its_own(node):
     """Waits for `node`'s process to exit by itself after its store failed a sync: with an
     error, its log saying why."""
@@ -1068,6 +1087,15 @@ def exits_on_its_own(node):
     node.proc = None
 
 
+def serves_blocks(node, name, blocks, where):
+    """Attaches through `node` (taking the volume over if need be) and reads back every
+    block of `blocks` (by index)."""
+    client = attach(node, name, timeout=60)
+    for index, data in blocks.items():
+        assert client.read(index * BLOCK, BLOCK) == data, f"block {index} {where}"
+    client.close()
+
+
 def test_a_replica_whose_disk_fails_a_sync_leaves_the_in_sync_set_and_returns_after_a_restart(cluster, workdir):
     """Node 2's disk fails one sync of its store (EIO, injected into its process with
     LD_PRELOAD) while a client writes and FLUSHes an R=2 volume through node 1:
@@ -1076,18 +1104,7 @@ def test_a_replica_whose_disk_fails_a_sync_leaves_the_in_sync_set_and_returns_af
     - node 1 takes node 2 out of the in-sync set, and not one of the client's requests fails;
     - node 2, restarted, replays its log, is caught up and rejoins the set;
     - with node 1 killed, node 2 serves every block the client flushed."""
-    trigger = workdir / "fail-sync-n2"
-    first = cluster.add()
-    second = cluster.add(env={"LD_PRELOAD": str(fail_sync_library(workdir)),
-                              "KEEL_TEST_FAIL_SYNC": str(trigger)})
-    cluster.add(witness=True)
-    wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
-    create_r2(first, "syncs")
-    client = attach(first, "syncs")
-    expected = write_blocks(client, "before", range(256))
-    wait_until("both replicas in sync", lambda: sorted(replication(first, "syncs")["in_sync"]) == [1, 2],
-               timeout=60)
-
+    first, second, trigger, client, expected = pair_with_a_failing_disk(cluster, workdir, 2, "syncs")
     writer, flushed, failure = write_in_background(client, "during", range(256, 4096), flush_every=8)
     try:
         time.sleep(0.5)
@@ -1111,10 +1128,7 @@ def test_a_replica_whose_disk_fails_a_sync_leaves_the_in_sync_set_and_returns_af
     client.close()
 
     first.kill9()
-    client = attach(second, "syncs", timeout=60)
-    for index, data in expected.items():
-        assert client.read(index * BLOCK, BLOCK) == data, f"block {index}"
-    client.close()
+    serves_blocks(second, "syncs", expected, "on node 2")
 
 
 def test_a_primary_whose_disk_fails_a_sync_stops_and_its_replica_takes_the_volume_over(cluster, workdir):
@@ -1128,18 +1142,7 @@ def test_a_primary_whose_disk_fails_a_sync_stops_and_its_replica_takes_the_volum
       client flushed;
     - node 1, restarted, is caught up and rejoins the set; with node 2 killed it takes the
       volume back over and serves every block too."""
-    trigger = workdir / "fail-sync-n1"
-    first = cluster.add(env={"LD_PRELOAD": str(fail_sync_library(workdir)),
-                             "KEEL_TEST_FAIL_SYNC": str(trigger)})
-    second = cluster.add()
-    cluster.add(witness=True)
-    wait_until("three voters", lambda: cluster.voters() == {1, 2, 3})
-    create_r2(first, "stops")
-    client = attach(first, "stops")
-    expected = write_blocks(client, "before", range(256))
-    wait_until("both replicas in sync", lambda: sorted(replication(first, "stops")["in_sync"]) == [1, 2],
-               timeout=60)
-
+    first, second, trigger, client, expected = pair_with_a_failing_disk(cluster, workdir, 1, "stops")
     writer, flushed, failure = write_in_background(client, "during", range(256, 4096), flush_every=8)
     time.sleep(0.5)
     trigger.touch()
@@ -1162,10 +1165,7 @@ def test_a_primary_whose_disk_fails_a_sync_stops_and_its_replica_takes_the_volum
     wait_until("node 1 caught up and back in the set",
                lambda: sorted(replication(second, "stops")["in_sync"]) == [1, 2], timeout=90)
     second.kill9()
-    client = attach(first, "stops", timeout=60)
-    for index, data in expected.items():
-        assert client.read(index * BLOCK, BLOCK) == data, f"block {index} on node 1"
-    client.close()
+    serves_blocks(first, "stops", expected, "on node 1")
 
 
 def test_a_primary_whose_disk_runs_low_hands_the_volume_to_a_replica_with_room(cluster, workdir, small_second_disk):
