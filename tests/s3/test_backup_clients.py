@@ -14,12 +14,6 @@ from conftest import ACCESS_KEY_ID, SECRET_ACCESS_KEY, require_tool
 MIB = 1024 * 1024
 
 
-def work_dir():
-    path = os.path.join("/var/tmp/keel-s3-tests", f"client-{uuid.uuid4().hex[:8]}")
-    os.makedirs(path)
-    return path
-
-
 def make_tree(root, files):
     for name, data in files.items():
         path = os.path.join(root, name)
@@ -28,9 +22,9 @@ def make_tree(root, files):
             f.write(data)
 
 
-def test_restic_backs_up_checks_restores_and_prunes(server):
+def test_restic_backs_up_checks_restores_and_prunes(server, client_dir):
     require_tool("restic", "restic")
-    tmp = work_dir()
+    tmp = client_dir
     tree = os.path.join(tmp, "tree")
     make_tree(tree, {"db/base.bin": os.urandom(9 * MIB + 3), "etc/app.conf": b"mode = fast\n",
                      "logs/empty": b""})
@@ -62,12 +56,12 @@ def test_restic_backs_up_checks_restores_and_prunes(server):
     shutil.rmtree(tmp)
 
 
-def test_s3cmd_round_trips_objects(server):
+def test_s3cmd_round_trips_objects(server, client_dir):
     # s3cmd's default configuration signs with region "US", which s3s (Keel's S3 protocol
     # layer) refuses before Keel sees the request ("invalid credential region"); the
     # configuration here names us-east-1, as docs/s3.md tells s3cmd users to.
     require_tool("s3cmd", "s3cmd")
-    tmp = work_dir()
+    tmp = client_dir
     host = server.endpoint.removeprefix("http://")
     config = os.path.join(tmp, "s3cfg")
     with open(config, "w") as f:

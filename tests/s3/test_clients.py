@@ -15,17 +15,11 @@ MIB = 1024 * 1024
 COMMAND_TIMEOUT_S = 120
 
 
-def work_dir():
-    path = os.path.join("/var/tmp/keel-s3-tests", f"client-{uuid.uuid4().hex[:8]}")
-    os.makedirs(path)
-    return path
-
-
-def test_aws_cli(server):
+def test_aws_cli(server, client_dir):
     # Proves `aws s3` mb/cp (single and multipart)/ls/sync/rm/rb and `aws s3api` work, and
     # downloaded files equal the uploaded ones.
     require_tool("aws", "awscli")
-    tmp = work_dir()
+    tmp = client_dir
     bucket = f"cli-{uuid.uuid4().hex[:8]}"
     small = os.path.join(tmp, "small.txt")
     large = os.path.join(tmp, "large.bin")
@@ -73,11 +67,11 @@ def rclone(server, *args):
                           capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
 
 
-def test_rclone(server):
+def test_rclone(server, client_dir):
     # Proves rclone mkdir/copy (with multipart)/check/lsf/delete/rmdir work and `rclone check`
     # finds the remote identical to the local tree.
     require_tool("rclone", "rclone")
-    tmp = work_dir()
+    tmp = client_dir
     tree = os.path.join(tmp, "tree")
     os.makedirs(os.path.join(tree, "sub", "deeper"))
     files = {"a.txt": b"alpha", "sub/b.bin": os.urandom(MIB + 7),
