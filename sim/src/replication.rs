@@ -104,8 +104,8 @@ pub struct Report {
     /// Times a node's disk filled (its store refusing writes that add data) until room came
     /// back.
     pub disks_filled: u64,
-    /// Syncs a node's disk failed (with [`Mode::Syncs`]), each followed by a restart of its
-    /// process.
+    /// Syncs a node's disk failed (with [`Mode::Syncs`] and [`Mode::Fours`]), each followed by
+    /// a restart of its process.
     pub syncs_failed: u64,
     /// With [`Mode::Moves`]: how long a node must be down before its replicas move and a
     /// volume whose primary it was is taken over in the background (`move_after`).
@@ -379,7 +379,7 @@ struct World {
     /// The node whose disk is full, and when it has room again.
     room_at: Option<(tokio::time::Instant, usize)>,
     /// The node whose disk was told to fail a sync, and when its process restarts
-    /// ([`Mode::Syncs`]).
+    /// ([`Mode::Syncs`], [`Mode::Fours`]).
     restart_at: Option<(tokio::time::Instant, usize)>,
     /// A fault the next client to get a FLUSH acknowledged makes to its primary's node.
     armed: Option<Fault>,
@@ -703,26 +703,26 @@ async fn power_cut(world: &Shared, index: usize) {
 
 /// Restarts node `index`'s process without a power cut, its disk as the page cache held it
 /// (without the writes a failed sync never wrote back: [`SimDisk::process_restart`]) and its
-/// pending faults cleared; how many syncs its disk failed since its process started (each
-/// start is a new disk: [`SimDisk::process_restart`]). An operator's restart after
-/// `KEEL_STORE_POISONED` ([`Mode::Syncs`]); a node down already stays down (its restart is
-/// scheduled).
-async fn restart_process(world: &Shared, index: usize) -> usize {
-    let failed = {
-        let world = world.borrow();
+/// pending faults cleared; the syncs its disk failed since its process started are counted
+/// (each start is a new disk: [`SimDisk::process_restart`]). Its supervisor's restart once
+/// `keel server` stopped itself on `KEEL_STORE_POISONED` ([`Mode::Syncs`], [`Mode::Fours`]);
+/// a node down already stays down (its restart is scheduled).
+async fn restart_process(world: &Shared, index: usize) {
+    {
+        let mut world = world.borrow_mut();
         let disk = &world.nodes[index].disk;
         disk.clear_faults();
-        (disk.fired().into_iter())
+        let failed = (disk.fired().into_iter())
             .filter(|(op, _)| *op == FaultOp::Sync)
-            .count()
-    };
+            .count();
+        world.report.syncs_failed += failed as u64;
+    }
     if world.borrow().nodes[index].live.is_some() {
         stop(world, index, SimDisk::process_restart).await;
         if let Err(error) = bring_up(world, index, None).await {
             world.borrow_mut().violation(format!("restart: {error}"));
         }
     }
-    failed
 }
 
 /// Stops node `index` (its links closed, its Raft and engine shut down), its disk replaced
@@ -1860,8 +1860,7 @@ async fn simulate(mut report: Report) -> Report {
             world
                 .borrow_mut()
                 .record(&format!("{step} process restart n{}", index + 1));
-            let failed = restart_process(&world, index).await;
-            world.borrow_mut().report.syncs_failed += failed as u64;
+            restart_process(&world, index).await;
         }
         {
             let mut world = world.borrow_mut();
@@ -1985,8 +1984,7 @@ async fn simulate(mut report: Report) -> Report {
         world
             .borrow_mut()
             .record("process restart before converging");
-        let failed = restart_process(&world, index).await;
-        world.borrow_mut().report.syncs_failed += failed as u64;
+        restart_process(&world, index).await;
     }
     let down = {
         let mut world = world.borrow_mut();
