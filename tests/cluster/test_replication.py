@@ -21,6 +21,7 @@ import pytest
 from keelcluster import KEEL_BIN, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+import failsync  # noqa: E402
 from nbd_client import Client, NbdError  # noqa: E402
 
 # The transport method of the primary's replication batches (crates/replication/src/wire.rs).
@@ -1048,22 +1049,12 @@ def test_a_replica_refusing_its_catch_ups_that_long_moves_to_a_node_with_room(cl
     assert_serves(fourth, "fills", data)
 
 
-def fail_sync_library(workdir):
-    """Builds tests/failsync.c (an LD_PRELOAD that fails one segment sync with EIO once a
-    trigger file exists) into `workdir`; its path."""
-    library = workdir / "failsync.so"
-    subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(library),
-                    str(Path(__file__).resolve().parents[1] / "failsync.c"), "-ldl"], check=True)
-    return library
-
-
 def pair_with_a_failing_disk(cluster, workdir, failing, name):
     """Nodes 1 and 2 and a witness, node `failing` (1 or 2) with tests/failsync.c loaded; an
     R=2 volume `name` attached through node 1, 256 blocks written and flushed, both replicas
     in sync. Returns (node 1, node 2, the trigger file that fails node `failing`'s next
     segment sync, the client, the blocks written by index)."""
-    trigger = workdir / f"fail-sync-n{failing}"
-    fault = {"LD_PRELOAD": str(fail_sync_library(workdir)), "KEEL_TEST_FAIL_SYNC": str(trigger)}
+    fault, trigger = failsync.library(workdir)
     first = cluster.add(env=fault if failing == 1 else None)
     second = cluster.add(env=fault if failing == 2 else None)
     cluster.add(witness=True)

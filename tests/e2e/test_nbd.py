@@ -10,11 +10,11 @@ import shutil
 import subprocess
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-from conftest import require
+import failsync
+from conftest import require, wait_for
 from nbd_client import Client, NbdError
 
 
@@ -323,11 +323,8 @@ def test_a_failed_sync_stops_the_server_and_a_restart_keeps_every_flushed_write(
     (the kernel may have dropped what the sync covered: nothing of it is acknowledged), and the
     server stops by itself with an error, for its supervisor to restart it, rather than stay up
     refusing every write. Restarted, it serves every block flushed before."""
-    library = workdir / "failsync.so"
-    subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(library),
-                    str(Path(__file__).resolve().parents[1] / "failsync.c"), "-ldl"], check=True)
-    trigger = workdir / "fail-sync"
-    server = make_server(env={"LD_PRELOAD": str(library), "KEEL_TEST_FAIL_SYNC": str(trigger)})
+    fault, trigger = failsync.library(workdir)
+    server = make_server(env=fault)
     server.cli("volume", "create", "db", "--size", "16M")
     host, port = server.nbd.rsplit(":", 1)
     client = Client(host, int(port), "db")
@@ -342,10 +339,7 @@ def test_a_failed_sync_stops_the_server_and_a_restart_keeps_every_flushed_write(
         client.write(64 * 4096, os.urandom(4096))
         client.flush()
     assert not trigger.exists()
-    wait_for_exit = time.time() + 30
-    while server.proc.poll() is None and time.time() < wait_for_exit:
-        time.sleep(0.05)
-    assert server.proc.poll() is not None, "the server stayed up with its store poisoned"
+    wait_for("the server stopping itself", lambda: server.proc.poll() is not None)
     assert server.proc.returncode != 0
     log = (workdir / "server-data.log").read_text(errors="replace")
     assert "this node's store failed a sync and refuses writes: shutting down for a restart" in log
